@@ -1,0 +1,267 @@
+"""Per-request sampling parameters, the canonical filter pipeline and the reference sampler.
+
+The target's decoding rule is ONE pipeline, used everywhere (plain sampling, the speculative
+walk, the kernels):
+
+    logits -> / temperature -> keep top-k -> keep top-p -> keep min-p -> renormalise
+
+with ``temperature == 0`` meaning greedy (argmax, lowest index on ties). Greedy is not a second
+code path: its law is the point mass on the argmax, and the same sampler draws from it.
+
+Cut rules (each is a threshold on one row, so a sort-free kernel can compute the same set):
+
+* top-k (``k > 0``): keep ``v`` iff ``z_v >= z_(k)``, the k-th largest scaled logit. Ties with
+  the k-th value are all kept (the rule HF transformers' ``TopKLogitsWarper`` uses).
+* top-p (``p < 1``): with ``q`` the top-k-renormalised distribution, keep ``v`` iff the mass of
+  tokens strictly more probable than ``v`` is ``< p``. Without ties this is "the smallest set of
+  most probable tokens whose mass reaches p"; tokens tied at the boundary are all kept.
+* min-p (``m > 0``): keep ``v`` iff ``q_v >= m * max(q)`` (computed after top-p; the ratio does
+  not depend on renormalisation).
+
+Non-finite logits policy: ``-inf`` is a legal logit and means "probability zero" (vocabulary
+masks). A row that contains ``NaN`` or ``+inf``, or whose entries are all ``-inf``, has no
+well-defined law: its log-probabilities are all ``NaN`` and its sampled token is ``-1``
+(``INVALID_TOKEN``). Nothing is clamped silently; callers (the generate loop) turn a ``-1``
+into an error for that request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INVALID_TOKEN = -1
+
+__all__ = [
+    "INVALID_TOKEN",
+    "SamplingBatch",
+    "SamplingParams",
+    "batch_sampling",
+    "per_row_keys",
+    "sample_tree_nodes",
+    "target_logprobs",
+]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Sampling settings of one request.
+
+    Attributes:
+      temperature: >= 0; 0 means greedy (argmax).
+      top_k: >= 0; 0 means off.
+      top_p: in (0, 1]; 1.0 means off.
+      min_p: in [0, 1]; 0 means off.
+      seed: ``None`` or an integer in [0, 2**32). With a seed, the request's random stream
+        depends only on the seed and the caller's key (per round), so the same seed gives the
+        same output whatever else shares the batch. Without one, it depends on the request's
+        row in the batch (still independent of the other rows' contents).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if not _is_real(p) or not (0.0 < p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1.0 = off), got {p!r}")
+        m = self.min_p
+        if not _is_real(m) or not (0.0 <= m <= 1.0):
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 = off), got {m!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**32)):
+            raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**32), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "min_p", "seed", "has_seed"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling settings as arrays (a pytree), one entry per request: each field ``[B]``."""
+
+    temperature: jax.Array  # f32 [B]
+    top_k: jax.Array  # i32 [B]
+    top_p: jax.Array  # f32 [B]
+    min_p: jax.Array  # f32 [B]
+    seed: jax.Array  # u32 [B]
+    has_seed: jax.Array  # bool [B]
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+
+def batch_sampling(sampling: SamplingParams | Sequence[SamplingParams] | SamplingBatch, batch_size: int) -> SamplingBatch:
+    """Turns one ``SamplingParams`` (shared), a list of them (one per request) or a
+    ``SamplingBatch`` into a ``SamplingBatch`` of ``batch_size`` rows."""
+    if isinstance(sampling, SamplingBatch):
+        for f in dataclasses.fields(SamplingBatch):
+            shape = getattr(sampling, f.name).shape
+            if shape != (batch_size,):
+                raise ValueError(f"sampling.{f.name} must have shape ({batch_size},), got {shape}")
+        return sampling
+    if isinstance(sampling, SamplingParams):
+        rows = [sampling] * batch_size
+    elif isinstance(sampling, Sequence) and all(isinstance(s, SamplingParams) for s in sampling):
+        rows = list(sampling)
+        if len(rows) != batch_size:
+            raise ValueError(f"sampling has {len(rows)} SamplingParams for a batch of {batch_size} requests")
+    else:
+        raise TypeError(f"sampling must be SamplingParams, a list of them, or SamplingBatch; got {type(sampling).__name__}")
+    return SamplingBatch(
+        temperature=jnp.asarray(np.array([s.temperature for s in rows], np.float32)),
+        top_k=jnp.asarray(np.array([s.top_k for s in rows], np.int32)),
+        top_p=jnp.asarray(np.array([s.top_p for s in rows], np.float32)),
+        min_p=jnp.asarray(np.array([s.min_p for s in rows], np.float32)),
+        seed=jnp.asarray(np.array([s.seed or 0 for s in rows], np.uint32)),
+        has_seed=jnp.asarray(np.array([s.seed is not None for s in rows], bool)),
+    )
+
+
+def _row_is_valid(logits: jax.Array) -> jax.Array:
+    """[..., V] -> [...]: no NaN, no +inf, at least one finite entry."""
+    return ~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) & jnp.any(logits > -jnp.inf, axis=-1)
+
+
+def _mass_strictly_above(q: jax.Array) -> jax.Array:
+    """[..., V] probabilities -> [..., V]: for each v, the total mass of entries with q_u > q_v."""
+    desc = -jnp.sort(-q, axis=-1)
+    excl_cumsum = jnp.cumsum(desc, axis=-1) - desc
+    # Number of entries strictly greater than q_v = position of q_v's first occurrence in `desc`.
+    n_greater = jax.vmap(lambda d, x: jnp.searchsorted(-d, -x, side="left"))(
+        desc.reshape(-1, desc.shape[-1]), q.reshape(-1, q.shape[-1])
+    ).reshape(q.shape)
+    return jnp.take_along_axis(excl_cumsum, n_greater, axis=-1)
+
+
+@jax.jit
+def target_logprobs(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """The exact law of the canonical pipeline, as log-probabilities (plain reference).
+
+    Args:
+      logits: ``[B, M, V]`` (any float dtype; computed in float32).
+      params: ``SamplingBatch`` with ``[B]`` fields (one per request, shared by its M rows).
+
+    Returns:
+      ``[B, M, V]`` float32 log-probabilities: ``-inf`` for removed tokens; greedy rows are the
+      point mass on the argmax; invalid rows (see module doc) are all ``NaN``.
+    """
+    x = logits.astype(jnp.float32)
+    B, M, V = x.shape
+    col = lambda a: a[:, None, None]  # [B] -> [B, 1, 1]
+    temperature, top_k, top_p, min_p = (col(params.temperature), col(params.top_k), col(params.top_p), col(params.min_p))
+
+    valid = _row_is_valid(x)[..., None]
+    # Greedy: the point mass on the argmax (lowest index on ties).
+    greedy = jnp.where(jnp.arange(V) == jnp.argmax(x, axis=-1)[..., None], 0.0, -jnp.inf)
+
+    # Temperature. Shifting by the row max first keeps tiny temperatures from overflowing.
+    z = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.where(temperature > 0, temperature, 1.0)
+    # top-k: keep everything tied with the k-th largest value.
+    kth = jnp.take_along_axis(-jnp.sort(-z, axis=-1), jnp.clip(top_k - 1, 0, V - 1), axis=-1)
+    keep = (top_k <= 0) | (top_k >= V) | (z >= kth)
+    # top-p on the top-k-renormalised distribution.
+    q = jax.nn.softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+    keep &= (top_p >= 1.0) | (_mass_strictly_above(q) < top_p)
+    # min-p relative to the most probable token (renormalisation does not change the ratio).
+    keep &= q >= min_p * jnp.max(q, axis=-1, keepdims=True)
+    keep &= z > -jnp.inf
+    sampled = jax.nn.log_softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+
+    logp = jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where(valid, logp, jnp.nan)
+
+
+def per_row_keys(key: jax.Array, params: SamplingBatch) -> jax.Array:
+    """Per-request keys ``[B]``.
+
+    ``key`` is one key (typed, or raw ``uint32[2]``). A seeded row b gets
+    ``fold_in(fold_in(key, 0), seed_b)``: its random stream depends on its own seed and the
+    caller's key (e.g. one per round), never on its batch position or its neighbours. An
+    unseeded row gets ``fold_in(fold_in(key, 1), b)``. ``key`` may also already be ``[B]`` keys.
+    """
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
+            raise ValueError(f"key must be a JAX PRNG key (typed, or raw uint32[..., 2]); got {key.dtype}{key.shape}")
+        key = jax.random.wrap_key_data(key)
+    B = params.batch_size
+    if key.shape == ():
+        fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+        seeded = fold(jax.random.fold_in(key, 0), params.seed)
+        unseeded = fold(jax.random.fold_in(key, 1), jnp.arange(B, dtype=jnp.uint32))
+        return jnp.where(params.has_seed, seeded, unseeded)
+    if key.shape != (B,):
+        raise ValueError(f"key must be one key or one per request ({B}); got shape {key.shape}")
+    return key
+
+
+def sample_with_noise(logprobs: jax.Array, gumbel: jax.Array) -> jax.Array:
+    """Gumbel-max: argmax(logprobs + noise) is an exact draw from ``softmax(logprobs)``.
+
+    Removed tokens are ``-inf`` and cannot win against any finite noise; rows whose
+    log-probabilities are NaN (invalid logits) give ``INVALID_TOKEN``.
+    """
+    tokens = jnp.argmax(logprobs + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.isnan(logprobs[..., 0]), INVALID_TOKEN, tokens)
+
+
+@jax.jit
+def _sample_tree_nodes(node_logits, params: SamplingBatch, keys):
+    logp = target_logprobs(node_logits, params)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, node_logits.shape[1:], jnp.float32))(keys)
+    return sample_with_noise(logp, noise)
+
+
+def sample_tree_nodes(
+    node_logits: jax.Array,
+    sampling: SamplingParams | Sequence[SamplingParams] | SamplingBatch,
+    key: jax.Array,
+) -> jax.Array:
+    """Applies the target's decoding rule independently at every tree node (reference).
+
+    Args:
+      node_logits: ``[B, M, V]`` target logits at the M nodes of each request's tree.
+      sampling: one ``SamplingParams`` for all, one per request, or a ``SamplingBatch``.
+        Greedy and sampled requests can share a batch.
+      key: one PRNG key (split per request by ``per_row_keys``) or ``[B]`` keys.
+
+    Returns:
+      ``[B, M]`` int32 tokens; ``INVALID_TOKEN`` (-1) for rows with invalid logits.
+    """
+    node_logits = jnp.asarray(node_logits)
+    if node_logits.ndim != 3:
+        raise ValueError(f"node_logits must be [B, M, V], got shape {node_logits.shape}")
+    if not jnp.issubdtype(node_logits.dtype, jnp.floating):
+        raise ValueError(f"node_logits must be floating point, got {node_logits.dtype}")
+    B = node_logits.shape[0]
+    params = batch_sampling(sampling, B)
+    return _sample_tree_nodes(node_logits, params, per_row_keys(jnp.asarray(key), params))
