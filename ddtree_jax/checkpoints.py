@@ -1,0 +1,281 @@
+"""Load and save HF-format checkpoints (``config.json`` + safetensors) of the target and drafter.
+
+Tensor names are those of published checkpoints: ``DeepseekV3ForCausalLM`` (``model.layers.N.
+self_attn.q_a_proj.weight``, ``model.layers.N.mlp.experts.E.gate_proj.weight``, ...) and DFlash
+drafters (``layers.N.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.weight``,
+``norm.weight``). The fused expert tensors ``mlp.experts.gate_up_proj [E, 2I, H]`` /
+``mlp.experts.down_proj [E, H, I]`` of transformers 5's in-memory layout load too. Tensors of MTP
+layers (``model.layers.N`` with N >= num_hidden_layers) are skipped. FP8 (e4m3) weights with a
+``weight_scale_inv`` per 128x128 block (``quantization_config.weight_block_size``) are dequantised.
+
+Loading streams tensor by tensor from memory-mapped files: each parameter is assembled on the host
+(routed experts: one stacked ``[E, ...]`` parameter at a time) and placed at once with its
+sharding. Sharding: every parameter declares logical axes next to its definition
+(``ddtree_jax/models/_layers.py``); ``mesh_axes`` maps logical names to mesh axis names
+(default ``{"expert": "expert", "tensor": "tensor"}``); a logical axis whose mesh axis is absent,
+or that does not divide the dimension, is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ddtree_jax.models.dflash import DFlashConfig, DFlashDrafter
+from ddtree_jax.models.kimi import KimiConfig, KimiForCausalLM
+
+DEFAULT_MESH_AXES = {"expert": "expert", "tensor": "tensor"}
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: the message names the tensor."""
+
+
+class _SafetensorsFile:
+    """Memory-mapped safetensors reader (safetensors' numpy backend cannot return float8)."""
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.path, self.header = path, header
+        self._data = np.memmap(path, np.uint8, "r", offset=8 + n) if header else None
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        return np.array(self._data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"]))
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """Map every tensor name of the checkpoint at directory ``path`` to its safetensors file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return {name: os.path.join(path, f) for f in files for name in _SafetensorsFile(os.path.join(path, f)).names()}
+
+
+@dataclasses.dataclass
+class _Dest:
+    """One model parameter being assembled from one or more checkpoint tensors."""
+
+    path: str
+    var: nnx.Variable
+    pending: set[str]
+    buffer: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Checkpoint tensor ``[hf_shape]`` -> ``dest.buffer[index] = transpose(tensor)``."""
+
+    dest: _Dest
+    hf_shape: tuple[int, ...]
+    index: tuple[Any, ...]
+    axes: tuple[int, ...]
+    covers: tuple[str, ...]
+
+
+def _hf_parts(model: nnx.Module) -> dict[str, _Part]:
+    """Every checkpoint tensor name the model reads, derived from its parameter paths."""
+    parts: dict[str, _Part] = {}
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param):
+            continue
+        name, leaf = ".".join(map(str, path[:-1])), path[-1]
+        shape = tuple(var.shape)
+        if leaf in ("gate_up_proj", "down_proj") and len(shape) == 3:  # stacked routed experts
+            e, d_in, d_out = shape
+            if leaf == "gate_up_proj":
+                half = d_out // 2
+                per = {f"{name}.{i}.{w}_proj.weight": (i, slice(None), slice(j * half, (j + 1) * half))
+                       for i in range(e) for j, w in enumerate(("gate", "up"))}
+                fused_shape, piece = (e, d_out, d_in), (half, d_in)
+            else:
+                per = {f"{name}.{i}.down_proj.weight": (i,) for i in range(e)}
+                fused_shape, piece = (e, d_out, d_in), (d_out, d_in)
+            dest = _Dest(".".join(map(str, path)), var, set(per))
+            for n, idx in per.items():
+                parts[n] = _Part(dest, piece, idx, (1, 0), (n,))
+            parts[f"{name}.{leaf}"] = _Part(dest, fused_shape, (), (0, 2, 1), tuple(per))
+        elif leaf == "kernel":
+            n = f"{name}.weight"
+            parts[n] = _Part(_Dest(n, var, {n}), shape[::-1], (), (1, 0), (n,))
+        else:
+            n = f"{name}.{leaf}"
+            parts[n] = _Part(_Dest(n, var, {n}), shape, (), tuple(range(len(shape))), (n,))
+    return parts
+
+
+def _dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """``weight [out, in]`` e4m3 times its per-``block`` ``scale_inv [ceil(out/bo), ceil(in/bi)]``."""
+    out, inp = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], 0), block[1], 1)[:out, :inp]
+    return weight.astype(np.float32) * scale
+
+
+def _sharding(var: nnx.Variable, mesh: Mesh | None, mesh_axes: dict[str, str]):
+    if mesh is None:
+        return None
+    spec = []
+    for dim, logical in zip(var.shape, var.get_metadata().get("axes", (None,) * len(var.shape))):
+        axis = mesh_axes.get(logical) if logical else None
+        ok = axis in mesh.axis_names and dim % mesh.shape[axis] == 0
+        spec.append(axis if ok else None)
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def _load_into(model: nnx.Module, path: str, *, skip: Callable[[str], bool], fp8_block: tuple[int, int],
+               mesh: Mesh | None, mesh_axes: dict[str, str]) -> None:
+    """Stream every tensor of the checkpoint at ``path`` into the abstract ``model``'s parameters."""
+    parts = _hf_parts(model)
+    files = _checkpoint_files(path)
+    readers: dict[str, _SafetensorsFile] = {}
+
+    def read(name):
+        if files[name] not in readers:
+            readers[files[name]] = _SafetensorsFile(files[name])
+        return readers[files[name]].get(name)
+
+    for name in sorted(files, key=lambda n: (files[n], n)):
+        if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in parts:
+            continue  # read together with its weight
+        if skip(name):
+            continue
+        part = parts.get(name)
+        if part is None:
+            raise CheckpointError(f"unexpected tensor {name!r} in {path}: the model has no such parameter")
+        dest = part.dest
+        if not dest.pending.issuperset(part.covers):
+            raise CheckpointError(f"tensor {name!r} supplies values already loaded (duplicate tensor?)")
+        tensor = read(name)
+        if tensor.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+            scale_name = name + "_scale_inv"
+            if scale_name not in files:
+                raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
+            tensor = _dequantize_fp8(tensor, read(scale_name), fp8_block)
+        if tuple(tensor.shape) != part.hf_shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {part.hf_shape}")
+        value = np.transpose(tensor, part.axes).astype(dest.var.dtype)
+        if dest.buffer is None and len(dest.pending) == len(part.covers):
+            dest.buffer = value  # the whole parameter in one tensor
+        else:
+            if dest.buffer is None:
+                dest.buffer = np.zeros(dest.var.shape, dest.var.dtype)
+            dest.buffer[part.index] = value
+        dest.pending.difference_update(part.covers)
+        if not dest.pending:
+            sharding = _sharding(dest.var, mesh, mesh_axes)
+            dest.var.set_value(jax.device_put(dest.buffer, sharding) if sharding else jnp.asarray(dest.buffer))
+            dest.buffer = None
+    missing = sorted({n for part in parts.values() for n in part.dest.pending})
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise CheckpointError(f"{len(missing)} tensor(s) missing from {path}: {shown}")
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
+                mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> KimiForCausalLM:
+    """Load a ``DeepseekV3ForCausalLM`` (``deepseek_v3`` / ``kimi_k2``) checkpoint directory.
+
+    Weights are cast to ``dtype`` (router weights stay float32) and, with ``mesh``, placed with
+    the shardings their logical axes give under ``mesh_axes``.
+    """
+    raw = _read_config(path)
+    cfg = KimiConfig.from_hf_dict(raw)
+    block = tuple((raw.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    model = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    mtp = re.compile(r"model\.layers\.(\d+)\.")
+    def is_mtp(name):  # Multi-token-prediction layers follow the decoder layers; we do not run them.
+        m = mtp.match(name)
+        return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
+
+    _load_into(model, path, skip=is_mtp, fp8_block=block, mesh=mesh, mesh_axes=mesh_axes)
+    return model
+
+
+def load_drafter(path: str, target: KimiForCausalLM, *, mesh: Mesh | None = None, dtype=None,
+                 mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> DFlashDrafter:
+    """Load a DFlash drafter checkpoint directory for ``target`` (whose embedding and LM head it uses).
+
+    ``dtype`` defaults to the target's weight dtype. Checks that the drafter fits the target.
+    """
+    raw = _read_config(path)
+    cfg = DFlashConfig.from_hf_dict(raw)
+    tcfg = target.config
+    if cfg.num_target_layers != tcfg.num_hidden_layers:
+        raise ValueError(f"DFlashConfig.num_target_layers={cfg.num_target_layers} but the target has "
+                         f"{tcfg.num_hidden_layers} layers")
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"DFlashConfig.hidden_size={cfg.hidden_size} differs from the target's {tcfg.hidden_size}")
+    if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
+        raise ValueError(f"DFlashConfig.mask_token_id={cfg.mask_token_id} outside the target vocabulary")
+    dtype = dtype or target.model.embed_tokens.weight.dtype
+    block = tuple((raw.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+    model = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    _load_into(model, path, skip=lambda name: False, fp8_block=block, mesh=mesh, mesh_axes=mesh_axes)
+    return model
+
+
+def save_checkpoint(model: KimiForCausalLM | DFlashDrafter, path: str, *,
+                    max_shard_bytes: int | None = None) -> None:
+    """Write ``model`` as an HF checkpoint directory: ``config.json`` + safetensors, per-expert
+    names as published checkpoints use, sharded with ``model.safetensors.index.json`` when the
+    tensors exceed ``max_shard_bytes``. Arrays are written in their current dtype."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_dict(), f, indent=2)
+    names = [n for n, part in _hf_parts(model).items() if len(part.covers) == 1]  # skip fused aliases
+    parts = _hf_parts(model)
+    sizes = {n: int(np.prod(parts[n].hf_shape)) * parts[n].dest.var.dtype.itemsize for n in names}
+    groups: list[list[str]] = [[]]
+    for n in names:
+        if max_shard_bytes is not None and groups[-1] and sum(sizes[m] for m in groups[-1]) + sizes[n] > max_shard_bytes:
+            groups.append([])
+        groups[-1].append(n)
+
+    def tensor(n):
+        part = parts[n]
+        value = np.asarray(part.dest.var[...])[part.index]
+        return np.ascontiguousarray(np.transpose(value, np.argsort(part.axes)))
+
+    if len(groups) == 1:
+        save_file({n: tensor(n) for n in names}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, group in enumerate(groups):  # one shard in host memory at a time
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensor(n) for n in group}, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in group})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)

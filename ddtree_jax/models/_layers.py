@@ -1,0 +1,124 @@
+"""Building blocks shared by the target and the drafter: linear, norm, embedding, RoPE, attention.
+
+Every parameter carries an ``axes`` metadata entry: a tuple of *logical* axis names, one per
+array dimension (``None`` = replicated). ``ddtree_jax.checkpoints`` maps logical names to mesh
+axes (``LOGICAL_AXES`` there) when it places weights on a mesh. Logical names used:
+
+* ``"expert"``: the routed-experts axis (expert parallelism),
+* ``"tensor"``: attention heads / MLP intermediate / vocabulary (tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def _normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
+    """Random N(0, 1/fan_in) weights: large enough that tiny random test models are not trivial."""
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel`` without bias; ``kernel`` is ``[in, out]`` (HF stores ``weight = kernel.T``)."""
+
+    def __init__(self, d_in: int, d_out: int, *, axes: tuple[str | None, str | None],
+                 rngs: nnx.Rngs, dtype=jnp.float32):
+        self.kernel = nnx.Param(_normal_init(rngs, (d_in, d_out), d_in, dtype), axes=axes)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[..., in] -> [..., out]``."""
+        kernel = self.kernel[...]
+        return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+
+
+class RMSNorm(nnx.Module):
+    """HF-style RMSNorm: normalise in float32, cast back, then scale (``weight * x``)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(None,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[..., dim] -> [..., dim]``, in the input's dtype."""
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``weight: [vocab, hidden]`` (the HF layout)."""
+
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.weight = nnx.Param(_normal_init(rngs, (vocab, dim), dim, dtype), axes=("tensor", None))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """``int[...] -> [..., dim]``."""
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The SwiGLU activation ``silu(gate) * up``."""
+    return jax.nn.silu(gate) * up
+
+
+class GatedMLP(nnx.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (HF ``LlamaMLP``/``DeepseekV3MLP``/``Qwen3MLP``)."""
+
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = Linear(dim, hidden, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(dim, hidden, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(hidden, dim, axes=("tensor", None), rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[..., dim] -> [..., dim]``."""
+        return self.down_proj(silu_glu(self.gate_proj(x), self.up_proj(x)))
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0):
+    """cos/sin tables for integer ``positions [...]``: two float32 arrays ``[..., len(inv_freq)]``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool) -> jax.Array:
+    """Rotate ``x [..., d]`` by per-pair angles (``cos``/``sin`` broadcast to ``[..., d/2]``).
+
+    ``interleaved`` pairs dims ``(0,1), (2,3), ...`` (DeepSeek's layout); otherwise pairs
+    ``(i, i + d/2)`` (HF ``rotate_half``). Either way the output is ``[x1 c - x2 s ; x2 c + x1 s]``,
+    i.e. an interleaved input comes out de-interleaved, exactly as transformers does it: scores are
+    unchanged because queries and keys get the same permutation.
+    """
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis in float32 where ``mask`` is False -> probability 0.
+
+    ``scores [B, N, T, S]``, ``mask`` broadcastable bool ``[B, 1, T, S]``. Every query row must see
+    at least one key (true for all masks built in this package: a token always sees itself).
+    """
+    scores = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def write_rows(buffer: jax.Array, update: jax.Array, start: jax.Array) -> jax.Array:
+    """Write ``update [B, T, ...]`` into ``buffer [B, S, ...]`` at per-row offsets ``start [B]``.
+
+    The caller guarantees ``start + T <= S`` (``dynamic_update_slice`` would clamp otherwise).
+    """
+    def one(buf, upd, s):
+        return jax.lax.dynamic_update_slice_in_dim(buf, upd.astype(buf.dtype), s, axis=0)
+
+    return jax.vmap(one)(buffer, update, start)

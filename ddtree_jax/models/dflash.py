@@ -1,0 +1,282 @@
+"""DFlash block-diffusion drafter (z-lab/dflash ``DFlashDraftModel``) in Flax NNX.
+
+A few Qwen3-style layers predict a whole block of future tokens in one pass. Input block:
+``[last committed token, MASK x (block_size-1)]`` at positions ``len .. len+block_size-1``,
+embedded with the TARGET's embedding; output: logits at depths ``1 .. block_size-1`` through the
+target's LM head (after the drafter's own final norm). Conditioning: the target's hidden states
+after ``target_layer_ids`` (concatenated on features) go through ``fc`` + ``hidden_norm``; in every
+layer the keys/values are ``[proj(context) ; proj(block)]`` and the queries come from the block
+only; attention is non-causal. The projected context K/V are cached per layer
+(``DraftCache``) and grow only by accepted tokens.
+
+The target is passed to the calls that need it: any object with ``embed(tokens) -> [..., H]``
+and ``lm_logits(hidden) -> [..., V]`` (``KimiForCausalLM`` has both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.models._config import require
+from ddtree_jax.models._layers import GatedMLP, Linear, RMSNorm, apply_rope, masked_softmax, rope_cos_sin, write_rows
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's rule: one draft layer -> the middle target layer; otherwise evenly spaced, rounded,
+    from 1 to ``num_target_layers - 3`` (36 target, 5 draft layers -> (1, 9, 17, 25, 33))."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashConfig:
+    """Drafter architecture; field names follow the published drafters' ``config.json``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_target_layers: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    vocab_size: int | None = None
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_target_layers"):
+            require(getattr(self, name) > 0, self, name, "must be a positive integer")
+        require(self.block_size >= 2, self, "block_size", "must be >= 2")
+        require(self.head_dim % 2 == 0, self, "head_dim", "must be even (RoPE)")
+        require(self.num_attention_heads % self.num_key_value_heads == 0, self, "num_key_value_heads",
+                "must divide num_attention_heads")
+        require(len(self.target_layer_ids) > 0 and all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
+                self, "target_layer_ids", f"must be non-empty ids in [0, {self.num_target_layers})")
+        require(len(self.layer_types) == self.num_hidden_layers, self, "layer_types",
+                f"needs one entry per layer ({self.num_hidden_layers})")
+        require(set(self.layer_types) <= {"full_attention", "sliding_attention"}, self, "layer_types",
+                "entries must be 'full_attention' or 'sliding_attention'")
+        require("sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0, self,
+                "sliding_window", "sliding_attention layers need a positive sliding_window")
+        require(self.mask_token_id >= 0, self, "mask_token_id", "must be >= 0")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Read a DFlash ``config.json`` dict (``dflash_config`` holds mask/target-layer fields)."""
+        for field, ok in (("hidden_act", ("silu",)), ("attention_bias", (False,))):
+            if field in d and d[field] not in ok:
+                raise ValueError(f"DFlashConfig.{field}: unsupported value {d[field]!r} (supported: {ok})")
+        extra = d.get("dflash_config") or {}
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"DFlashConfig.rope_scaling: only default RoPE is supported, got {rope}")
+
+        def get(name, default=dataclasses.MISSING):
+            value = extra.get(name, d.get(name, default))
+            if value is dataclasses.MISSING:
+                raise ValueError(f"DFlashConfig: config.json lacks required field {name!r}")
+            return value
+
+        layers, target_layers = get("num_hidden_layers"), get("num_target_layers")
+        ids = get("target_layer_ids", None)
+        return cls(
+            hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
+            num_hidden_layers=layers, num_attention_heads=get("num_attention_heads"),
+            num_key_value_heads=get("num_key_value_heads", d.get("num_attention_heads")),
+            head_dim=get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
+            num_target_layers=target_layers, block_size=get("block_size", 16),
+            mask_token_id=get("mask_token_id"),
+            target_layer_ids=tuple(ids) if ids is not None else default_target_layer_ids(target_layers, layers),
+            layer_types=tuple(get("layer_types", None) or ("full_attention",) * layers),
+            sliding_window=get("sliding_window", None), rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=get("max_position_embeddings", 40960), vocab_size=get("vocab_size", None))
+
+    @classmethod
+    def from_json(cls, path: str) -> "DFlashConfig":
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["dflash_config"] = {"mask_token_id": d.pop("mask_token_id"),
+                              "target_layer_ids": list(d.pop("target_layer_ids"))}
+        d["layer_types"] = list(self.layer_types)
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d, "hidden_act": "silu",
+                "attention_bias": False, "use_sliding_window": "sliding_attention" in self.layer_types,
+                "tie_word_embeddings": False}
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Qwen3 default RoPE inverse frequencies ``[head_dim/2]`` float32."""
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.float32) / np.float32(self.head_dim)
+        return (1.0 / np.float32(self.rope_theta) ** exponents).astype(np.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftCache:
+    """Projected context keys/values of the committed tokens, per draft layer and batch slot.
+
+    ``k, v [layers, B, max_len, kv_heads, head_dim]`` (keys after k_norm and RoPE at their
+    absolute positions ``0 .. lengths-1``); ``lengths [B] int32``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class DFlashAttention(nnx.Module):
+    """Qwen3 attention (q/k RMSNorm per head, RoPE, GQA) whose keys also cover the context."""
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype):
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Linear(h, cfg.num_attention_heads * hd, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * hd, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * hd, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(cfg.num_attention_heads * hd, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
+        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [B,S,H]`` -> keys, values ``[B,S,kv_heads,head_dim]`` (keys normed and rotated)."""
+        b, s, _ = x.shape
+        shape = (b, s, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(shape)), cos[:, :, None], sin[:, :, None],
+                       interleaved=False)
+        return k, self.v_proj(x).reshape(shape)
+
+    def __call__(self, x, cos, sin, k_ctx, v_ctx, mask) -> jax.Array:
+        """Block ``x [B,T,H]`` attends to ``[context ; block]``; ``mask [B,T,S_ctx+T]``."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
+        q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = jnp.concatenate([k_ctx.astype(x.dtype), k_blk], axis=1)
+        v = jnp.concatenate([v_ctx.astype(x.dtype), v_blk], axis=1)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * cfg.head_dim ** -0.5
+        probs = masked_softmax(scores, mask[:, None, None]).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
+        return self.o_proj(out)
+
+
+class DFlashLayer(nnx.Module):
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype):
+        self.self_attn = DFlashAttention(cfg, rngs=rngs, dtype=dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, k_ctx, v_ctx, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nnx.Module):
+    """The drafter's own weights (parameter paths mirror the checkpoint's tensor names)."""
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = cfg
+        h = cfg.hidden_size
+        self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
+        self.fc = Linear(len(cfg.target_layer_ids) * h, h, axes=(None, None), rngs=rngs, dtype=dtype)
+        self.hidden_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    # ---- context ----
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> DraftCache:
+        cfg = self.config
+        dtype = dtype or self.fc.kernel.dtype
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return DraftCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    def _context_kv(self, target_hidden: jax.Array, positions: jax.Array):
+        """``[B,A,n*H]`` target features at ``positions [B,A]`` -> per-layer ``(k, v)`` lists."""
+        features = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = rope_cos_sin(positions, self.config.rope_inv_freq())
+        kvs = [layer.self_attn.kv(features, cos, sin) for layer in self.layers]
+        return [k for k, _ in kvs], [v for _, v in kvs]
+
+    def append_context(self, cache: DraftCache, target_hidden: jax.Array, counts: jax.Array) -> DraftCache:
+        """Add accepted tokens to the context.
+
+        ``target_hidden [B,A,n*H]``: the target's hidden states after ``config.target_layer_ids``
+        (concatenated on features, in that order) for the next ``A`` committed positions of each
+        row; only the first ``counts [B]`` are valid. Needs ``lengths + A <= max_len``.
+        """
+        b, a, _ = target_hidden.shape
+        chex.assert_shape(counts, (b,))
+        start = cache.lengths
+        ks, vs = self._context_kv(target_hidden, start[:, None] + jnp.arange(a)[None])
+        k = jnp.stack([write_rows(cache.k[i], ks[i], start) for i in range(len(ks))])
+        v = jnp.stack([write_rows(cache.v[i], vs[i], start) for i in range(len(vs))])
+        return DraftCache(k, v, start + counts.astype(jnp.int32))
+
+    # ---- block ----
+
+    def _block_logits(self, target, last_token, block_pos, k_ctx, v_ctx, ctx_pos, ctx_valid):
+        """Shared block pass. ``k_ctx/v_ctx``: per-layer ``[B,S,kvh,hd]`` at ``ctx_pos [B,S]``
+        (``ctx_valid [B,S]``); the block sits at ``block_pos [B,bs]``."""
+        cfg = self.config
+        b = last_token.shape[0]
+        tokens = jnp.concatenate([last_token[:, None], jnp.full((b, cfg.block_size - 1), cfg.mask_token_id,
+                                                                last_token.dtype)], axis=1)
+        x = target.embed(tokens).astype(self.fc.kernel.dtype)
+        cos, sin = rope_cos_sin(block_pos, cfg.rope_inv_freq())
+        key_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
+        valid = jnp.concatenate([ctx_valid, jnp.ones_like(block_pos, bool)], axis=1)[:, None, :]
+        dist = jnp.abs(block_pos[:, :, None] - key_pos[:, None, :])
+        for i, layer in enumerate(self.layers):
+            mask = valid
+            if cfg.layer_types[i] == "sliding_attention":
+                mask = valid & (dist < cfg.sliding_window)
+            x = layer(x, cos, sin, k_ctx[i], v_ctx[i], mask)
+        return target.lm_logits(self.norm(x)[:, 1:])
+
+    def propose(self, target, cache: DraftCache, last_token: jax.Array) -> jax.Array:
+        """Draft one block per row from the cached context.
+
+        ``last_token [B]``: each row's last committed token (not yet in the context), placed at
+        position ``cache.lengths``. Returns logits ``float32 [B, block_size-1, V]`` for depths
+        ``1 .. block_size-1``.
+        """
+        b = last_token.shape[0]
+        block_pos = cache.lengths[:, None] + jnp.arange(self.config.block_size)[None]
+        ctx_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (b, cache.max_len))
+        ctx_valid = ctx_pos < cache.lengths[:, None]
+        return self._block_logits(target, last_token, block_pos, list(cache.k), list(cache.v), ctx_pos, ctx_valid)
+
+    def __call__(self, target, target_hidden: jax.Array, last_token: jax.Array) -> jax.Array:
+        """Cache-free draft: context ``target_hidden [B,C,n*H]`` at positions ``0..C-1``, block at
+        ``C..C+block_size-1``. Returns logits ``float32 [B, block_size-1, V]``."""
+        b, c, _ = target_hidden.shape
+        ctx_pos = jnp.broadcast_to(jnp.arange(c)[None], (b, c))
+        k_ctx, v_ctx = self._context_kv(target_hidden, ctx_pos)
+        block_pos = c + jnp.broadcast_to(jnp.arange(self.config.block_size)[None], (b, self.config.block_size))
+        return self._block_logits(target, last_token, block_pos, k_ctx, v_ctx, ctx_pos, jnp.ones((b, c), bool))

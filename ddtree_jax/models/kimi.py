@@ -1,0 +1,515 @@
+"""Kimi K2 / DeepSeek-V3 target model (HF ``DeepseekV3ForCausalLM``) in Flax NNX.
+
+MLA attention over a latent KV cache, sigmoid-routed MoE with grouped matmuls
+(``jax.lax.ragged_dot``), and three cached forward modes used by tree speculative decoding:
+
+* ``prefill``: append a causal chunk (a prompt, or one decoded token) after each row's prefix;
+* ``verify``: run a draft tree block whose nodes attend to the prefix and to their ancestors;
+  the block's latents are written after the prefix but the lengths do not move;
+* ``commit``: move the accepted nodes' latents into place and advance the lengths.
+
+Numerics follow transformers' ``modeling_deepseek_v3.py`` (checked by tests/test_kimi.py).
+Differences between transformers and DeepSeek's own inference code, where we follow transformers:
+the ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6 regardless of ``rms_norm_eps``; the yarn
+softmax correction is applied whenever factor > 1 (DeepSeek only when the run's max length exceeds
+the original one); top-k weights are normalised only if ``norm_topk_prob`` (DeepSeek always
+normalises sigmoid scores) with a 1e-20 epsilon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.models._config import require
+from ddtree_jax.models._layers import (
+    Embed, GatedMLP, Linear, RMSNorm, apply_rope, masked_softmax, rope_cos_sin, silu_glu, write_rows)
+
+# transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnScaling:
+    """Yarn RoPE scaling parameters (HF ``rope_scaling``/``rope_parameters`` with type ``yarn``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KimiConfig:
+    """Architecture of a DeepSeek-V3-family model; field names are those of HF ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    model_type: str = "deepseek_v3"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                     "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
+            require(getattr(self, name) > 0, self, name, "must be a positive integer")
+        require(self.q_lora_rank is None or self.q_lora_rank > 0, self, "q_lora_rank",
+                "must be null or positive")
+        require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, self,
+                "qk_rope_head_dim", "must be positive and even")
+        require(self.n_shared_experts >= 0, self, "n_shared_experts", "must be >= 0")
+        require(self.n_routed_experts % self.n_group == 0, self, "n_group",
+                f"must divide n_routed_experts={self.n_routed_experts}")
+        require(self.topk_group <= self.n_group, self, "topk_group", f"must be <= n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        require(per_group >= 2, self, "n_group", "groups must hold >= 2 experts (group score = top-2 sum)")
+        require(self.num_experts_per_tok <= self.topk_group * per_group, self, "num_experts_per_tok",
+                "exceeds the experts available in topk_group groups")
+        require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, self,
+                "first_k_dense_replace", "must be in [0, num_hidden_layers]")
+        require(self.model_type in ("deepseek_v3", "kimi_k2"), self, "model_type",
+                f"expected 'deepseek_v3' or 'kimi_k2', got {self.model_type!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "KimiConfig":
+        """Read an HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+        def unsupported(field, ok):
+            if field in d and d[field] not in ok:
+                raise ValueError(f"KimiConfig.{field}: unsupported value {d[field]!r} (supported: {ok})")
+
+        unsupported("hidden_act", ("silu",))
+        unsupported("attention_bias", (False,))
+        unsupported("tie_word_embeddings", (False,))
+        unsupported("scoring_func", ("sigmoid",))
+        unsupported("topk_method", ("noaux_tc",))
+        unsupported("moe_layer_freq", (1,))
+        if d.get("num_key_value_heads", d.get("num_attention_heads")) != d.get("num_attention_heads"):
+            raise ValueError("KimiConfig.num_key_value_heads: MLA needs num_key_value_heads == num_attention_heads")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(f"KimiConfig.rope_scaling: unsupported rope type {rope_type!r}")
+        yarn = None
+        if rope_type == "yarn":
+            yarn = YarnScaling(
+                factor=float(rope.get("factor") or d["max_position_embeddings"]
+                             / rope["original_max_position_embeddings"]),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
+                                                              d.get("max_position_embeddings", 4096))),
+                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+                attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta"}
+        kwargs = {k: d[k] for k in fields if k in d}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        if missing:
+            raise ValueError(f"KimiConfig: config.json lacks required field(s) {missing}")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        return cls(**kwargs, rope_theta=float(theta), rope_scaling=yarn)
+
+    @classmethod
+    def from_json(cls, path: str) -> "KimiConfig":
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """An HF ``config.json`` dict that transformers' ``DeepseekV3Config`` and ``from_hf_dict`` read."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.pop("rope_scaling")
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {"type": "yarn", "rope_type": "yarn",
+                                 **{k: v for k, v in dataclasses.asdict(self.rope_scaling).items()
+                                    if v is not None}}
+        return {"architectures": ["DeepseekV3ForCausalLM"], **d, "num_key_value_heads": self.num_attention_heads,
+                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0}
+
+    # ---- RoPE (exactly transformers' _compute_yarn_parameters / yarn_apply_mscale) ----
+
+    def rope_tables(self) -> tuple[np.ndarray, float]:
+        """``(inv_freq [qk_rope_head_dim/2] float32, cos/sin scale)``."""
+        dim, base = self.qk_rope_head_dim, self.rope_theta
+        pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        y = self.rope_scaling
+        if y is None:
+            return (1.0 / pos_freqs).astype(np.float32), 1.0
+        attention_factor = y.attention_factor
+        if attention_factor is None:
+            if y.mscale and y.mscale_all_dim:
+                attention_factor = _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
+            else:
+                attention_factor = _yarn_mscale(y.factor)
+
+        def correction_dim(rotations):
+            return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+        if y.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+        extrapolation = 1 - ramp
+        inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv_freq.astype(np.float32), float(attention_factor)
+
+    def softmax_scale(self) -> float:
+        """``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2`` under yarn."""
+        scale = self.qk_head_dim ** -0.5
+        y = self.rope_scaling
+        if y is not None and y.mscale_all_dim:
+            scale *= _yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+        return scale
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """MLA latent cache, one slot per batch row.
+
+    ``latent [layers, B, max_len, kv_lora_rank]``: normalised compressed KV;
+    ``k_rope [layers, B, max_len, qk_rope_head_dim]``: the shared RoPE key (rotated);
+    ``lengths [B] int32``: committed tokens per row. Entries at and past ``lengths`` are scratch.
+    """
+
+    latent: jax.Array
+    k_rope: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[2]
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention, computed in the "absorbed" form straight from the latent."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+        self.cfg = cfg
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(h, nh * cfg.qk_head_dim, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        else:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, axes=(None, None), rngs=rngs, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=_LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, axes=(None, "tensor"),
+                                   rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, axes=(None, None),
+                                         rngs=rngs, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=_LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
+
+    def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
+        cfg = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
+        k_rope = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, interleaved=cfg.rope_interleave)
+        return latent, k_rope
+
+    def __call__(self, x, cos, sin, latent, k_rope, mask) -> jax.Array:
+        """Attend from ``x [B,T,H]`` to keys ``latent [B,S,r]``/``k_rope [B,S,dr]`` where ``mask [B,T,S]``."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nh, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, t, nh, cfg.qk_head_dim)
+        q_nope = q[..., :dn]
+        q_rope = apply_rope(q[..., dn:], cos[:, :, None], sin[:, :, None], interleaved=cfg.rope_interleave)
+        w_kv = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, nh, dn + cfg.v_head_dim)
+        w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
+        q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
+        scores = (jnp.einsum("btnr,bsr->bnts", q_latent, latent.astype(q_latent.dtype))
+                  + jnp.einsum("btnd,bsd->bnts", q_rope, k_rope.astype(q_rope.dtype)))
+        probs = masked_softmax(scores * cfg.softmax_scale(), mask[:, None]).astype(x.dtype)
+        out_latent = jnp.einsum("bnts,bsr->btnr", probs, latent.astype(x.dtype))
+        out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
+        return self.o_proj(out)
+
+
+class Router(nnx.Module):
+    """Sigmoid top-k router with group-limited choice (HF ``DeepseekV3TopkRouter``); float32 weights."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (e, h), jnp.float32) / math.sqrt(h),
+                                axes=(None, None))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=(None,))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [N,H]`` -> ``(weights [N,k] float32, expert ids [N,k] int32)``."""
+        cfg = self.cfg
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...].T)
+        choice = scores + self.e_score_correction_bias[...]
+        n = x.shape[0]
+        grouped = choice.reshape(n, cfg.n_group, -1)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_ok = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        choice = jnp.where(group_ok[:, :, None], grouped, -jnp.inf).reshape(n, -1)
+        _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class Experts(nnx.Module):
+    """Routed experts, stacked: ``gate_up_proj [E, H, 2I]`` (gate then up), ``down_proj [E, I, H]``."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nnx.Param(jax.random.normal(rngs.params(), (e, h, 2 * i), jnp.float32
+                                                        ).astype(dtype) / math.sqrt(h),
+                                      axes=("expert", None, "tensor"))
+        self.down_proj = nnx.Param(jax.random.normal(rngs.params(), (e, i, h), jnp.float32
+                                                     ).astype(dtype) / math.sqrt(i),
+                                   axes=("expert", "tensor", None))
+
+    def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """Grouped matmuls over token copies sorted by expert. ``x [N,H]``, ``weights/ids [N,k]``."""
+        n, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = jnp.argsort(flat_ids, stable=True)
+        token = order // k
+        group_sizes = jnp.bincount(flat_ids, length=self.gate_up_proj.shape[0]).astype(jnp.int32)
+        gate_up = jax.lax.ragged_dot(x[token], self.gate_up_proj[...], group_sizes)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        out = jax.lax.ragged_dot(silu_glu(gate, up), self.down_proj[...], group_sizes)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(x).at[token].add(out)
+
+    def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """Same result with every expert run densely on every token (the slow, obvious version)."""
+        dense_w = jnp.zeros((x.shape[0], self.gate_up_proj.shape[0]), jnp.float32)
+        dense_w = dense_w.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
+        gate, up = jnp.split(jnp.einsum("nh,ehi->eni", x, self.gate_up_proj[...]), 2, axis=-1)
+        out = jnp.einsum("eni,eih->enh", silu_glu(gate, up), self.down_proj[...])
+        return jnp.einsum("enh,ne->nh", out, dense_w.astype(out.dtype))
+
+
+class MoE(nnx.Module):
+    """Routed experts plus always-on shared experts (HF ``DeepseekV3MoE``)."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+        self.gate = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                       rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array, *, dense_experts: bool = False) -> jax.Array:
+        """``[B,T,H] -> [B,T,H]``; ``dense_experts`` runs ``Experts.reference`` (tests, benchmark)."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        routed = (self.experts.reference if dense_experts else self.experts)(flat, weights, ids)
+        return routed.reshape(x.shape) + self.shared_experts(x)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: KimiConfig, layer: int, *, rngs: nnx.Rngs, dtype):
+        self.self_attn = MLAttention(cfg, rngs=rngs, dtype=dtype)
+        self.mlp = (MoE(cfg, rngs=rngs, dtype=dtype) if cfg.is_moe_layer(layer)
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, x, cos, sin, mask, cache_rows, start, *, dense_experts=False):
+        """One block. ``cache_rows``: ``None`` (attend within ``x``) or this layer's
+        ``(latent [B,S,r], k_rope [B,S,dr])``; the new latents are written at ``start [B]`` and
+        ``mask [B,T,S]`` indexes the whole cache. Returns ``(x, cache_rows)``."""
+        h = self.input_layernorm(x)
+        latent, k_rope = self.self_attn.latents(h, cos, sin)
+        if cache_rows is not None:
+            latent = write_rows(cache_rows[0], latent, start)
+            k_rope = write_rows(cache_rows[1], k_rope, start)
+            cache_rows = (latent, k_rope)
+        x = x + self.self_attn(h, cos, sin, latent, k_rope, mask)
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, dense_experts=dense_experts) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x, cache_rows
+
+
+class DeepseekV3Model(nnx.Module):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+
+class KimiForCausalLM(nnx.Module):
+    """The target model; parameter paths mirror HF names (``model.layers.3.self_attn.kv_b_proj``).
+
+    ``dtype`` is the weights' and activations' dtype; norms, softmax and the router run in float32.
+    """
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+
+    # ---- pieces the drafter shares ----
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """``int [...] -> [..., H]``: the token embedding."""
+        return self.model.embed_tokens(tokens)
+
+    def lm_logits(self, hidden: jax.Array) -> jax.Array:
+        """``[..., H] -> float32 [..., V]``: the LM head alone (no final norm)."""
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    # ---- forward passes ----
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """Cache-free causal forward: ``int [B,T]`` -> logits ``float32 [B,T,V]``."""
+        return self.forward_uncached(input_ids)[0]
+
+    def forward_uncached(self, input_ids, *, hidden_layer_ids: tuple[int, ...] = (), dense_experts=False):
+        """Causal forward without a cache: ``(logits [B,T,V], hidden tuple of [B,T,H])``."""
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        logits, hidden, _ = self._run(input_ids, positions, mask, None, None, hidden_layer_ids, dense_experts)
+        return logits, hidden
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty cache of ``batch`` slots of ``max_len`` tokens (``dtype`` defaults to the weights')."""
+        cfg = self.config
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        shape = (cfg.num_hidden_layers, batch, max_len)
+        return KVCache(jnp.zeros(shape + (cfg.kv_lora_rank,), dtype),
+                       jnp.zeros(shape + (cfg.qk_rope_head_dim,), dtype),
+                       jnp.zeros((batch,), jnp.int32))
+
+    def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache, *,
+                hidden_layer_ids: tuple[int, ...] = ()):
+        """Append a causal chunk after each row's prefix (a prompt into an empty slot, or a decode step).
+
+        ``input_ids [B,T]`` right-padded, ``lengths [B]`` valid tokens per row (0 leaves a row
+        untouched). Needs ``cache.lengths + T <= max_len``. Returns ``(logits [B,T,V] float32,
+        hidden tuple of [B,T,H] after each requested layer, cache)``; the lengths advance by
+        ``lengths``. Outputs at padded positions are meaningless.
+        """
+        b, t = input_ids.shape
+        chex.assert_shape(lengths, (b,))
+        start = cache.lengths
+        positions = start[:, None] + jnp.arange(t)[None]
+        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        logits, hidden, cache = self._run_cached(input_ids, positions, block_mask, cache, hidden_layer_ids)
+        return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
+
+    def verify(self, tokens: jax.Array, depths: jax.Array, ancestor_mask: jax.Array, cache: KVCache, *,
+               hidden_layer_ids: tuple[int, ...] = ()):
+        """Score a tree block of ``T`` nodes per row (node 0 is the root: the last committed token).
+
+        ``tokens [B,T]``, ``depths [B,T]`` (root 0; position = ``lengths + depth``),
+        ``ancestor_mask [B,T,T]`` bool, ``[b,i,j]`` true iff node j is an ancestor of node i (the
+        diagonal is added). Each node attends to the row's cached prefix and its ancestors. The
+        block's latents are written at ``[lengths, lengths+T)``; lengths do not move (``commit``
+        keeps the accepted ones). Returns ``(logits [B,T,V], hidden tuple [B,T,H], cache)``.
+        """
+        b, t = tokens.shape
+        chex.assert_shape([depths, ancestor_mask], [(b, t), (b, t, t)])
+        positions = cache.lengths[:, None] + depths
+        block_mask = ancestor_mask | jnp.eye(t, dtype=bool)[None]
+        return self._run_cached(tokens, positions, block_mask, cache, hidden_layer_ids)
+
+    @staticmethod
+    def commit(cache: KVCache, accepted: jax.Array, counts: jax.Array) -> KVCache:
+        """Keep the accepted nodes of the last ``verify`` block and drop the rest.
+
+        ``accepted [B,A]`` node indices in path order (root first), ``-1`` padded; ``counts [B]``
+        how many are valid. Node ``accepted[b,i]``'s latents move to ``lengths[b] + i``; lengths
+        advance by ``counts``.
+        """
+        start = cache.lengths
+        src = start[:, None] + jnp.maximum(accepted, 0)
+
+        def move(buf):  # [L,B,S,D]
+            picked = jnp.take_along_axis(buf, src[None, :, :, None], axis=2)
+            return jax.vmap(write_rows, in_axes=(0, 0, None))(buf, picked, start)
+
+        return KVCache(move(cache.latent), move(cache.k_rope), start + counts.astype(jnp.int32))
+
+    # ---- shared trunk ----
+
+    def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids):
+        """Run a block written at ``cache.lengths``; ``block_mask [B,T,T]`` says which block
+        tokens see which (the whole prefix is always visible)."""
+        b, t = tokens.shape
+        start = cache.lengths
+        rel = jnp.arange(cache.max_len)[None, :] - start[:, None]  # [B,S]
+        in_block = (rel >= 0) & (rel < t)
+        block_part = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None],
+                                                                      (b, t, cache.max_len)), axis=2)
+        mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_part)
+        logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, False)
+        latent = jnp.stack([r[0] for r in rows])
+        k_rope = jnp.stack([r[1] for r in rows])
+        return logits, hidden, KVCache(latent, k_rope, start)
+
+    def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts):
+        cfg = self.config
+        for i in hidden_layer_ids:
+            if not 0 <= i < cfg.num_hidden_layers:
+                raise ValueError(f"hidden_layer_ids: layer {i} not in [0, {cfg.num_hidden_layers})")
+        inv_freq, rope_scale = cfg.rope_tables()
+        cos, sin = rope_cos_sin(positions, inv_freq, rope_scale)
+        x = self.embed(tokens)
+        hidden, rows = {}, []
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = None if cache is None else (cache.latent[i], cache.k_rope[i])
+            x, layer_cache = layer(x, cos, sin, mask, layer_cache, start, dense_experts=dense_experts)
+            rows.append(layer_cache)
+            hidden[i] = x
+        logits = self.lm_logits(self.model.norm(x))
+        return logits, tuple(hidden[i] for i in hidden_layer_ids), rows
