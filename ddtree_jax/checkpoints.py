@@ -13,7 +13,7 @@ Loading streams tensor by tensor from memory-mapped files: each parameter is ass
 sharding. Sharding: every parameter declares logical axes next to its definition
 (``ddtree_jax/models/_layers.py``); ``mesh_axes`` maps logical names to mesh axis names
 (default ``{"expert": "expert", "tensor": "tensor"}``); a logical axis whose mesh axis is absent,
-or that does not divide the dimension, is replicated.
+or that does not divide the dimension, is replicated. The mesh must have ``AxisType.Auto`` axes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ddtree_jax.models.dflash import DFlashConfig, DFlashDrafter
 from ddtree_jax.models.kimi import KimiConfig, KimiForCausalLM
@@ -140,6 +140,9 @@ def _dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int,
 def _sharding(var: nnx.Variable, mesh: Mesh | None, mesh_axes: dict[str, str]):
     if mesh is None:
         return None
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        raise ValueError("load_*: the mesh needs Auto axes (the models leave layouts to the compiler): "
+                         "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
     spec = []
     for dim, logical in zip(var.shape, var.get_metadata().get("axes", (None,) * len(var.shape))):
         axis = mesh_axes.get(logical) if logical else None

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from ddtree_jax.checkpoints import load_target, save_checkpoint
@@ -67,15 +68,15 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path):
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
     with torch.no_grad():
         want = ref(torch.as_tensor(ids)).logits.numpy()
-    got = np.asarray(model(jnp.asarray(ids)))
+    got = np.asarray(forward_uncached(model, jnp.asarray(ids))[0])
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
 def test_grouped_matmul_moe_equals_dense_experts():
     model = tiny_kimi(1, n_group=4, topk_group=2, num_experts_per_tok=3)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (3, 10)))
-    fast, _ = model.forward_uncached(ids)
-    slow, _ = model.forward_uncached(ids, dense_experts=True)
+    fast, _ = nnx.jit(lambda m, x: m.forward_uncached(x))(model, ids)
+    slow, _ = nnx.jit(lambda m, x: m.forward_uncached(x, dense_experts=True))(model, ids)
     np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-5)
 
 
@@ -95,8 +96,14 @@ def test_config_round_trip_and_validation():
         KimiConfig.from_hf_dict({k: v for k, v in cfg.to_hf_dict().items() if k != "kv_lora_rank"})
 
 
-def _last_logits(model, seq):
-    return np.asarray(forward_uncached(model, jnp.asarray([seq]))[0][0, -1])
+def _last_logits(model, seqs, pad_to=24, rows=8):
+    """Cache-free logits after each sequence in ``seqs`` (right-padded into one [rows, pad_to]
+    batch, so one compilation serves every call; padding after a token cannot change it: causal)."""
+    batch = np.zeros((rows, pad_to), np.int32)
+    for i, seq in enumerate(seqs):
+        batch[i, :len(seq)] = seq
+    logits = np.asarray(forward_uncached(model, jnp.asarray(batch))[0])
+    return np.stack([logits[i, len(seq) - 1] for i, seq in enumerate(seqs)])
 
 
 def test_prefill_verify_commit_match_uncached_decoding():
@@ -112,9 +119,10 @@ def test_prefill_verify_commit_match_uncached_decoding():
     np.testing.assert_array_equal(cache.lengths, prompt_lens)
     for r in range(b):
         seq = list(prompts[r, :prompt_lens[r]])
-        np.testing.assert_allclose(logits[r, prompt_lens[r] - 1], _last_logits(model, seq), rtol=1e-4, atol=1e-4)
-        _, (want_h,) = forward_uncached(model, jnp.asarray([seq]), hidden_layer_ids=(1,))
-        np.testing.assert_allclose(hidden[0][r, :prompt_lens[r]], want_h[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits[r, prompt_lens[r] - 1], _last_logits(model, [seq])[0],
+                                   rtol=1e-4, atol=1e-4)
+        _, (want_h,) = forward_uncached(model, jnp.asarray(prompts), hidden_layer_ids=(1,))
+        np.testing.assert_allclose(hidden[0][r, :prompt_lens[r]], want_h[r, :prompt_lens[r]], rtol=1e-4, atol=1e-4)
 
     trees = [random_tree(rng, t) for _ in range(b)]
     tokens = rng.integers(0, VOCAB, (b, t))
@@ -123,9 +131,9 @@ def test_prefill_verify_commit_match_uncached_decoding():
     logits, _, cache = verify(model, jnp.asarray(tokens), jnp.asarray(depths), jnp.asarray(masks), cache)
     np.testing.assert_array_equal(cache.lengths, prompt_lens)  # verify does not commit
     for r in range(b):
-        for node in range(t):
-            seq = list(prompts[r, :prompt_lens[r]]) + [tokens[r, j] for j in path_to(trees[r][0], node)]
-            np.testing.assert_allclose(logits[r, node], _last_logits(model, seq), rtol=1e-4, atol=1e-4)
+        seqs = [list(prompts[r, :prompt_lens[r]]) + [tokens[r, j] for j in path_to(trees[r][0], node)]
+                for node in range(t)]
+        np.testing.assert_allclose(logits[r], _last_logits(model, seqs), rtol=1e-4, atol=1e-4)
 
     # accept the path to the deepest node in row 0, only the root in row 1
     deepest = int(np.argmax(depths[0]))
@@ -143,4 +151,4 @@ def test_prefill_verify_commit_match_uncached_decoding():
         logits, _, cache = prefill(model, jnp.asarray(nxt), jnp.ones((b,), jnp.int32), cache)
         for r in range(b):
             seqs[r].append(nxt[r, 0])
-            np.testing.assert_allclose(logits[r, 0], _last_logits(model, seqs[r]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits[:, 0], _last_logits(model, seqs), rtol=1e-4, atol=1e-4)

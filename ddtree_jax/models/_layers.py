@@ -18,9 +18,17 @@ import numpy as np
 from flax import nnx
 
 
-def _normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
-    """Random N(0, 1/fan_in) weights: large enough that tiny random test models are not trivial."""
-    return (jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
+    """Random N(0, 1/fan_in) weights: large enough that tiny random test models are not trivial.
+
+    Drawn on the host from the key's bits: eager ``jax.random`` compiles once per shape, which
+    dominates building a model on CPU. Under tracing (``nnx.eval_shape``) only shapes matter.
+    """
+    key = rngs.params()
+    if isinstance(key, jax.core.Tracer):
+        return jax.random.normal(key, shape, dtype)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+    return jnp.asarray((rng.standard_normal(shape, np.float32) / math.sqrt(fan_in)).astype(dtype))
 
 
 class Linear(nnx.Module):
@@ -28,7 +36,7 @@ class Linear(nnx.Module):
 
     def __init__(self, d_in: int, d_out: int, *, axes: tuple[str | None, str | None],
                  rngs: nnx.Rngs, dtype=jnp.float32):
-        self.kernel = nnx.Param(_normal_init(rngs, (d_in, d_out), d_in, dtype), axes=axes)
+        self.kernel = nnx.Param(normal_init(rngs, (d_in, d_out), d_in, dtype), axes=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[..., in] -> [..., out]``."""
@@ -54,7 +62,7 @@ class Embed(nnx.Module):
     """Token embedding table ``weight: [vocab, hidden]`` (the HF layout)."""
 
     def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.weight = nnx.Param(_normal_init(rngs, (vocab, dim), dim, dtype), axes=("tensor", None))
+        self.weight = nnx.Param(normal_init(rngs, (vocab, dim), dim, dtype), axes=("tensor", None))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """``int[...] -> [..., dim]``."""

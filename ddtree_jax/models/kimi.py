@@ -31,7 +31,7 @@ from flax import nnx
 
 from ddtree_jax.models._config import require
 from ddtree_jax.models._layers import (
-    Embed, GatedMLP, Linear, RMSNorm, apply_rope, masked_softmax, rope_cos_sin, silu_glu, write_rows)
+    Embed, GatedMLP, Linear, RMSNorm, apply_rope, masked_softmax, normal_init, rope_cos_sin, silu_glu, write_rows)
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -281,8 +281,7 @@ class Router(nnx.Module):
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         e, h = cfg.n_routed_experts, cfg.hidden_size
-        self.weight = nnx.Param(jax.random.normal(rngs.params(), (e, h), jnp.float32) / math.sqrt(h),
-                                axes=(None, None))
+        self.weight = nnx.Param(normal_init(rngs, (e, h), h, jnp.float32), axes=(None, None))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=(None,))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -308,12 +307,8 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nnx.Param(jax.random.normal(rngs.params(), (e, h, 2 * i), jnp.float32
-                                                        ).astype(dtype) / math.sqrt(h),
-                                      axes=("expert", None, "tensor"))
-        self.down_proj = nnx.Param(jax.random.normal(rngs.params(), (e, i, h), jnp.float32
-                                                     ).astype(dtype) / math.sqrt(i),
-                                   axes=("expert", "tensor", None))
+        self.gate_up_proj = nnx.Param(normal_init(rngs, (e, h, 2 * i), h, dtype), axes=("expert", None, "tensor"))
+        self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
 
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
         """Grouped matmuls over token copies sorted by expert. ``x [N,H]``, ``weights/ids [N,k]``."""

@@ -1,0 +1,113 @@
+"""DFlash drafter: cached vs cache-free drafting, non-causal block, context growth, save/load."""
+
+from __future__ import annotations
+
+import json
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ddtree_jax.checkpoints import load_drafter, save_checkpoint
+from ddtree_jax.models import DFlashConfig, default_target_layer_ids
+from tests._model_fixtures import VOCAB, tiny_dflash, tiny_kimi
+
+H = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_kimi(5)
+
+
+propose = nnx.jit(lambda drafter, target, cache, last: drafter.propose(target, cache, last))
+draft_uncached = nnx.jit(lambda drafter, target, ctx, last: drafter(target, ctx, last))
+append = nnx.jit(lambda drafter, cache, hidden, counts: drafter.append_context(cache, hidden, counts))
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(61, 3) == (1, 30, 58)
+
+
+def test_config_from_published_style_json():
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+           "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+           "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "num_target_layers": 36, "rms_norm_eps": 1e-6,
+           "rope_theta": 1000000, "layer_types": ["full_attention"] * 5, "sliding_window": None,
+           "hidden_act": "silu", "attention_bias": False, "vocab_size": 151936}
+    cfg = DFlashConfig.from_hf_dict(raw)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.block_size == 16 and cfg.mask_token_id == 151669
+    assert DFlashConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    no_ids = {**raw, "dflash_config": {"mask_token_id": 7}}
+    assert DFlashConfig.from_hf_dict(no_ids).target_layer_ids == (1, 9, 17, 25, 33)
+    with pytest.raises(ValueError, match="layer_types"):
+        DFlashConfig.from_hf_dict({**raw, "layer_types": ["full_attention"] * 4})
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        DFlashConfig.from_hf_dict({**raw, "dflash_config": {"mask_token_id": 7, "target_layer_ids": [40]}})
+
+
+@pytest.mark.parametrize("layer_types,window", [
+    (("full_attention", "full_attention"), None),
+    (("sliding_attention", "full_attention"), 6),
+])
+def test_cached_context_equals_uncached_and_grows_by_accepted_only(target, layer_types, window):
+    drafter = tiny_dflash(target, layer_types=layer_types, sliding_window=window)
+    rng = np.random.default_rng(0)
+    b, n_feat = 2, len(drafter.config.target_layer_ids) * H
+    cache = drafter.init_cache(b, 32)
+    accepted = [[], []]
+    for counts in ([7, 4], [3, 5], [1, 2]):  # rounds of accepted tokens; the rest of each chunk is junk
+        chunk = rng.normal(size=(b, 5 if max(counts) <= 5 else 7, n_feat)).astype(np.float32)
+        old = np.asarray(cache.lengths)
+        cache = append(drafter, cache, jnp.asarray(chunk), jnp.asarray(counts))
+        np.testing.assert_array_equal(cache.lengths, old + np.array(counts))
+        for r in range(b):
+            accepted[r].extend(chunk[r, :counts[r]])
+    last = jnp.asarray(rng.integers(0, VOCAB - 1, (b,)))
+    logits = propose(drafter, target, cache, last)
+    chex.assert_shape(logits, (b, drafter.config.block_size - 1, VOCAB))
+    for r in range(b):
+        want = draft_uncached(drafter, target, jnp.asarray(np.stack(accepted[r]))[None], last[r:r + 1])
+        np.testing.assert_allclose(logits[r], want[0], rtol=1e-4, atol=1e-4)
+
+
+class _ShiftLastBlockEmbedding:
+    """A target whose embedding of the LAST block position is shifted: tests non-causality."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def embed(self, tokens):
+        return self.target.embed(tokens).at[:, -1].add(1.0)
+
+    def lm_logits(self, hidden):
+        return self.target.lm_logits(hidden)
+
+
+def test_block_attention_is_non_causal(target):
+    drafter = tiny_dflash(target)
+    ctx = jnp.asarray(np.random.default_rng(1).normal(size=(1, 6, 2 * H)), jnp.float32)
+    last = jnp.asarray([3])
+    base = drafter(target, ctx, last)
+    shifted = drafter(_ShiftLastBlockEmbedding(target), ctx, last)
+    # depth 1 sits before the changed position: it must still see it
+    assert np.abs(np.asarray(base[0, 0] - shifted[0, 0])).max() > 1e-3
+
+
+def test_save_load_round_trip(tmp_path, target):
+    drafter = tiny_dflash(target)
+    save_checkpoint(drafter, str(tmp_path))
+    loaded = load_drafter(str(tmp_path), target, dtype=jnp.float32)
+    assert loaded.config == drafter.config
+    ctx = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 2 * H)), jnp.float32)
+    last = jnp.asarray([1, 2])
+    np.testing.assert_array_equal(draft_uncached(loaded, target, ctx, last), draft_uncached(drafter, target, ctx, last))
+    bad = drafter.config.to_hf_dict() | {"num_target_layers": 4}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="num_target_layers"):
+        load_drafter(str(tmp_path), target)
