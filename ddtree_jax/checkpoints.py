@@ -258,18 +258,26 @@ def save_checkpoint(model: KimiForCausalLM | DFlashDrafter, path: str, *,
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model.config.to_hf_dict(), f, indent=2)
-    names = [n for n, part in _hf_parts(model).items() if len(part.covers) == 1]  # skip fused aliases
     parts = _hf_parts(model)
+    names = [n for n, part in parts.items() if len(part.covers) == 1]  # per-expert names, not fused aliases
     sizes = {n: int(np.prod(parts[n].hf_shape)) * parts[n].dest.var.dtype.itemsize for n in names}
     groups: list[list[str]] = [[]]
+    group_bytes = 0
     for n in names:
-        if max_shard_bytes is not None and groups[-1] and sum(sizes[m] for m in groups[-1]) + sizes[n] > max_shard_bytes:
+        if max_shard_bytes is not None and groups[-1] and group_bytes + sizes[n] > max_shard_bytes:
             groups.append([])
+            group_bytes = 0
         groups[-1].append(n)
+        group_bytes += sizes[n]
+
+    host: dict[int, np.ndarray] = {}  # the current parameter on the host (a stacked one serves 2E names)
 
     def tensor(n):
         part = parts[n]
-        value = np.asarray(part.dest.var[...])[part.index]
+        if id(part.dest) not in host:
+            host.clear()
+            host[id(part.dest)] = np.asarray(part.dest.var[...])
+        value = host[id(part.dest)][part.index]
         return np.ascontiguousarray(np.transpose(value, np.argsort(part.axes)))
 
     if len(groups) == 1:

@@ -21,12 +21,13 @@ from flax import nnx
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
     """Random N(0, 1/fan_in) weights: large enough that tiny random test models are not trivial.
 
-    Drawn on the host from the key's bits: eager ``jax.random`` compiles once per shape, which
-    dominates building a model on CPU. Under tracing (``nnx.eval_shape``) only shapes matter.
+    Drawn on the host from the key's bits when eager: eager ``jax.random`` compiles once per shape,
+    which dominates building a tiny model on CPU. Under tracing (``nnx.jit``/``nnx.eval_shape``
+    construction, e.g. large models built on device) it uses ``jax.random``.
     """
     key = rngs.params()
     if isinstance(key, jax.core.Tracer):
-        return jax.random.normal(key, shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
     return jnp.asarray((rng.standard_normal(shape, np.float32) / math.sqrt(fan_in)).astype(dtype))
 

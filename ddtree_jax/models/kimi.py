@@ -426,24 +426,26 @@ class KimiForCausalLM(nnx.Module):
                        jnp.zeros((batch,), jnp.int32))
 
     def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache, *,
-                hidden_layer_ids: tuple[int, ...] = ()):
+                hidden_layer_ids: tuple[int, ...] = (), dense_experts: bool = False):
         """Append a causal chunk after each row's prefix (a prompt into an empty slot, or a decode step).
 
         ``input_ids [B,T]`` right-padded, ``lengths [B]`` valid tokens per row (0 leaves a row
         untouched). Needs ``cache.lengths + T <= max_len``. Returns ``(logits [B,T,V] float32,
         hidden tuple of [B,T,H] after each requested layer, cache)``; the lengths advance by
-        ``lengths``. Outputs at padded positions are meaningless.
+        ``lengths``. Outputs at padded positions are meaningless. ``dense_experts`` runs the dense
+        reference MoE (benchmarks).
         """
         b, t = input_ids.shape
         chex.assert_shape(lengths, (b,))
         start = cache.lengths
         positions = start[:, None] + jnp.arange(t)[None]
         block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        logits, hidden, cache = self._run_cached(input_ids, positions, block_mask, cache, hidden_layer_ids)
+        logits, hidden, cache = self._run_cached(input_ids, positions, block_mask, cache, hidden_layer_ids,
+                                                 dense_experts)
         return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
 
     def verify(self, tokens: jax.Array, depths: jax.Array, ancestor_mask: jax.Array, cache: KVCache, *,
-               hidden_layer_ids: tuple[int, ...] = ()):
+               hidden_layer_ids: tuple[int, ...] = (), dense_experts: bool = False):
         """Score a tree block of ``T`` nodes per row (node 0 is the root: the last committed token).
 
         ``tokens [B,T]``, ``depths [B,T]`` (root 0; position = ``lengths + depth``),
@@ -456,7 +458,7 @@ class KimiForCausalLM(nnx.Module):
         chex.assert_shape([depths, ancestor_mask], [(b, t), (b, t, t)])
         positions = cache.lengths[:, None] + depths
         block_mask = ancestor_mask | jnp.eye(t, dtype=bool)[None]
-        return self._run_cached(tokens, positions, block_mask, cache, hidden_layer_ids)
+        return self._run_cached(tokens, positions, block_mask, cache, hidden_layer_ids, dense_experts)
 
     @staticmethod
     def commit(cache: KVCache, accepted: jax.Array, counts: jax.Array) -> KVCache:
@@ -477,7 +479,7 @@ class KimiForCausalLM(nnx.Module):
 
     # ---- shared trunk ----
 
-    def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids):
+    def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids, dense_experts):
         """Run a block written at ``cache.lengths``; ``block_mask [B,T,T]`` says which block
         tokens see which (the whole prefix is always visible)."""
         b, t = tokens.shape
@@ -487,7 +489,7 @@ class KimiForCausalLM(nnx.Module):
         block_part = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None],
                                                                       (b, t, cache.max_len)), axis=2)
         mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_part)
-        logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, False)
+        logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts)
         latent = jnp.stack([r[0] for r in rows])
         k_rope = jnp.stack([r[1] for r in rows])
         return logits, hidden, KVCache(latent, k_rope, start)
