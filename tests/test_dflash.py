@@ -89,14 +89,48 @@ class _ShiftLastBlockEmbedding:
         return self.target.lm_logits(hidden)
 
 
-def test_block_attention_is_non_causal(target):
-    drafter = tiny_dflash(target)
+@pytest.mark.parametrize("is_causal", [None, True])
+def test_block_attention_is_non_causal(target, is_causal):
+    drafter = tiny_dflash(target, is_causal=is_causal)
     ctx = jnp.asarray(np.random.default_rng(1).normal(size=(1, 6, 2 * H)), jnp.float32)
     last = jnp.asarray([3])
-    base = drafter(target, ctx, last)
+    base = drafter(target, ctx, last)  # eager: the wrapper target is not an nnx graph node
     shifted = drafter(_ShiftLastBlockEmbedding(target), ctx, last)
-    # depth 1 sits before the changed position: it must still see it
-    assert np.abs(np.asarray(base[0, 0] - shifted[0, 0])).max() > 1e-3
+    # depth 1 sits before the changed last position: non-causal attention sees the change
+    change = np.abs(np.asarray(base[0, 0] - shifted[0, 0])).max()
+    assert change > 1e-3 if is_causal is None else change == 0
+    assert np.abs(np.asarray(base[0, -1] - shifted[0, -1])).max() > 1e-3
+
+
+def test_sliding_window(target):
+    """A window wider than every distance changes nothing; a narrow one hides far context."""
+    ctx = jnp.asarray(np.random.default_rng(3).normal(size=(1, 12, 2 * H)), jnp.float32)
+    last = jnp.asarray([5])
+    full = draft_uncached(tiny_dflash(target, is_causal=False), target, ctx, last)
+    sliding = ("sliding_attention", "sliding_attention")
+    wide = draft_uncached(tiny_dflash(target, layer_types=sliding, sliding_window=64, is_causal=False),
+                          target, ctx, last)
+    narrow = draft_uncached(tiny_dflash(target, layer_types=sliding, sliding_window=4, is_causal=False),
+                            target, ctx, last)
+    np.testing.assert_array_equal(wide, full)
+    assert np.abs(np.asarray(narrow - full)).max() > 1e-3
+    # with window 4, context more than 3 positions before the block is invisible
+    far_changed = ctx.at[:, :6].add(1.0)
+    narrow2 = draft_uncached(tiny_dflash(target, layer_types=sliding, sliding_window=4, is_causal=False),
+                             target, far_changed, last)
+    np.testing.assert_array_equal(narrow2, narrow)
+
+
+def test_parameter_names_are_the_published_ones(target):
+    """Tensor names of z-lab/dflash ``DFlashDraftModel`` checkpoints (1 layer shown)."""
+    from ddtree_jax.checkpoints import _hf_parts
+
+    drafter = tiny_dflash(target, num_hidden_layers=1, layer_types=("full_attention",))
+    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+             "mlp.up_proj.weight", "mlp.down_proj.weight"] + [
+        f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.0.{n}" for n in layer}
+    assert set(_hf_parts(drafter)) == want
 
 
 def test_save_load_round_trip(tmp_path, target):

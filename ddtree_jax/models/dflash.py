@@ -6,7 +6,8 @@ embedded with the TARGET's embedding; output: logits at depths ``1 .. block_size
 target's LM head (after the drafter's own final norm). Conditioning: the target's hidden states
 after ``target_layer_ids`` (concatenated on features) go through ``fc`` + ``hidden_norm``; in every
 layer the keys/values are ``[proj(context) ; proj(block)]`` and the queries come from the block
-only; attention is non-causal. The projected context K/V are cached per layer
+only; attention is non-causal (upstream makes sliding-window layers causal unless the config
+sets ``is_causal``; so do we). The projected context K/V are cached per layer
 (``DraftCache``) and grow only by accepted tokens.
 
 The target is passed to the calls that need it: any object with ``embed(tokens) -> [..., H]``
@@ -54,6 +55,7 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     layer_types: tuple[str, ...]
     sliding_window: int | None = None
+    is_causal: bool | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
@@ -76,6 +78,14 @@ class DFlashConfig:
         require("sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0, self,
                 "sliding_window", "sliding_attention layers need a positive sliding_window")
         require(self.mask_token_id >= 0, self, "mask_token_id", "must be >= 0")
+
+    def layer_is_causal(self, layer: int) -> bool:
+        """Whether block tokens see only earlier block tokens in ``layer``. Upstream z-lab/dflash:
+        ``is_causal`` when the config sets it, else causal exactly in sliding-window layers (so
+        the published drafters, all full attention, are non-causal)."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[layer] == "sliding_attention"
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
@@ -105,7 +115,8 @@ class DFlashConfig:
             mask_token_id=get("mask_token_id"),
             target_layer_ids=tuple(ids) if ids is not None else default_target_layer_ids(target_layers, layers),
             layer_types=tuple(get("layer_types", None) or ("full_attention",) * layers),
-            sliding_window=get("sliding_window", None), rms_norm_eps=get("rms_norm_eps", 1e-6),
+            sliding_window=get("sliding_window", None), is_causal=get("is_causal", None),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
             max_position_embeddings=get("max_position_embeddings", 40960), vocab_size=get("vocab_size", None))
 
@@ -251,11 +262,13 @@ class DFlashDrafter(nnx.Module):
         cos, sin = rope_cos_sin(block_pos, cfg.rope_inv_freq())
         key_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
         valid = jnp.concatenate([ctx_valid, jnp.ones_like(block_pos, bool)], axis=1)[:, None, :]
-        dist = jnp.abs(block_pos[:, :, None] - key_pos[:, None, :])
+        offset = block_pos[:, :, None] - key_pos[:, None, :]  # query position - key position
         for i, layer in enumerate(self.layers):
             mask = valid
+            if cfg.layer_is_causal(i):
+                mask = mask & (offset >= 0)
             if cfg.layer_types[i] == "sliding_attention":
-                mask = valid & (dist < cfg.sliding_window)
+                mask = mask & (jnp.abs(offset) < cfg.sliding_window)
             x = layer(x, cos, sin, k_ctx[i], v_ctx[i], mask)
         return target.lm_logits(self.norm(x)[:, 1:])
 
