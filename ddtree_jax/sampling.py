@@ -245,6 +245,8 @@ def sample_tree_nodes(
     node_logits: jax.Array,
     sampling: SamplingParams | Sequence[SamplingParams] | SamplingBatch,
     key: jax.Array,
+    *,
+    impl: str = "auto",
 ) -> jax.Array:
     """Applies the target's decoding rule independently at every tree node (reference).
 
@@ -253,10 +255,18 @@ def sample_tree_nodes(
       sampling: one ``SamplingParams`` for all, one per request, or a ``SamplingBatch``.
         Greedy and sampled requests can share a batch.
       key: one PRNG key (split per request by ``per_row_keys``) or ``[B]`` keys.
+      impl: "auto" (the fused Pallas kernel on GPU, this reference elsewhere), "pallas" (the
+        kernel; interpret mode off GPU) or "reference". The kernel draws from the same law with
+        its own random stream: node m of request b uses the seed words of
+        ``fold_in(per_row_keys(key)[b], m)``, so a request's draws still depend only on its own
+        key (seed), never on its batch position or neighbours.
 
     Returns:
       ``[B, M]`` int32 tokens; ``INVALID_TOKEN`` (-1) for rows with invalid logits.
     """
+    from pallas_kernels._dispatch import resolve_impl
+
+    use_kernel, interpret = resolve_impl(impl)
     node_logits = jnp.asarray(node_logits)
     if node_logits.ndim != 3:
         raise ValueError(f"node_logits must be [B, M, V], got shape {node_logits.shape}")
@@ -264,4 +274,22 @@ def sample_tree_nodes(
         raise ValueError(f"node_logits must be floating point, got {node_logits.dtype}")
     B = node_logits.shape[0]
     params = batch_sampling(sampling, B)
-    return _sample_tree_nodes(node_logits, params, per_row_keys(jnp.asarray(key), params))
+    keys = per_row_keys(jnp.asarray(key), params)
+    if use_kernel:
+        return _sample_tree_nodes_kernel(node_logits, params, keys, interpret=interpret)
+    return _sample_tree_nodes(node_logits, params, keys)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _sample_tree_nodes_kernel(node_logits, params: SamplingBatch, keys, interpret: bool):
+    from pallas_kernels.fused_sampling import fused_sample
+
+    B, M, V = node_logits.shape
+    node_keys = jax.vmap(lambda k: jax.vmap(lambda m: jax.random.fold_in(k, m))(jnp.arange(M, dtype=jnp.uint32)))(keys)
+    seeds = jax.random.key_data(node_keys).reshape(B * M, -1)[:, :2].astype(jnp.uint32)
+    rep = lambda a: jnp.repeat(a, M)
+    tokens = fused_sample(
+        node_logits.reshape(B * M, V), rep(params.temperature), rep(params.top_k), rep(params.top_p), rep(params.min_p),
+        seeds, interpret=interpret,
+    )
+    return tokens.reshape(B, M)

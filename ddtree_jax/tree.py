@@ -90,21 +90,30 @@ def _check_draft_logits(draft_logits) -> jax.Array:
     return draft_logits
 
 
-def build_draft_tree(draft_logits: jax.Array, budget: int) -> DraftTree:
+def build_draft_tree(draft_logits: jax.Array, budget: int, *, impl: str = "auto") -> DraftTree:
     """DDTree: the ``budget`` best prefixes under the drafter's per-depth marginals.
 
     Args:
       draft_logits: ``[B, L, V]``, the drafter's logits for depths 1..L.
       budget: number of non-root nodes N (>= 1). Trees with fewer possible nodes than N
         (tiny V and L) fill the rest with invalid slots.
+      impl: "auto" (the Pallas builder on GPU, this jit loop elsewhere), "pallas" (the kernel;
+        interpret mode off GPU) or "reference". Both give identical trees.
 
     Returns:
       ``DraftTree`` with ``budget + 1`` slots; nodes in creation order, so scores are
       non-increasing and siblings appear in descending draft probability.
     """
+    from pallas_kernels._dispatch import resolve_impl
+
+    use_kernel, interpret = resolve_impl(impl)
     draft_logits = _check_draft_logits(draft_logits)
     if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    if use_kernel:
+        from pallas_kernels.tree_builder import build_draft_tree_pallas
+
+        return build_draft_tree_pallas(draft_logits, int(budget), interpret=interpret)
     return _build_draft_tree(draft_logits, int(budget))
 
 

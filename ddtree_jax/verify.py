@@ -48,16 +48,21 @@ class AcceptResult:
     committed: jax.Array
 
 
-def accept_path(tree: DraftTree, node_samples: jax.Array) -> AcceptResult:
+def accept_path(tree: DraftTree, node_samples: jax.Array, *, impl: str = "auto") -> AcceptResult:
     """Walks each request's tree with the target's per-node samples.
 
     Args:
       tree: ``DraftTree`` with M node slots.
       node_samples: i32 ``[B, M]``, the target's draw at every node (``sample_tree_nodes``).
+      impl: "auto" (the Pallas walk kernel on GPU, this reference elsewhere), "pallas" (the
+        kernel; interpret mode off GPU) or "reference". Both give identical results.
 
     Returns:
       ``AcceptResult``.
     """
+    from pallas_kernels._dispatch import resolve_impl
+
+    use_kernel, interpret = resolve_impl(impl)
     if not isinstance(tree, DraftTree):
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     node_samples = jnp.asarray(node_samples)
@@ -65,6 +70,10 @@ def accept_path(tree: DraftTree, node_samples: jax.Array) -> AcceptResult:
         raise ValueError(f"node_samples must have the tree's shape [B, M] = {tree.tokens.shape}, got {node_samples.shape}")
     if not jnp.issubdtype(node_samples.dtype, jnp.integer):
         raise ValueError(f"node_samples must be integer token ids, got {node_samples.dtype}")
+    if use_kernel:
+        from pallas_kernels.tree_walk import accept_path_pallas
+
+        return accept_path_pallas(tree, node_samples.astype(jnp.int32), interpret=interpret)
     return _accept_path(tree, node_samples.astype(jnp.int32))
 
 

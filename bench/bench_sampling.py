@@ -1,0 +1,346 @@
+"""Fused sampling kernel on the GPU: correctness checks, then timings against the plain-JAX
+reference, a sort-based plain-JAX pipeline and a PyTorch serving-style pipeline.
+
+Run on the H200 (results JSON + markdown under $OUT, or bench/results/ by default):
+
+    PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_sampling.py [--quick]
+
+V = 163840, rows R in {64, 512, 2048}, bf16 logits; configurations greedy, T=0.7 and
+T=0.7 + top_k=50 + top_p=0.9; Gaussian rows and "realistic" rows (log-probs ~ -a log(rank)
+under a random permutation: a few high logits, a long tail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ddtree_jax.sampling import SamplingBatch, target_logprobs  # noqa: E402
+from pallas_kernels import fused_sampling as fs  # noqa: E402
+
+V = 163840
+ROWS = (64, 512, 2048)
+CONFIGS = {
+    "greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
+    "T0.7": dict(temperature=0.7, top_k=0, top_p=1.0),
+    "T0.7_k50_p0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+}
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def make_logits(kind: str, R: int, V: int, seed: int, dtype=jnp.bfloat16):
+    key = jax.random.key(seed)
+    if kind == "gaussian":
+        return (jax.random.normal(key, (R, V), jnp.float32) * 2.0).astype(dtype)
+    # realistic: logit of rank r is -a*log(r+1) (a ~ 1.1..1.6), randomly permuted per row
+    k1, k2 = jax.random.split(key)
+    a = jax.random.uniform(k1, (R, 1), minval=1.1, maxval=1.6)
+    base = -a * jnp.log(jnp.arange(1, V + 1, dtype=jnp.float32))[None, :]
+    perm = jax.vmap(lambda k: jax.random.permutation(k, V))(jax.random.split(k2, R))
+    return (jnp.take_along_axis(base, perm, axis=1) + 5.0).astype(dtype)
+
+
+def batch_params(R, temperature, top_k, top_p, min_p=0.0):
+    return SamplingBatch(
+        temperature=jnp.full((R,), temperature, jnp.float32), top_k=jnp.full((R,), top_k, jnp.int32),
+        top_p=jnp.full((R,), top_p, jnp.float32), min_p=jnp.full((R,), min_p, jnp.float32),
+        seed=jnp.zeros((R,), jnp.uint32), has_seed=jnp.zeros((R,), bool),
+    )
+
+
+def seeds_for(R, s):
+    return jax.random.randint(jax.random.key(s), (R, 2), 0, 2**31 - 1).astype(jnp.uint32)
+
+
+def kernel_fn(**kw):
+    return jax.jit(lambda x, p, seeds: fs.fused_sample(x, p.temperature, p.top_k, p.top_p, p.min_p, seeds, **kw))
+
+
+ref_fn = jax.jit(lambda x, p, key: fs.reference_sample(x, p, key))
+
+
+@jax.jit
+def sort_pipeline(x, p, key):
+    """Sort-based plain JAX, the usual way: sort once, top-k mask, top-p by cumsum, categorical."""
+    z = x.astype(jnp.float32) / jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
+    order = jnp.argsort(-z, axis=-1)
+    zs = jnp.take_along_axis(z, order, axis=-1)
+    rank = jnp.arange(z.shape[-1])[None, :]
+    k = jnp.where(p.top_k > 0, p.top_k, z.shape[-1])[:, None]
+    zs = jnp.where(rank < k, zs, -jnp.inf)
+    probs = jax.nn.softmax(zs, axis=-1)
+    excl = jnp.cumsum(probs, axis=-1) - probs
+    zs = jnp.where(excl < p.top_p[:, None], zs, -jnp.inf)
+    pick = jax.random.categorical(key, zs, axis=-1)
+    tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+    return jnp.where(p.temperature > 0, tok, jnp.argmax(x, axis=-1)).astype(jnp.int32)
+
+
+def time_it(fn, args_list, iters=20, repeats=5):
+    """Median over `repeats` of the mean time of `iters` back-to-back calls (inputs rotated)."""
+    out = fn(*args_list[0])
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            out = fn(*args_list[i % len(args_list)])
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / iters)
+    return float(np.median(ts))
+
+
+def copy_bandwidth():
+    """bytes read + written per second of a large device-to-device copy (JAX), and torch's."""
+    x = jax.random.normal(jax.random.key(0), (2048, V), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t = time_it(f, [(x,)], iters=20)
+    bw_jax = 2 * x.size * 2 / t
+    bw_torch = None
+    try:
+        import torch
+
+        a = torch.empty(2048 * V, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        bw_torch = 2 * a.numel() * 2 / (e0.elapsed_time(e1) / 1e3 / 20)
+        del a, b
+    except Exception as e:  # noqa: BLE001
+        log("torch copy failed:", e)
+    return bw_jax, bw_torch
+
+
+def torch_pipeline_timer():
+    import torch
+
+    def sample(logits, T, k, p):
+        # serving engines: softmax -> top-k renormalise -> top-p renormalise -> multinomial
+        if T == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / T, dim=-1)
+        if k > 0:
+            v, i = probs.topk(k, dim=-1)
+            probs = torch.zeros_like(probs).scatter_(-1, i, v)
+            probs = probs / probs.sum(-1, keepdim=True)
+        if p < 1.0:
+            sp, si = probs.sort(dim=-1, descending=True)
+            cum = sp.cumsum(-1)
+            sp = torch.where(cum - sp < p, sp, torch.zeros_like(sp))
+            probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return torch.multinomial(probs, 1)[:, 0]
+
+    def run(xs, T, k, p, iters=10, repeats=3):
+        sample(xs[0], T, k, p)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(repeats):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for i in range(iters):
+                sample(xs[i % len(xs)], T, k, p)
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3 / iters)
+        return float(np.median(ts))
+
+    return run
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def checks(quick: bool) -> dict:
+    """Kernel vs reference on the GPU: greedy bit-equal, kept sets equal, draws in support,
+    invalid rows, a chi-square test of the law. Returns a dict of results."""
+    res = {}
+    rng = np.random.default_rng(1)
+    for V_, R_, dtype in [(163840, 64, jnp.bfloat16), (50000, 48, jnp.float32), (1000, 64, jnp.float32), (37, 16, jnp.float32)]:
+        x = np.array(make_logits("gaussian" if V_ % 2 else "realistic", R_, V_, int(rng.integers(1 << 30)), dtype).astype(jnp.float32))
+        x[0, 3] = np.nan
+        x[1, :] = -np.inf
+        x[2, 5] = np.inf
+        x[3, :V_ // 2] = -np.inf
+        temp = rng.choice([0.0, 0.5, 0.7, 1.0, 1.5], R_).astype(np.float32)
+        topk = rng.choice([0, 0, 1, 5, 50, 128, 200], R_).astype(np.int32)
+        topp = rng.choice([1.0, 0.9, 0.5, 0.95], R_).astype(np.float32)
+        minp = rng.choice([0.0, 0.0, 0.05], R_).astype(np.float32)
+        xd = jnp.asarray(x).astype(dtype)
+        pb = SamplingBatch(jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), jnp.asarray(minp), jnp.zeros(R_, jnp.uint32), jnp.zeros(R_, bool))
+        out = jax.tree.map(np.asarray, fs.fused_sample_debug(xd, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(R_, 3)))
+        lp = np.asarray(target_logprobs(xd[:, None], pb))[:, 0]
+        xf = np.asarray(xd.astype(jnp.float32))
+        bad = []
+        for r in range(R_):
+            if np.isnan(lp[r]).any():
+                if out["token"][r] != -1:
+                    bad.append((r, "invalid row gave", int(out["token"][r])))
+                continue
+            if temp[r] == 0:
+                if out["token"][r] != int(np.argmax(xf[r])):
+                    bad.append((r, "greedy", int(out["token"][r]), int(np.argmax(xf[r]))))
+                continue
+            ref_keep = lp[r] > -np.inf
+            z = np.asarray(jnp.asarray((xf[r] - xf[r].max())) / jnp.float32(temp[r]))
+            with np.errstate(all="ignore"):
+                q = np.exp(z.astype(np.float64)) / out["norm"][r]
+                kk = (z >= out["tau"][r]) & (z > -np.inf) & (q >= out["q_thr"][r])
+                # the boundary element has q == q_thr in the kernel's float32: ignore a 1e-5 band
+                band = np.abs(q - out["q_thr"][r]) <= 1e-5 * out["q_thr"][r]
+            if not (kk == ref_keep)[~band].all():
+                bad.append((r, "kept differs", int(kk.sum()), int(ref_keep.sum()), int(out["path"][r]), float(temp[r]), int(topk[r]), float(topp[r]), float(minp[r])))
+            if not ref_keep[out["token"][r]]:
+                bad.append((r, "draw outside support", int(out["token"][r])))
+        paths = np.bincount(out["path"], minlength=4).tolist()
+        res[f"V{V_}_{np.dtype(dtype).name}"] = dict(rows=R_, mismatches=bad[:10], n_bad=len(bad), paths=paths)
+        log(f"check V={V_} {np.dtype(dtype).name}: {len(bad)} mismatches, paths {paths}", bad[:3])
+    # chi-square: one row repeated with different seeds, V = 40, three parameter sets
+    from scipy import stats
+
+    n = 20000 if quick else 100000
+    base = rng.standard_normal(40).astype(np.float32) * 1.5
+    chi = {}
+    for name, (T, k, p, m) in {"T1": (1.0, 0, 1.0, 0.0), "T0.7_k10_p0.9": (0.7, 10, 0.9, 0.0), "T1.3_p0.8_minp": (1.3, 0, 0.8, 0.05)}.items():
+        xs = jnp.broadcast_to(jnp.asarray(base), (n, 40))
+        pb = batch_params(n, T, k, p, m)
+        tok = np.asarray(fs.fused_sample(xs, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(n, 11)))
+        prob = np.exp(np.asarray(target_logprobs(jnp.asarray(base)[None, None], batch_params(1, T, k, p, m)))[0, 0].astype(np.float64))
+        counts = np.bincount(tok, minlength=40)
+        sup = prob > 0
+        outside = int(counts[~sup].sum())
+        st = stats.chisquare(counts[sup], prob[sup] / prob[sup].sum() * n)
+        chi[name] = dict(n=n, outside_support=outside, chi2=float(st.statistic), p_value=float(st.pvalue), support=int(sup.sum()))
+        log(f"chi-square {name}: p={st.pvalue:.3g}, outside support {outside}")
+    res["chi_square"] = chi
+    return res
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def timings(quick: bool, bw: float) -> list[dict]:
+    rows = []
+    torch_run = None
+    try:
+        import torch  # noqa: F401
+
+        torch_run = torch_pipeline_timer()
+    except Exception as e:  # noqa: BLE001
+        log("torch unavailable:", e)
+    kern = kernel_fn()
+    for kind in ("gaussian", "realistic"):
+        for R in ROWS:
+            nsets = 3
+            xs = [make_logits(kind, R, V, 100 + i) for i in range(nsets)]
+            nbytes = R * V * 2
+            for cname, c in CONFIGS.items():
+                p = batch_params(R, **c)
+                entry = dict(logits=kind, R=R, config=cname, bytes=nbytes)
+                variants = {
+                    "kernel": (kern, [(x, p, seeds_for(R, i)) for i, x in enumerate(xs)], 20),
+                    "jax_reference": (ref_fn, [(x, p, jax.random.key(i)) for i, x in enumerate(xs)], 3),
+                    "jax_sort": (sort_pipeline, [(x, p, jax.random.key(i)) for i, x in enumerate(xs)], 3),
+                }
+                if quick and R == 2048:
+                    variants.pop("jax_reference")
+                for vname, (fn, args, iters) in variants.items():
+                    try:
+                        t = time_it(fn, args, iters=iters, repeats=3 if iters < 10 else 5)
+                        entry[vname + "_ms"] = t * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        entry[vname + "_ms"] = None
+                        log(f"{vname} failed: {type(e).__name__}: {str(e)[:300]}")
+                if torch_run is not None:
+                    try:
+                        import torch
+
+                        txs = [torch.utils.dlpack.from_dlpack(x) for x in xs]
+                        entry["torch_ms"] = torch_run(txs, c["temperature"], c["top_k"], c["top_p"]) * 1e3
+                    except Exception as e:  # noqa: BLE001
+                        entry["torch_ms"] = None
+                        log(f"torch failed: {type(e).__name__}: {str(e)[:300]}")
+                if entry.get("kernel_ms"):
+                    entry["kernel_GBps"] = nbytes / (entry["kernel_ms"] / 1e3) / 1e9
+                    entry["kernel_frac_copy_bw"] = nbytes / (entry["kernel_ms"] / 1e3) / bw
+                    for o in ("jax_reference", "jax_sort", "torch"):
+                        if entry.get(o + "_ms"):
+                            entry[f"speedup_vs_{o}"] = entry[o + "_ms"] / entry["kernel_ms"]
+                rows.append(entry)
+                log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items()}))
+            del xs
+    return rows
+
+
+def markdown(meta, res, rows) -> str:
+    L = [f"# Fused sampling kernel, {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
+         f"Copy bandwidth (read+write, bf16, 671 MB): JAX {meta['copy_bw_jax'] / 1e12:.2f} TB/s, torch "
+         f"{(meta['copy_bw_torch'] or 0) / 1e12:.2f} TB/s; fractions below use the larger.", "",
+         "| logits | R | config | kernel ms | GB/s | % copy BW | JAX reference ms | JAX sort ms | torch ms | x ref | x sort | x torch |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for e in rows:
+        L.append(f"| {e['logits']} | {e['R']} | {e['config']} | {f(e.get('kernel_ms'))} | {f(e.get('kernel_GBps'), 0)} | "
+                 f"{f(100 * e['kernel_frac_copy_bw'] if e.get('kernel_frac_copy_bw') else None, 0)} | {f(e.get('jax_reference_ms'))} | "
+                 f"{f(e.get('jax_sort_ms'))} | {f(e.get('torch_ms'))} | {f(e.get('speedup_vs_jax_reference'), 1)} | "
+                 f"{f(e.get('speedup_vs_jax_sort'), 1)} | {f(e.get('speedup_vs_torch'), 1)} |")
+    L += ["", "Checks on the GPU:", "", "```", json.dumps(res, indent=1), "```", ""]
+    return "\n".join(L)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 " + " ".join(sys.argv))
+    log("device", meta["device"], "jax", jax.__version__)
+    res = {}
+    if not args.skip_checks:
+        try:
+            res = checks(args.quick)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    bw_jax, bw_torch = copy_bandwidth()
+    meta.update(copy_bw_jax=bw_jax, copy_bw_torch=bw_torch)
+    log(f"copy bandwidth: jax {bw_jax / 1e12:.2f} TB/s, torch {(bw_torch or 0) / 1e12:.2f} TB/s")
+    rows = timings(args.quick, max(bw_jax, bw_torch or 0))
+    stamp = datetime.datetime.now().strftime("%Y%m%d")
+    with open(os.path.join(args.out, f"sampling_h200_{stamp}.json"), "w") as fh:
+        json.dump(dict(meta=meta, checks=res, rows=rows), fh, indent=1)
+    md = markdown(meta, res, rows)
+    with open(os.path.join(args.out, f"sampling_h200_{stamp}.md"), "w") as fh:
+        fh.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

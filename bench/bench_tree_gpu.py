@@ -1,0 +1,132 @@
+"""Tree builder and accept walk on the GPU: equality checks, then timings of the Pallas builder
+(one program per request) against the plain-JAX jit loop and the CPU heapq builder, and of the
+Pallas walk against the plain-JAX walk. B=16, budget 256, L=15, V=163840 (top-k included).
+
+    PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_tree_gpu.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import ddtree_jax as dt  # noqa: E402
+from ddtree_jax.tree import _build_draft_tree, draft_logprobs  # noqa: E402
+from ddtree_jax.verify import _accept_path  # noqa: E402
+from pallas_kernels.tree_builder import _build_from_topk, ancestor_mask_from_parents, build_draft_tree_pallas, exact_top_k  # noqa: E402
+from pallas_kernels.tree_walk import accept_path_pallas  # noqa: E402
+
+B, BUDGET, L, V = 16, 256, 15, 163840
+FIELDS = ["tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"]
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def time_it(fn, args_list, iters=50, repeats=5):
+    jax.block_until_ready(fn(*args_list[0]))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(iters):
+            out = fn(*args_list[i % len(args_list)])
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / iters)
+    return float(np.median(ts))
+
+
+def draft_logits(seed, B=B, L=L, V=V):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    scale = jax.random.uniform(k1, (B, L, 1), minval=0.5, maxval=4.0)
+    return (jax.random.normal(k2, (B, L, V)) * scale).astype(jnp.bfloat16)
+
+
+def main():
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    dev = jax.devices()[0]
+    meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_tree_gpu.py")
+    res = dict(meta=meta, checks={}, times_us={})
+    # --- equality on fresh random inputs (incl. odd sizes and ties)
+    cases = [(B, L, V, BUDGET, 1), (B, L, V, BUDGET, -5), (3, 7, 1000, 100, 2), (2, 5, 37, 300, 3), (4, 16, 5000, 1023, 4)]
+    for (b, l, v, n, s) in cases:
+        x = draft_logits(abs(s), b, l, v)
+        if s < 0:  # heavy ties (values on a coarse grid): exercises the tie rules and top-k fallback
+            x = (jnp.round(x.astype(jnp.float32) * 2) / 2).astype(jnp.bfloat16)
+        ref = _build_draft_tree(x, n)
+        ker = build_draft_tree_pallas(x, n)
+        diff = [f for f in FIELDS if not np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(ker, f)))]
+        res["checks"][f"build B{b} L{l} V{v} N{n}"] = diff or "equal"
+        log(f"builder B={b} L={l} V={v} N={n}:", diff or "equal")
+        tree = ref.with_root_tokens(jnp.zeros((b,), jnp.int32))
+        tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
+        rng = np.random.default_rng(abs(s))
+        deep = np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 7)
+        smp = np.where(rng.random(tk.shape) < 0.85, deep, rng.integers(0, v, tk.shape)).astype(np.int32)
+        a, r = accept_path_pallas(tree, jnp.asarray(smp)), _accept_path(tree, jnp.asarray(smp))
+        d2 = [f for f in ("path", "num_accepted", "bonus", "committed") if not np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(r, f)))]
+        res["checks"][f"walk B{b} L{l} N{n}"] = d2 or "equal"
+        log(f"walk: {d2 or 'equal'} (accepted {np.asarray(r.num_accepted)[:6]})")
+    # --- timings
+    xs = [draft_logits(100 + i) for i in range(3)]
+    t = res["times_us"]
+    t["jax_loop_total"] = 1e6 * time_it(lambda x: _build_draft_tree(x, BUDGET), [(x,) for x in xs], iters=10)
+    log("jax loop", t["jax_loop_total"])
+    t["pallas_total"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET), [(x,) for x in xs])
+    log("pallas total", t["pallas_total"])
+    t["pallas_total_lax_topk"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, topk="lax"), [(x,) for x in xs], iters=10)
+    t["log_softmax_only"] = 1e6 * time_it(jax.jit(draft_logprobs), [(x,) for x in xs])
+    topk = jax.jit(lambda x: jax.lax.top_k(draft_logprobs(x), BUDGET))
+    t["topk_lax_incl_log_softmax"] = 1e6 * time_it(topk, [(x,) for x in xs], iters=10)
+    t["topk_chunked_incl_log_softmax"] = 1e6 * time_it(jax.jit(lambda x: exact_top_k(draft_logprobs(x), BUDGET)), [(x,) for x in xs])
+    tops = [topk(x) for x in xs]
+    tops = [(a, i.astype(jnp.int32)) for a, i in tops]
+    for nw in (1, 2, 4, 8):
+        t[f"pallas_kernel_only_w{nw}"] = 1e6 * time_it(lambda a, i: _build_from_topk(a, i, budget=BUDGET, V=V, num_warps=nw), tops)
+    tr = build_draft_tree_pallas(xs[0], BUDGET)
+    anc = jax.jit(lambda p, v: ancestor_mask_from_parents(p, v, L))
+    t["ancestor_mask_only"] = 1e6 * time_it(anc, [(tr.parents, tr.valid)])
+    log("parts", {k: round(v, 1) for k, v in t.items()})
+    tree = tr.with_root_tokens(jnp.zeros((B,), jnp.int32))
+    smp = jnp.asarray(np.where(np.asarray(tree.first_child) >= 0, np.take_along_axis(np.asarray(tree.tokens), np.maximum(np.asarray(tree.first_child), 0), 1), 3).astype(np.int32))
+    t["walk_pallas"] = 1e6 * time_it(lambda s: accept_path_pallas(tree, s), [(smp,)])
+    t["walk_jax"] = 1e6 * time_it(lambda s: _accept_path(tree, s), [(smp,)])
+    # --- CPU heapq builder (numpy + heapq), for scale
+    try:
+        from tests._reference import heapq_draft_tree
+
+        logq = np.asarray(draft_logprobs(xs[0]))
+        t0 = time.perf_counter()
+        for b in range(B):
+            heapq_draft_tree(logq[b], BUDGET)
+        t["cpu_heapq_excl_transfer"] = 1e6 * (time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001
+        log("heapq failed", e)
+    log("times_us", json.dumps({k: round(v, 1) for k, v in t.items()}))
+    stamp = datetime.datetime.now().strftime("%Y%m%d")
+    with open(os.path.join(out_dir, f"tree_gpu_h200_{stamp}.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    md = [f"# Tree builder / walk on {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
+          f"B={B}, budget={BUDGET}, L={L}, V={V} (bf16 draft logits; top-k included in totals)", "",
+          "| what | us per round |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in t.items()]
+    md += ["", "Equality checks (kernel vs plain JAX on the GPU):", ""] + [f"- {k}: {v}" for k, v in res["checks"].items()]
+    with open(os.path.join(out_dir, f"tree_gpu_h200_{stamp}.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,457 @@
+"""Fused per-row sampling: the canonical pipeline (temperature, top-k, top-p, min-p) and one
+exact draw per row, without sorting. Reference: ``ddtree_jax.sampling.target_logprobs``.
+
+Backend: the Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``).
+Why not Mosaic GPU: this kernel needs row argmax, cumsum, pointer gathers (candidate chunks) and
+data-dependent control flow (``lax.cond``/``while``); the Triton lowering has all of them, Mosaic GPU
+on our jax versions has no argmax/cumsum lowering and no integer gathers (ALGORITHMS.md section 7),
+and a Triton row-max/argmax pass already ran at ~90% of copy bandwidth on the H200 (section 8).
+We did not build a Mosaic GPU variant to measure against (device-time budget); see the bench
+results for the measured fraction of copy bandwidth this Triton version reaches.
+
+Algorithm (two launches, one program per row each):
+
+1. ``_stats_kernel`` reads the row from HBM once, tile by tile: row max ``M`` and argmax (lowest
+   index on ties: the greedy token), the NaN/+inf/all--inf validity flags, per-tile ``(m_t, s_t)``
+   with ``s_t = sum exp((x - m_t) / T)`` (the unfiltered tile masses), and per-chunk maxima
+   (chunks of 64 columns) for the top-k candidate search.
+2. ``_select_kernel`` chooses per row (``lax.switch`` on per-row flags, so mixed batches pay only
+   for what each row needs):
+
+   * invalid row -> -1; greedy row (T == 0) -> the argmax.
+   * temperature only: two-level inverse CDF with two counter-based uniforms: pick a tile with
+     probability ``w_t = s_t exp((m_t - M)/T)`` / sum, re-read that ONE tile (4096 columns) and
+     pick inside it by a cumulative sum of ``exp(z)``. One HBM pass plus one tile.
+   * top-k (k <= 128) with optional top-p / min-p: the k-th largest chunk maximum ``L`` is a lower
+     bound of the k-th largest value, and every element ``>= L`` lies in the (exactly k, or a few
+     more on ties) chunks whose maximum is ``>= L``. Those chunks (<= 128 x 64 = 8192 values)
+     are gathered (from L2) into registers; the exact top-k threshold, the top-p threshold and the
+     min-p threshold are found there by bisection over float bit patterns (31 count/sum
+     reductions each, no sort), then one draw by inverse CDF over the kept candidates.
+   * anything else (top-p or min-p without top-k, k > 128, more than 128 candidate chunks):
+     the same bisections with full-row passes (correct but ~60 passes: the slow path).
+
+Exactness of the cut: every rule is a threshold on one row, evaluated as in the reference:
+``z = (x - M) / T`` with IEEE division (``div.rn.f32``), top-k keeps ``z >= z_(k)`` (ties kept),
+top-p keeps ``q_v`` iff the mass of ``{q_u > q_v}`` is ``< top_p`` with ``q = exp(z)/S_k`` over the
+top-k set, min-p keeps ``q_v >= min_p * max q``. The top-k set is bit-exact; top-p and min-p can
+differ from the reference only where a value lies within float32 rounding of the boundary (the
+masses are summed in a different order). The draw is exact up to float32 rounding of the masses
+(inverse CDF with 24-bit uniforms at two levels, tile then element).
+
+Random numbers: two uniforms per row from an integer hash (murmur3 finaliser chain) of the row's
+two seed words (``seeds[r] = (k0, k1)``) and a stream index, computed in the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, target_logprobs
+
+__all__ = ["fused_sample", "fused_sample_debug", "reference_sample", "CHUNK", "CAND_CHUNKS"]
+
+CHUNK = 64  # columns per chunk maximum
+CAND_CHUNKS = 128  # candidate chunks gathered for the top-k fast path (k <= CAND_CHUNKS)
+MAX_TILE = 4096
+_INT_MIN = np.int32(np.iinfo(np.int32).min)
+_BIG = np.int32(2**30)
+_ONE_KEY = np.int32(0x3F800000)  # bit pattern of 1.0f
+
+# IEEE division through inline PTX on GPU (set False only to diagnose a toolchain without it).
+EXACT_DIV_ASM = True
+
+PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW = 0, 1, 2, 3
+
+
+def reference_sample(logits: jax.Array, params: SamplingBatch, gumbel_key: jax.Array) -> jax.Array:
+    """Plain-JAX reference: ``target_logprobs`` + Gumbel argmax, rows ``[R, V]`` with per-row
+    params (``params`` fields ``[R]``). Same law as the kernel, different random stream."""
+    logp = target_logprobs(logits[:, None, :], params)[:, 0]
+    g = jax.random.gumbel(gumbel_key, logp.shape, jnp.float32)
+    tok = jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
+    return jnp.where(jnp.isnan(logp[:, 0]), INVALID_TOKEN, tok)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _u32(x):
+    return jnp.asarray(x, jnp.uint32)
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * _u32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _u32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _uniform(s0, s1, stream: int):
+    """Uniform in [0, 1) with 24 bits from (seed words, stream index)."""
+    h = _fmix32(s1 + _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF))
+    h = _fmix32(s0 ^ h)
+    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def _div(a, b, exact_asm: bool):
+    """IEEE round-to-nearest division (Triton's '/' on f32 is div.full, ~2 ulp)."""
+    if not exact_asm:
+        return a / b
+    b = jnp.broadcast_to(b, a.shape)
+    return plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )[0]
+
+
+def _zkey(z):
+    """Monotone int32 key of a float32 (no NaN); -0.0 and +0.0 share key 0."""
+    b = jax.lax.bitcast_convert_type(z, jnp.int32)
+    k = jnp.where(b < 0, b ^ np.int32(0x7FFFFFFF), b)
+    return jnp.where(z == 0, 0, k)
+
+
+def _key_to_float(k):
+    b = jnp.where(k < 0, k ^ np.int32(0x7FFFFFFF), k)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _midpoint(lo, hi):
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+def _bisect(pred_below, lo, hi, iters=32):
+    """Smallest K in (lo, hi] with pred_below(K) true, given pred false at lo, true at hi, and
+    pred monotone. ``pred_below`` is a (traced) function of a scalar int32."""
+
+    def body(_, c):
+        lo, hi = c
+        done = hi <= lo + 1  # (hi - lo could overflow int32)
+        mid = _midpoint(lo, hi)
+        ok = pred_below(mid)
+        nlo = jnp.where(done | ok, lo, mid)
+        nhi = jnp.where(done | ~ok, hi, mid)
+        return nlo, nhi
+
+    _, hi = jax.lax.fori_loop(0, iters, body, (lo, hi))
+    return hi
+
+
+def _sum2(a):
+    return jnp.sum(jnp.sum(a, axis=1), axis=0)
+
+
+def _max2(a):
+    return jnp.max(jnp.max(a, axis=1), axis=0)
+
+
+def _pick(weights, u, iota):
+    """Index of the first ``cumsum(weights) > u * total`` among positive weights (1-D); falls back
+    to the last positive weight (float prefix sums need not be monotone). -1 if none positive."""
+    cw = jnp.cumsum(weights, axis=0)
+    total = jnp.max(cw)
+    big = jnp.int32(_BIG)
+    first = jnp.min(jnp.where((cw > u * total) & (weights > 0), iota, big))
+    last = jnp.max(jnp.where(weights > 0, iota, -1))
+    return jnp.where(first < big, first, last)
+
+
+# ----------------------------------------------------------------------------- kernel 1: stats
+
+
+def _stats_kernel(x_ref, temp_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt):
+    r = pl.program_id(0)
+    cpt = tile // CHUNK
+    T = temp_ref[r]
+    greedy = T == 0.0
+    inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, T))
+    iota = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(t, c):
+        m, am, bad, fin = c
+        cols = t * tile + iota
+        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+        bad = bad | (jnp.max(jnp.where((x != x) | (x == jnp.inf), 1, 0)) > 0)
+        fin = fin | (jnp.max(jnp.where(x > -jnp.inf, 1, 0)) > 0)
+        cmax = jnp.max(x.reshape(cpt, CHUNK), axis=1)
+        plgpu.store(cm_ref.at[r, pl.ds(t * cpt, cpt)], cmax)
+        tmax = jnp.max(cmax)
+        targ = jnp.min(jnp.where(x == tmax, cols, _BIG))
+        safe = jnp.where(tmax > -jnp.inf, tmax, 0.0)
+        s = jax.lax.cond(
+            greedy, lambda: inv_t * 0.0, lambda: jnp.sum(jnp.exp((x - safe) * inv_t))  # (branch values must be traced)
+        )
+        tm_ref[r, t] = tmax
+        ts_ref[r, t] = s
+        better = tmax > m
+        return jnp.where(better, tmax, m), jnp.where(better, targ, am), bad, fin
+
+    init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
+    m, am, bad, fin = jax.lax.fori_loop(0, nt, body, init)
+    mx_ref[r] = m
+    am_ref[r] = am
+    ok_ref[r] = jnp.where(~bad & fin, 1, 0).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- kernel 2: select
+
+
+def _select_kernel(
+    x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref,
+    tok_ref, tau_ref, qthr_ref, norm_ref, path_ref,
+    *, V, tile, nt, ntp, ncp, exact_asm,
+):
+    r = pl.program_id(0)
+    T = temp_ref[r]
+    k = topk_ref[r]
+    p = topp_ref[r]
+    minp = minp_ref[r]
+    s0 = seed_ref[r, 0]
+    s1 = seed_ref[r, 1]
+    M = mx_ref[r]
+    argmax = am_ref[r]
+    valid = ok_ref[r] == 1
+    greedy = T == 0.0
+    Ts = jnp.where(greedy, 1.0, T)
+    inv_t = 1.0 / Ts
+    k_on = (k > 0) & (k < V)
+    p_on = p < 1.0
+    m_on = minp > 0.0
+    filtered = k_on | p_on | m_on
+    # Values returned by lax.cond branches must be traced values, not literals (Triton lowering).
+    zi, zf = k * 0, T * 0.0
+    u1 = _uniform(s0, s1, 0)
+    u2 = _uniform(s0, s1, 1)
+    nc = nt * (tile // CHUNK)
+    div = functools.partial(_div, exact_asm=exact_asm)
+    iota_t = jnp.arange(tile, dtype=jnp.int32)
+
+    def zof(x):
+        return div(x - M, jnp.full(x.shape, Ts, jnp.float32))
+
+    # Candidate chunks for the top-k fast path (computed only where it can be used).
+    iota_c = jnp.arange(ncp, dtype=jnp.int32)
+
+    def cand_count():
+        cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
+        ck = jnp.where(iota_c < nc, _zkey(zof(cmv)), _INT_MIN)
+        # Smallest key K with #(ck > K) < k: the key of the k-th largest chunk maximum.
+        kc = _bisect(lambda K: jnp.sum(jnp.where(ck > K, 1, 0)) < k, _INT_MIN, jnp.int32(0))
+        return jnp.sum(jnp.where(ck >= kc, 1, 0)), kc
+
+    use_cand = valid & ~greedy & k_on & (k <= CAND_CHUNKS)
+    n_cand, kc = jax.lax.cond(use_cand, cand_count, lambda: (zi + _BIG, zi))
+    use_cand = use_cand & (n_cand <= CAND_CHUNKS)
+
+    # (Arithmetic, not nested jnp.where on scalar bools: that stored wrong values on jax 0.11 GPU.)
+    is_none = (~valid | greedy).astype(jnp.int32)
+    path = (1 - is_none) * (PATH_TEMPERATURE + filtered.astype(jnp.int32) * (1 + (~use_cand).astype(jnp.int32)))
+
+    neg_inf = zf - jnp.inf
+
+    def finish_thresholds(K_k, S, K_p):
+        tau = jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k))
+        qmax = 1.0 / S
+        t_p = jnp.where(K_p >= 0, jax.lax.bitcast_convert_type(K_p, jnp.float32), 0.0)
+        return tau, jnp.maximum(t_p, minp * qmax)
+
+    # --- path 0: greedy / invalid
+    def p_none():
+        tok = jnp.where(valid, argmax, INVALID_TOKEN).astype(jnp.int32)
+        return tok, neg_inf, zf, zf
+
+    # Re-read one tile and pick inside it by inverse CDF over exp(z) restricted to the kept set.
+    def pick_in_tile(t, tau, qthr, S):
+        cols = t * tile + iota_t
+        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+        z = zof(x)
+        e = jnp.exp(z)
+        kept = (z >= tau) & (z > -jnp.inf) & (e / S >= qthr)
+        j = _pick(jnp.where(kept, e, 0.0), u2, iota_t)
+        return jnp.where(j >= 0, t * tile + j, argmax)
+
+    iota_nt = jnp.arange(ntp, dtype=jnp.int32)
+
+    # --- path 1: temperature only
+    def p_temp():
+        tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
+        ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+        w = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M) * inv_t), 0.0)
+        t = _pick(w, u1, iota_nt)
+        S = jnp.sum(w)
+        tok = pick_in_tile(jnp.maximum(t, 0), neg_inf, zf, zf + 1.0)
+        return tok.astype(jnp.int32), neg_inf, zf, S
+
+    # --- path 2: candidate chunks
+    def p_cand():
+        cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
+        flag = (iota_c < nc) & (_zkey(zof(cmv)) >= kc)
+        iota_k = jnp.arange(CAND_CHUNKS, dtype=jnp.int32)
+
+        def enum(j, c):
+            cidx, prev = c
+            cj = jnp.min(jnp.where(flag & (iota_c > prev), iota_c, _BIG))
+            return jnp.where(iota_k == j, cj, cidx), cj
+
+        cidx, _ = jax.lax.fori_loop(0, n_cand, enum, (jnp.full((CAND_CHUNKS,), -1, jnp.int32), jnp.int32(-1)))
+        cols = cidx[:, None] * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+        live = (cidx[:, None] >= 0) & (cols < V)
+        x = plgpu.load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=-jnp.inf).astype(jnp.float32)
+        z = zof(x)
+        zk = jnp.where(live, _zkey(z), _INT_MIN)
+        K_k = _bisect(lambda K: _sum2(jnp.where(zk > K, 1, 0)) < k, _INT_MIN, jnp.int32(0))
+        topk = zk >= K_k
+        e = jnp.where(topk, jnp.exp(z), 0.0)
+        S = _sum2(e)
+        q = e / S
+        qk = jax.lax.bitcast_convert_type(q, jnp.int32)
+        K_p = jax.lax.cond(
+            p_on & (_sum2(q) >= p),
+            lambda: _bisect(lambda K: _sum2(jnp.where(qk > K, q, 0.0)) < p, jnp.int32(-1), _ONE_KEY),
+            lambda: zi - 1,
+        )
+        tau, qthr = finish_thresholds(K_k, S, K_p)
+        kept = topk & (z > -jnp.inf) & (q >= qthr)
+        w = jnp.where(kept, e, 0.0)
+        slot = _pick(jnp.sum(w, axis=1), u1, iota_k)
+        slot = jnp.maximum(slot, 0)
+        wrow = jnp.sum(jnp.where(iota_k[:, None] == slot, w, 0.0), axis=0)
+        j = _pick(wrow, u2, jnp.arange(CHUNK, dtype=jnp.int32))
+        c = jnp.sum(jnp.where(iota_k == slot, cidx, 0))
+        tok = jnp.where(j >= 0, c * CHUNK + j, argmax)
+        return tok.astype(jnp.int32), tau, qthr, S
+
+    # --- path 3: full-row passes
+    def row_reduce(fn, init):
+        def body(t, acc):
+            cols = t * tile + iota_t
+            x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+            z = zof(x)
+            return jax.tree.map(jnp.add, acc, fn(z, t))
+
+        return jax.lax.fori_loop(0, nt, body, init)
+
+    def p_slow():
+        K_k = jax.lax.cond(
+            k_on,
+            lambda: _bisect(
+                lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
+                _INT_MIN, jnp.int32(0),
+            ),
+            lambda: zi + _INT_MIN,
+        )
+        tau0 = jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k))
+        S = row_reduce(lambda z, t: jnp.sum(jnp.where(z >= tau0, jnp.exp(z), 0.0)), jnp.float32(0.0))
+
+        def mass_above(K):
+            def f(z, t):
+                q = jnp.where(z >= tau0, jnp.exp(z), 0.0) / S
+                return jnp.sum(jnp.where(jax.lax.bitcast_convert_type(q, jnp.int32) > K, q, 0.0))
+
+            return row_reduce(f, jnp.float32(0.0))
+
+        K_p = jax.lax.cond(
+            p_on,
+            lambda: jax.lax.cond(
+                mass_above(jnp.int32(-1)) >= p,
+                lambda: _bisect(lambda K: mass_above(K) < p, jnp.int32(-1), _ONE_KEY),
+                lambda: zi - 1,
+            ),
+            lambda: zi - 1,
+        )
+        tau, qthr = finish_thresholds(K_k, S, K_p)
+
+        def tile_w(z, t):
+            e = jnp.exp(z)
+            s = jnp.sum(jnp.where((z >= tau) & (z > -jnp.inf) & (e / S >= qthr), e, 0.0))
+            return jnp.where(iota_nt == t, s, 0.0)
+
+        w = row_reduce(tile_w, jnp.zeros((ntp,), jnp.float32))
+        t = jnp.maximum(_pick(w, u1, iota_nt), 0)
+        tok = pick_in_tile(t, tau, qthr, S)
+        return tok.astype(jnp.int32), tau, qthr, S
+
+    # Nested conds rather than lax.switch: the switch's index clamp does not lower on jax 0.11.
+    tok, tau, qthr, norm = jax.lax.cond(
+        ~valid | greedy, p_none,
+        lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_slow)),
+    )
+    tok_ref[r] = tok
+    tau_ref[r] = tau
+    qthr_ref[r] = qthr
+    norm_ref[r] = norm
+    path_ref[r] = path
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _tile_for(V: int, tile: int | None) -> int:
+    t = tile or MAX_TILE
+    return max(CHUNK, min(t, pl.next_power_of_2(V)))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile", "num_warps"))
+def fused_sample_debug(
+    logits: jax.Array,  # [R, V] f32 or bf16
+    temperature: jax.Array,  # f32 [R]
+    top_k: jax.Array,  # i32 [R]
+    top_p: jax.Array,  # f32 [R]
+    min_p: jax.Array,  # f32 [R]
+    seeds: jax.Array,  # u32 [R, 2]
+    *,
+    interpret: bool = False,
+    tile: int | None = None,
+    num_warps: int = 8,
+) -> dict:
+    """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
+    ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
+    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 slow)."""
+    R, V = logits.shape
+    tile = _tile_for(V, tile)
+    nt = pl.cdiv(V, tile)
+    ntp = pl.next_power_of_2(nt)
+    ncp = pl.next_power_of_2(nt * (tile // CHUNK))
+    f32, i32 = jnp.float32, jnp.int32
+    temperature = temperature.astype(f32)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    sd = jax.ShapeDtypeStruct
+    mx, am, ok, tm, ts, cm = pl.pallas_call(
+        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt),
+        grid=(R,),
+        in_specs=[any_spec] * 2,
+        out_specs=[any_spec] * 6,
+        out_shape=[sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R, ntp), f32), sd((R, ntp), f32), sd((R, ncp), f32)],
+        compiler_params=params,
+        interpret=interpret,
+        name="ddtree_sample_stats",
+    )(logits, temperature)
+    tok, tau, qthr, norm, path = pl.pallas_call(
+        functools.partial(_select_kernel, V=V, tile=tile, nt=nt, ntp=ntp, ncp=ncp, exact_asm=EXACT_DIV_ASM and not interpret),
+        grid=(R,),
+        in_specs=[any_spec] * 12,
+        out_specs=[any_spec] * 5,
+        out_shape=[sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32)],
+        compiler_params=params,
+        interpret=interpret,
+        name="ddtree_sample_select",
+    )(
+        logits, temperature, top_k.astype(i32), top_p.astype(f32), min_p.astype(f32), seeds.astype(jnp.uint32),
+        mx, am, ok, tm, ts, cm,
+    )
+    return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path)
+
+
+def fused_sample(logits, temperature, top_k, top_p, min_p, seeds, *, interpret: bool = False, tile: int | None = None) -> jax.Array:
+    """One exact draw per row of ``logits [R, V]`` under per-row (temperature, top_k, top_p,
+    min_p), seeds ``u32 [R, 2]``; ``INVALID_TOKEN`` for NaN/+inf/all--inf rows. i32 ``[R]``."""
+    return fused_sample_debug(logits, temperature, top_k, top_p, min_p, seeds, interpret=interpret, tile=tile)["token"]

@@ -1,0 +1,80 @@
+"""The accept walk as a tiny Pallas kernel, one program per request.
+
+Reference: ``ddtree_jax.verify.accept_path`` (``_accept_path``): from the root, while the
+target's draw at the current node is the token of one of its (valid) children, move to that
+child (the lowest-index match; children carry distinct tokens so there is at most one); the
+first draw that matches no child is the bonus. Outputs are identical to the reference.
+
+Backend: Pallas Triton lowering (one program per request, vectors of the padded node count M,
+``L`` serial steps). The walk is latency-bound (L dependent steps over <= 1025 nodes); any
+backend pays one launch plus L short reductions, and Triton has the min-index reductions and
+dynamic scalar stores the walk needs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ddtree_jax.tree import DraftTree
+from ddtree_jax.verify import AcceptResult, _accept_path
+
+__all__ = ["accept_path_pallas", "reference_accept_path"]
+
+reference_accept_path = _accept_path
+_BIG = 2**30
+
+
+def _walk_kernel(tok_ref, par_ref, val_ref, smp_ref, path_ref, nacc_ref, bonus_ref, com_ref, *, M, Mp, L):
+    b = pl.program_id(0)
+    iota = jnp.arange(Mp, dtype=jnp.int32)
+    inb = iota < M
+    tok = plgpu.load(tok_ref.at[b, pl.ds(0, Mp)], mask=inb, other=-1)
+    par = plgpu.load(par_ref.at[b, pl.ds(0, Mp)], mask=inb, other=-2)
+    val = plgpu.load(val_ref.at[b, pl.ds(0, Mp)], mask=inb, other=0)
+    smp = plgpu.load(smp_ref.at[b, pl.ds(0, Mp)], mask=inb, other=-1)
+    path_ref[b, 0] = b * 0
+    zero = b * 0
+
+    def step(d, c):
+        cur, done, nacc = c
+        x = jnp.sum(jnp.where(iota == cur, smp, 0))
+        match = (val != 0) & (par == cur) & (tok == x)
+        child = jnp.min(jnp.where(match, iota, _BIG))
+        found = (child < _BIG) & ~done
+        path_ref[b, d + 1] = jnp.where(found, child, -1)
+        com_ref[b, d] = jnp.where(found, x, -1)
+        return jnp.where(found, child, cur), done | ~found, nacc + found.astype(jnp.int32)
+
+    cur, _, nacc = jax.lax.fori_loop(0, L, step, (zero, zero > 0, zero))
+    bonus = jnp.sum(jnp.where(iota == cur, smp, 0))
+    com_ref[b, L] = zero - 1
+    com_ref[b, nacc] = bonus
+    nacc_ref[b] = nacc
+    bonus_ref[b] = bonus
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def accept_path_pallas(tree: DraftTree, node_samples: jax.Array, *, interpret: bool = False) -> AcceptResult:
+    """Same contract as ``ddtree_jax.verify.accept_path`` (inputs already validated)."""
+    B, M = tree.tokens.shape
+    L = tree.draft_len
+    Mp = pl.next_power_of_2(M)
+    i32 = jnp.int32
+    sd = jax.ShapeDtypeStruct
+    spec = pl.BlockSpec(memory_space=pl.ANY)
+    path, nacc, bonus, com = pl.pallas_call(
+        functools.partial(_walk_kernel, M=M, Mp=Mp, L=L),
+        grid=(B,),
+        in_specs=[spec] * 4,
+        out_specs=[spec] * 4,
+        out_shape=[sd((B, L + 1), i32), sd((B,), i32), sd((B,), i32), sd((B, L + 1), i32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ddtree_accept_walk",
+    )(tree.tokens.astype(i32), tree.parents.astype(i32), tree.valid.astype(i32), node_samples.astype(i32))
+    return AcceptResult(path=path, num_accepted=nacc, bonus=bonus, committed=com)
