@@ -132,7 +132,6 @@ class _Plan:
     budget: int  # non-root nodes per tree
     draft_len: int  # L
     max_new_tokens: int
-    stop_tokens: tuple[int, ...]
     hidden_layer_ids: tuple[int, ...]
 
 
@@ -234,7 +233,7 @@ def generate(
     if not _is_int(sync_every) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
     plan = _Plan(
-        method=method, budget=budget, draft_len=L, max_new_tokens=int(max_new_tokens), stop_tokens=stop,
+        method=method, budget=budget, draft_len=L, max_new_tokens=int(max_new_tokens),
         hidden_layer_ids=tuple(drafter.config.target_layer_ids) if drafter is not None and method != "ar" else (),
     )
     B = len(rows)
@@ -247,7 +246,9 @@ def generate(
     for i, p in enumerate(rows):
         padded[i, : len(p) - 1] = p[:-1]
     roots = np.array([p[-1] for p in rows], np.int32)
-    state = _prefill(tgraph, tparams, dgraph, dparams, plan, jnp.asarray(padded), jnp.asarray(lengths - 1), jnp.asarray(roots), sb, max_len)
+    state = _prefill(tgraph, tparams, dgraph, dparams, plan.hidden_layer_ids, plan.max_new_tokens, jnp.asarray(padded), jnp.asarray(lengths - 1), jnp.asarray(roots), max_len)
+    # Stop ids as data (padded with -2, which matches nothing), so new stop sets do not recompile.
+    stop_ids = jnp.asarray(np.array(stop or (-2,), np.int32))
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
 
@@ -257,10 +258,10 @@ def generate(
     rounds = 0
     while True:
         if profile:
-            state = _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, split)
+            state = _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, split)
             rounds += 1
         else:
-            state = _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, sync_every)
+            state = _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, sync_every)
             rounds += sync_every
         done = np.asarray(state["done"])  # the one host round-trip per `sync_every` rounds
         if on_progress is not None:
@@ -289,23 +290,23 @@ def generate(
 # Compiled pieces. Models travel as (graphdef, params) so the functions are pure.
 
 
-@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan", "max_len"))
-def _prefill(tgraph, tparams, dgraph, dparams, plan: _Plan, padded, lengths, roots, sb: SamplingBatch, max_len: int):
+@functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "hidden_layer_ids", "max_new_tokens", "max_len"))
+def _prefill(tgraph, tparams, dgraph, dparams, hidden_layer_ids, max_new_tokens: int, padded, lengths, roots, max_len: int):
     target = nnx.merge(tgraph, tparams)
     B = padded.shape[0]
     tcache = target.init_cache(B, max_len)
-    _, hidden, tcache = target.prefill(padded, lengths, tcache, hidden_layer_ids=plan.hidden_layer_ids)
+    _, hidden, tcache = target.prefill(padded, lengths, tcache, hidden_layer_ids=hidden_layer_ids)
     state = dict(
         tcache=tcache,
         root=roots,
-        out=jnp.zeros((B, plan.max_new_tokens), jnp.int32),
+        out=jnp.zeros((B, max_new_tokens), jnp.int32),
         gen=jnp.zeros((B,), jnp.int32),
         done=jnp.zeros((B,), bool),
         finish=jnp.zeros((B,), jnp.int32),
-        accept_hist=jnp.zeros((B, plan.max_new_tokens), jnp.int32),
+        accept_hist=jnp.zeros((B, max_new_tokens), jnp.int32),
         nrounds=jnp.zeros((B,), jnp.int32),
     )
-    if plan.hidden_layer_ids:
+    if hidden_layer_ids:
         drafter = nnx.merge(dgraph, dparams)
         dcache = drafter.init_cache(B, max_len)
         state["dcache"] = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), lengths)
@@ -345,7 +346,7 @@ def _sample(logits, sb: SamplingBatch, keys):
     return sample_tree_nodes(logits, sb, keys)
 
 
-def _commit(tgraph, tparams, dgraph, dparams, plan: _Plan, state, tree: DraftTree, samples, feats, tcache):
+def _commit(tgraph, tparams, dgraph, dparams, plan: _Plan, state, tree: DraftTree, samples, feats, tcache, stop_ids):
     res = accept_path(tree, samples)
     B, A = res.committed.shape
     idx = jnp.arange(A)[None]
@@ -353,7 +354,7 @@ def _commit(tgraph, tparams, dgraph, dparams, plan: _Plan, state, tree: DraftTre
     active = ~state["done"]
     invalid = res.bonus == INVALID_TOKEN
     # Truncate at the first stop token (kept) and at max_new_tokens; nothing after a stop.
-    is_stop = jnp.isin(res.committed, jnp.asarray(plan.stop_tokens, jnp.int32)) & (idx < n[:, None]) if plan.stop_tokens else jnp.zeros((B, A), bool)
+    is_stop = jnp.isin(res.committed, stop_ids) & (idx < n[:, None])
     stop_at = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, A + 1)
     c = jnp.minimum(jnp.minimum(n, stop_at), plan.max_new_tokens - state["gen"])
     c = jnp.where(active & ~invalid, c, 0).astype(jnp.int32)
@@ -383,16 +384,16 @@ def _commit(tgraph, tparams, dgraph, dparams, plan: _Plan, state, tree: DraftTre
     return new
 
 
-def _round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key):
+def _round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids):
     draft_logits = _draft(tgraph, tparams, dgraph, dparams, plan, state) if plan.method != "ar" else None
     tree = _tree(plan, draft_logits, state["root"])
     logits, feats, tcache = _verify(tgraph, tparams, plan, state, tree)
     samples = _sample(logits, sb, _round_keys(base_key, sb, state["nrounds"]))
-    return _commit(tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache)
+    return _commit(tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache, stop_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan", "max_rounds"), donate_argnames=("state",))
-def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, max_rounds: int):
+def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, max_rounds: int):
     """Up to ``max_rounds`` rounds on the device, stopping early once every request is done."""
 
     def cond(carry):
@@ -401,7 +402,7 @@ def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, max
 
     def body(carry):
         i, st = carry
-        return i + 1, _round(tgraph, tparams, dgraph, dparams, plan, st, sb, base_key)
+        return i + 1, _round(tgraph, tparams, dgraph, dparams, plan, st, sb, base_key, stop_ids)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
@@ -413,7 +414,7 @@ _sample_jit = jax.jit(_sample)
 _commit_jit = jax.jit(_commit, static_argnames=("tgraph", "dgraph", "plan"))
 
 
-def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, split):
+def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, split):
     """One round, stage by stage, each timed to completion (for the time split only)."""
 
     def timed(stage, fn, *args):
@@ -426,4 +427,4 @@ def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key,
     tree = timed("tree", _tree_jit, plan, draft_logits, state["root"])
     logits, feats, tcache = timed("verify", _verify_jit, tgraph, tparams, plan, state, tree)
     samples = timed("sample", _sample_jit, logits, sb, _round_keys(base_key, sb, state["nrounds"]))
-    return timed("commit", _commit_jit, tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache)
+    return timed("commit", _commit_jit, tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache, stop_ids)

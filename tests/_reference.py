@@ -105,3 +105,22 @@ def committed_law(tokens, parents, valid, probs: np.ndarray) -> dict[tuple[int, 
 
     rec(0, (), 1.0)
     return law
+
+
+def chisquare_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square goodness-of-fit p-value; bins with expected count < 5 are pooled into one.
+
+    A single remaining bin (a point mass) returns 1.0: nothing to test beyond the support,
+    which callers check separately.
+    """
+    from scipy import stats
+
+    observed, expected = np.asarray(observed, np.float64), np.asarray(expected, np.float64)
+    small = expected < 5
+    if small.any():
+        observed = np.append(observed[~small], observed[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    if len(expected) == 1:
+        return 1.0
+    expected = expected * observed.sum() / expected.sum()  # guard against float drift in the law's sum
+    return float(stats.chisquare(observed, expected).pvalue)

@@ -1,0 +1,217 @@
+"""generate(): greedy equality across methods, whole-block acceptance, the sampling law, stops,
+limits and bad inputs, on tiny random models (CPU).
+
+Compilation dominates on the CPU, so the tests share shapes: batch 3, max_len 64 and
+max_new_tokens 12 unless a test needs otherwise.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+import ddtree_jax as dt
+from ddtree_jax.generate import generate
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+from tests._reference import chisquare_pvalue, filtered_probs
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]]
+SHAPES = dict(max_new_tokens=12, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_kimi(0)
+    return target, tiny_dflash(target, 1)
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(models):
+    return generate(models[0], None, PROMPTS, method="ar", **SHAPES)
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 6), ("ddtree", 23)])
+def test_greedy_equals_autoregressive(models, greedy_ar, method, budget):
+    out = generate(*models, PROMPTS, method=method, budget=budget or 1, **SHAPES)
+    assert out.tokens == greedy_ar.tokens
+    assert all(len(t) == 12 for t in out.tokens)
+    assert [r.finish_reason for r in out.requests] == ["length"] * 3
+    assert out.requests[0].rounds >= 1 and out.mean_tau >= 1.0
+
+
+def test_profiled_run_gives_same_tokens_and_a_time_split(models, greedy_ar):
+    out = generate(*models, PROMPTS, method="ddtree", budget=6, profile=True, **SHAPES)
+    assert out.tokens == greedy_ar.tokens
+    assert set(out.time_split) == {"draft", "tree", "verify", "sample", "commit"}
+    assert all(v > 0 for v in out.time_split.values())
+
+
+# --- a drafter that agrees with the target -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleConfig:
+    block_size: int
+    target_layer_ids: tuple[int, ...] = (0,)
+
+
+class BigramOracleDrafter(nnx.Module):
+    """Proposes the target's own greedy continuation. Exact for a target whose next token
+    depends only on the current one (``bigram_target``): depth k gets the k-th successor."""
+
+    def __init__(self, block_size: int):
+        self.config = OracleConfig(block_size)
+
+    def init_cache(self, batch, max_len):
+        return jnp.zeros((batch,), jnp.int32)
+
+    def append_context(self, cache, target_hidden, counts):
+        return cache + counts
+
+    def propose(self, target, cache, last_token):
+        logits, tok = [], last_token
+        for _ in range(self.config.block_size - 1):
+            tok = jnp.argmax(target.lm_logits(target.model.norm(target.embed(tok))), axis=-1)
+            logits.append(jax.nn.one_hot(tok, target.config.vocab_size) * 30.0)
+        return jnp.stack(logits, axis=1)
+
+
+def bigram_target():
+    """A Kimi model whose attention and MLP outputs are zero: logits = head(norm(embed(token)))."""
+    target = tiny_kimi(2)
+    for path, var in nnx.iter_graph(target):
+        if isinstance(var, nnx.Param) and ("o_proj" in path or "down_proj" in path):
+            var[...] = jnp.zeros_like(var[...])
+    return target
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_agreeing_drafter_accepts_whole_blocks(method):
+    target, drafter = bigram_target(), BigramOracleDrafter(block_size=5)
+    out = generate(target, drafter, PROMPTS, method=method, budget=8, **SHAPES)
+    ar = generate(target, None, PROMPTS, method="ar", **SHAPES)
+    assert out.tokens == ar.tokens
+    for r in out.requests:
+        assert r.acceptance_lengths == [5] * r.rounds  # L = 4 drafts + the bonus, every round
+    assert out.mean_tau == 5.0
+    assert out.requests[0].rounds == 3  # 12 tokens in blocks of 5
+
+
+# --- the sampling law -------------------------------------------------------------------------
+
+LAW_VOCAB, LAW_N = 12, 10_000
+LAW_SETTINGS = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=4, top_p=1.0, min_p=0.0),
+    dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.1),
+]
+
+
+def _two_token_law(target, prompt, params):
+    """Exact law of the first two generated tokens under the target's own sampling rule."""
+    V = target.config.vocab_size
+    first = np.asarray(target(jnp.asarray([prompt])))[0, -1]
+    p1 = filtered_probs(first, **params)
+    seconds = np.asarray(target(jnp.asarray([prompt + [t] for t in range(V)])))[:, -1]
+    return p1[:, None] * np.stack([filtered_probs(seconds[t], **params) for t in range(V)])
+
+
+def test_sampling_law_of_the_first_two_tokens():
+    """DDTree's first two tokens follow the target's law: chi-square at N = 10,000 per setting,
+    three settings in one mixed batch, pass at p > 1e-4 (fixed seed)."""
+    target = tiny_kimi(3, vocab_size=LAW_VOCAB)
+    drafter = tiny_dflash(target, 4, mask_token_id=LAW_VOCAB - 1)
+    prompt = [1, 5, 2]
+    params = [dt.SamplingParams(**s) for s in LAW_SETTINGS for _ in range(LAW_N)]
+    out = generate(target, drafter, [prompt] * len(params), method="ddtree", budget=6, sampling=params, max_new_tokens=2, seed=11)
+    tokens = np.array(out.tokens)
+    assert out.mean_tau > 1.1, "drafts must be accepted for the test to mean something"
+    for i, s in enumerate(LAW_SETTINGS):
+        law = _two_token_law(target, prompt, s).ravel()
+        got = tokens[i * LAW_N : (i + 1) * LAW_N]
+        codes = got[:, 0] * LAW_VOCAB + got[:, 1]
+        assert (law[codes] > 0).all(), f"a token outside the filtered support was emitted ({s})"
+        p = chisquare_pvalue(np.bincount(codes, minlength=law.size)[law > 0], law[law > 0] * LAW_N)
+        assert p > 1e-4, f"chi-square p = {p:.3g} for {s}"
+
+
+def test_seeded_request_does_not_depend_on_the_batch(models):
+    p = dt.SamplingParams(temperature=1.0, seed=99)
+    others = [dt.SamplingParams(temperature=0.5, seed=1), dt.SamplingParams(top_k=3)]
+    mixed = generate(*models, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], sampling=[others[0], p, others[1]], method="ddtree", budget=6, seed=5, **SHAPES)
+    shuffled = generate(*models, [PROMPTS[0], PROMPTS[2], PROMPTS[1]], sampling=[p, others[1], others[0]], method="ddtree", budget=6, seed=5, **SHAPES)
+    assert mixed.tokens[1] == shuffled.tokens[0]
+    alone = generate(*models, [PROMPTS[0]] * 3, sampling=[p, dt.SamplingParams(temperature=0.0), p], method="ddtree", budget=6, seed=5, **SHAPES)
+    assert alone.tokens[0] == alone.tokens[2] == mixed.tokens[1]
+
+
+# --- stops, limits, errors -------------------------------------------------------------------
+
+
+def test_stop_tokens(models, greedy_ar):
+    ref = greedy_ar.tokens[0]
+    stop = ref[4]
+    k = ref.index(stop)
+    out = generate(*models, PROMPTS, method="ddtree", budget=6, stop_tokens=[stop], **SHAPES)
+    r0 = out.requests[0]
+    assert r0.tokens == ref[: k + 1] and r0.finish_reason == "stop"
+    for b in (1, 2):  # the others stop at their own first occurrence, or run to the length limit
+        ref_b = greedy_ar.tokens[b]
+        want = ref_b[: ref_b.index(stop) + 1] if stop in ref_b else ref_b
+        assert out.requests[b].tokens == want
+        assert out.requests[b].finish_reason == ("stop" if stop in ref_b else "length")
+
+
+def test_max_new_tokens_one(models, greedy_ar):
+    out = generate(*models, PROMPTS, method="ddtree", budget=6, max_new_tokens=1, max_len=64)
+    assert out.tokens == [t[:1] for t in greedy_ar.tokens]
+
+
+def test_prompt_at_the_context_limit(models):
+    """prompt + max_new_tokens == max_position_embeddings works; one more is an error."""
+    target, drafter = models
+    context = target.config.max_position_embeddings
+    prompt = list(np.arange(context - 3) % 100)
+    out = generate(target, drafter, [prompt], method="ddtree", budget=4, max_new_tokens=3)
+    assert len(out.tokens[0]) == 3
+    with pytest.raises(ValueError, match=r"prompts\[0\] .* exceeds the target's context"):
+        generate(target, drafter, [prompt + [1]], method="ddtree", budget=4, max_new_tokens=3)
+
+
+def test_non_finite_logits_fail_only_that_request():
+    target = tiny_kimi(0)
+    drafter = tiny_dflash(target, 1)
+    emb = target.model.embed_tokens.weight
+    emb[...] = emb[...].at[42].set(jnp.nan)
+    out = generate(target, drafter, [[1, 2, 42], [3, 4, 5]], method="ddtree", budget=6, max_new_tokens=5, max_len=64)
+    assert out.requests[0].finish_reason.startswith("error") and out.requests[0].tokens == []
+    clean = generate(target, drafter, [[3, 4, 5]], method="ar", max_new_tokens=5, max_len=64)
+    if 42 not in clean.tokens[0]:
+        assert out.requests[1].finish_reason == "length" and out.requests[1].tokens == clean.tokens[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompts=[[1, 2], []]), r"prompts\[1\] must be a non-empty"),
+        (dict(prompts=[[1, 128]]), r"prompts\[0\] has token id 128 outside the vocabulary"),
+        (dict(prompts=[[-1]]), r"prompts\[0\] has token id -1"),
+        (dict(prompts=[]), "prompts must be a non-empty"),
+        (dict(prompts=[[1.5, 2.0]]), r"prompts\[0\] must hold integer token ids"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(method="beam"), "method must be one of"),
+        (dict(budget=0), "budget must be an integer >= 1"),
+        (dict(budget=60, max_len=64), r"budget=60: the verify block \(61 tokens\) does not fit the cache"),
+        (dict(stop_tokens=[500]), "stop_tokens: 500 is outside the vocabulary"),
+        (dict(sampling=[dt.SamplingParams()] * 2), "2 SamplingParams for a batch of 1"),
+        (dict(drafter=None), "method='ddtree' needs a drafter"),
+        (dict(sync_every=0), "sync_every must be an integer >= 1"),
+    ],
+)
+def test_bad_inputs(models, kwargs, match):
+    args = dict(target=models[0], drafter=models[1], prompts=[[1, 2, 3]], method="ddtree", budget=4, max_new_tokens=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        generate(**args)
