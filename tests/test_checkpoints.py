@@ -93,6 +93,19 @@ def test_fused_expert_tensors_load(tmp_path, saved):
     np.testing.assert_array_equal(_logits(load_target(str(tmp_path), dtype=jnp.float32)), _logits(model))
 
 
+def test_default_bfloat16_load_keeps_router_in_float32(saved):
+    model, path = saved
+    loaded = load_target(str(path))
+    assert loaded.model.layers[0].self_attn.kv_b_proj.kernel.dtype == jnp.bfloat16
+    assert loaded.model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.bfloat16
+    assert loaded.model.layers[1].mlp.gate.weight.dtype == jnp.float32
+    assert loaded.model.layers[1].mlp.gate.e_score_correction_bias.dtype == jnp.float32
+    assert loaded.init_cache(1, 4).latent.dtype == jnp.bfloat16
+    want = _logits(model)
+    got = _logits(loaded)
+    assert got.dtype == np.float32 and np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
 def _dequantize_loops(weight, scale_inv, block):
     """Element-by-block reference for the FP8 dequantisation."""
     out = np.zeros(weight.shape, np.float32)

@@ -76,7 +76,7 @@ def test_cached_context_equals_uncached_and_grows_by_accepted_only(target, layer
         np.testing.assert_allclose(logits[r], want[0], rtol=1e-4, atol=1e-4)
 
 
-class _ShiftLastBlockEmbedding:
+class _ShiftLastBlockEmbedding(nnx.Module):
     """A target whose embedding of the LAST block position is shifted: tests non-causality."""
 
     def __init__(self, target):
@@ -94,8 +94,8 @@ def test_block_attention_is_non_causal(target, is_causal):
     drafter = tiny_dflash(target, is_causal=is_causal)
     ctx = jnp.asarray(np.random.default_rng(1).normal(size=(1, 6, 2 * H)), jnp.float32)
     last = jnp.asarray([3])
-    base = drafter(target, ctx, last)  # eager: the wrapper target is not an nnx graph node
-    shifted = drafter(_ShiftLastBlockEmbedding(target), ctx, last)
+    base = draft_uncached(drafter, target, ctx, last)
+    shifted = draft_uncached(drafter, _ShiftLastBlockEmbedding(target), ctx, last)
     # depth 1 sits before the changed last position: non-causal attention sees the change
     change = np.abs(np.asarray(base[0, 0] - shifted[0, 0])).max()
     assert change > 1e-3 if is_causal is None else change == 0

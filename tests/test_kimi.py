@@ -97,13 +97,16 @@ def test_config_round_trip_and_validation():
 
 
 def _last_logits(model, seqs, pad_to=24, rows=8):
-    """Cache-free logits after each sequence in ``seqs`` (right-padded into one [rows, pad_to]
-    batch, so one compilation serves every call; padding after a token cannot change it: causal)."""
+    """Cache-free logits after each sequence in ``seqs``, and layer 1's hidden states.
+
+    Sequences are right-padded into one ``[rows, pad_to]`` batch so that one compilation serves
+    every call (padding after a token cannot change it: the forward is causal).
+    """
     batch = np.zeros((rows, pad_to), np.int32)
     for i, seq in enumerate(seqs):
         batch[i, :len(seq)] = seq
-    logits = np.asarray(forward_uncached(model, jnp.asarray(batch))[0])
-    return np.stack([logits[i, len(seq) - 1] for i, seq in enumerate(seqs)])
+    logits, (hidden,) = forward_uncached(model, jnp.asarray(batch), hidden_layer_ids=(1,))
+    return np.stack([np.asarray(logits)[i, len(seq) - 1] for i, seq in enumerate(seqs)]), np.asarray(hidden)
 
 
 def test_prefill_verify_commit_match_uncached_decoding():
@@ -117,12 +120,12 @@ def test_prefill_verify_commit_match_uncached_decoding():
     logits, hidden, cache = prefill(model, jnp.asarray(prompts), jnp.asarray(prompt_lens), cache,
                                     hidden_layer_ids=(1,))
     np.testing.assert_array_equal(cache.lengths, prompt_lens)
+    chex.assert_shape([cache.latent, cache.k_rope], [(3, b, max_len, 16), (3, b, max_len, 4)])  # latent, not heads
+    want, want_hidden = _last_logits(model, [list(prompts[r, :prompt_lens[r]]) for r in range(b)])
     for r in range(b):
-        seq = list(prompts[r, :prompt_lens[r]])
-        np.testing.assert_allclose(logits[r, prompt_lens[r] - 1], _last_logits(model, [seq])[0],
+        np.testing.assert_allclose(logits[r, prompt_lens[r] - 1], want[r], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(hidden[0][r, :prompt_lens[r]], want_hidden[r, :prompt_lens[r]],
                                    rtol=1e-4, atol=1e-4)
-        _, (want_h,) = forward_uncached(model, jnp.asarray(prompts), hidden_layer_ids=(1,))
-        np.testing.assert_allclose(hidden[0][r, :prompt_lens[r]], want_h[r, :prompt_lens[r]], rtol=1e-4, atol=1e-4)
 
     trees = [random_tree(rng, t) for _ in range(b)]
     tokens = rng.integers(0, VOCAB, (b, t))
@@ -133,7 +136,7 @@ def test_prefill_verify_commit_match_uncached_decoding():
     for r in range(b):
         seqs = [list(prompts[r, :prompt_lens[r]]) + [tokens[r, j] for j in path_to(trees[r][0], node)]
                 for node in range(t)]
-        np.testing.assert_allclose(logits[r], _last_logits(model, seqs), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits[r], _last_logits(model, seqs)[0], rtol=1e-4, atol=1e-4)
 
     # accept the path to the deepest node in row 0, only the root in row 1
     deepest = int(np.argmax(depths[0]))
@@ -151,4 +154,4 @@ def test_prefill_verify_commit_match_uncached_decoding():
         logits, _, cache = prefill(model, jnp.asarray(nxt), jnp.ones((b,), jnp.int32), cache)
         for r in range(b):
             seqs[r].append(nxt[r, 0])
-        np.testing.assert_allclose(logits[:, 0], _last_logits(model, seqs), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(logits[:, 0], _last_logits(model, seqs)[0], rtol=1e-4, atol=1e-4)
