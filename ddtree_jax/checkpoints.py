@@ -82,7 +82,6 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 class _Dest:
     """One model parameter being assembled from one or more checkpoint tensors."""
 
-    path: str
     var: nnx.Variable
     pending: set[str]
     buffer: np.ndarray | None = None
@@ -117,16 +116,16 @@ def _hf_parts(model: nnx.Module) -> dict[str, _Part]:
             else:
                 per = {f"{name}.{i}.down_proj.weight": (i,) for i in range(e)}
                 fused_shape, piece = (e, d_out, d_in), (d_out, d_in)
-            dest = _Dest(".".join(map(str, path)), var, set(per))
+            dest = _Dest(var, set(per))
             for n, idx in per.items():
                 parts[n] = _Part(dest, piece, idx, (1, 0), (n,))
             parts[f"{name}.{leaf}"] = _Part(dest, fused_shape, (), (0, 2, 1), tuple(per))
         elif leaf == "kernel":
             n = f"{name}.weight"
-            parts[n] = _Part(_Dest(n, var, {n}), shape[::-1], (), (1, 0), (n,))
+            parts[n] = _Part(_Dest(var, {n}), shape[::-1], (), (1, 0), (n,))
         else:
             n = f"{name}.{leaf}"
-            parts[n] = _Part(_Dest(n, var, {n}), shape, (), tuple(range(len(shape))), (n,))
+            parts[n] = _Part(_Dest(var, {n}), shape, (), tuple(range(len(shape))), (n,))
     return parts
 
 
@@ -179,7 +178,12 @@ def _load_into(model: nnx.Module, path: str, *, skip: Callable[[str], bool], fp8
             scale_name = name + "_scale_inv"
             if scale_name not in files:
                 raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
-            tensor = _dequantize_fp8(tensor, read(scale_name), fp8_block)
+            scale = read(scale_name)
+            blocks = tuple(-(-d // b) for d, b in zip(tensor.shape, fp8_block))
+            if tensor.ndim != 2 or scale.shape != blocks:
+                raise CheckpointError(f"{scale_name!r} has shape {scale.shape}, expected {blocks} for "
+                                      f"{fp8_block} blocks of {name!r} {tensor.shape}")
+            tensor = _dequantize_fp8(tensor, scale, fp8_block)
         if tuple(tensor.shape) != part.hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {part.hf_shape}")
         value = np.transpose(tensor, part.axes).astype(dest.var.dtype)
