@@ -37,6 +37,7 @@ from flax import nnx
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, SamplingParams, batch_sampling, per_row_keys, sample_tree_nodes
 from ddtree_jax.tree import DraftTree, build_draft_tree, chain_draft_tree
 from ddtree_jax.verify import accept_path
+from pallas_kernels._dispatch import resolve_impl
 
 __all__ = ["GenerateOutput", "RequestOutput", "generate"]
 
@@ -133,6 +134,7 @@ class _Plan:
     draft_len: int  # L
     max_new_tokens: int
     hidden_layer_ids: tuple[int, ...]
+    impl: str  # kernels or references for tree, sampling and walk ("auto" | "pallas" | "reference")
 
 
 def _validate(target, drafter, prompts, method, budget, sampling, max_new_tokens, stop_tokens, max_len):
@@ -204,6 +206,7 @@ def generate(
     max_len: int | None = None,
     sync_every: int = 8,
     profile: bool = False,
+    impl: str = "auto",
     on_progress: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> GenerateOutput:
     """Generates continuations of ``prompts`` with the target's exact sampling law.
@@ -224,16 +227,21 @@ def generate(
       max_len: cache size per request; default: just what this call needs.
       sync_every: rounds run on the device between host checks for completion.
       profile: time each stage separately (see ``GenerateOutput.time_split``).
+      impl: tree builder, sampler and walk: ``"auto"`` (Pallas kernels on GPU, plain-JAX
+        references elsewhere), ``"pallas"`` or ``"reference"``.
       on_progress: called after each host sync with ``(tokens [B, max_new], generated [B])``.
 
     Returns:
       ``GenerateOutput``.
     """
     rows, sb, stop, L, budget, max_len = _validate(target, drafter, prompts, method, budget, sampling, max_new_tokens, stop_tokens, max_len)
+    resolve_impl(impl)  # validates `impl` before anything compiles
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     if not _is_int(sync_every) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
     plan = _Plan(
-        method=method, budget=budget, draft_len=L, max_new_tokens=int(max_new_tokens),
+        method=method, budget=budget, draft_len=L, max_new_tokens=int(max_new_tokens), impl=impl,
         hidden_layer_ids=tuple(drafter.config.target_layer_ids) if drafter is not None and method != "ar" else (),
     )
     B = len(rows)
@@ -325,7 +333,7 @@ def _tree(plan: _Plan, draft_logits, root):
     elif plan.method == "dflash":
         tree = chain_draft_tree(draft_logits)
     else:
-        tree = build_draft_tree(draft_logits, plan.budget)
+        tree = build_draft_tree(draft_logits, plan.budget, impl=plan.impl)
     return tree.with_root_tokens(root)
 
 
@@ -342,12 +350,12 @@ def _round_keys(base_key, sb: SamplingBatch, nrounds):
     return jax.vmap(jax.random.fold_in)(per_row_keys(base_key, sb), nrounds)
 
 
-def _sample(logits, sb: SamplingBatch, keys):
-    return sample_tree_nodes(logits, sb, keys)
+def _sample(plan: _Plan, logits, sb: SamplingBatch, keys):
+    return sample_tree_nodes(logits, sb, keys, impl=plan.impl)
 
 
 def _commit(tgraph, tparams, dgraph, dparams, plan: _Plan, state, tree: DraftTree, samples, feats, tcache, stop_ids):
-    res = accept_path(tree, samples)
+    res = accept_path(tree, samples, impl=plan.impl)
     B, A = res.committed.shape
     idx = jnp.arange(A)[None]
     n = res.num_accepted + 1
@@ -388,7 +396,7 @@ def _round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids
     draft_logits = _draft(tgraph, tparams, dgraph, dparams, plan, state) if plan.method != "ar" else None
     tree = _tree(plan, draft_logits, state["root"])
     logits, feats, tcache = _verify(tgraph, tparams, plan, state, tree)
-    samples = _sample(logits, sb, _round_keys(base_key, sb, state["nrounds"]))
+    samples = _sample(plan, logits, sb, _round_keys(base_key, sb, state["nrounds"]))
     return _commit(tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache, stop_ids)
 
 
@@ -410,7 +418,7 @@ def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, sto
 _draft_jit = jax.jit(_draft, static_argnames=("tgraph", "dgraph", "plan"))
 _tree_jit = jax.jit(_tree, static_argnames=("plan",))
 _verify_jit = jax.jit(_verify, static_argnames=("tgraph", "plan"))
-_sample_jit = jax.jit(_sample)
+_sample_jit = jax.jit(_sample, static_argnames=("plan",))
 _commit_jit = jax.jit(_commit, static_argnames=("tgraph", "dgraph", "plan"))
 
 
@@ -426,5 +434,5 @@ def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key,
     draft_logits = timed("draft", _draft_jit, tgraph, tparams, dgraph, dparams, plan, state) if plan.method != "ar" else None
     tree = timed("tree", _tree_jit, plan, draft_logits, state["root"])
     logits, feats, tcache = timed("verify", _verify_jit, tgraph, tparams, plan, state, tree)
-    samples = timed("sample", _sample_jit, logits, sb, _round_keys(base_key, sb, state["nrounds"]))
+    samples = timed("sample", _sample_jit, plan, logits, sb, _round_keys(base_key, sb, state["nrounds"]))
     return timed("commit", _commit_jit, tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache, stop_ids)

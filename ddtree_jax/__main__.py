@@ -1,0 +1,3 @@
+from ddtree_jax.cli import main
+
+main()

@@ -1,0 +1,109 @@
+"""The built-in default: a small Kimi-style target, a DFlash drafter and a tokenizer, made here.
+
+``make_default(path)`` writes three real artefacts that the command line loads like any other
+model: an HF ``DeepseekV3ForCausalLM`` checkpoint (``target/``), a DFlash drafter checkpoint
+(``drafter/``) and a byte-level BPE ``tokenizer.json`` trained with the ``tokenizers`` library
+on a small corpus that ships inside this module.
+
+The weights are random (seeded) until the project's trained pair lands: the drafter does not
+yet agree with the target, so speculative decoding accepts about one token per round here.
+Everything else (loading, tree building, exact sampling, caches, statistics) is the real path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ddtree_jax.checkpoints import save_checkpoint
+from ddtree_jax.models import DFlashConfig, DFlashDrafter, KimiConfig, KimiForCausalLM, YarnScaling, default_target_layer_ids
+
+__all__ = ["DEFAULT_DIR", "default_configs", "make_default"]
+
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ddtree_jax", "default-v1")
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+
+_CORPUS = """\
+Speculative decoding lets a large model verify many proposed tokens in one forward pass.
+A small drafter proposes a block of tokens; the target checks them and keeps the longest
+prefix it agrees with, plus one token of its own. When the drafter is good, each pass of the
+target yields several tokens instead of one, and the output is exactly what the target alone
+would have produced.
+A block diffusion drafter predicts a whole block of future tokens in a single pass. Each
+position gets its own distribution over the vocabulary. A draft tree keeps the most probable
+continuations under a node budget, and the target verifies the whole tree at once, each node
+attending only to its ancestors.
+With sampling, every node draws one token from the target's own rule: temperature, then top-k,
+then top-p, then min-p. The walk moves to a child when the draw matches it, and the first draw
+that matches no child becomes the bonus token. The law of the committed tokens is the target's
+law, token by token.
+Mixture-of-experts models route each token to a few experts chosen by sigmoid scores. Latent
+attention caches a compressed vector per token instead of full keys and values, so long
+contexts fit in memory. The quick brown fox jumps over the lazy dog. 0123456789.
+"""
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, MASK], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return tok
+
+
+def default_configs(vocab_size: int, mask_token_id: int) -> tuple[KimiConfig, DFlashConfig]:
+    """Kimi K2's structure at a small size: MLA with q-LoRA and yarn, 1 dense + 3 MoE layers,
+    sigmoid routing over 16 experts (2 per token, 1 shared); a 2-layer DFlash drafter, block 16."""
+    target = KimiConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=2048, model_type="kimi_k2",
+        rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=512, beta_fast=1.0, beta_slow=1.0,
+                                 mscale=1.0, mscale_all_dim=1.0),
+    )
+    layers = 2
+    drafter = DFlashConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_target_layers=target.num_hidden_layers, block_size=16,
+        mask_token_id=mask_token_id, target_layer_ids=default_target_layer_ids(target.num_hidden_layers, layers),
+        layer_types=("full_attention",) * layers, rope_theta=50000.0, max_position_embeddings=2048,
+        vocab_size=vocab_size,
+    )
+    return target, drafter
+
+
+def make_default(path: str = DEFAULT_DIR, *, seed: int = 0, vocab_size: int = 512) -> str:
+    """Writes the default target, drafter and tokenizer under ``path`` (once; reused after)."""
+    done = os.path.join(path, "COMPLETE")
+    if os.path.exists(done):
+        return path
+    os.makedirs(path, exist_ok=True)
+    tok = _train_tokenizer(vocab_size)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    V = tok.get_vocab_size()
+    tcfg, dcfg = default_configs(V, tok.token_to_id(MASK))
+    target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(seed), dtype=jnp.float32)
+    # Random but not degenerate routing: a spread of correction biases.
+    rng = np.random.default_rng(seed)
+    for layer in target.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias[...] = jnp.asarray(rng.normal(0.0, 0.1, bias.shape), jnp.float32)
+    drafter = DFlashDrafter(dcfg, rngs=nnx.Rngs(seed + 1), dtype=jnp.float32)
+    save_checkpoint(target, os.path.join(path, "target"))
+    save_checkpoint(drafter, os.path.join(path, "drafter"))
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": tok.token_to_id(EOS), "trained": False, "seed": seed}, f, indent=2)
+    open(done, "w").close()
+    return path
