@@ -5,15 +5,13 @@ Compilation dominates on the CPU, so the tests share shapes: batch 3, max_len 64
 max_new_tokens 12 unless a test needs otherwise.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 import ddtree_jax as dt
 from ddtree_jax.generate import generate
+from ddtree_jax.testing import BigramOracleDrafter, make_bigram
 from tests._model_fixtures import tiny_dflash, tiny_kimi
 from tests._reference import chisquare_pvalue, filtered_probs
 
@@ -51,40 +49,8 @@ def test_profiled_run_gives_same_tokens_and_a_time_split(models, greedy_ar):
 # --- a drafter that agrees with the target -------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class OracleConfig:
-    block_size: int
-    target_layer_ids: tuple[int, ...] = (0,)
-
-
-class BigramOracleDrafter(nnx.Module):
-    """Proposes the target's own greedy continuation. Exact for a target whose next token
-    depends only on the current one (``bigram_target``): depth k gets the k-th successor."""
-
-    def __init__(self, block_size: int):
-        self.config = OracleConfig(block_size)
-
-    def init_cache(self, batch, max_len):
-        return jnp.zeros((batch,), jnp.int32)
-
-    def append_context(self, cache, target_hidden, counts):
-        return cache + counts
-
-    def propose(self, target, cache, last_token):
-        logits, tok = [], last_token
-        for _ in range(self.config.block_size - 1):
-            tok = jnp.argmax(target.lm_logits(target.model.norm(target.embed(tok))), axis=-1)
-            logits.append(jax.nn.one_hot(tok, target.config.vocab_size) * 30.0)
-        return jnp.stack(logits, axis=1)
-
-
 def bigram_target():
-    """A Kimi model whose attention and MLP outputs are zero: logits = head(norm(embed(token)))."""
-    target = tiny_kimi(2)
-    for path, var in nnx.iter_graph(target):
-        if isinstance(var, nnx.Param) and ("o_proj" in path or "down_proj" in path):
-            var[...] = jnp.zeros_like(var[...])
-    return target
+    return make_bigram(tiny_kimi(2))
 
 
 @pytest.mark.parametrize("method", ["ddtree", "dflash"])
