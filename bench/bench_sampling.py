@@ -71,6 +71,25 @@ def kernel_fn(**kw):
     return jax.jit(lambda x, p, seeds: fs.fused_sample(x, p.temperature, p.top_k, p.top_p, p.min_p, seeds, **kw))
 
 
+DEV_N = 20
+
+
+def kernel_dev_fn(n=DEV_N, **kw):
+    """``n`` kernel calls inside one jit (lax.fori_loop; the seeds change every call so nothing is
+    hoisted): timing it and dividing by n gives the device time per call without the per-call
+    host dispatch (the ~0.08 ms fixed cost of the host loop)."""
+
+    @jax.jit
+    def loop(x, p, seeds):
+        def body(i, acc):
+            tok = fs.fused_sample(x, p.temperature, p.top_k, p.top_p, p.min_p, seeds + i.astype(jnp.uint32), **kw)
+            return acc + tok[0]
+
+        return jax.lax.fori_loop(0, n, body, jnp.int32(0))
+
+    return loop
+
+
 ref_fn = jax.jit(lambda x, p, key: fs.reference_sample(x, p, key))
 
 
@@ -204,7 +223,7 @@ def checks(quick: bool) -> dict:
                     bad.append((r, "greedy", int(out["token"][r]), int(np.argmax(xf[r]))))
                 continue
             ref_keep = lp[r] > -np.inf
-            z = np.asarray(jnp.asarray((xf[r] - xf[r].max())) / jnp.float32(temp[r]))
+            z = (xf[r] - xf[r].max()).astype(np.float32) / np.float32(temp[r])  # IEEE, as the kernel's div.rn
             with np.errstate(all="ignore"):
                 q = np.exp(z.astype(np.float64)) / out["norm"][r]
                 kk = (z >= out["tau"][r]) & (z > -np.inf) & (q >= out["q_thr"][r])
@@ -215,7 +234,11 @@ def checks(quick: bool) -> dict:
             if not ref_keep[out["token"][r]]:
                 bad.append((r, "draw outside support", int(out["token"][r])))
         paths = np.bincount(out["path"], minlength=4).tolist()
-        res[f"V{V_}_{np.dtype(dtype).name}"] = dict(rows=R_, mismatches=bad[:10], n_bad=len(bad), paths=paths)
+        # the opt-in candidate listing (cumsum + scatter + barrier) must give identical outputs
+        sc = jax.tree.map(np.asarray, fs.fused_sample_debug(xd, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(R_, 3), compact="scatter"))
+        scatter_diff = [k for k in out if not np.array_equal(out[k], sc[k], equal_nan=True)]
+        res[f"V{V_}_{np.dtype(dtype).name}"] = dict(rows=R_, mismatches=bad[:10], n_bad=len(bad), paths=paths,
+                                                     compact_scatter_vs_loop=scatter_diff or "identical")
         log(f"check V={V_} {np.dtype(dtype).name}: {len(bad)} mismatches, paths {paths}", bad[:3])
     # chi-square: one row repeated with different seeds, V = 40, three parameter sets
     from scipy import stats
@@ -251,6 +274,7 @@ def timings(quick: bool, bw: float) -> list[dict]:
     except Exception as e:  # noqa: BLE001
         log("torch unavailable:", e)
     kern = kernel_fn()
+    kern_dev = kernel_dev_fn()
     for kind in ("gaussian", "realistic"):
         for R in ROWS:
             nsets = 3
@@ -261,6 +285,7 @@ def timings(quick: bool, bw: float) -> list[dict]:
                 entry = dict(logits=kind, R=R, config=cname, bytes=nbytes)
                 variants = {
                     "kernel": (kern, [(x, p, seeds_for(R, i)) for i, x in enumerate(xs)], 20),
+                    "kernel_dev": (kern_dev, [(x, p, seeds_for(R, i)) for i, x in enumerate(xs)], 3),
                     "jax_reference": (ref_fn, [(x, p, jax.random.key(i)) for i, x in enumerate(xs)], 3),
                     "jax_sort": (sort_pipeline, [(x, p, jax.random.key(i)) for i, x in enumerate(xs)], 3),
                 }
@@ -282,6 +307,12 @@ def timings(quick: bool, bw: float) -> list[dict]:
                     except Exception as e:  # noqa: BLE001
                         entry["torch_ms"] = None
                         log(f"torch failed: {type(e).__name__}: {str(e)[:300]}")
+                if entry.get("kernel_dev_ms"):
+                    entry["kernel_dev_ms"] /= DEV_N
+                    entry["kernel_dev_frac_copy_bw"] = nbytes / (entry["kernel_dev_ms"] / 1e3) / bw
+                    for o in ("jax_sort", "torch"):
+                        if entry.get(o + "_ms"):
+                            entry[f"dev_speedup_vs_{o}"] = entry[o + "_ms"] / entry["kernel_dev_ms"]
                 if entry.get("kernel_ms"):
                     entry["kernel_GBps"] = nbytes / (entry["kernel_ms"] / 1e3) / 1e9
                     entry["kernel_frac_copy_bw"] = nbytes / (entry["kernel_ms"] / 1e3) / bw
@@ -294,18 +325,59 @@ def timings(quick: bool, bw: float) -> list[dict]:
     return rows
 
 
+STATS_VARIANTS = {
+    "default": {}, "w4": dict(num_warps=4), "w16": dict(num_warps=16), "s3": dict(num_stages=3),
+    "t2048": dict(tile=2048), "t8192_w16": dict(tile=8192, num_warps=16),
+}
+SELECT_VARIANTS = {
+    "default": {}, "sel_w4": dict(select_warps=4), "sel_w16": dict(select_warps=16),
+    "compact_scatter": dict(compact="scatter"), "compact_scatter_sel_w16": dict(compact="scatter", select_warps=16),
+}
+
+
+def sweep(bw: float) -> list[dict]:
+    """Device time of kernel variants (stats-pass knobs for greedy/T, select-pass knobs for top-k)."""
+    out = []
+    for R in (2048,):
+        x = make_logits("gaussian", R, V, 7)
+        for cname, c in CONFIGS.items():
+            p = batch_params(R, **c)
+            vs = SELECT_VARIANTS if c["top_k"] else STATS_VARIANTS
+            for vname, kw in vs.items():
+                try:
+                    t = time_it(kernel_dev_fn(**kw), [(x, p, seeds_for(R, 1))], iters=2, repeats=3) / DEV_N
+                    e = dict(R=R, config=cname, variant=vname, dev_ms=t * 1e3, frac=R * V * 2 / t / bw)
+                except Exception as ex:  # noqa: BLE001
+                    e = dict(R=R, config=cname, variant=vname, error=f"{type(ex).__name__}: {str(ex)[:200]}")
+                out.append(e)
+                log("sweep", json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()}))
+        del x
+    return out
+
+
 def markdown(meta, res, rows) -> str:
     L = [f"# Fused sampling kernel, {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
          f"Copy bandwidth (read+write, bf16, 671 MB): JAX {meta['copy_bw_jax'] / 1e12:.2f} TB/s, torch "
          f"{(meta['copy_bw_torch'] or 0) / 1e12:.2f} TB/s; fractions below use the larger.", "",
-         "| logits | R | config | kernel ms | GB/s | % copy BW | JAX reference ms | JAX sort ms | torch ms | x ref | x sort | x torch |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "kernel ms: host loop of single calls (one jit dispatch each, as before); kernel dev ms: 20 calls inside "
+         "one jit (lax.fori_loop), time / 20 (device time without the per-call dispatch). x sort / x torch use "
+         "the host-loop time; dev x sort / dev x torch the device time. JAX/torch pipelines: host loop / CUDA events.", "",
+         "| logits | R | config | kernel ms | GB/s | % copy BW | kernel dev ms | dev % copy BW | JAX reference ms | JAX sort ms | torch ms | x ref | x sort | x torch | dev x sort | dev x torch |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for e in rows:
         L.append(f"| {e['logits']} | {e['R']} | {e['config']} | {f(e.get('kernel_ms'))} | {f(e.get('kernel_GBps'), 0)} | "
-                 f"{f(100 * e['kernel_frac_copy_bw'] if e.get('kernel_frac_copy_bw') else None, 0)} | {f(e.get('jax_reference_ms'))} | "
+                 f"{f(100 * e['kernel_frac_copy_bw'] if e.get('kernel_frac_copy_bw') else None, 0)} | {f(e.get('kernel_dev_ms'))} | "
+                 f"{f(100 * e['kernel_dev_frac_copy_bw'] if e.get('kernel_dev_frac_copy_bw') else None, 0)} | {f(e.get('jax_reference_ms'))} | "
                  f"{f(e.get('jax_sort_ms'))} | {f(e.get('torch_ms'))} | {f(e.get('speedup_vs_jax_reference'), 1)} | "
-                 f"{f(e.get('speedup_vs_jax_sort'), 1)} | {f(e.get('speedup_vs_torch'), 1)} |")
+                 f"{f(e.get('speedup_vs_jax_sort'), 1)} | {f(e.get('speedup_vs_torch'), 1)} | {f(e.get('dev_speedup_vs_jax_sort'), 1)} | "
+                 f"{f(e.get('dev_speedup_vs_torch'), 1)} |")
+    if meta.get("sweep"):
+        L += ["", "Tuning sweep (gaussian rows, device time per call, ms; all variants exact):", "",
+              "| R | config | variant | dev ms | % copy BW |", "|---|---|---|---|---|"]
+        for e in meta["sweep"]:
+            L.append(f"| {e['R']} | {e['config']} | {e['variant']} | {f(e.get('dev_ms'))} | "
+                     f"{f(100 * e['frac'] if e.get('frac') else None, 0)} |")
     L += ["", "Checks on the GPU:", "", "```", json.dumps(res, indent=1), "```", ""]
     return "\n".join(L)
 
@@ -315,6 +387,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time tuning variants (stats/select knobs)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -332,6 +405,8 @@ def main():
     bw_jax, bw_torch = copy_bandwidth()
     meta.update(copy_bw_jax=bw_jax, copy_bw_torch=bw_torch)
     log(f"copy bandwidth: jax {bw_jax / 1e12:.2f} TB/s, torch {(bw_torch or 0) / 1e12:.2f} TB/s")
+    if args.sweep:
+        meta["sweep"] = sweep(max(bw_jax, bw_torch or 0))
     rows = timings(args.quick, max(bw_jax, bw_torch or 0))
     stamp = datetime.datetime.now().strftime("%Y%m%d")
     with open(os.path.join(args.out, f"sampling_h200_{stamp}.json"), "w") as fh:

@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import ddtree_jax as dt  # noqa: E402
 from ddtree_jax.tree import _build_draft_tree, draft_logprobs  # noqa: E402
 from ddtree_jax.verify import _accept_path  # noqa: E402
-from pallas_kernels.tree_builder import _build_from_topk, ancestor_mask_from_parents, build_draft_tree_pallas, exact_top_k  # noqa: E402
+from pallas_kernels.tree_builder import _build_from_topk, ancestor_mask_by_squaring, ancestor_mask_from_parents, build_draft_tree_pallas, exact_top_k  # noqa: E402
 from pallas_kernels.tree_walk import accept_path_pallas  # noqa: E402
 
 B, BUDGET, L, V = 16, 256, 15, 163840
@@ -44,6 +44,30 @@ def time_it(fn, args_list, iters=50, repeats=5):
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / iters)
     return float(np.median(ts))
+
+
+DEV_N = 20
+
+
+def dev_time(fn, x, n=DEV_N, repeats=5):
+    """Device time per call of ``fn(x)``: n calls inside one jit (lax.fori_loop) whose input ``x``
+    is a loop carry touched at one element each iteration (in place, data-dependent, so nothing is
+    hoisted), timed as one dispatch; per-call dispatch cost is amortised away."""
+
+    @jax.jit
+    def loop(x):
+        def body(i, c):
+            x, acc = c
+            out = fn(x)
+            leaf = jax.tree.leaves(out)[0]
+            acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
+            first = x.reshape(-1)[0]
+            x = x.at[(0,) * x.ndim].set(jnp.where(acc < -3e38, jnp.zeros_like(first), first))
+            return x, acc
+
+        return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))[1]
+
+    return time_it(loop, [(x,)], iters=3, repeats=repeats) / n
 
 
 def draft_logits(seed, B=B, L=L, V=V):
@@ -67,10 +91,11 @@ def main():
         if s < 0:  # heavy ties (values on a coarse grid): exercises the tie rules and top-k fallback
             x = (jnp.round(x.astype(jnp.float32) * 2) / 2).astype(jnp.bfloat16)
         ref = _build_draft_tree(x, n)
-        ker = build_draft_tree_pallas(x, n)
-        diff = [f for f in FIELDS if not np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(ker, f)))]
-        res["checks"][f"build B{b} L{l} V{v} N{n}"] = diff or "equal"
-        log(f"builder B={b} L={l} V={v} N={n}:", diff or "equal")
+        for kv, mv in (("v2", "pointers"), ("v2", "squaring"), ("v1", "pointers")):
+            ker = build_draft_tree_pallas(x, n, kernel=kv, mask=mv)
+            diff = [f for f in FIELDS if not np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(ker, f)))]
+            res["checks"][f"build B{b} L{l} V{v} N{n} ({kv}, {mv})"] = diff or "equal"
+            log(f"builder {kv} {mv} B={b} L={l} V={v} N={n}:", diff or "equal")
         tree = ref.with_root_tokens(jnp.zeros((b,), jnp.int32))
         tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
         rng = np.random.default_rng(abs(s))
@@ -87,6 +112,11 @@ def main():
     log("jax loop", t["jax_loop_total"])
     t["pallas_total"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET), [(x,) for x in xs])
     log("pallas total", t["pallas_total"])
+    t["pallas_total_v2_squaring"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, mask="squaring"), [(x,) for x in xs])
+    t["pallas_total_v1_pointers"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, kernel="v1", mask="pointers"), [(x,) for x in xs])
+    t["pallas_total_dev"] = 1e6 * dev_time(lambda x: build_draft_tree_pallas(x, BUDGET), xs[0])
+    t["pallas_total_v1_pointers_dev"] = 1e6 * dev_time(lambda x: build_draft_tree_pallas(x, BUDGET, kernel="v1", mask="pointers"), xs[0])
+    log("pallas total dev", t["pallas_total_dev"])
     t["pallas_total_lax_topk"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, topk="lax"), [(x,) for x in xs], iters=10)
     t["log_softmax_only"] = 1e6 * time_it(jax.jit(draft_logprobs), [(x,) for x in xs])
     topk = jax.jit(lambda x: jax.lax.top_k(draft_logprobs(x), BUDGET))
@@ -94,11 +124,24 @@ def main():
     t["topk_chunked_incl_log_softmax"] = 1e6 * time_it(jax.jit(lambda x: exact_top_k(draft_logprobs(x), BUDGET)), [(x,) for x in xs])
     tops = [topk(x) for x in xs]
     tops = [(a, i.astype(jnp.int32)) for a, i in tops]
-    for nw in (1, 2, 4, 8):
-        t[f"pallas_kernel_only_w{nw}"] = 1e6 * time_it(lambda a, i: _build_from_topk(a, i, budget=BUDGET, V=V, num_warps=nw), tops)
+    for kv in ("v1", "v2"):
+        for nw in (1, 2, 4, 8):
+            t[f"pallas_kernel_{kv}_w{nw}"] = 1e6 * time_it(lambda a, i: _build_from_topk(a, i, budget=BUDGET, V=V, num_warps=nw, kernel=kv, mask="pointers"), tops)
+        t[f"pallas_kernel_{kv}_w4_dev_incl_mask"] = 1e6 * dev_time(lambda a: _build_from_topk(a, tops[0][1], budget=BUDGET, V=V, kernel=kv), tops[0][0])
     tr = build_draft_tree_pallas(xs[0], BUDGET)
     anc = jax.jit(lambda p, v: ancestor_mask_from_parents(p, v, L))
     t["ancestor_mask_only"] = 1e6 * time_it(anc, [(tr.parents, tr.valid)])
+    t["ancestor_mask_squaring_only"] = 1e6 * time_it(jax.jit(lambda p, v: ancestor_mask_by_squaring(p, v, L)), [(tr.parents, tr.valid)])
+    # where exact_top_k's time goes (device time per call)
+    lq0 = jax.jit(draft_logprobs)(xs[0])
+    nc, kc = V // 32, BUDGET + 32
+    t["topk_stage_log_softmax_dev"] = 1e6 * dev_time(draft_logprobs, xs[0])
+    t["topk_stage_chunk_max_dev"] = 1e6 * dev_time(lambda q: jnp.max(q.reshape(B, L, nc, 32), axis=-1), lq0)
+    cm0 = jnp.max(lq0.reshape(B, L, nc, 32), axis=-1)
+    t["topk_stage_topk_of_chunk_maxima_dev"] = 1e6 * dev_time(lambda c: jax.lax.top_k(c, kc + 1), cm0)
+    cand0 = lq0[..., : kc * 32]
+    t["topk_stage_topk_of_candidates_dev"] = 1e6 * dev_time(lambda c: jax.lax.top_k(c, BUDGET), cand0)
+    t["topk_chunked_total_dev"] = 1e6 * dev_time(lambda q: exact_top_k(q, BUDGET), lq0)
     log("parts", {k: round(v, 1) for k, v in t.items()})
     tree = tr.with_root_tokens(jnp.zeros((B,), jnp.int32))
     smp = jnp.asarray(np.where(np.asarray(tree.first_child) >= 0, np.take_along_axis(np.asarray(tree.tokens), np.maximum(np.asarray(tree.first_child), 0), 1), 3).astype(np.int32))
@@ -121,6 +164,10 @@ def main():
         json.dump(res, fh, indent=1)
     md = [f"# Tree builder / walk on {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
           f"B={B}, budget={BUDGET}, L={L}, V={V} (bf16 draft logits; top-k included in totals)", "",
+          "Host-loop times (one jit dispatch per call) unless the name ends in _dev (20 calls inside one jit, "
+          "lax.fori_loop, time / 20: device time without the per-call dispatch). v1: previous pop loop "
+          "(~17 dependent reductions per pop); v2 (default): 5 reductions + 3 scalar loads per pop. Ancestor mask: "
+          "pointers (default, L dependent gathers) or squaring (boolean matrix squarings).", "",
           "| what | us per round |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in t.items()]
     md += ["", "Equality checks (kernel vs plain JAX on the GPU):", ""] + [f"- {k}: {v}" for k, v in res["checks"].items()]
     with open(os.path.join(out_dir, f"tree_gpu_h200_{stamp}.md"), "w") as fh:

@@ -15,6 +15,14 @@ Algorithm (two launches, one program per row each):
    index on ties: the greedy token), the NaN/+inf/all--inf validity flags, per-tile ``(m_t, s_t)``
    with ``s_t = sum exp((x - m_t) / T)`` (the unfiltered tile masses), and per-chunk maxima
    (chunks of 64 columns) for the top-k candidate search.
+   Per-element work is kept small (per-element ALU work, not HBM, limits such passes: ALGORITHMS.md
+   section 8): the tile
+   argmax is searched only in tiles that raise the running max (``lax.cond``); ``s_t`` uses
+   ``exp2((x - m_t) * log2(e) / T)`` (one ``ex2``; ``expf`` costs several more instructions);
+   +inf / all -inf come from the tile max, NaN from ``s_t`` being NaN (sampled rows) or one
+   ``x != x`` reduction (greedy rows); chunk maxima are stored only for rows that can take the
+   top-k candidate path. (Changes of 2026-11-29 after the H200 run in bench/results; lowered to
+   Triton IR for CUDA on CPU, not yet timed on the GPU.)
 2. ``_select_kernel`` chooses per row (``lax.switch`` on per-row flags, so mixed batches pay only
    for what each row needs):
 
@@ -28,11 +36,21 @@ Algorithm (two launches, one program per row each):
      are gathered (from L2) into registers; the exact top-k threshold, the top-p threshold and the
      min-p threshold are found there by bisection over float bit patterns (31 count/sum
      reductions each, no sort), then one draw by inverse CDF over the kept candidates.
+     The candidate chunks are listed in column order by one min-reduction per chunk
+     (``compact="loop"``, the default, GPU-verified) or by one cumsum + scatter into a per-row
+     scratch + a CTA barrier (``compact="scatter"``: replaces ~k serial 4096-wide reductions; equal
+     outputs in interpret mode; opt-in until timed and checked on the GPU).
    * anything else (top-p or min-p without top-k, k > 128, more than 128 candidate chunks):
-     the same bisections with full-row passes (correct but ~60 passes: the slow path).
+     the same bisections with full-row passes (correct but ~60 passes: the slow path). Its top-p
+     cut is a threshold on z (bisection over z keys of ``mass{z > K} < top_p``), not on q: the
+     passes recompute the values, and a q threshold equals the smallest kept q, so any 1-ulp
+     difference in a recomputed ``exp`` dropped that token from the draws (found on CPU: a kept
+     token with expected count 71 in 3000 draws never drawn).
 
 Exactness of the cut: every rule is a threshold on one row, evaluated as in the reference:
-``z = (x - M) / T`` with IEEE division (``div.rn.f32``), top-k keeps ``z >= z_(k)`` (ties kept),
+``z = (x - M) / T`` with IEEE division (``div.rn.f32``; in interpret mode a division between
+optimization barriers, since XLA:CPU computes ``x / broadcast(T)`` as ``x * (1/T)``, 1 ulp off),
+top-k keeps ``z >= z_(k)`` (ties kept),
 top-p keeps ``q_v`` iff the mass of ``{q_u > q_v}`` is ``< top_p`` with ``q = exp(z)/S_k`` over the
 top-k set, min-p keeps ``q_v >= min_p * max q``. The top-k set is bit-exact; top-p and min-p can
 differ from the reference only where a value lies within float32 rounding of the boundary (the
@@ -104,7 +122,11 @@ def _uniform(s0, s1, stream: int):
 def _div(a, b, exact_asm: bool):
     """IEEE round-to-nearest division (Triton's '/' on f32 is div.full, ~2 ulp)."""
     if not exact_asm:
-        return a / b
+        # Interpret mode (CPU): XLA's fusion may compute the same division differently in two
+        # fusion contexts (measured: 1 ulp); a threshold found in one pass and compared in
+        # another then drops the boundary token. Barriers keep each division a plain IEEE op.
+        a, b = jax.lax.optimization_barrier((a, jnp.broadcast_to(b, a.shape)))
+        return jax.lax.optimization_barrier(a / b)
     b = jnp.broadcast_to(b, a.shape)
     return plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
@@ -167,32 +189,41 @@ def _pick(weights, u, iota):
 # ----------------------------------------------------------------------------- kernel 1: stats
 
 
-def _stats_kernel(x_ref, temp_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt):
+def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt):
     r = pl.program_id(0)
     cpt = tile // CHUNK
     T = temp_ref[r]
+    k = topk_ref[r]
     greedy = T == 0.0
     inv_t = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, T))
+    c2 = inv_t * np.float32(np.log2(np.e))  # exp(y / T) = exp2(y * c2): one FMA + ex2 per element
+    # Chunk maxima are read only by the top-k candidate path: other rows skip the store.
+    need_cm = ~greedy & (k > 0) & (k < V) & (k <= CAND_CHUNKS)
     iota = jnp.arange(tile, dtype=jnp.int32)
+    iota_cpt = jnp.arange(cpt, dtype=jnp.int32)
 
     def body(t, c):
         m, am, bad, fin = c
         cols = t * tile + iota
         x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
-        bad = bad | (jnp.max(jnp.where((x != x) | (x == jnp.inf), 1, 0)) > 0)
-        fin = fin | (jnp.max(jnp.where(x > -jnp.inf, 1, 0)) > 0)
-        cmax = jnp.max(x.reshape(cpt, CHUNK), axis=1)
-        plgpu.store(cm_ref.at[r, pl.ds(t * cpt, cpt)], cmax)
+        cmax = jnp.max(x.reshape(cpt, CHUNK), axis=1)  # (max ignores NaN on the GPU: maxnumf)
+        plgpu.store(cm_ref.at[r, pl.ds(t * cpt, cpt)], cmax, mask=need_cm & (iota_cpt >= 0))
         tmax = jnp.max(cmax)
-        targ = jnp.min(jnp.where(x == tmax, cols, _BIG))
-        safe = jnp.where(tmax > -jnp.inf, tmax, 0.0)
+        # Sampled rows: the tile mass is NaN iff the tile holds a NaN (x finite or -inf and tmax
+        # finite give terms in [0, 1]); greedy rows need an explicit NaN test instead.
+        safe = jnp.where(jnp.abs(tmax) < jnp.inf, tmax, 0.0)
         s = jax.lax.cond(
-            greedy, lambda: inv_t * 0.0, lambda: jnp.sum(jnp.exp((x - safe) * inv_t))  # (branch values must be traced)
+            greedy,
+            lambda: jnp.where(jnp.max(jnp.where(x != x, 1, 0)) > 0, jnp.nan, inv_t * 0.0),
+            lambda: jnp.sum(jnp.exp2((x - safe) * c2)),
         )
+        bad = bad | (s != s) | (tmax == jnp.inf)
+        fin = fin | (tmax > -jnp.inf)
         tm_ref[r, t] = tmax
         ts_ref[r, t] = s
-        better = tmax > m
-        return jnp.where(better, tmax, m), jnp.where(better, targ, am), bad, fin
+        better = tmax > m  # the lowest-index argmax is searched only in tiles that raise the max
+        targ = jax.lax.cond(better, lambda: jnp.min(jnp.where(x == tmax, cols, _BIG)), lambda: am)
+        return jnp.where(better, tmax, m), targ, bad, fin
 
     init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
     m, am, bad, fin = jax.lax.fori_loop(0, nt, body, init)
@@ -206,8 +237,8 @@ def _stats_kernel(x_ref, temp_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_re
 
 def _select_kernel(
     x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref,
-    tok_ref, tau_ref, qthr_ref, norm_ref, path_ref,
-    *, V, tile, nt, ntp, ncp, exact_asm,
+    tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, scr_ref,
+    *, V, tile, nt, ntp, ncp, exact_asm, compact, interpret_mode,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -296,12 +327,25 @@ def _select_kernel(
         flag = (iota_c < nc) & (_zkey(zof(cmv)) >= kc)
         iota_k = jnp.arange(CAND_CHUNKS, dtype=jnp.int32)
 
-        def enum(j, c):
-            cidx, prev = c
-            cj = jnp.min(jnp.where(flag & (iota_c > prev), iota_c, _BIG))
-            return jnp.where(iota_k == j, cj, cidx), cj
+        if compact == "scatter":
+            # Stream compaction in one step: flagged chunk c goes to slot (#flagged before c),
+            # through this row's scratch (L1/L2); the barrier makes the scattered stores visible
+            # to all threads of the program (bar.sync orders global memory within a CTA).
+            # (Masked-off lanes get distinct indices past the slots: interpret mode scatters them
+            # too, with their old values, and duplicate indices would race.)
+            pos = jnp.cumsum(flag.astype(jnp.int32)) - 1
+            live_c = flag & (pos < CAND_CHUNKS)
+            plgpu.store(scr_ref.at[r, jnp.where(live_c, pos, CAND_CHUNKS + iota_c)], iota_c, mask=live_c)
+            if not interpret_mode:
+                plgpu.debug_barrier()
+            cidx = plgpu.load(scr_ref.at[r, pl.ds(0, CAND_CHUNKS)], mask=iota_k < n_cand, other=-1)
+        else:  # one min-reduction per candidate chunk (the first version)
+            def enum(j, c):
+                cidx, prev = c
+                cj = jnp.min(jnp.where(flag & (iota_c > prev), iota_c, _BIG))
+                return jnp.where(iota_k == j, cj, cidx), cj
 
-        cidx, _ = jax.lax.fori_loop(0, n_cand, enum, (jnp.full((CAND_CHUNKS,), -1, jnp.int32), jnp.int32(-1)))
+            cidx, _ = jax.lax.fori_loop(0, n_cand, enum, (jnp.full((CAND_CHUNKS,), -1, jnp.int32), jnp.int32(-1)))
         cols = cidx[:, None] * CHUNK + jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
         live = (cidx[:, None] >= 0) & (cols < V)
         x = plgpu.load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=-jnp.inf).astype(jnp.float32)
@@ -351,23 +395,29 @@ def _select_kernel(
         tau0 = jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k))
         S = row_reduce(lambda z, t: jnp.sum(jnp.where(z >= tau0, jnp.exp(z), 0.0)), jnp.float32(0.0))
 
+        # Top-p in the z domain: the smallest z-key K with mass{z > K} < top_p, so kept is
+        # ``z >= tau`` with tau from a key. (A q-domain threshold would be compared with q values
+        # recomputed in later passes; the smallest kept q IS the threshold, so a 1-ulp difference
+        # in a recomputed exp drops that token: measured in interpret mode on CPU.)
         def mass_above(K):
             def f(z, t):
                 q = jnp.where(z >= tau0, jnp.exp(z), 0.0) / S
-                return jnp.sum(jnp.where(jax.lax.bitcast_convert_type(q, jnp.int32) > K, q, 0.0))
+                return jnp.sum(jnp.where(_zkey(z) > K, q, 0.0))
 
             return row_reduce(f, jnp.float32(0.0))
 
         K_p = jax.lax.cond(
             p_on,
             lambda: jax.lax.cond(
-                mass_above(jnp.int32(-1)) >= p,
-                lambda: _bisect(lambda K: mass_above(K) < p, jnp.int32(-1), _ONE_KEY),
-                lambda: zi - 1,
+                mass_above(jnp.int32(_INT_MIN)) >= p,
+                lambda: _bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0)),
+                lambda: zi + _INT_MIN,
             ),
-            lambda: zi - 1,
+            lambda: zi + _INT_MIN,
         )
-        tau, qthr = finish_thresholds(K_k, S, K_p)
+        K_t = jnp.maximum(K_k, K_p)
+        tau = jnp.where(K_t == _INT_MIN, neg_inf, _key_to_float(K_t))
+        qthr = minp * (1.0 / S)
 
         def tile_w(z, t):
             e = jnp.exp(z)
@@ -399,7 +449,7 @@ def _tile_for(V: int, tile: int | None) -> int:
     return max(CHUNK, min(t, pl.next_power_of_2(V)))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tile", "num_warps", "select_warps", "num_stages", "compact"))
 def fused_sample_debug(
     logits: jax.Array,  # [R, V] f32 or bf16
     temperature: jax.Array,  # f32 [R]
@@ -411,10 +461,17 @@ def fused_sample_debug(
     interpret: bool = False,
     tile: int | None = None,
     num_warps: int = 8,
+    select_warps: int | None = None,
+    num_stages: int = 1,
+    compact: str = "loop",
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
-    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 slow)."""
+    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 slow).
+    Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass, ``select_warps`` of
+    the select pass (default ``num_warps``), ``compact`` = "loop" | "scatter" (how the candidate
+    chunks are listed; "scatter" replaces ~k serial reductions by one cumsum + scatter + barrier but
+    has not run on a GPU yet, so it is opt-in)."""
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
@@ -422,36 +479,37 @@ def fused_sample_debug(
     ncp = pl.next_power_of_2(nt * (tile // CHUNK))
     f32, i32 = jnp.float32, jnp.int32
     temperature = temperature.astype(f32)
+    top_k = top_k.astype(i32)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     sd = jax.ShapeDtypeStruct
     mx, am, ok, tm, ts, cm = pl.pallas_call(
         functools.partial(_stats_kernel, V=V, tile=tile, nt=nt),
         grid=(R,),
-        in_specs=[any_spec] * 2,
+        in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 6,
         out_shape=[sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R, ntp), f32), sd((R, ntp), f32), sd((R, ncp), f32)],
-        compiler_params=params,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ddtree_sample_stats",
-    )(logits, temperature)
-    tok, tau, qthr, norm, path = pl.pallas_call(
-        functools.partial(_select_kernel, V=V, tile=tile, nt=nt, ntp=ntp, ncp=ncp, exact_asm=EXACT_DIV_ASM and not interpret),
+    )(logits, temperature, top_k)
+    tok, tau, qthr, norm, path, _ = pl.pallas_call(
+        functools.partial(_select_kernel, V=V, tile=tile, nt=nt, ntp=ntp, ncp=ncp, exact_asm=EXACT_DIV_ASM and not interpret,
+                          compact=compact, interpret_mode=interpret),
         grid=(R,),
         in_specs=[any_spec] * 12,
-        out_specs=[any_spec] * 5,
-        out_shape=[sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32)],
-        compiler_params=params,
+        out_specs=[any_spec] * 6,
+        out_shape=[sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32)],
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps or num_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_sample_select",
     )(
-        logits, temperature, top_k.astype(i32), top_p.astype(f32), min_p.astype(f32), seeds.astype(jnp.uint32),
+        logits, temperature, top_k, top_p.astype(f32), min_p.astype(f32), seeds.astype(jnp.uint32),
         mx, am, ok, tm, ts, cm,
     )
     return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path)
 
 
-def fused_sample(logits, temperature, top_k, top_p, min_p, seeds, *, interpret: bool = False, tile: int | None = None) -> jax.Array:
+def fused_sample(logits, temperature, top_k, top_p, min_p, seeds, *, interpret: bool = False, tile: int | None = None, **tuning) -> jax.Array:
     """One exact draw per row of ``logits [R, V]`` under per-row (temperature, top_k, top_p,
     min_p), seeds ``u32 [R, 2]``; ``INVALID_TOKEN`` for NaN/+inf/all--inf rows. i32 ``[R]``."""
-    return fused_sample_debug(logits, temperature, top_k, top_p, min_p, seeds, interpret=interpret, tile=tile)["token"]
+    return fused_sample_debug(logits, temperature, top_k, top_p, min_p, seeds, interpret=interpret, tile=tile, **tuning)["token"]
