@@ -18,6 +18,11 @@ time; the host reads back only the ``done`` flags (one ``[B]`` bool transfer) af
 batch of rounds, to stop when every request has finished and to report progress. With
 ``profile=True`` each stage is a separate compiled call timed on the host (slower; it exists
 to measure the time split).
+
+Finished requests stop costing work where the shapes allow: inside a batch of rounds they ride
+along (fixed shapes), but at a host sync where at most half the rows are still running, the
+running ones are gathered into the next smaller power-of-two batch (caches included) and the
+rounds continue on that; each batch size compiles once.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ class GenerateOutput:
       prefill_seconds: wall time of the prompt prefill.
       time_split: seconds per stage (draft, tree, verify, sample, commit) with ``profile=True``,
         else ``None``.
+      batch_sizes: the batch sizes the rounds ran at, in order (compaction shrinks it).
     """
 
     requests: list[RequestOutput]
@@ -95,6 +101,7 @@ class GenerateOutput:
     seconds: float
     prefill_seconds: float
     time_split: dict[str, float] | None
+    batch_sizes: list[int]
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -206,6 +213,7 @@ def generate(
     max_len: int | None = None,
     sync_every: int = 8,
     profile: bool = False,
+    compact: bool = True,
     impl: str = "auto",
     on_progress: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> GenerateOutput:
@@ -227,6 +235,7 @@ def generate(
       max_len: cache size per request; default: just what this call needs.
       sync_every: rounds run on the device between host checks for completion.
       profile: time each stage separately (see ``GenerateOutput.time_split``).
+      compact: re-pack the running requests into a smaller batch once at most half are running.
       impl: tree builder, sampler and walk: ``"auto"`` (Pallas kernels on GPU, plain-JAX
         references elsewhere), ``"pallas"`` or ``"reference"``.
       on_progress: called after each host sync with ``(tokens [B, max_new], generated [B])``.
@@ -262,35 +271,59 @@ def generate(
 
     base_key = jax.random.key(seed)
     split = dict.fromkeys(STAGES, 0.0) if profile else None
+    # Host copies of each request's results, by original request index; `rows` maps batch rows
+    # to requests (-1: a padding row, kept finished).
+    host = {k: np.zeros((B, plan.max_new_tokens), np.int32) for k in ("out", "accept_hist")}
+    host.update({k: np.zeros((B,), np.int32) for k in ("gen", "finish", "nrounds")})
+    rows = np.arange(B)
+    request_ids = jnp.arange(B, dtype=jnp.uint32)
+    batch_sizes = [B]
+
+    def harvest(state):
+        got = jax.device_get({k: state[k] for k in host})
+        live = rows >= 0
+        for k, v in got.items():
+            host[k][rows[live]] = v[live]
+
     t0 = time.perf_counter()
-    rounds = 0
     while True:
         if profile:
-            state = _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, split)
-            rounds += 1
+            state = _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, request_ids, stop_ids, split)
         else:
-            state = _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, sync_every)
-            rounds += sync_every
+            state = _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, request_ids, stop_ids, sync_every)
         done = np.asarray(state["done"])  # the one host round-trip per `sync_every` rounds
-        if on_progress is not None:
-            on_progress(np.asarray(state["out"]), np.asarray(state["gen"]))
+        if on_progress is not None or done.all():
+            harvest(state)
+            if on_progress is not None:
+                on_progress(host["out"].copy(), host["gen"].copy())
         if done.all():
             break
+        running = np.flatnonzero(~done)
+        if compact and len(running) <= len(rows) // 2:
+            if on_progress is None:
+                harvest(state)
+            size = 1 << int(len(running) - 1).bit_length()
+            take = np.concatenate([running, np.full(size - len(running), running[0])])
+            pad = np.arange(size) >= len(running)
+            state, sb, request_ids = _take_rows(state, sb, request_ids, jnp.asarray(take))
+            # Padding rows repeat a running request but are finished: they emit nothing.
+            state["finish"] = jnp.where(jnp.asarray(pad), _STOP, state["finish"])
+            state["done"] = state["finish"] != _RUNNING
+            rows = np.where(pad, -1, rows[take])
+            batch_sizes.append(size)
     seconds = time.perf_counter() - t0
 
-    out, gen, finish = (np.asarray(state[k]) for k in ("out", "gen", "finish"))
-    hist, nrounds = np.asarray(state["accept_hist"]), np.asarray(state["nrounds"])
     requests = [
         RequestOutput(
-            tokens=out[b, : gen[b]].tolist(),
-            finish_reason=_FINISH_REASONS[int(finish[b])],
-            acceptance_lengths=hist[b, : nrounds[b]].tolist(),
+            tokens=host["out"][b, : host["gen"][b]].tolist(),
+            finish_reason=_FINISH_REASONS[int(host["finish"][b])],
+            acceptance_lengths=host["accept_hist"][b, : host["nrounds"][b]].tolist(),
         )
         for b in range(B)
     ]
     return GenerateOutput(
-        requests=requests, method=method, budget=budget, rounds=int(nrounds.max()), seconds=seconds,
-        prefill_seconds=prefill_seconds, time_split=split,
+        requests=requests, method=method, budget=budget, rounds=int(host["nrounds"].max()), seconds=seconds,
+        prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
     )
 
 
@@ -345,9 +378,22 @@ def _verify(tgraph, tparams, plan: _Plan, state, tree: DraftTree):
     return logits, feats, tcache
 
 
-def _round_keys(base_key, sb: SamplingBatch, nrounds):
-    """Per-request keys of this round: (seed, request seed or row, the request's own round)."""
-    return jax.vmap(jax.random.fold_in)(per_row_keys(base_key, sb), nrounds)
+def _round_keys(base_key, sb: SamplingBatch, request_ids, nrounds):
+    """Per-request keys of this round: (seed, request seed or request index, the request's own round)."""
+    return jax.vmap(jax.random.fold_in)(per_row_keys(base_key, sb, request_ids), nrounds)
+
+
+@jax.jit
+def _take_rows(state, sb: SamplingBatch, request_ids, rows):
+    """Gathers batch rows of the decoding state. Caches (``tcache``, ``dcache``) are layer-major:
+    their arrays of rank >= 2 carry the batch on axis 1 (``[layers, B, ...]``), their ``[B]``
+    vectors on axis 0; every other field has the batch on axis 0."""
+    def cache_rows(a):
+        return jnp.take(a, rows, axis=1 if a.ndim >= 2 else 0)
+
+    state = {k: jax.tree.map(cache_rows if k in ("tcache", "dcache") else (lambda a: jnp.take(a, rows, axis=0)), v)
+             for k, v in state.items()}
+    return state, jax.tree.map(lambda a: jnp.take(a, rows, axis=0), sb), jnp.take(request_ids, rows, axis=0)
 
 
 def _sample(plan: _Plan, logits, sb: SamplingBatch, keys):
@@ -392,16 +438,16 @@ def _commit(tgraph, tparams, dgraph, dparams, plan: _Plan, state, tree: DraftTre
     return new
 
 
-def _round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids):
+def _round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, request_ids, stop_ids):
     draft_logits = _draft(tgraph, tparams, dgraph, dparams, plan, state) if plan.method != "ar" else None
     tree = _tree(plan, draft_logits, state["root"])
     logits, feats, tcache = _verify(tgraph, tparams, plan, state, tree)
-    samples = _sample(plan, logits, sb, _round_keys(base_key, sb, state["nrounds"]))
+    samples = _sample(plan, logits, sb, _round_keys(base_key, sb, request_ids, state["nrounds"]))
     return _commit(tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache, stop_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("tgraph", "dgraph", "plan", "max_rounds"), donate_argnames=("state",))
-def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, max_rounds: int):
+def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, request_ids, stop_ids, max_rounds: int):
     """Up to ``max_rounds`` rounds on the device, stopping early once every request is done."""
 
     def cond(carry):
@@ -410,7 +456,7 @@ def _run_rounds(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, sto
 
     def body(carry):
         i, st = carry
-        return i + 1, _round(tgraph, tparams, dgraph, dparams, plan, st, sb, base_key, stop_ids)
+        return i + 1, _round(tgraph, tparams, dgraph, dparams, plan, st, sb, base_key, request_ids, stop_ids)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
@@ -422,7 +468,7 @@ _sample_jit = jax.jit(_sample, static_argnames=("plan",))
 _commit_jit = jax.jit(_commit, static_argnames=("tgraph", "dgraph", "plan"))
 
 
-def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, stop_ids, split):
+def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key, request_ids, stop_ids, split):
     """One round, stage by stage, each timed to completion (for the time split only)."""
 
     def timed(stage, fn, *args):
@@ -434,5 +480,5 @@ def _profiled_round(tgraph, tparams, dgraph, dparams, plan, state, sb, base_key,
     draft_logits = timed("draft", _draft_jit, tgraph, tparams, dgraph, dparams, plan, state) if plan.method != "ar" else None
     tree = timed("tree", _tree_jit, plan, draft_logits, state["root"])
     logits, feats, tcache = timed("verify", _verify_jit, tgraph, tparams, plan, state, tree)
-    samples = timed("sample", _sample_jit, plan, logits, sb, _round_keys(base_key, sb, state["nrounds"]))
+    samples = timed("sample", _sample_jit, plan, logits, sb, _round_keys(base_key, sb, request_ids, state["nrounds"]))
     return timed("commit", _commit_jit, tgraph, tparams, dgraph, dparams, plan, state, tree, samples, feats, tcache, stop_ids)

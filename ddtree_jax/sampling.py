@@ -201,13 +201,15 @@ def target_logprobs(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     return jnp.where(valid, logp, jnp.nan)
 
 
-def per_row_keys(key: jax.Array, params: SamplingBatch) -> jax.Array:
+def per_row_keys(key: jax.Array, params: SamplingBatch, request_ids: jax.Array | None = None) -> jax.Array:
     """Per-request keys ``[B]``.
 
     ``key`` is one key (typed, or raw ``uint32[2]``). A seeded row b gets
     ``fold_in(fold_in(key, 0), seed_b)``: its random stream depends on its own seed and the
     caller's key (e.g. one per round), never on its batch position or its neighbours. An
-    unseeded row gets ``fold_in(fold_in(key, 1), b)``. ``key`` may also already be ``[B]`` keys.
+    unseeded row gets ``fold_in(fold_in(key, 1), request_ids[b])`` (default: its row index b;
+    a caller that moves requests between rows passes stable ids). ``key`` may also already be
+    ``[B]`` keys.
     """
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
@@ -217,7 +219,8 @@ def per_row_keys(key: jax.Array, params: SamplingBatch) -> jax.Array:
     if key.shape == ():
         fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         seeded = fold(jax.random.fold_in(key, 0), params.seed)
-        unseeded = fold(jax.random.fold_in(key, 1), jnp.arange(B, dtype=jnp.uint32))
+        ids = jnp.arange(B, dtype=jnp.uint32) if request_ids is None else request_ids.astype(jnp.uint32)
+        unseeded = fold(jax.random.fold_in(key, 1), ids)
         return jnp.where(params.has_seed, seeded, unseeded)
     if key.shape != (B,):
         raise ValueError(f"key must be one key or one per request ({B}); got shape {key.shape}")

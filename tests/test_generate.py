@@ -130,6 +130,20 @@ def test_stop_tokens(models, greedy_ar):
         assert out.requests[b].finish_reason == ("stop" if stop in ref_b else "length")
 
 
+@pytest.mark.parametrize("sampling", [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0), dt.SamplingParams(temperature=0.8, top_k=20, seed=4)], ids=["greedy", "unseeded", "seeded"])
+def test_compaction_changes_nothing_but_the_work(models, greedy_ar, sampling):
+    """Requests 0 and 1 stop early; request 2 then runs alone in a batch of one.
+    Outputs (greedy and sampled, seeded or not) equal those of the uncompacted run."""
+    stop = [next(t for t in greedy_ar.tokens[b] if t not in greedy_ar.tokens[2]) for b in (0, 1)]
+    runs = [generate(*models, PROMPTS, method="ddtree", budget=6, stop_tokens=stop, sampling=sampling, sync_every=1, compact=c, seed=8, **SHAPES) for c in (False, True)]
+    assert runs[0].tokens == runs[1].tokens
+    assert [r.acceptance_lengths for r in runs[0].requests] == [r.acceptance_lengths for r in runs[1].requests]
+    assert runs[0].batch_sizes == [3] and runs[1].batch_sizes[0] == 3
+    if sampling.temperature == 0.0:
+        assert [r.finish_reason for r in runs[1].requests] == ["stop", "stop", "length"]
+        assert runs[1].batch_sizes == [3, 1]
+
+
 def test_max_new_tokens_one(models, greedy_ar):
     out = generate(*models, PROMPTS, method="ddtree", budget=6, max_new_tokens=1, max_len=64)
     assert out.tokens == [t[:1] for t in greedy_ar.tokens]
