@@ -109,16 +109,16 @@ def run_demo(args) -> None:
     from ddtree_jax.default_model import make_default
 
     t0 = time.perf_counter()
-    _log(f"[ddtree_jax] preparing the built-in default in {args.dir} (made once) ...")
-    path = make_default(args.dir)
-    _log(f"[ddtree_jax] default ready in {time.perf_counter() - t0:.1f}s: target/, drafter/, tokenizer.json "
-         "(random weights until the trained pair ships: expect tau ~ 1)")
+    _log(f"[ddtree_jax] preparing the built-in default in {args.dir} (made and trained once, a few minutes) ...")
+    path = make_default(args.dir, log=_log)
+    _log(f"[ddtree_jax] default ready in {time.perf_counter() - t0:.1f}s: target/, drafter/, tokenizer.json")
     summaries = []
     for method in METHODS:
         _log(f"[ddtree_jax] === method {method} ===")
         ns = argparse.Namespace(
             target=os.path.join(path, "target"), drafter=os.path.join(path, "drafter"),
-            tokenizer=os.path.join(path, "tokenizer.json"), prompt=args.prompt or ["Speculative decoding lets", "A draft tree"],
+            tokenizer=os.path.join(path, "tokenizer.json"),
+            prompt=args.prompt or ["Speculative decoding lets", "A draft tree", "With sampling, every node"],
             method=method, budget=args.budget, max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0,
             top_p=1.0, min_p=0.0, seed=None, stop_token_id=None, ignore_eos=True, dtype="float32", sync_every=8,
             profile=False, no_stream=True,
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     d.add_argument("--dir", default=DEFAULT_DIR)
     d.add_argument("--prompt", action="append")
     d.add_argument("--budget", type=int, default=32)
-    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=64)
 
     args = ap.parse_args(argv)
     if args.command == "generate":

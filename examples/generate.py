@@ -3,7 +3,7 @@
     python examples/generate.py
 
 Builds the built-in default (a small Kimi-style MoE target, a DFlash drafter and a tokenizer,
-written once as HF checkpoints under ~/.cache/ddtree_jax), loads it like any checkpoint, and
+trained and written once as HF checkpoints under ~/.cache/ddtree_jax), loads it like any checkpoint, and
 decodes a mixed batch (one greedy request, one sampled with top-k + top-p) with DDTree, then
 checks the greedy request against plain autoregressive decoding.
 """

@@ -11,7 +11,9 @@ from ddtree_jax.default_model import make_default
 
 @pytest.fixture(scope="module")
 def default_dir(tmp_path_factory):
-    return make_default(str(tmp_path_factory.mktemp("default")), vocab_size=300)
+    # Short training (the demo trains longer): enough to check that both losses fall.
+    return make_default(str(tmp_path_factory.mktemp("default")), vocab_size=300, target_steps=30, drafter_steps=30,
+                        drafter_contexts=(8,))
 
 
 def test_default_artifacts_are_real_checkpoints(default_dir):
@@ -23,6 +25,9 @@ def test_default_artifacts_are_real_checkpoints(default_dir):
     drafter = load_drafter(os.path.join(default_dir, "drafter"), target)
     assert drafter.config.block_size == 16 and target.config.vocab_size <= 300
     assert make_default(default_dir) == default_dir  # made once, reused
+    training = json.load(open(os.path.join(default_dir, "generation_config.json")))["training"]
+    for name in ("target", "drafter"):
+        assert training[name]["steps"] == 30 and training[name]["last_loss"] < 0.7 * training[name]["first_loss"], training
 
 
 def test_generate_command_streams_text_and_reports_stats(default_dir, capsys):
