@@ -123,7 +123,9 @@ def _build_draft_tree(draft_logits: jax.Array, budget: int) -> DraftTree:
     top_lq, top_ids = jax.lax.top_k(draft_logprobs(draft_logits), min(budget, V))  # [B, L, K]
     # Without the barrier XLA (CPU) fuses the log-softmax/top-k producer into the pop loop's
     # gathers and recomputes it per pop: 40x slower at V = 163840 (bench/bench_tree.py).
-    top_lq, top_ids = jax.lax.optimization_barrier((top_lq, top_ids))
+    # One array per barrier: a tuple barrier trips XLA's SPMD partitioner (sharded callers).
+    top_lq = jax.lax.optimization_barrier(top_lq)
+    top_ids = jax.lax.optimization_barrier(top_ids)
     fields = jax.vmap(functools.partial(_best_first_one, budget=budget))(top_lq, top_ids.astype(jnp.int32))
     return DraftTree(**fields, draft_len=L)
 
