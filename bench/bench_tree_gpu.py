@@ -20,7 +20,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import ddtree_jax as dt  # noqa: E402
 from ddtree_jax.tree import _build_draft_tree, draft_logprobs  # noqa: E402
 from ddtree_jax.verify import _accept_path  # noqa: E402
 from pallas_kernels.tree_builder import _build_from_topk, ancestor_mask_by_squaring, ancestor_mask_from_parents, build_draft_tree_pallas, exact_top_k  # noqa: E402

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import time
 from collections.abc import Callable, Sequence

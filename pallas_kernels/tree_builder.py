@@ -55,8 +55,6 @@ def _builder_kernel_v1(lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_re
     lq0 = jnp.sum(jnp.where(ik == 0, LQ, 0.0), axis=1)  # [Lp] lq[d, 0]
     iota = jnp.arange(Mp, dtype=jnp.int32)
     zi = b * 0
-    zf = zi.astype(jnp.float32)
-    ninf = zf - jnp.inf
     neg1 = jnp.full((Mp,), -1, jnp.int32)
     lq00 = jnp.sum(jnp.where(ilv == 0, lq0, 0.0))
 
@@ -151,7 +149,6 @@ def _builder_kernel(lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, 
     b = pl.program_id(0)
     iota = jnp.arange(Mp, dtype=jnp.int32)
     zi = b * 0
-    zf = zi.astype(jnp.float32)
     neg1 = jnp.full((Mp,), -1, jnp.int32)
     pmask = (1 << pbits) - 1
     rmask = (1 << rbits) - 1

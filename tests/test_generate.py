@@ -5,7 +5,6 @@ Compilation dominates on the CPU, so the tests share shapes: batch 3, max_len 64
 max_new_tokens 12 unless a test needs otherwise.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
