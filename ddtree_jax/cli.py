@@ -16,8 +16,7 @@ import os
 import sys
 import time
 
-
-METHODS = ("ddtree", "dflash", "ar")
+from ddtree_jax.generate import METHODS
 
 
 def _log(msg: str) -> None:

@@ -137,7 +137,6 @@ class _Plan:
 
     method: str
     budget: int  # non-root nodes per tree
-    draft_len: int  # L
     max_new_tokens: int
     hidden_layer_ids: tuple[int, ...]
     impl: str  # kernels or references for tree, sampling and walk ("auto" | "pallas" | "reference")
@@ -249,7 +248,7 @@ def generate(
     if not _is_int(sync_every) or sync_every < 1:
         raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
     plan = _Plan(
-        method=method, budget=budget, draft_len=L, max_new_tokens=int(max_new_tokens), impl=impl,
+        method=method, budget=budget, max_new_tokens=int(max_new_tokens), impl=impl,
         hidden_layer_ids=tuple(drafter.config.target_layer_ids) if drafter is not None and method != "ar" else (),
     )
     B = len(rows)
