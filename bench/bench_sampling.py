@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 
 from ddtree_jax.sampling import SamplingBatch, target_logprobs  # noqa: E402
 from pallas_kernels import fused_sampling as fs  # noqa: E402
+from _timing import time_it  # noqa: E402  (bench/ is the script's folder)
 
 V = 163840
 ROWS = (64, 512, 2048)
@@ -108,20 +109,6 @@ def sort_pipeline(x, p, key):
     pick = jax.random.categorical(key, zs, axis=-1)
     tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
     return jnp.where(p.temperature > 0, tok, jnp.argmax(x, axis=-1)).astype(jnp.int32)
-
-
-def time_it(fn, args_list, iters=20, repeats=5):
-    """Median over `repeats` of the mean time of `iters` back-to-back calls (inputs rotated)."""
-    out = fn(*args_list[0])
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            out = fn(*args_list[i % len(args_list)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts))
 
 
 def copy_bandwidth():

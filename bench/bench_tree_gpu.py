@@ -8,6 +8,7 @@ Pallas walk against the plain-JAX walk. B=16, budget 256, L=15, V=163840 (top-k 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _timing  # noqa: E402  (bench/ is the script's folder)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,16 +35,7 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def time_it(fn, args_list, iters=50, repeats=5):
-    jax.block_until_ready(fn(*args_list[0]))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            out = fn(*args_list[i % len(args_list)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts))
+time_it = functools.partial(_timing.time_it, iters=50)
 
 
 DEV_N = 20
