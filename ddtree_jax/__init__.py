@@ -1,57 +1,58 @@
-"""ddtree-jax: exact tree speculative decoding (DFlash drafter + DDTree) in JAX."""
+"""ddtree-jax: exact tree speculative decoding (DFlash drafter + DDTree) in JAX.
 
-from ddtree_jax.checkpoints import DEFAULT_MESH_AXES, CheckpointError, load_drafter, load_target, save_checkpoint
-from ddtree_jax.generate import GenerateOutput, RequestOutput, generate
-from ddtree_jax.models import (
-    DFlashConfig,
-    DFlashDrafter,
-    DraftCache,
-    KimiConfig,
-    KimiForCausalLM,
-    KVCache,
-    YarnScaling,
-    default_target_layer_ids,
-)
-from ddtree_jax.sampling import (
-    INVALID_TOKEN,
-    SamplingBatch,
-    SamplingParams,
-    batch_sampling,
-    sample_tree_nodes,
-    target_logprobs,
-)
-from ddtree_jax.tree import DraftTree, build_draft_tree, chain_draft_tree, draft_logprobs
-from ddtree_jax.verify import AcceptResult, accept_path
+The public names are imported on first use (PEP 562), so ``import ddtree_jax`` and the command
+line's argument checks do not pay for importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_MESH_AXES",
-    "INVALID_TOKEN",
-    "AcceptResult",
-    "CheckpointError",
-    "DFlashConfig",
-    "DFlashDrafter",
-    "DraftCache",
-    "DraftTree",
-    "GenerateOutput",
-    "KimiConfig",
-    "KVCache",
-    "KimiForCausalLM",
-    "RequestOutput",
-    "SamplingBatch",
-    "SamplingParams",
-    "accept_path",
-    "YarnScaling",
-    "batch_sampling",
-    "build_draft_tree",
-    "chain_draft_tree",
-    "default_target_layer_ids",
-    "draft_logprobs",
-    "generate",
-    "load_drafter",
-    "load_target",
-    "sample_tree_nodes",
-    "save_checkpoint",
-    "target_logprobs",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "DEFAULT_MESH_AXES": "ddtree_jax.checkpoints",
+    "CheckpointError": "ddtree_jax.checkpoints",
+    "load_drafter": "ddtree_jax.checkpoints",
+    "load_target": "ddtree_jax.checkpoints",
+    "save_checkpoint": "ddtree_jax.checkpoints",
+    "GenerateOutput": "ddtree_jax.generate",
+    "RequestOutput": "ddtree_jax.generate",
+    "generate": "ddtree_jax.generate",
+    "DFlashConfig": "ddtree_jax.models",
+    "DFlashDrafter": "ddtree_jax.models",
+    "DraftCache": "ddtree_jax.models",
+    "KimiConfig": "ddtree_jax.models",
+    "KimiForCausalLM": "ddtree_jax.models",
+    "KVCache": "ddtree_jax.models",
+    "YarnScaling": "ddtree_jax.models",
+    "default_target_layer_ids": "ddtree_jax.models",
+    "INVALID_TOKEN": "ddtree_jax.sampling",
+    "SamplingBatch": "ddtree_jax.sampling",
+    "SamplingParams": "ddtree_jax.sampling",
+    "batch_sampling": "ddtree_jax.sampling",
+    "sample_tree_nodes": "ddtree_jax.sampling",
+    "target_logprobs": "ddtree_jax.sampling",
+    "DraftTree": "ddtree_jax.tree",
+    "build_draft_tree": "ddtree_jax.tree",
+    "chain_draft_tree": "ddtree_jax.tree",
+    "draft_logprobs": "ddtree_jax.tree",
+    "AcceptResult": "ddtree_jax.verify",
+    "accept_path": "ddtree_jax.verify",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddtree_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
