@@ -32,8 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ddtree_jax.models.dflash import DFlashConfig, DFlashDrafter
-from ddtree_jax.models.kimi import KimiConfig, KimiForCausalLM
+from ddtree_jax.models.registry import lookup_architecture
 
 DEFAULT_MESH_AXES = {"expert": "expert", "tensor": "tensor"}
 
@@ -205,38 +204,76 @@ def _load_into(model: nnx.Module, path: str, *, skip: Callable[[str], bool], fp8
 
 
 def _read_config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise CheckpointError(f"{path}: no config.json (expected an HF checkpoint directory)")
+    with open(config) as f:
         return json.load(f)
 
 
-def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
-                mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> KimiForCausalLM:
-    """Load a ``DeepseekV3ForCausalLM`` (``deepseek_v3`` / ``kimi_k2``) checkpoint directory.
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-    Weights are cast to ``dtype`` (router weights stay float32) and, with ``mesh``, placed with
-    the shardings their logical axes give under ``mesh_axes``.
+
+def _resolve_dtype(dtype, raw: dict[str, Any], path: str):
+    """``dtype="auto"``: the checkpoint's own (``dtype`` / ``torch_dtype`` in config.json, else its
+    first floating-point tensor's; FP8 weights mean bfloat16), as transformers does."""
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return dtype
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    if name is not None:
+        name = str(name).removeprefix("torch.")
+        if name not in _DTYPE_NAMES:
+            raise CheckpointError(f"{path}: config.json dtype {name!r} is not one of {sorted(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[name]
+    files = _checkpoint_files(path)
+    for name in sorted(files):
+        info = _SafetensorsFile(files[name]).header[name]
+        if info["dtype"].startswith("F8"):
+            return jnp.bfloat16
+        if info["dtype"] in ("F32", "BF16", "F16"):
+            return {"F32": jnp.float32, "BF16": jnp.bfloat16, "F16": jnp.float16}[info["dtype"]]
+    return jnp.float32
+
+
+def _fp8_block(raw: dict[str, Any]) -> tuple[int, int]:
+    return tuple((raw.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
+
+
+def load_target(path: str, *, mesh: Mesh | None = None, dtype="auto", mesh_axes: dict[str, str] = DEFAULT_MESH_AXES):
+    """Load a target checkpoint directory; its class comes from ``architectures`` in config.json
+    (``ddtree_jax.models.registry.TARGETS``: ``DeepseekV3ForCausalLM``, model type ``deepseek_v3``
+    or ``kimi_k2``).
+
+    ``dtype``: ``"auto"`` (the checkpoint's own, see ``_resolve_dtype``) or a JAX dtype; router
+    weights stay float32. With ``mesh``, weights are placed with the shardings their logical
+    axes give under ``mesh_axes``.
     """
     raw = _read_config(path)
-    cfg = KimiConfig.from_hf_dict(raw)
-    block = tuple((raw.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
-    model = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    arch = lookup_architecture(raw, "target", path)
+    cfg = arch.config_class.from_hf_dict(raw)
+    dtype = _resolve_dtype(dtype, raw, path)
+    model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     mtp = re.compile(r"model\.layers\.(\d+)\.")
+
     def is_mtp(name):  # Multi-token-prediction layers follow the decoder layers; we do not run them.
         m = mtp.match(name)
         return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
-    _load_into(model, path, skip=is_mtp, fp8_block=block, mesh=mesh, mesh_axes=mesh_axes)
+    _load_into(model, path, skip=is_mtp, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
     return model
 
 
-def load_drafter(path: str, target: KimiForCausalLM, *, mesh: Mesh | None = None, dtype=None,
-                 mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> DFlashDrafter:
-    """Load a DFlash drafter checkpoint directory for ``target`` (whose embedding and LM head it uses).
+def load_drafter(path: str, target, *, mesh: Mesh | None = None, dtype=None,
+                 mesh_axes: dict[str, str] = DEFAULT_MESH_AXES):
+    """Load a drafter checkpoint directory (``DRAFTERS`` in the registry: ``DFlashDraftModel``) for
+    ``target``, whose embedding and LM head it uses.
 
-    ``dtype`` defaults to the target's weight dtype. Checks that the drafter fits the target.
+    ``dtype`` defaults to the target's weight dtype (``"auto"``: the checkpoint's own). Checks that
+    the drafter fits the target.
     """
     raw = _read_config(path)
-    cfg = DFlashConfig.from_hf_dict(raw)
+    arch = lookup_architecture(raw, "drafter", path)
+    cfg = arch.config_class.from_hf_dict(raw)
     tcfg = target.config
     if cfg.num_target_layers != tcfg.num_hidden_layers:
         raise ValueError(f"DFlashConfig.num_target_layers={cfg.num_target_layers} but the target has "
@@ -245,14 +282,13 @@ def load_drafter(path: str, target: KimiForCausalLM, *, mesh: Mesh | None = None
         raise ValueError(f"DFlashConfig.hidden_size={cfg.hidden_size} differs from the target's {tcfg.hidden_size}")
     if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
         raise ValueError(f"DFlashConfig.mask_token_id={cfg.mask_token_id} outside the target vocabulary")
-    dtype = dtype or target.model.embed_tokens.weight.dtype
-    block = tuple((raw.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
-    model = nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    _load_into(model, path, skip=lambda name: False, fp8_block=block, mesh=mesh, mesh_axes=mesh_axes)
+    dtype = target.model.embed_tokens.weight.dtype if dtype is None else _resolve_dtype(dtype, raw, path)
+    model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    _load_into(model, path, skip=lambda name: False, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
     return model
 
 
-def save_checkpoint(model: KimiForCausalLM | DFlashDrafter, path: str, *,
+def save_checkpoint(model, path: str, *,
                     max_shard_bytes: int | None = None) -> None:
     """Write ``model`` as an HF checkpoint directory: ``config.json`` + safetensors, per-expert
     names as published checkpoints use, sharded with ``model.safetensors.index.json`` when the
@@ -260,9 +296,13 @@ def save_checkpoint(model: KimiForCausalLM | DFlashDrafter, path: str, *,
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf_dict(), f, indent=2)
     parts = _hf_parts(model)
+    float_dtypes = {np.dtype(p.dest.var.dtype) for p in parts.values() if jnp.issubdtype(p.dest.var.dtype, jnp.floating)}
+    # The checkpoint's dtype (what ``dtype="auto"`` loads): the weights' dtype; router weights stay
+    # float32 in a bfloat16 model, so a mix means the narrower one.
+    main_dtype = min(float_dtypes, key=lambda d: d.itemsize) if float_dtypes else np.dtype(np.float32)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**model.config.to_hf_dict(), "torch_dtype": main_dtype.name}, f, indent=2)
     names = [n for n, part in parts.items() if len(part.covers) == 1]  # per-expert names, not fused aliases
     sizes = {n: int(np.prod(parts[n].hf_shape)) * parts[n].dest.var.dtype.itemsize for n in names}
     groups: list[list[str]] = [[]]

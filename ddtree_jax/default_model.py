@@ -22,7 +22,14 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.checkpoints import save_checkpoint
-from ddtree_jax.models import DFlashConfig, DFlashDrafter, KimiConfig, KimiForCausalLM, YarnScaling, default_target_layer_ids
+from ddtree_jax.models import (
+    DFlashConfig,
+    DFlashDrafter,
+    KimiConfig,
+    KimiForCausalLM,
+    YarnScaling,
+    default_target_layer_ids,
+)
 from ddtree_jax.train import train_drafter, train_target
 
 __all__ = ["DEFAULT_DIR", "default_configs", "make_default"]

@@ -26,6 +26,20 @@ def make_bigram(target):
     return target
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CountCache:
+    """The oracle's whole context: how many tokens each row has committed."""
+
+    lengths: jax.Array  # i32 [B]
+
+    def take_rows(self, rows: jax.Array) -> CountCache:
+        return CountCache(jnp.take(self.lengths, rows, axis=0))
+
+    def put_rows(self, rows: jax.Array, src: CountCache) -> CountCache:
+        return CountCache(self.lengths.at[rows].set(src.lengths))
+
+
 @dataclasses.dataclass(frozen=True)
 class OracleConfig:
     block_size: int
@@ -39,11 +53,11 @@ class BigramOracleDrafter(nnx.Module):
     def __init__(self, block_size: int):
         self.config = OracleConfig(block_size)
 
-    def init_cache(self, batch: int, max_len: int):
-        return jnp.zeros((batch,), jnp.int32)
+    def init_cache(self, batch: int, max_len: int) -> CountCache:
+        return CountCache(jnp.zeros((batch,), jnp.int32))
 
-    def append_context(self, cache, target_hidden, counts):
-        return cache + counts
+    def append_context(self, cache: CountCache, target_hidden, counts) -> CountCache:
+        return CountCache(cache.lengths + counts)
 
     def propose(self, target, cache, last_token):
         logits, tok = [], last_token

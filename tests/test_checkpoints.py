@@ -93,9 +93,25 @@ def test_fused_expert_tensors_load(tmp_path, saved):
     np.testing.assert_array_equal(_logits(load_target(str(tmp_path), dtype=jnp.float32)), _logits(model))
 
 
-def test_default_bfloat16_load_keeps_router_in_float32(saved):
+def test_auto_dtype_is_the_checkpoints_own(saved, tmp_path):
     model, path = saved
-    loaded = load_target(str(path))
+    assert load_target(str(path)).model.embed_tokens.weight.dtype == jnp.float32  # saved in float32
+    bf16 = load_target(str(path), dtype=jnp.bfloat16)
+    save_checkpoint(bf16, str(tmp_path / "bf16"))
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_target(str(tmp_path / "bf16")).model.embed_tokens.weight.dtype == jnp.bfloat16
+    # Without a dtype field, the first floating-point tensor decides (as in transformers).
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    del cfg["torch_dtype"]
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(cfg))
+    assert load_target(str(tmp_path / "bf16")).model.embed_tokens.weight.dtype == jnp.bfloat16
+    # An explicit dtype wins.
+    assert load_target(str(tmp_path / "bf16"), dtype=jnp.float32).model.embed_tokens.weight.dtype == jnp.float32
+
+
+def test_bfloat16_load_keeps_router_in_float32(saved):
+    model, path = saved
+    loaded = load_target(str(path), dtype=jnp.bfloat16)
     assert loaded.model.layers[0].self_attn.kv_b_proj.kernel.dtype == jnp.bfloat16
     assert loaded.model.layers[1].mlp.experts.gate_up_proj.dtype == jnp.bfloat16
     assert loaded.model.layers[1].mlp.gate.weight.dtype == jnp.float32
@@ -180,3 +196,16 @@ def test_mesh_loading_on_8_cpu_devices(saved):
     result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(path)], env=env, capture_output=True,
                             text=True, timeout=300)
     assert "MESH_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_architecture_decides_the_role(saved, tmp_path):
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    for architectures, message in ((["DFlashDraftModel"], "DFlash block drafter"),
+                                   (["LlamaForCausalLM"], "unsupported architecture"),
+                                   (None, "no 'architectures' field")):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": architectures}))
+        with pytest.raises(ValueError, match=message):
+            load_target(str(tmp_path))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_target(str(tmp_path / "absent"))

@@ -1,4 +1,4 @@
-"""Building blocks shared by the target and the drafter: linear, norm, embedding, RoPE, attention.
+"""Building blocks shared by the target and the drafter: linear, norm, embedding, attention.
 
 Every parameter carries an ``axes`` metadata entry: a tuple of *logical* axis names, one per
 array dimension (``None`` = replicated). ``ddtree_jax.checkpoints`` maps logical names to mesh
@@ -86,30 +86,6 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[..., dim] -> [..., dim]``."""
         return self.down_proj(silu_glu(self.gate_proj(x), self.up_proj(x)))
-
-
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0):
-    """cos/sin tables for integer ``positions [...]``: two float32 arrays ``[..., len(inv_freq)]``."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool) -> jax.Array:
-    """Rotate ``x [..., d]`` by per-pair angles (``cos``/``sin`` broadcast to ``[..., d/2]``).
-
-    ``interleaved`` pairs dims ``(0,1), (2,3), ...`` (DeepSeek's layout); otherwise pairs
-    ``(i, i + d/2)`` (HF ``rotate_half``). Either way the output is ``[x1 c - x2 s ; x2 c + x1 s]``,
-    i.e. an interleaved input comes out de-interleaved, exactly as transformers does it: scores are
-    unchanged because queries and keys get the same permutation.
-    """
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:

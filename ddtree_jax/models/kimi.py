@@ -19,9 +19,6 @@ normalises sigmoid scores) with a 1e-20 epsilon.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from typing import Any
 
 import chex
 import jax
@@ -29,183 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ddtree_jax.models._config import require
-from ddtree_jax.models._layers import (
-    Embed, GatedMLP, Linear, RMSNorm, apply_rope, masked_softmax, normal_init, rope_cos_sin, silu_glu, write_rows)
+from ddtree_jax.models._layers import Embed, GatedMLP, Linear, RMSNorm, masked_softmax, normal_init, silu_glu, write_rows
+from ddtree_jax.models.kimi_config import KimiConfig
+from ddtree_jax.models.rope import apply_rope, rope_cos_sin
+from ddtree_jax.models.tree_cache import block_attention_mask, causal_block_mask, commit_accepted, tree_block_mask
+
+__all__ = ["KVCache", "KimiForCausalLM"]
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class YarnScaling:
-    """Yarn RoPE scaling parameters (HF ``rope_scaling``/``rope_parameters`` with type ``yarn``)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KimiConfig:
-    """Architecture of a DeepSeek-V3-family model; field names are those of HF ``config.json``."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    n_shared_experts: int
-    n_group: int = 1
-    topk_group: int = 1
-    first_k_dense_replace: int = 0
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: YarnScaling | None = None
-    rope_interleave: bool = True
-    max_position_embeddings: int = 4096
-    model_type: str = "deepseek_v3"
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"):
-            require(getattr(self, name) > 0, self, name, "must be a positive integer")
-        require(self.q_lora_rank is None or self.q_lora_rank > 0, self, "q_lora_rank",
-                "must be null or positive")
-        require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, self,
-                "qk_rope_head_dim", "must be positive and even")
-        require(self.n_shared_experts >= 0, self, "n_shared_experts", "must be >= 0")
-        require(self.n_routed_experts % self.n_group == 0, self, "n_group",
-                f"must divide n_routed_experts={self.n_routed_experts}")
-        require(self.topk_group <= self.n_group, self, "topk_group", f"must be <= n_group={self.n_group}")
-        per_group = self.n_routed_experts // self.n_group
-        require(per_group >= 2, self, "n_group", "groups must hold >= 2 experts (group score = top-2 sum)")
-        require(self.num_experts_per_tok <= self.topk_group * per_group, self, "num_experts_per_tok",
-                "exceeds the experts available in topk_group groups")
-        require(0 <= self.first_k_dense_replace <= self.num_hidden_layers, self,
-                "first_k_dense_replace", "must be in [0, num_hidden_layers]")
-        require(self.model_type in ("deepseek_v3", "kimi_k2"), self, "model_type",
-                f"expected 'deepseek_v3' or 'kimi_k2', got {self.model_type!r}")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
-
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "KimiConfig":
-        """Read an HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
-        def unsupported(field, ok):
-            if field in d and d[field] not in ok:
-                raise ValueError(f"KimiConfig.{field}: unsupported value {d[field]!r} (supported: {ok})")
-
-        unsupported("hidden_act", ("silu",))
-        unsupported("attention_bias", (False,))
-        unsupported("tie_word_embeddings", (False,))
-        unsupported("scoring_func", ("sigmoid",))
-        unsupported("topk_method", ("noaux_tc",))
-        unsupported("moe_layer_freq", (1,))
-        if d.get("num_key_value_heads", d.get("num_attention_heads")) != d.get("num_attention_heads"):
-            raise ValueError("KimiConfig.num_key_value_heads: MLA needs num_key_value_heads == num_attention_heads")
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"KimiConfig.rope_scaling: unsupported rope type {rope_type!r}")
-        yarn = None
-        if rope_type == "yarn":
-            yarn = YarnScaling(
-                factor=float(rope.get("factor") or d["max_position_embeddings"]
-                             / rope["original_max_position_embeddings"]),
-                original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
-                                                              d.get("max_position_embeddings", 4096))),
-                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-                mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
-                attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
-        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta"}
-        kwargs = {k: d[k] for k in fields if k in d}
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in kwargs]
-        if missing:
-            raise ValueError(f"KimiConfig: config.json lacks required field(s) {missing}")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        return cls(**kwargs, rope_theta=float(theta), rope_scaling=yarn)
-
-    @classmethod
-    def from_json(cls, path: str) -> "KimiConfig":
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """An HF ``config.json`` dict that transformers' ``DeepseekV3Config`` and ``from_hf_dict`` read."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d.pop("rope_scaling")
-        if self.rope_scaling is not None:
-            d["rope_scaling"] = {"type": "yarn", "rope_type": "yarn",
-                                 **{k: v for k, v in dataclasses.asdict(self.rope_scaling).items()
-                                    if v is not None}}
-        return {"architectures": ["DeepseekV3ForCausalLM"], **d, "num_key_value_heads": self.num_attention_heads,
-                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-                "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0}
-
-    # ---- RoPE (exactly transformers' _compute_yarn_parameters / yarn_apply_mscale) ----
-
-    def rope_tables(self) -> tuple[np.ndarray, float]:
-        """``(inv_freq [qk_rope_head_dim/2] float32, cos/sin scale)``."""
-        dim, base = self.qk_rope_head_dim, self.rope_theta
-        pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-        y = self.rope_scaling
-        if y is None:
-            return (1.0 / pos_freqs).astype(np.float32), 1.0
-        attention_factor = y.attention_factor
-        if attention_factor is None:
-            if y.mscale and y.mscale_all_dim:
-                attention_factor = _yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
-            else:
-                attention_factor = _yarn_mscale(y.factor)
-
-        def correction_dim(rotations):
-            return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
-        if y.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-        extrapolation = 1 - ramp
-        inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        return inv_freq.astype(np.float32), float(attention_factor)
-
-    def softmax_scale(self) -> float:
-        """``qk_head_dim**-0.5``, times ``mscale(factor, mscale_all_dim)**2`` under yarn."""
-        scale = self.qk_head_dim ** -0.5
-        y = self.rope_scaling
-        if y is not None and y.mscale_all_dim:
-            scale *= _yarn_mscale(y.factor, y.mscale_all_dim) ** 2
-        return scale
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @jax.tree_util.register_dataclass
@@ -225,6 +54,17 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.latent.shape[2]
+
+    def take_rows(self, rows: jax.Array) -> KVCache:
+        """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
+        return KVCache(jnp.take(self.latent, rows, axis=1), jnp.take(self.k_rope, rows, axis=1),
+                       jnp.take(self.lengths, rows, axis=0))
+
+    def put_rows(self, rows: jax.Array, src: KVCache) -> KVCache:
+        """This cache with batch rows ``rows [R]`` replaced by ``src``'s R rows."""
+        return KVCache(self.latent.at[:, rows].set(src.latent.astype(self.latent.dtype)),
+                       self.k_rope.at[:, rows].set(src.k_rope.astype(self.k_rope.dtype)),
+                       self.lengths.at[rows].set(src.lengths))
 
 
 class MLAttention(nnx.Module):
@@ -412,7 +252,7 @@ class KimiForCausalLM(nnx.Module):
         """Causal forward without a cache: ``(logits [B,T,V], hidden tuple of [B,T,H])``."""
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        mask = causal_block_mask(b, t)
         logits, hidden, _ = self._run(input_ids, positions, mask, None, None, hidden_layer_ids, dense_experts)
         return logits, hidden
 
@@ -439,8 +279,7 @@ class KimiForCausalLM(nnx.Module):
         chex.assert_shape(lengths, (b,))
         start = cache.lengths
         positions = start[:, None] + jnp.arange(t)[None]
-        block_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        logits, hidden, cache = self._run_cached(input_ids, positions, block_mask, cache, hidden_layer_ids,
+        logits, hidden, cache = self._run_cached(input_ids, positions, causal_block_mask(b, t), cache, hidden_layer_ids,
                                                  dense_experts)
         return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
 
@@ -457,8 +296,7 @@ class KimiForCausalLM(nnx.Module):
         b, t = tokens.shape
         chex.assert_shape([depths, ancestor_mask], [(b, t), (b, t, t)])
         positions = cache.lengths[:, None] + depths
-        block_mask = ancestor_mask | jnp.eye(t, dtype=bool)[None]
-        return self._run_cached(tokens, positions, block_mask, cache, hidden_layer_ids, dense_experts)
+        return self._run_cached(tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids, dense_experts)
 
     @staticmethod
     def commit(cache: KVCache, accepted: jax.Array, counts: jax.Array) -> KVCache:
@@ -469,26 +307,16 @@ class KimiForCausalLM(nnx.Module):
         advance by ``counts``.
         """
         start = cache.lengths
-        src = start[:, None] + jnp.maximum(accepted, 0)
-
-        def move(buf):  # [L,B,S,D]
-            picked = jnp.take_along_axis(buf, src[None, :, :, None], axis=2)
-            return jax.vmap(write_rows, in_axes=(0, 0, None))(buf, picked, start)
-
-        return KVCache(move(cache.latent), move(cache.k_rope), start + counts.astype(jnp.int32))
+        return KVCache(commit_accepted(cache.latent, start, accepted), commit_accepted(cache.k_rope, start, accepted),
+                       start + counts.astype(jnp.int32))
 
     # ---- shared trunk ----
 
     def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids, dense_experts):
         """Run a block written at ``cache.lengths``; ``block_mask [B,T,T]`` says which block
         tokens see which (the whole prefix is always visible)."""
-        b, t = tokens.shape
         start = cache.lengths
-        rel = jnp.arange(cache.max_len)[None, :] - start[:, None]  # [B,S]
-        in_block = (rel >= 0) & (rel < t)
-        block_part = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None],
-                                                                      (b, t, cache.max_len)), axis=2)
-        mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_part)
+        mask = block_attention_mask(block_mask, start, cache.max_len)
         logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts)
         latent = jnp.stack([r[0] for r in rows])
         k_rope = jnp.stack([r[1] for r in rows])

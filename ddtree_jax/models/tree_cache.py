@@ -1,0 +1,53 @@
+"""Cache bookkeeping that every target needs for tree verification, whatever its attention.
+
+A target's cache holds, per batch row, ``lengths[b]`` committed positions and scratch after
+them. ``verify`` writes a tree block of ``T`` nodes at ``[lengths, lengths + T)`` without moving
+the lengths; ``commit`` then moves the accepted nodes (a root-to-leaf path) into place and
+advances the lengths. These helpers do both for caches stored as ``[layers, B, S, ...]`` arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.models._layers import write_rows
+
+__all__ = ["block_attention_mask", "causal_block_mask", "commit_accepted", "tree_block_mask"]
+
+
+def causal_block_mask(batch: int, size: int) -> jax.Array:
+    """``[B, T, T]``: block token i sees block tokens ``j <= i`` (a prompt chunk, a decode step)."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((size, size), bool)), (batch, size, size))
+
+
+def tree_block_mask(ancestor_mask: jax.Array) -> jax.Array:
+    """``[B, T, T]``: a tree node sees its ancestors and itself (the diagonal is added)."""
+    return ancestor_mask | jnp.eye(ancestor_mask.shape[-1], dtype=bool)[None]
+
+
+def block_attention_mask(block_mask: jax.Array, start: jax.Array, max_len: int) -> jax.Array:
+    """Where a block written at ``start [B]`` may attend over the whole cache: ``[B, T, max_len]``.
+
+    Every committed position (``< start``) is visible; within the block, ``block_mask [B, T, T]``
+    decides; positions after the block are not visible.
+    """
+    b, t, _ = block_mask.shape
+    rel = jnp.arange(max_len)[None, :] - start[:, None]  # [B, S]
+    in_block = (rel >= 0) & (rel < t)
+    block_part = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None], (b, t, max_len)),
+                                     axis=2)
+    return (rel < 0)[:, None, :] | (in_block[:, None, :] & block_part)
+
+
+def commit_accepted(buffer: jax.Array, start: jax.Array, accepted: jax.Array) -> jax.Array:
+    """Move the accepted nodes of the last block into place in one layered cache array.
+
+    ``buffer [layers, B, S, ...]`` holds the block at ``[start, start + T)``; ``accepted [B, A]``
+    lists node indices in path order (root first), ``-1`` padded. Node ``accepted[b, i]`` moves to
+    ``start[b] + i``; padded entries copy node 0 onto positions past the accepted ones (scratch).
+    """
+    src = start[:, None] + jnp.maximum(accepted, 0)
+    index = src.reshape(src.shape + (1,) * (buffer.ndim - 3))[None]
+    picked = jnp.take_along_axis(buffer, index, axis=2)
+    return jax.vmap(write_rows, in_axes=(0, 0, None))(buffer, picked, start)
