@@ -38,8 +38,8 @@ _EXPORTS = {
     "build_draft_tree": "ddtree_jax.tree",
     "chain_draft_tree": "ddtree_jax.tree",
     "draft_logprobs": "ddtree_jax.tree",
-    "AcceptResult": "ddtree_jax.verify",
-    "accept_path": "ddtree_jax.verify",
+    "AcceptResult": "ddtree_jax.accept",
+    "accept_path": "ddtree_jax.accept",
 }
 
 __all__ = sorted(_EXPORTS)

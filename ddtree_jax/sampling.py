@@ -37,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.rng import node_seed_words, request_keys
+
 INVALID_TOKEN = -1
 
 __all__ = [
@@ -44,7 +47,7 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "batch_sampling",
-    "per_row_keys",
+    "reference_sample",
     "sample_tree_nodes",
     "target_logprobs",
 ]
@@ -201,32 +204,6 @@ def target_logprobs(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     return jnp.where(valid, logp, jnp.nan)
 
 
-def per_row_keys(key: jax.Array, params: SamplingBatch, request_ids: jax.Array | None = None) -> jax.Array:
-    """Per-request keys ``[B]``.
-
-    ``key`` is one key (typed, or raw ``uint32[2]``). A seeded row b gets
-    ``fold_in(fold_in(key, 0), seed_b)``: its random stream depends on its own seed and the
-    caller's key (e.g. one per round), never on its batch position or its neighbours. An
-    unseeded row gets ``fold_in(fold_in(key, 1), request_ids[b])`` (default: its row index b;
-    a caller that moves requests between rows passes stable ids). ``key`` may also already be
-    ``[B]`` keys.
-    """
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
-            raise ValueError(f"key must be a JAX PRNG key (typed, or raw uint32[..., 2]); got {key.dtype}{key.shape}")
-        key = jax.random.wrap_key_data(key)
-    B = params.batch_size
-    if key.shape == ():
-        fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-        seeded = fold(jax.random.fold_in(key, 0), params.seed)
-        ids = jnp.arange(B, dtype=jnp.uint32) if request_ids is None else request_ids.astype(jnp.uint32)
-        unseeded = fold(jax.random.fold_in(key, 1), ids)
-        return jnp.where(params.has_seed, seeded, unseeded)
-    if key.shape != (B,):
-        raise ValueError(f"key must be one key or one per request ({B}); got shape {key.shape}")
-    return key
-
-
 def sample_with_noise(logprobs: jax.Array, gumbel: jax.Array) -> jax.Array:
     """Gumbel-max: argmax(logprobs + noise) is an exact draw from ``softmax(logprobs)``.
 
@@ -237,11 +214,11 @@ def sample_with_noise(logprobs: jax.Array, gumbel: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(logprobs[..., 0]), INVALID_TOKEN, tokens)
 
 
-@jax.jit
-def _sample_tree_nodes(node_logits, params: SamplingBatch, keys):
-    logp = target_logprobs(node_logits, params)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, node_logits.shape[1:], jnp.float32))(keys)
-    return sample_with_noise(logp, noise)
+def reference_sample(logits: jax.Array, params: SamplingBatch, key: jax.Array) -> jax.Array:
+    """One draw per row of ``logits [R, V]`` (``params`` fields ``[R]``) by Gumbel-max from
+    ``target_logprobs``: the plain reference of the fused kernel (same law, another random stream)."""
+    logp = target_logprobs(logits[:, None, :], params)[:, 0]
+    return sample_with_noise(logp, jax.random.gumbel(key, logp.shape, jnp.float32))
 
 
 def sample_tree_nodes(
@@ -249,50 +226,56 @@ def sample_tree_nodes(
     sampling: SamplingParams | Sequence[SamplingParams] | SamplingBatch,
     key: jax.Array,
     *,
-    impl: str = "auto",
+    impl: str | Backend = "auto",
 ) -> jax.Array:
-    """Applies the target's decoding rule independently at every tree node (reference).
+    """Applies the target's decoding rule independently at every tree node.
 
     Args:
       node_logits: ``[B, M, V]`` target logits at the M nodes of each request's tree.
       sampling: one ``SamplingParams`` for all, one per request, or a ``SamplingBatch``.
         Greedy and sampled requests can share a batch.
-      key: one PRNG key (split per request by ``per_row_keys``) or ``[B]`` keys.
-      impl: "auto" (the fused Pallas kernel on GPU, this reference elsewhere), "pallas" (the
-        kernel; interpret mode off GPU) or "reference". The kernel draws from the same law with
-        its own random stream: node m of request b uses the seed words of
-        ``fold_in(per_row_keys(key)[b], m)``, so a request's draws still depend only on its own
-        key (seed), never on its batch position or neighbours.
+      key: one PRNG key (split per request by ``ddtree_jax.rng.request_keys``) or ``[B]`` keys.
+      impl: "auto" (the fused Pallas kernel on GPU, the reference elsewhere), "pallas" (the
+        kernel; interpret mode off GPU), "reference", or a resolved ``Backend``. The kernel draws
+        from the same law with its own random stream (``ddtree_jax.rng.node_seed_words``); either
+        way a request's draws depend only on its own key (seed), never on its batch position or
+        neighbours.
 
     Returns:
       ``[B, M]`` int32 tokens; ``INVALID_TOKEN`` (-1) for rows with invalid logits.
     """
-    from pallas_kernels._dispatch import resolve_impl
-
-    use_kernel, interpret = resolve_impl(impl)
+    backend = resolve_backend(impl)
     node_logits = jnp.asarray(node_logits)
     if node_logits.ndim != 3:
         raise ValueError(f"node_logits must be [B, M, V], got shape {node_logits.shape}")
     if not jnp.issubdtype(node_logits.dtype, jnp.floating):
         raise ValueError(f"node_logits must be floating point, got {node_logits.dtype}")
-    B = node_logits.shape[0]
-    params = batch_sampling(sampling, B)
-    keys = per_row_keys(jnp.asarray(key), params)
-    if use_kernel:
-        return _sample_tree_nodes_kernel(node_logits, params, keys, interpret=interpret)
-    return _sample_tree_nodes(node_logits, params, keys)
+    params = batch_sampling(sampling, node_logits.shape[0])
+    return _sample_tree_nodes(node_logits, params, request_keys(jnp.asarray(key), params), backend)
+
+
+def _sample_tree_nodes(node_logits: jax.Array, params: SamplingBatch, keys: jax.Array, backend: Backend) -> jax.Array:
+    """``sample_tree_nodes`` on validated inputs with per-request keys ``[B]`` (traceable)."""
+    if backend.kernels:
+        return _sample_with_kernel(node_logits, params, keys, backend.interpret)
+    return _sample_reference(node_logits, params, keys)
+
+
+@jax.jit
+def _sample_reference(node_logits, params: SamplingBatch, keys):
+    logp = target_logprobs(node_logits, params)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, node_logits.shape[1:], jnp.float32))(keys)
+    return sample_with_noise(logp, noise)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _sample_tree_nodes_kernel(node_logits, params: SamplingBatch, keys, interpret: bool):
-    from pallas_kernels.fused_sampling import fused_sample
+def _sample_with_kernel(node_logits, params: SamplingBatch, keys, interpret: bool):
+    from pallas_kernels.triton.fused_sample import fused_sample
 
     B, M, V = node_logits.shape
-    node_keys = jax.vmap(lambda k: jax.vmap(lambda m: jax.random.fold_in(k, m))(jnp.arange(M, dtype=jnp.uint32)))(keys)
-    seeds = jax.random.key_data(node_keys).reshape(B * M, -1)[:, :2].astype(jnp.uint32)
-    rep = lambda a: jnp.repeat(a, M)
+    rep = lambda a: jnp.repeat(a, M)  # noqa: E731
     tokens = fused_sample(
         node_logits.reshape(B * M, V), rep(params.temperature), rep(params.top_k), rep(params.top_p), rep(params.min_p),
-        seeds, interpret=interpret,
+        node_seed_words(keys, M).reshape(B * M, 2), interpret=interpret,
     )
     return tokens.reshape(B, M)

@@ -29,7 +29,11 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DraftTree", "build_draft_tree", "chain_draft_tree", "draft_logprobs"]
+from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.topk import exact_top_k
+
+__all__ = ["DraftTree", "ancestor_mask_from_parents", "build_draft_tree", "chain_draft_tree", "draft_logprobs",
+           "root_only_tree"]
 
 
 @functools.partial(
@@ -90,35 +94,53 @@ def _check_draft_logits(draft_logits) -> jax.Array:
     return draft_logits
 
 
-def build_draft_tree(draft_logits: jax.Array, budget: int, *, impl: str = "auto") -> DraftTree:
+def build_draft_tree(draft_logits: jax.Array, budget: int, *, impl: str | Backend = "auto") -> DraftTree:
     """DDTree: the ``budget`` best prefixes under the drafter's per-depth marginals.
 
     Args:
       draft_logits: ``[B, L, V]``, the drafter's logits for depths 1..L.
       budget: number of non-root nodes N (>= 1). Trees with fewer possible nodes than N
         (tiny V and L) fill the rest with invalid slots.
-      impl: "auto" (the Pallas builder on GPU, this jit loop elsewhere), "pallas" (the kernel;
-        interpret mode off GPU) or "reference". Both give identical trees.
+      impl: "auto" (the Pallas builder on GPU, the plain-JAX loop elsewhere), "pallas" (the
+        kernel; interpret mode off GPU), "reference", or a resolved ``Backend``. Both give
+        identical trees.
 
     Returns:
       ``DraftTree`` with ``budget + 1`` slots; nodes in creation order, so scores are
       non-increasing and siblings appear in descending draft probability.
     """
-    from pallas_kernels._dispatch import resolve_impl
-
-    use_kernel, interpret = resolve_impl(impl)
+    backend = resolve_backend(impl)
     draft_logits = _check_draft_logits(draft_logits)
     if not isinstance(budget, numbers.Integral) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-    if use_kernel:
-        from pallas_kernels.tree_builder import build_draft_tree_pallas
+    return _build_draft_tree(draft_logits, int(budget), backend)
 
-        return build_draft_tree_pallas(draft_logits, int(budget), interpret=interpret)
-    return _build_draft_tree(draft_logits, int(budget))
+
+def _build_draft_tree(draft_logits: jax.Array, budget: int, backend: Backend) -> DraftTree:
+    """``build_draft_tree`` on validated inputs (traceable: the decode round calls it)."""
+    if backend.kernels:
+        from pallas_kernels.triton import tree_builder
+
+        L, V = draft_logits.shape[1:]
+        if tree_builder.supports(budget, L, min(budget, V)):
+            return _build_with_kernel(draft_logits, budget, backend.interpret)
+    return _build_reference(draft_logits, budget)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "interpret"))
+def _build_with_kernel(draft_logits: jax.Array, budget: int, interpret: bool) -> DraftTree:
+    from pallas_kernels.triton.tree_builder import build_tree
+
+    L, V = draft_logits.shape[1:]
+    top_lq, top_ids = exact_top_k(draft_logprobs(draft_logits), min(budget, V))
+    tok, par, dep, sc, fc, ns, valid = build_tree(top_lq, top_ids.astype(jnp.int32), budget=budget,
+                                                  interpret=interpret)
+    return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
+                     ancestor_mask=ancestor_mask_from_parents(par, valid, L), draft_len=L)
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))
-def _build_draft_tree(draft_logits: jax.Array, budget: int) -> DraftTree:
+def _build_reference(draft_logits: jax.Array, budget: int) -> DraftTree:
     L, V = draft_logits.shape[1:]
     top_lq, top_ids = jax.lax.top_k(draft_logprobs(draft_logits), min(budget, V))  # [B, L, K]
     # Without the barrier XLA (CPU) fuses the log-softmax/top-k producer into the pop loop's
@@ -127,7 +149,21 @@ def _build_draft_tree(draft_logits: jax.Array, budget: int) -> DraftTree:
     top_lq = jax.lax.optimization_barrier(top_lq)
     top_ids = jax.lax.optimization_barrier(top_ids)
     fields = jax.vmap(functools.partial(_best_first_one, budget=budget))(top_lq, top_ids.astype(jnp.int32))
-    return DraftTree(**fields, draft_len=L)
+    return DraftTree(**fields, ancestor_mask=ancestor_mask_from_parents(fields["parents"], fields["valid"], L),
+                     draft_len=L)
+
+
+def ancestor_mask_from_parents(parents: jax.Array, valid: jax.Array, draft_len: int) -> jax.Array:
+    """``[B, M]`` parent pointers -> ``[B, M, M]`` reflexive ancestor mask (``[b, i, j]`` iff j is i
+    or an ancestor of i; invalid rows all False), by following the pointers ``draft_len`` times."""
+    B, M = parents.shape
+    idx = jnp.arange(M, dtype=jnp.int32)
+    cur = jnp.broadcast_to(idx, (B, M))
+    mask = cur[..., None] == idx
+    for _ in range(draft_len):
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
+        mask = mask | (cur[..., None] == idx)
+    return mask & valid[..., None]
 
 
 def _best_first_one(top_lq: jax.Array, top_ids: jax.Array, budget: int) -> dict:
@@ -161,7 +197,6 @@ def _best_first_one(top_lq: jax.Array, top_ids: jax.Array, budget: int) -> dict:
         first_child=neg1,
         next_sibling=neg1,
         valid=jnp.zeros((M,), bool).at[0].set(True),
-        ancestor_mask=jnp.zeros((M, M), bool).at[0, 0].set(True),
     )
 
     def pop(i, carry):
@@ -184,7 +219,6 @@ def _best_first_one(top_lq: jax.Array, top_ids: jax.Array, budget: int) -> dict:
             first_child=set_if(nd["first_child"], jnp.where(prev < 0, p, M), i),
             next_sibling=set_if(nd["next_sibling"], jnp.where(prev >= 0, prev, M), i),
             valid=set_if(nd["valid"], i, True),
-            ancestor_mask=set_if(nd["ancestor_mask"], i, nd["ancestor_mask"][p].at[i].set(True)),
         )
         f = dict(f, live=f["live"].at[slot].set(False))
         # Next sibling (same parent and depth, next rank) goes into the freed slot.
@@ -226,6 +260,16 @@ def _chain_draft_tree(draft_logits: jax.Array) -> DraftTree:
         first_child=bcast(jnp.where(idx < L, idx + 1, -1)),
         next_sibling=jnp.full((B, L + 1), -1, jnp.int32),
         valid=jnp.ones((B, L + 1), bool),
-        ancestor_mask=jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, L + 1, L + 1)),
+        ancestor_mask=ancestor_mask_from_parents(bcast(idx - 1), jnp.ones((B, L + 1), bool), L),
         draft_len=L,
+    )
+
+
+def root_only_tree(batch: int) -> DraftTree:
+    """The tree of autoregressive decoding: just the root (one verify token per request)."""
+    neg1 = jnp.full((batch, 1), -1, jnp.int32)
+    return DraftTree(
+        tokens=neg1, parents=neg1, depth=jnp.zeros((batch, 1), jnp.int32), score=jnp.zeros((batch, 1), jnp.float32),
+        first_child=neg1, next_sibling=neg1, valid=jnp.ones((batch, 1), bool),
+        ancestor_mask=jnp.ones((batch, 1, 1), bool), draft_len=0,
     )

@@ -35,7 +35,10 @@ def test_greedy_equals_autoregressive(models, greedy_ar, method, budget):
     assert out.tokens == greedy_ar.tokens
     assert all(len(t) == 12 for t in out.tokens)
     assert [r.finish_reason for r in out.requests] == ["length"] * 3
-    assert out.requests[0].rounds >= 1 and out.mean_tau >= 1.0
+    L = models[1].config.block_size - 1
+    for r in out.requests:  # the statistics describe the rounds that made the tokens
+        assert all(1 <= a <= L + 1 for a in r.acceptance_lengths)
+        assert sum(r.acceptance_lengths[:-1]) < 12 <= sum(r.acceptance_lengths)
 
 
 def test_profiled_run_gives_same_tokens_and_a_time_split(models, greedy_ar):
@@ -129,18 +132,28 @@ def test_stop_tokens(models, greedy_ar):
         assert out.requests[b].finish_reason == ("stop" if stop in ref_b else "length")
 
 
-@pytest.mark.parametrize("sampling", [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0), dt.SamplingParams(temperature=0.8, top_k=20, seed=4)], ids=["greedy", "unseeded", "seeded"])
-def test_compaction_changes_nothing_but_the_work(models, greedy_ar, sampling):
-    """Requests 0 and 1 stop early; request 2 then runs alone in a batch of one.
-    Outputs (greedy and sampled, seeded or not) equal those of the uncompacted run."""
-    stop = [next(t for t in greedy_ar.tokens[b] if t not in greedy_ar.tokens[2]) for b in (0, 1)]
-    runs = [generate(*models, PROMPTS, method="ddtree", budget=6, stop_tokens=stop, sampling=sampling, sync_every=1, compact=c, seed=8, **SHAPES) for c in (False, True)]
+@pytest.mark.parametrize(
+    "sampling",
+    [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0),
+     dt.SamplingParams(temperature=0.8, top_k=20, seed=4)],
+    ids=["greedy", "unseeded", "seeded"],
+)
+def test_compaction_changes_nothing_but_the_work(models, sampling):
+    """Requests 0 and 1 have a limit of 1 token and finish in round one, whatever they sample;
+    request 2 then runs alone in a batch of one. Outputs equal those of the uncompacted run."""
+    limits = [1, 1, SHAPES["max_new_tokens"]]
+    runs = [generate(*models, PROMPTS, method="ddtree", budget=6, sampling=sampling, sync_every=1, compact=c, seed=8,
+                     max_len=SHAPES["max_len"], max_new_tokens=limits) for c in (False, True)]
     assert runs[0].tokens == runs[1].tokens
+    assert [len(t) for t in runs[1].tokens] == limits
     assert [r.acceptance_lengths for r in runs[0].requests] == [r.acceptance_lengths for r in runs[1].requests]
-    assert runs[0].batch_sizes == [3] and runs[1].batch_sizes[0] == 3
-    if sampling.temperature == 0.0:
-        assert [r.finish_reason for r in runs[1].requests] == ["stop", "stop", "length"]
-        assert runs[1].batch_sizes == [3, 1]
+    assert [r.finish_reason for r in runs[1].requests] == ["length"] * 3
+    assert runs[0].batch_sizes == [3] and runs[1].batch_sizes == [3, 1]
+
+
+def test_per_request_limits_equal_separate_runs(models, greedy_ar):
+    out = generate(*models, PROMPTS, method="ddtree", budget=6, max_new_tokens=[3, 12, 7], max_len=64)
+    assert out.tokens == [greedy_ar.tokens[0][:3], greedy_ar.tokens[1], greedy_ar.tokens[2][:7]]
 
 
 def test_max_new_tokens_one(models, greedy_ar):
@@ -162,13 +175,15 @@ def test_prompt_at_the_context_limit(models):
 def test_non_finite_logits_fail_only_that_request():
     target = tiny_kimi(0)
     drafter = tiny_dflash(target, 1)
-    emb = target.model.embed_tokens.weight
-    emb[...] = emb[...].at[42].set(jnp.nan)
-    out = generate(target, drafter, [[1, 2, 42], [3, 4, 5]], method="ddtree", budget=6, max_new_tokens=5, max_len=64)
-    assert out.requests[0].finish_reason.startswith("error") and out.requests[0].tokens == []
     clean = generate(target, drafter, [[3, 4, 5]], method="ar", max_new_tokens=5, max_len=64)
-    if 42 not in clean.tokens[0]:
-        assert out.requests[1].finish_reason == "length" and out.requests[1].tokens == clean.tokens[0]
+    # Poison a token that request 1 never meets, so its output must be unchanged.
+    poison = next(t for t in range(10, 128) if t not in clean.tokens[0])
+    emb = target.model.embed_tokens.weight
+    emb[...] = emb[...].at[poison].set(jnp.nan)
+    out = generate(target, drafter, [[1, 2, poison], [3, 4, 5]], method="ddtree", budget=6, max_new_tokens=5,
+                   max_len=64)
+    assert out.requests[0].finish_reason.startswith("error") and out.requests[0].tokens == []
+    assert out.requests[1].finish_reason == "length" and out.requests[1].tokens == clean.tokens[0]
 
 
 @pytest.mark.parametrize(
@@ -180,6 +195,8 @@ def test_non_finite_logits_fail_only_that_request():
         (dict(prompts=[]), "prompts must be a non-empty"),
         (dict(prompts=[[1.5, 2.0]]), r"prompts\[0\] must hold integer token ids"),
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(max_new_tokens=[3, 0]), "max_new_tokens has 2 entries for 1 prompts"),
+        (dict(max_new_tokens=[0]), r"max_new_tokens\[0\] must be an integer >= 1"),
         (dict(method="beam"), "method must be one of"),
         (dict(budget=0), "budget must be an integer >= 1"),
         (dict(budget=60, max_len=64), r"budget=60: the verify block \(61 tokens\) does not fit the cache"),

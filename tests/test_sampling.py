@@ -1,5 +1,7 @@
 """SamplingParams validation, the canonical pipeline against a numpy reference, the sampler."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,7 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_valid_sampling_params():
     p = dt.SamplingParams(temperature=0, top_k=5, top_p=1.0, min_p=1.0, seed=2**32 - 1)
     assert p.is_greedy
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 1.0  # frozen
     with pytest.raises(TypeError):
         dt.SamplingParams(0.5)  # keyword-only

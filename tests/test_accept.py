@@ -8,7 +8,7 @@ import pytest
 
 import ddtree_jax as dt
 from tests._reference import walk_first_child
-from tests.test_tree import random_draft_logits
+from tests._random_inputs import random_draft_logits
 
 
 def _check_against_reference_walk(tree, samples):

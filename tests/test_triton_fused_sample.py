@@ -1,4 +1,4 @@
-"""Fused sampling kernel (interpret mode) against the canonical pipeline ``target_logprobs``.
+"""Triton fused sampling kernel (interpret mode) against the canonical pipeline ``target_logprobs``.
 
 Small V (37, 40, 700) with tiles of 64/128 columns, so V is not a multiple of the tile and the
 kernel's three sampling paths (temperature-only, top-k candidates, full-row bisection) all run.
@@ -15,7 +15,7 @@ from scipy import stats
 
 import ddtree_jax as dt
 from ddtree_jax.sampling import SamplingBatch, target_logprobs
-from pallas_kernels.fused_sampling import PATH_CANDIDATES, PATH_SLOW, PATH_TEMPERATURE, fused_sample, fused_sample_debug
+from pallas_kernels.triton.fused_sample import PATH_CANDIDATES, PATH_SLOW, PATH_TEMPERATURE, fused_sample, fused_sample_debug
 
 
 def _batch(temp, topk, topp, minp):

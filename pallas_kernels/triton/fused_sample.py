@@ -1,11 +1,12 @@
 """Fused per-row sampling: the canonical pipeline (temperature, top-k, top-p, min-p) and one
-exact draw per row, without sorting. Reference: ``ddtree_jax.sampling.target_logprobs``.
+exact draw per row, without sorting. Reference: ``ddtree_jax.sampling.target_logprobs`` (the law)
+and ``ddtree_jax.sampling.reference_sample`` (a draw from it); tests/test_fused_sample.py compares.
 
 Backend: the Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``).
 Why not Mosaic GPU: this kernel needs row argmax, cumsum, pointer gathers (candidate chunks) and
 data-dependent control flow (``lax.cond``/``while``); the Triton lowering has all of them, Mosaic GPU
-on our jax versions has no argmax/cumsum lowering and no integer gathers (ALGORITHMS.md section 7),
-and a Triton row-max/argmax pass already ran at ~90% of copy bandwidth on the H200 (section 8).
+on our jax versions has no argmax/cumsum lowering and no integer gathers (docs/kernels.md), and a
+Triton row-max/argmax pass ran at ~90% of copy bandwidth on the H200.
 We did not build a Mosaic GPU variant to measure against (device-time budget); see the bench
 results for the measured fraction of copy bandwidth this Triton version reaches.
 
@@ -15,14 +16,13 @@ Algorithm (two launches, one program per row each):
    index on ties: the greedy token), the NaN/+inf/all--inf validity flags, per-tile ``(m_t, s_t)``
    with ``s_t = sum exp((x - m_t) / T)`` (the unfiltered tile masses), and per-chunk maxima
    (chunks of 64 columns) for the top-k candidate search.
-   Per-element work is kept small (per-element ALU work, not HBM, limits such passes: ALGORITHMS.md
-   section 8): the tile
+   Per-element work is kept small (per-element ALU work, not HBM, limits such passes: docs/kernels.md):
+   the tile
    argmax is searched only in tiles that raise the running max (``lax.cond``); ``s_t`` uses
    ``exp2((x - m_t) * log2(e) / T)`` (one ``ex2``; ``expf`` costs several more instructions);
    +inf / all -inf come from the tile max, NaN from ``s_t`` being NaN (sampled rows) or one
    ``x != x`` reduction (greedy rows); chunk maxima are stored only for rows that can take the
-   top-k candidate path. (Changes of 2026-11-29 after the H200 run in bench/results; lowered to
-   Triton IR for CUDA on CPU, not yet timed on the GPU.)
+   top-k candidate path.
 2. ``_select_kernel`` chooses per row (``lax.switch`` on per-row flags, so mixed batches pay only
    for what each row needs):
 
@@ -39,7 +39,7 @@ Algorithm (two launches, one program per row each):
      The candidate chunks are listed in column order by one min-reduction per chunk
      (``compact="loop"``, the default, GPU-verified) or by one cumsum + scatter into a per-row
      scratch + a CTA barrier (``compact="scatter"``: replaces ~k serial 4096-wide reductions; equal
-     outputs in interpret mode; opt-in until timed and checked on the GPU).
+     outputs in interpret mode and on the H200; opt-in until timed against "loop").
    * anything else (top-p or min-p without top-k, k > 128, more than 128 candidate chunks):
      the same bisections with full-row passes (correct but ~60 passes: the slow path). Its top-p
      cut is a threshold on z (bisection over z keys of ``mass{z > K} < top_p``), not on q: the
@@ -71,9 +71,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, target_logprobs
+__all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "fused_sample", "fused_sample_debug"]
 
-__all__ = ["fused_sample", "fused_sample_debug", "reference_sample", "CHUNK", "CAND_CHUNKS"]
+INVALID_TOKEN = -1  # the token of a row with no law (NaN, +inf, or all -inf logits)
 
 CHUNK = 64  # columns per chunk maximum
 CAND_CHUNKS = 128  # candidate chunks gathered for the top-k fast path (k <= CAND_CHUNKS)
@@ -86,15 +86,6 @@ _ONE_KEY = np.int32(0x3F800000)  # bit pattern of 1.0f
 EXACT_DIV_ASM = True
 
 PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW = 0, 1, 2, 3
-
-
-def reference_sample(logits: jax.Array, params: SamplingBatch, gumbel_key: jax.Array) -> jax.Array:
-    """Plain-JAX reference: ``target_logprobs`` + Gumbel argmax, rows ``[R, V]`` with per-row
-    params (``params`` fields ``[R]``). Same law as the kernel, different random stream."""
-    logp = target_logprobs(logits[:, None, :], params)[:, 0]
-    g = jax.random.gumbel(gumbel_key, logp.shape, jnp.float32)
-    tok = jnp.argmax(logp + g, axis=-1).astype(jnp.int32)
-    return jnp.where(jnp.isnan(logp[:, 0]), INVALID_TOKEN, tok)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -169,10 +160,6 @@ def _bisect(pred_below, lo, hi, iters=32):
 
 def _sum2(a):
     return jnp.sum(jnp.sum(a, axis=1), axis=0)
-
-
-def _max2(a):
-    return jnp.max(jnp.max(a, axis=1), axis=0)
 
 
 def _pick(weights, u, iota):
@@ -470,8 +457,8 @@ def fused_sample_debug(
     ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 slow).
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass, ``select_warps`` of
     the select pass (default ``num_warps``), ``compact`` = "loop" | "scatter" (how the candidate
-    chunks are listed; "scatter" replaces ~k serial reductions by one cumsum + scatter + barrier but
-    has not run on a GPU yet, so it is opt-in)."""
+    chunks are listed; "scatter" replaces ~k serial reductions by one cumsum + scatter + barrier; it
+    gave identical tokens on the H200 but has not been timed against "loop", so it is opt-in)."""
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)

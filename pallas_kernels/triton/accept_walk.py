@@ -1,12 +1,12 @@
 """The accept walk as a tiny Pallas kernel, one program per request.
 
-Reference: ``ddtree_jax.verify.accept_path`` (``_accept_path``): from the root, while the
-target's draw at the current node is the token of one of its (valid) children, move to that
-child (the lowest-index match; children carry distinct tokens so there is at most one); the
-first draw that matches no child is the bonus. Outputs are identical to the reference.
+Contract (the plain-JAX reference is ``ddtree_jax.accept.accept_path(impl="reference")``; the
+tests compare both): from the root (node 0), while the target's draw at the current node is the
+token of one of its valid children, move to that child (the lowest-index match; children carry
+distinct tokens, so there is at most one); the first draw that matches no child is the bonus.
 
-Backend: Pallas Triton lowering (one program per request, vectors of the padded node count M,
-``L`` serial steps). The walk is latency-bound (L dependent steps over <= 1025 nodes); any
+Backend: Pallas Triton lowering (one program per request, vectors of the padded node count,
+``draft_len`` serial steps). The walk is latency-bound (L dependent steps over <= 1025 nodes); any
 backend pays one launch plus L short reductions, and Triton has the min-index reductions and
 dynamic scalar stores the walk needs.
 """
@@ -20,12 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.tree import DraftTree
-from ddtree_jax.verify import AcceptResult, _accept_path
+__all__ = ["accept_walk"]
 
-__all__ = ["accept_path_pallas", "reference_accept_path"]
-
-reference_accept_path = _accept_path
 _BIG = 2**30
 
 
@@ -58,16 +54,29 @@ def _walk_kernel(tok_ref, par_ref, val_ref, smp_ref, path_ref, nacc_ref, bonus_r
     bonus_ref[b] = bonus
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def accept_path_pallas(tree: DraftTree, node_samples: jax.Array, *, interpret: bool = False) -> AcceptResult:
-    """Same contract as ``ddtree_jax.verify.accept_path`` (inputs already validated)."""
-    B, M = tree.tokens.shape
-    L = tree.draft_len
+@functools.partial(jax.jit, static_argnames=("draft_len", "interpret"))
+def accept_walk(tokens: jax.Array, parents: jax.Array, valid: jax.Array, node_samples: jax.Array, *, draft_len: int,
+                interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Walk ``B`` trees of ``M`` node slots with the target's per-node draws.
+
+    Args:
+      tokens, parents: i32 ``[B, M]`` node tokens and parent indices (-1 for the root / unused).
+      valid: bool ``[B, M]``.
+      node_samples: i32 ``[B, M]``, the target's draw at every node.
+      draft_len: L, the deepest depth (the walk takes at most L steps).
+
+    Returns:
+      ``(path [B, L+1], num_accepted [B], bonus [B], committed [B, L+1])``, all i32: the node
+      indices from the root (-1 padded), the accepted draft tokens count, the bonus draw, and the
+      accepted tokens followed by the bonus (-1 padded).
+    """
+    B, M = tokens.shape
+    L = draft_len
     Mp = pl.next_power_of_2(M)
     i32 = jnp.int32
     sd = jax.ShapeDtypeStruct
     spec = pl.BlockSpec(memory_space=pl.ANY)
-    path, nacc, bonus, com = pl.pallas_call(
+    return tuple(pl.pallas_call(
         functools.partial(_walk_kernel, M=M, Mp=Mp, L=L),
         grid=(B,),
         in_specs=[spec] * 4,
@@ -76,5 +85,4 @@ def accept_path_pallas(tree: DraftTree, node_samples: jax.Array, *, interpret: b
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="ddtree_accept_walk",
-    )(tree.tokens.astype(i32), tree.parents.astype(i32), tree.valid.astype(i32), node_samples.astype(i32))
-    return AcceptResult(path=path, num_accepted=nacc, bonus=bonus, committed=com)
+    )(tokens.astype(i32), parents.astype(i32), valid.astype(i32), node_samples.astype(i32)))

@@ -1,4 +1,4 @@
-"""Pallas accept walk (interpret mode) == ddtree_jax.verify.accept_path, and the impl dispatch."""
+"""Triton accept walk (interpret mode) == the reference walk of ddtree_jax.accept, and the impl dispatch."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 import ddtree_jax as dt
 from tests._reference import walk_first_child
-from tests.test_tree import random_draft_logits
+from tests._random_inputs import random_draft_logits
 
 
 def _samples(tree, V, rng, p_follow):

@@ -1,0 +1,204 @@
+"""The compiled decoding round: draft, tree, verify, sample, commit — for every slot at once.
+
+    draft   the drafter proposes a block                 -> draft logits [B, L, V]
+    tree    DDTree's best tree, the DFlash chain, or AR's root-only tree (M = budget + 1 slots)
+    verify  the target's forward pass over the tree      -> logits at every node [B, M, V]
+    sample  every node draws from its request's own rule -> [B, M] tokens
+    commit  the accept walk, then both caches and the outputs advance (1 .. L + 1 tokens)
+
+Cache convention: after a round a request has committed ``n`` tokens; the target cache holds the
+first ``n - 1`` of them and the last one (the "root") opens the next block, at position ``n - 1``.
+The drafter's context holds the target's hidden states of the same ``n - 1`` tokens.
+Autoregressive decoding is the same round with a root-only tree.
+
+The round is ``STAGES`` applied in order; ``run_rounds`` runs whole rounds inside one
+``lax.while_loop``, and ``run_stage`` compiles one stage alone (to time the split). Models travel
+as ``(graphdef, params)`` pairs so that the compiled functions are pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.accept import _accept_path
+from ddtree_jax.backend import Backend
+from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
+from ddtree_jax.rng import round_keys
+from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, _sample_tree_nodes
+from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
+
+__all__ = ["METHODS", "STAGES", "DecodePlan", "prefill", "run_rounds", "run_stage"]
+
+METHODS = ("ddtree", "dflash", "ar")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Static settings of a decoding run (hashable: part of the compiled functions' keys).
+
+    Attributes:
+      method: "ddtree", "dflash" or "ar".
+      budget: non-root tree nodes (L for dflash, 0 for ar).
+      hidden_layer_ids: target layers whose outputs feed the drafter (empty for ar).
+      backend: kernels or references for the tree, sampling and walk (resolved once).
+    """
+
+    method: str
+    budget: int
+    hidden_layer_ids: tuple[int, ...]
+    backend: Backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """Graph definitions (static) of the target and drafter; their parameters travel apart."""
+
+    target: nnx.GraphDef
+    drafter: nnx.GraphDef | None
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan", "max_len", "capacity"))
+def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths, roots, *, max_len: int,
+            capacity: int, max_new_tokens, stop_ids, sampling: SamplingBatch, request_ids) -> DecodeState:
+    """A fresh state for ``B`` requests: their prompts but the last token in both caches.
+
+    ``prompts [B, P]`` right-padded (all but each prompt's last token), ``lengths [B]`` their
+    lengths, ``roots [B]`` the prompts' last tokens; per-row ``max_new_tokens [B]``,
+    ``stop_ids [B, S]``, ``sampling`` and ``request_ids [B]``.
+    """
+    target = nnx.merge(models.target, tparams)
+    B = prompts.shape[0]
+    _, hidden, tcache = target.prefill(prompts, lengths, target.init_cache(B, max_len),
+                                       hidden_layer_ids=plan.hidden_layer_ids)
+    dcache = None
+    if plan.hidden_layer_ids:
+        drafter = nnx.merge(models.drafter, dparams)
+        dcache = drafter.append_context(drafter.init_cache(B, max_len), jnp.concatenate(hidden, axis=-1), lengths)
+    zeros = jnp.zeros((B,), jnp.int32)
+    return DecodeState(
+        target_cache=tcache, draft_cache=dcache, root=roots.astype(jnp.int32),
+        out=jnp.zeros((B, capacity), jnp.int32), generated=zeros, finish=zeros,
+        accept_lengths=jnp.zeros((B, capacity), jnp.int32), rounds=zeros,
+        max_new_tokens=max_new_tokens.astype(jnp.int32), stop_ids=stop_ids.astype(jnp.int32), sampling=sampling,
+        request_ids=request_ids.astype(jnp.uint32),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- stages
+# Each stage maps (target, drafter, plan, state, base_key, work) -> work: the dict of what the
+# stages so far produced. The last one returns {"state": the next DecodeState}.
+
+
+def _draft(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
+    if plan.method == "ar":
+        return dict(draft_logits=None)
+    return dict(draft_logits=drafter.propose(target, state.draft_cache, state.root))
+
+
+def _tree(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
+    if plan.method == "ar":
+        tree = root_only_tree(state.batch_size)
+    elif plan.method == "dflash":
+        tree = chain_draft_tree(work["draft_logits"])
+    else:
+        tree = _build_draft_tree(work["draft_logits"], plan.budget, plan.backend)
+    return dict(tree=tree.with_root_tokens(state.root))
+
+
+def _verify(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
+    tree = work["tree"]
+    tokens = jnp.where(tree.valid, tree.tokens, 0)  # unused slots: any in-vocabulary id, never accepted
+    logits, hidden, tcache = target.verify(tokens, tree.depth, tree.ancestor_mask, state.target_cache,
+                                           hidden_layer_ids=plan.hidden_layer_ids)
+    feats = jnp.concatenate(hidden, axis=-1) if hidden else None
+    return dict(tree=tree, logits=logits, feats=feats, target_cache=tcache)
+
+
+def _sample(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
+    keys = round_keys(base_key, state.sampling, state.request_ids, state.rounds)
+    samples = _sample_tree_nodes(work["logits"], state.sampling, keys, plan.backend)
+    return dict(tree=work["tree"], samples=samples, feats=work["feats"], target_cache=work["target_cache"])
+
+
+def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
+    res = _accept_path(work["tree"], work["samples"], plan.backend)
+    B, A = res.committed.shape
+    idx = jnp.arange(A)[None]
+    n = res.num_accepted + 1
+    active = ~state.done
+    invalid = res.bonus == INVALID_TOKEN
+    # Truncate at the first stop token (kept) and at the row's max_new_tokens; nothing after a stop.
+    is_stop = jnp.any(res.committed[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (idx < n[:, None])
+    stop_at = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, A + 1)
+    count = jnp.minimum(jnp.minimum(n, stop_at), state.max_new_tokens - state.generated)
+    count = jnp.where(active & ~invalid, count, 0).astype(jnp.int32)
+
+    rows = jnp.arange(B)[:, None]
+    pos = jnp.where(idx < count[:, None], state.generated[:, None] + idx, state.capacity)
+    out = state.out.at[rows, pos].set(res.committed, mode="drop")
+    generated = state.generated + count
+    last = jnp.take_along_axis(res.committed, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+
+    finish = jnp.where(active & invalid, ERROR, state.finish)
+    finish = jnp.where(active & ~invalid & (stop_at <= count), STOP, finish)
+    finish = jnp.where(active & (finish == RUNNING) & (generated >= state.max_new_tokens), LENGTH, finish)
+    hist_pos = jnp.where(active, state.rounds, state.capacity)
+    accept_lengths = state.accept_lengths.at[jnp.arange(B), hist_pos].set(n, mode="drop")
+
+    draft_cache = state.draft_cache
+    if plan.hidden_layer_ids:
+        path_feats = jnp.take_along_axis(work["feats"], jnp.maximum(res.path, 0)[..., None], axis=1)
+        draft_cache = drafter.append_context(draft_cache, path_feats, count)
+    return dict(state=dataclasses.replace(
+        state, target_cache=target.commit(work["target_cache"], res.path, count), draft_cache=draft_cache,
+        root=jnp.where(count > 0, last, state.root), out=out, generated=generated, finish=finish,
+        accept_lengths=accept_lengths, rounds=state.rounds + active,
+    ))
+
+
+STAGES = (("draft", _draft), ("tree", _tree), ("verify", _verify), ("sample", _sample), ("commit", _commit))
+
+
+def _merge(models: Models, tparams, dparams):
+    target = nnx.merge(models.target, tparams)
+    drafter = nnx.merge(models.drafter, dparams) if models.drafter is not None else None
+    return target, drafter
+
+
+def _round(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key) -> DecodeState:
+    target, drafter = _merge(models, tparams, dparams)
+    work = {}
+    for _, stage in STAGES:
+        work = stage(target, drafter, plan, state, base_key, work)
+    return work["state"]
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
+def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+               max_rounds: int) -> DecodeState:
+    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done."""
+
+    def cond(carry):
+        i, st = carry
+        return (i < max_rounds) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, st = carry
+        return i + 1, _round(models, tparams, dparams, plan, st, base_key)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("name", "models", "plan"))
+def run_stage(name: str, models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, work):
+    """One stage of a round alone (the same code ``run_rounds`` runs), to time the split."""
+    target, drafter = _merge(models, tparams, dparams)
+    return dict(STAGES)[name](target, drafter, plan, state, base_key, work)
