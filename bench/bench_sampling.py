@@ -27,8 +27,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.sampling import SamplingBatch, target_logprobs  # noqa: E402
-from pallas_kernels import fused_sampling as fs  # noqa: E402
+from ddtree_jax.sampling import SamplingBatch, reference_sample, target_logprobs  # noqa: E402
+from pallas_kernels.triton import fused_sample as fs  # noqa: E402
 from _timing import time_it  # noqa: E402  (bench/ is the script's folder)
 
 V = 163840
@@ -91,7 +91,7 @@ def kernel_dev_fn(n=DEV_N, **kw):
     return loop
 
 
-ref_fn = jax.jit(lambda x, p, key: fs.reference_sample(x, p, key))
+ref_fn = jax.jit(lambda x, p, key: reference_sample(x, p, key))
 
 
 @jax.jit

@@ -22,10 +22,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.tree import _build_draft_tree, draft_logprobs  # noqa: E402
-from ddtree_jax.verify import _accept_path  # noqa: E402
-from pallas_kernels.tree_builder import _build_from_topk, ancestor_mask_by_squaring, ancestor_mask_from_parents, build_draft_tree_pallas, exact_top_k  # noqa: E402
-from pallas_kernels.tree_walk import accept_path_pallas  # noqa: E402
+import ddtree_jax as dt  # noqa: E402
+from ddtree_jax.topk import exact_top_k  # noqa: E402
+from ddtree_jax.tree import ancestor_mask_from_parents, draft_logprobs  # noqa: E402
+from pallas_kernels.triton import tree_builder  # noqa: E402
 
 B, BUDGET, L, V = 16, 256, 15, 163840
 FIELDS = ["tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"]
@@ -82,48 +82,45 @@ def main():
         x = draft_logits(abs(s), b, l, v)
         if s < 0:  # heavy ties (values on a coarse grid): exercises the tie rules and top-k fallback
             x = (jnp.round(x.astype(jnp.float32) * 2) / 2).astype(jnp.bfloat16)
-        ref = _build_draft_tree(x, n)
-        for kv, mv in (("v2", "pointers"), ("v2", "squaring"), ("v1", "pointers")):
-            ker = build_draft_tree_pallas(x, n, kernel=kv, mask=mv)
-            diff = [f for f in FIELDS if not np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(ker, f)))]
-            res["checks"][f"build B{b} L{l} V{v} N{n} ({kv}, {mv})"] = diff or "equal"
-            log(f"builder {kv} {mv} B={b} L={l} V={v} N={n}:", diff or "equal")
+        ref = dt.build_draft_tree(x, n, impl="reference")
+        ker = dt.build_draft_tree(x, n, impl="pallas")
+        diff = [f for f in FIELDS if not np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(ker, f)))]
+        res["checks"][f"build B{b} L{l} V{v} N{n}"] = diff or "equal"
+        log(f"builder B={b} L={l} V={v} N={n}:", diff or "equal")
         tree = ref.with_root_tokens(jnp.zeros((b,), jnp.int32))
         tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
         rng = np.random.default_rng(abs(s))
         deep = np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 7)
-        smp = np.where(rng.random(tk.shape) < 0.85, deep, rng.integers(0, v, tk.shape)).astype(np.int32)
-        a, r = accept_path_pallas(tree, jnp.asarray(smp)), _accept_path(tree, jnp.asarray(smp))
-        d2 = [f for f in ("path", "num_accepted", "bonus", "committed") if not np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(r, f)))]
+        smp = jnp.asarray(np.where(rng.random(tk.shape) < 0.85, deep, rng.integers(0, v, tk.shape)).astype(np.int32))
+        a, r = dt.accept_path(tree, smp, impl="pallas"), dt.accept_path(tree, smp, impl="reference")
+        d2 = [f for f in ("path", "num_accepted", "bonus", "committed")
+              if not np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(r, f)))]
         res["checks"][f"walk B{b} L{l} N{n}"] = d2 or "equal"
         log(f"walk: {d2 or 'equal'} (accepted {np.asarray(r.num_accepted)[:6]})")
     # --- timings
     xs = [draft_logits(100 + i) for i in range(3)]
     t = res["times_us"]
-    t["jax_loop_total"] = 1e6 * time_it(lambda x: _build_draft_tree(x, BUDGET), [(x,) for x in xs], iters=10)
+    t["jax_loop_total"] = 1e6 * time_it(lambda x: dt.build_draft_tree(x, BUDGET, impl="reference"),
+                                        [(x,) for x in xs], iters=10)
     log("jax loop", t["jax_loop_total"])
-    t["pallas_total"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET), [(x,) for x in xs])
+    t["pallas_total"] = 1e6 * time_it(lambda x: dt.build_draft_tree(x, BUDGET, impl="pallas"), [(x,) for x in xs])
     log("pallas total", t["pallas_total"])
-    t["pallas_total_v2_squaring"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, mask="squaring"), [(x,) for x in xs])
-    t["pallas_total_v1_pointers"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, kernel="v1", mask="pointers"), [(x,) for x in xs])
-    t["pallas_total_dev"] = 1e6 * dev_time(lambda x: build_draft_tree_pallas(x, BUDGET), xs[0])
-    t["pallas_total_v1_pointers_dev"] = 1e6 * dev_time(lambda x: build_draft_tree_pallas(x, BUDGET, kernel="v1", mask="pointers"), xs[0])
+    t["pallas_total_dev"] = 1e6 * dev_time(lambda x: dt.build_draft_tree(x, BUDGET, impl="pallas"), xs[0])
     log("pallas total dev", t["pallas_total_dev"])
-    t["pallas_total_lax_topk"] = 1e6 * time_it(lambda x: build_draft_tree_pallas(x, BUDGET, topk="lax"), [(x,) for x in xs], iters=10)
     t["log_softmax_only"] = 1e6 * time_it(jax.jit(draft_logprobs), [(x,) for x in xs])
     topk = jax.jit(lambda x: jax.lax.top_k(draft_logprobs(x), BUDGET))
     t["topk_lax_incl_log_softmax"] = 1e6 * time_it(topk, [(x,) for x in xs], iters=10)
-    t["topk_chunked_incl_log_softmax"] = 1e6 * time_it(jax.jit(lambda x: exact_top_k(draft_logprobs(x), BUDGET)), [(x,) for x in xs])
-    tops = [topk(x) for x in xs]
-    tops = [(a, i.astype(jnp.int32)) for a, i in tops]
-    for kv in ("v1", "v2"):
-        for nw in (1, 2, 4, 8):
-            t[f"pallas_kernel_{kv}_w{nw}"] = 1e6 * time_it(lambda a, i: _build_from_topk(a, i, budget=BUDGET, V=V, num_warps=nw, kernel=kv, mask="pointers"), tops)
-        t[f"pallas_kernel_{kv}_w4_dev_incl_mask"] = 1e6 * dev_time(lambda a: _build_from_topk(a, tops[0][1], budget=BUDGET, V=V, kernel=kv), tops[0][0])
-    tr = build_draft_tree_pallas(xs[0], BUDGET)
+    t["topk_chunked_incl_log_softmax"] = 1e6 * time_it(jax.jit(lambda x: exact_top_k(draft_logprobs(x), BUDGET)),
+                                                       [(x,) for x in xs])
+    tops = [(a, i.astype(jnp.int32)) for a, i in (topk(x) for x in xs)]
+    for nw in (1, 2, 4, 8):
+        t[f"pallas_pop_loop_w{nw}"] = 1e6 * time_it(
+            lambda a, i, nw=nw: tree_builder.build_tree(a, i, budget=BUDGET, num_warps=nw), tops)
+    t["pallas_pop_loop_w4_dev"] = 1e6 * dev_time(lambda a: tree_builder.build_tree(a, tops[0][1], budget=BUDGET),
+                                                 tops[0][0])
+    tr = dt.build_draft_tree(xs[0], BUDGET, impl="pallas")
     anc = jax.jit(lambda p, v: ancestor_mask_from_parents(p, v, L))
     t["ancestor_mask_only"] = 1e6 * time_it(anc, [(tr.parents, tr.valid)])
-    t["ancestor_mask_squaring_only"] = 1e6 * time_it(jax.jit(lambda p, v: ancestor_mask_by_squaring(p, v, L)), [(tr.parents, tr.valid)])
     # where exact_top_k's time goes (device time per call)
     lq0 = jax.jit(draft_logprobs)(xs[0])
     nc, kc = V // 32, BUDGET + 32
@@ -136,9 +133,10 @@ def main():
     t["topk_chunked_total_dev"] = 1e6 * dev_time(lambda q: exact_top_k(q, BUDGET), lq0)
     log("parts", {k: round(v, 1) for k, v in t.items()})
     tree = tr.with_root_tokens(jnp.zeros((B,), jnp.int32))
-    smp = jnp.asarray(np.where(np.asarray(tree.first_child) >= 0, np.take_along_axis(np.asarray(tree.tokens), np.maximum(np.asarray(tree.first_child), 0), 1), 3).astype(np.int32))
-    t["walk_pallas"] = 1e6 * time_it(lambda s: accept_path_pallas(tree, s), [(smp,)])
-    t["walk_jax"] = 1e6 * time_it(lambda s: _accept_path(tree, s), [(smp,)])
+    tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
+    smp = jnp.asarray(np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 3).astype(np.int32))
+    t["walk_pallas"] = 1e6 * time_it(lambda s: dt.accept_path(tree, s, impl="pallas"), [(smp,)])
+    t["walk_jax"] = 1e6 * time_it(lambda s: dt.accept_path(tree, s, impl="reference"), [(smp,)])
     # --- CPU heapq builder (numpy + heapq), for scale
     try:
         from tests._reference import heapq_draft_tree
@@ -157,9 +155,8 @@ def main():
     md = [f"# Tree builder / walk on {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
           f"B={B}, budget={BUDGET}, L={L}, V={V} (bf16 draft logits; top-k included in totals)", "",
           "Host-loop times (one jit dispatch per call) unless the name ends in _dev (20 calls inside one jit, "
-          "lax.fori_loop, time / 20: device time without the per-call dispatch). v1: previous pop loop "
-          "(~17 dependent reductions per pop); v2 (default): 5 reductions + 3 scalar loads per pop. Ancestor mask: "
-          "pointers (default, L dependent gathers) or squaring (boolean matrix squarings).", "",
+          "lax.fori_loop, time / 20: device time without the per-call dispatch). The pop loop does 5 dependent "
+          "reductions + 3 scalar loads per pop; the ancestor mask follows parent pointers L times.", "",
           "| what | us per round |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in t.items()]
     md += ["", "Equality checks (kernel vs plain JAX on the GPU):", ""] + [f"- {k}: {v}" for k, v in res["checks"].items()]
     with open(os.path.join(out_dir, f"tree_gpu_h200_{stamp}.md"), "w") as fh:

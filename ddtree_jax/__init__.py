@@ -7,6 +7,8 @@ line's argument checks do not pay for importing JAX.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -56,3 +58,17 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``ddtree_jax.generate`` makes Python set the package attribute
+    ``generate`` to that module, which would shadow the function of the same name: keep exported
+    names pointing at what ``_EXPORTS`` says."""
+
+    def __setattr__(self, name, value):
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

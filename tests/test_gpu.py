@@ -1,0 +1,86 @@
+"""The compiled Pallas kernels on a GPU against their plain-JAX references (``-m gpu``; skipped
+without a GPU). Interpret mode (the other kernel tests) does not check backend rules: these do.
+
+    python -m pytest -m gpu -q
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ddtree_jax as dt
+from ddtree_jax.sampling import SamplingBatch, target_logprobs
+from pallas_kernels.triton.fused_sample import fused_sample_debug
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+from tests._random_inputs import random_draft_logits
+
+pytestmark = pytest.mark.gpu
+
+TREE_FIELDS = ["tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"]
+
+
+@pytest.mark.parametrize("B,L,V,budget", [(16, 15, 163_840, 256), (3, 7, 1000, 100), (2, 5, 37, 300), (1, 1, 7, 3)])
+def test_tree_builder_equals_reference(B, L, V, budget):
+    for logits in (random_draft_logits(B + V, B, L, V), np.round(random_draft_logits(budget, B, L, V))):
+        x = jnp.asarray(logits)
+        ref = dt.build_draft_tree(x, budget, impl="reference")
+        ker = dt.build_draft_tree(x, budget, impl="pallas")
+        for f in TREE_FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
+
+
+def test_accept_walk_equals_reference():
+    rng = np.random.default_rng(0)
+    tree = dt.build_draft_tree(jnp.asarray(random_draft_logits(1, 8, 15, 500)), 128, impl="reference")
+    tree = tree.with_root_tokens(jnp.zeros((8,), jnp.int32))
+    tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
+    deep = np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 7)
+    smp = jnp.asarray(np.where(rng.random(tk.shape) < 0.85, deep, rng.integers(0, 500, tk.shape)).astype(np.int32))
+    ker, ref = dt.accept_path(tree, smp, impl="pallas"), dt.accept_path(tree, smp, impl="reference")
+    for f in ("path", "num_accepted", "bonus", "committed"):
+        np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
+
+
+CONFIGS = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (0.6, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.1),
+           (0.7, 1000, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("V,dtype", [(163_840, jnp.bfloat16), (50_000, jnp.float32), (37, jnp.float32)])
+def test_fused_sampler_keeps_the_reference_set(V, dtype):
+    """Greedy tokens equal the argmax; every draw lies in the reference's kept set."""
+    rng = np.random.default_rng(V)
+    rows = len(CONFIGS) * 4
+    x = jnp.asarray((rng.standard_normal((rows, V)) * rng.uniform(0.5, 4, (rows, 1))).astype(np.float32)).astype(dtype)
+    temp, topk, topp, minp = (np.repeat(np.array(c, dtype=np.float32 if i != 1 else np.int32), 4)
+                              for i, c in enumerate(zip(*CONFIGS, strict=True)))
+    params = SamplingBatch(jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), jnp.asarray(minp),
+                           jnp.zeros(rows, jnp.uint32), jnp.zeros(rows, bool))
+    seeds = jnp.asarray(rng.integers(0, 2**32, (rows, 2), dtype=np.uint32))
+    out = fused_sample_debug(x, params.temperature, params.top_k, params.top_p, params.min_p, seeds)
+    tok = np.asarray(out["token"])
+    logp = np.asarray(target_logprobs(x[:, None, :], params))[:, 0]
+    assert (logp[np.arange(rows), tok] > -np.inf).all(), "a draw outside the reference's kept set"
+    greedy = temp == 0
+    np.testing.assert_array_equal(tok[greedy], np.argmax(np.asarray(x.astype(jnp.float32)), axis=-1)[greedy])
+
+
+def test_generate_greedy_speculative_equals_autoregressive_with_kernels():
+    """float32 with full-precision matmuls (GPU matmuls default to TF32, whose rounding differs
+    between the verify block and the one-token step)."""
+    with jax.default_matmul_precision("highest"):
+        _greedy_speculative_equals_autoregressive()
+
+
+def _greedy_speculative_equals_autoregressive():
+    target = tiny_kimi(0)
+    drafter = tiny_dflash(target, 1)
+    prompts = [[1, 2, 3, 4, 5], [7], [9, 10, 11]]
+    kw = dict(max_new_tokens=16, impl="pallas")
+    ar = dt.generate(target, None, prompts, method="ar", **kw)
+    for method in ("dflash", "ddtree"):
+        assert dt.generate(target, drafter, prompts, method=method, budget=12, **kw).tokens == ar.tokens, method
+    sampled = dt.generate(target, drafter, prompts, method="ddtree", budget=12, seed=3,
+                          sampling=dt.SamplingParams(temperature=0.8, top_p=0.9, seed=4), **kw)
+    assert all(len(t) == 16 for t in sampled.tokens)
+    assert jax.default_backend() == "gpu"
