@@ -39,20 +39,41 @@ from ddtree_jax.testing import BigramOracleDrafter, make_bigram  # noqa: E402
 
 def kimi_slice(args) -> dt.KimiConfig:
     return dt.KimiConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        moe_intermediate_size=args.hidden // 4, num_hidden_layers=args.layers, num_attention_heads=16,
-        q_lora_rank=args.hidden // 2, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        n_routed_experts=args.experts, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1,
-        routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=4096, model_type="kimi_k2",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        moe_intermediate_size=args.hidden // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=16,
+        q_lora_rank=args.hidden // 2,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.827,
+        rope_theta=50000.0,
+        max_position_embeddings=4096,
+        model_type="kimi_k2",
     )
 
 
 def drafter_config(tcfg: dt.KimiConfig) -> dt.DFlashConfig:
     return dt.DFlashConfig(
-        hidden_size=tcfg.hidden_size, intermediate_size=2 * tcfg.hidden_size, num_hidden_layers=1,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_target_layers=tcfg.num_hidden_layers,
-        block_size=16, mask_token_id=tcfg.vocab_size - 1,
-        target_layer_ids=dt.default_target_layer_ids(tcfg.num_hidden_layers, 1), layer_types=("full_attention",),
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=2 * tcfg.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_target_layers=tcfg.num_hidden_layers,
+        block_size=16,
+        mask_token_id=tcfg.vocab_size - 1,
+        target_layer_ids=dt.default_target_layer_ids(tcfg.num_hidden_layers, 1),
+        layer_types=("full_attention",),
         vocab_size=tcfg.vocab_size,
     )
 
@@ -69,7 +90,9 @@ def main():
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: bf16 on GPU, f32 on CPU")
-    ap.add_argument("--check-only", action="store_true", help="random drafter, AR vs DDTree only: the greedy-equality check")
+    ap.add_argument(
+        "--check-only", action="store_true", help="random drafter, AR vs DDTree only: the greedy-equality check"
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     if args.smoke:
@@ -77,9 +100,16 @@ def main():
         args.hidden, args.layers, args.experts, args.vocab = 256, 2, 8, 1024
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: true float32 products
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, None: jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32}[args.dtype]
+    dtype = {
+        "bfloat16": jnp.bfloat16,
+        "float32": jnp.float32,
+        None: jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
+    }[args.dtype]
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
-    print(f"[bench_generate] {device}, jax {jax.__version__}, B={args.batch}, prompt={args.prompt}, new={args.new}", flush=True)
+    print(
+        f"[bench_generate] {device}, jax {jax.__version__}, B={args.batch}, prompt={args.prompt}, new={args.new}",
+        flush=True,
+    )
 
     tcfg = kimi_slice(args)
     target = dt.KimiForCausalLM(tcfg, rngs=nnx.Rngs(0), dtype=dtype)
@@ -103,16 +133,32 @@ def main():
             compile_s = time.perf_counter() - t0
             out = dt.generate(tgt, drf, prompts, **kw)
             n = out.new_tokens
-            row = dict(pair=pair, method=method, budget=out.budget, tokens=n, seconds=out.seconds, tok_per_s=n / out.seconds,
-                       tau=out.mean_tau, rounds=out.rounds, ms_per_round=1e3 * out.seconds / out.rounds, compile_s=compile_s)
+            row = dict(
+                pair=pair,
+                method=method,
+                budget=out.budget,
+                tokens=n,
+                seconds=out.seconds,
+                tok_per_s=n / out.seconds,
+                tau=out.mean_tau,
+                rounds=out.rounds,
+                ms_per_round=1e3 * out.seconds / out.rounds,
+                compile_s=compile_s,
+            )
             rows.append(row)
             tokens_by_pair.setdefault(pair, {})[(method, budget)] = out.tokens
-            print(f"[bench_generate] {pair:15s} {method:6s} budget {out.budget:4d}: {row['tok_per_s']:9.1f} tok/s, "
-                  f"tau {row['tau']:.2f}, {row['ms_per_round']:.2f} ms/round (compile {compile_s:.0f}s)", flush=True)
+            print(
+                f"[bench_generate] {pair:15s} {method:6s} budget {out.budget:4d}: {row['tok_per_s']:9.1f} tok/s, "
+                f"tau {row['tau']:.2f}, {row['ms_per_round']:.2f} ms/round (compile {compile_s:.0f}s)",
+                flush=True,
+            )
 
     def agreeing_prefix(tokens, ref):
         """Shortest common prefix (over requests) with the AR tokens: len(ref[0]) if identical."""
-        return min(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(tokens, ref))
+        return min(
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(b))
+            for a, b in zip(tokens, ref, strict=False)
+        )
 
     checks = {}
     for pair, toks in tokens_by_pair.items():
@@ -121,38 +167,80 @@ def main():
                 checks[f"{pair} {method} {budget}"] = agreeing_prefix(t, toks[("ar", 0)])
     split = None
     if not args.check_only:
-        ref = dt.generate(target, drafter, prompts, method="ddtree", budget=args.budgets[0], max_new_tokens=args.new,
-                          max_len=max_len, impl="reference")
-        checks["random drafter ddtree impl=reference"] = agreeing_prefix(ref.tokens, tokens_by_pair["random drafter"][("ar", 0)])
+        ref = dt.generate(
+            target,
+            drafter,
+            prompts,
+            method="ddtree",
+            budget=args.budgets[0],
+            max_new_tokens=args.new,
+            max_len=max_len,
+            impl="reference",
+        )
+        checks["random drafter ddtree impl=reference"] = agreeing_prefix(
+            ref.tokens, tokens_by_pair["random drafter"][("ar", 0)]
+        )
         for _ in range(2):  # the second call runs compiled
-            prof = dt.generate(oracle_target, oracle, prompts, method="ddtree", budget=args.budgets[0],
-                               max_new_tokens=args.new, max_len=max_len, profile=True)
+            prof = dt.generate(
+                oracle_target,
+                oracle,
+                prompts,
+                method="ddtree",
+                budget=args.budgets[0],
+                max_new_tokens=args.new,
+                max_len=max_len,
+                profile=True,
+            )
         split = {k: 1e3 * v / prof.rounds for k, v in prof.time_split.items()}
         print(f"[bench_generate] time split per round (ms, oracle, ddtree {args.budgets[0]}): {split}", flush=True)
     print(f"[bench_generate] tokens agreeing with greedy AR (of {args.new}, min over requests): {checks}", flush=True)
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ar = {r["pair"]: r["tok_per_s"] for r in rows if r["method"] == "ar"}
     for r in rows:
         r["speedup_vs_ar"] = r["tok_per_s"] / ar[r["pair"]]
-    result = dict(bench="generate", device=device, host=platform.node(), date=now.isoformat(timespec="seconds"),
-                  command="python " + " ".join(sys.argv), jax=jax.__version__, config=vars(args), rows=rows,
-                  greedy_checks=checks, time_split_ms_per_round=split)
+    result = dict(
+        bench="generate",
+        device=device,
+        host=platform.node(),
+        date=now.isoformat(timespec="seconds"),
+        command="python " + " ".join(sys.argv),
+        jax=jax.__version__,
+        config=vars(args),
+        rows=rows,
+        greedy_checks=checks,
+        time_split_ms_per_round=split,
+    )
     os.makedirs(args.out, exist_ok=True)
-    kind = "smoke" if args.smoke else jax.default_backend() + ("_check_" + np.dtype(dtype).name if args.check_only else "")
+    kind = (
+        "smoke" if args.smoke else jax.default_backend() + ("_check_" + np.dtype(dtype).name if args.check_only else "")
+    )
     stem = os.path.join(args.out, f"generate_{kind}_{now.strftime('%Y%m%d')}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    md = [f"# End-to-end decoding ({now.date()}, {device})", "",
-          f"`{result['command']}`, jax {jax.__version__}. Target: Kimi-style slice hidden {args.hidden}, {args.layers} layers, "
-          f"{args.experts} experts (top-8 + 1 shared), vocab {args.vocab}, {np.dtype(dtype).name}, random weights. "
-          f"B={args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy.", "",
-          "| drafter | method | budget | tok/s | speedup vs AR | tau | ms/round |", "|---|---|---|---|---|---|---|"]
-    md += [f"| {r['pair']} | {r['method']} | {r['budget']} | {r['tok_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {r['tau']:.2f} | {r['ms_per_round']:.2f} |" for r in rows]
+    md = [
+        f"# End-to-end decoding ({now.date()}, {device})",
+        "",
+        f"`{result['command']}`, jax {jax.__version__}. Target: Kimi-style slice hidden {args.hidden}, "
+        f"{args.layers} layers, "
+        f"{args.experts} experts (top-8 + 1 shared), vocab {args.vocab}, {np.dtype(dtype).name}, random weights. "
+        f"B={args.batch}, prompt {args.prompt}, {args.new} new tokens, greedy.",
+        "",
+        "| drafter | method | budget | tok/s | speedup vs AR | tau | ms/round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['pair']} | {r['method']} | {r['budget']} | {r['tok_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x "
+        f"| {r['tau']:.2f} | {r['ms_per_round']:.2f} |"
+        for r in rows
+    ]
     md += ["", f"Leading tokens identical to greedy AR (of {args.new}; min over the batch): {checks}."]
     if split:
-        md += ["", f"Time split per round, bigram oracle, DDTree budget {args.budgets[0]}, stages timed separately (ms): "
-               + ", ".join(f"{k} {v:.2f}" for k, v in split.items())]
+        md += [
+            "",
+            f"Time split per round, bigram oracle, DDTree budget {args.budgets[0]}, stages timed separately (ms): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in split.items()),
+        ]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

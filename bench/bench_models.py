@@ -34,16 +34,47 @@ from flax import nnx  # noqa: E402
 
 from ddtree_jax.models import KimiConfig, KimiForCausalLM, YarnScaling  # noqa: E402
 
-FULL = dict(vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-            num_hidden_layers=2, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
-            num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-            routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=131072, model_type="kimi_k2",
-            rope_scaling=YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0,
-                                     beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
-SMOKE = dict(FULL, vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-             num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-             v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2)
+FULL = dict(
+    vocab_size=163840,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=64,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.827,
+    rope_theta=50000.0,
+    max_position_embeddings=131072,
+    model_type="kimi_k2",
+    rope_scaling=YarnScaling(
+        factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+    ),
+)
+SMOKE = dict(
+    FULL,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+)
 
 
 def log(*a):
@@ -91,11 +122,18 @@ def main():
         args.prompt, args.budgets, args.iters, args.batch = 32, [8], 2, 2
     cfg = KimiConfig(**(SMOKE if args.smoke else dict(FULL, n_routed_experts=args.experts)))
     dev = jax.devices()[0]
-    meta = dict(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
-                python=platform.python_version(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "rope_scaling"},
-                batch=args.batch, prompt=args.prompt, iters=args.iters)
+    meta = dict(
+        device=getattr(dev, "device_kind", str(dev)),
+        platform=dev.platform,
+        jax=jax.__version__,
+        python=platform.python_version(),
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "rope_scaling"},
+        batch=args.batch,
+        prompt=args.prompt,
+        iters=args.iters,
+    )
     log(f"device {meta['device']}, jax {jax.__version__}; building the model (bf16, {cfg.n_routed_experts} experts)")
     model = nnx.jit(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))()
     n_params = sum(int(np.prod(v.shape)) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
@@ -135,8 +173,16 @@ def main():
             tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, nodes)))
             log(f"verify [{name}] B={b} nodes={nodes} prefix={t}")
             sec = time_it(verify, model, tokens, depths, mask, cache, iters=args.iters)
-            results.append(dict(kind="verify", experts=name, budget=budget, tokens=b * nodes, ms=sec * 1e3,
-                                tokens_per_s=b * nodes / sec))
+            results.append(
+                dict(
+                    kind="verify",
+                    experts=name,
+                    budget=budget,
+                    tokens=b * nodes,
+                    ms=sec * 1e3,
+                    tokens_per_s=b * nodes / sec,
+                )
+            )
             log(f"  {sec * 1e3:.2f} ms, {b * nodes / sec:,.0f} tokens/s")
 
         moe = model.model.layers[cfg.first_k_dense_replace].mlp
@@ -162,18 +208,26 @@ def main():
     stem = f"models_{'smoke_' if args.smoke else ''}{dev.platform}_{datetime.date.today():%Y%m%d}"
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=2)
-    lines = [f"# Kimi-style target benchmark ({meta['date']}, {meta['device']})", "",
-             f"`{meta['command']}`, jax {meta['jax']}; hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
-             f"({cfg.first_k_dense_replace} dense), {cfg.n_routed_experts} experts x {cfg.moe_intermediate_size}, "
-             f"top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}, bf16; B={b}, prompt {t}; median of 3 x "
-             f"{args.iters} calls.", "",
-             "| pass | experts | tokens | ms | tokens/s | time / ragged_dot time |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Kimi-style target benchmark ({meta['date']}, {meta['device']})",
+        "",
+        f"`{meta['command']}`, jax {meta['jax']}; hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
+        f"({cfg.first_k_dense_replace} dense), {cfg.n_routed_experts} experts x {cfg.moe_intermediate_size}, "
+        f"top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}, bf16; B={b}, prompt {t}; median of 3 x "
+        f"{args.iters} calls.",
+        "",
+        "| pass | experts | tokens | ms | tokens/s | time / ragged_dot time |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
-        base = next(o for o in results if o["kind"] == r["kind"] and o["tokens"] == r["tokens"]
-                    and o["experts"] == "ragged_dot")
+        base = next(
+            o for o in results if o["kind"] == r["kind"] and o["tokens"] == r["tokens"] and o["experts"] == "ragged_dot"
+        )
         ratio = f"{r['ms'] / base['ms']:.2f}x" if r is not base else ""
         label = r["kind"] + (f" (budget {r['budget']})" if "budget" in r else "")
-        lines.append(f"| {label} | {r['experts']} | {r['tokens']} | {r['ms']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} |")
+        lines.append(
+            f"| {label} | {r['experts']} | {r['tokens']} | {r['ms']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} |"
+        )
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log(f"wrote {os.path.join(args.out, stem)}.json/.md")

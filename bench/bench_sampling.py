@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import time_it  # noqa: E402  (bench/ is the script's folder)
 
 from ddtree_jax.sampling import SamplingBatch, reference_sample, target_logprobs  # noqa: E402
 from pallas_kernels.triton import fused_sample as fs  # noqa: E402
-from _timing import time_it  # noqa: E402  (bench/ is the script's folder)
 
 V = 163840
 ROWS = (64, 512, 2048)
@@ -58,9 +58,12 @@ def make_logits(kind: str, R: int, V: int, seed: int, dtype=jnp.bfloat16):
 
 def batch_params(R, temperature, top_k, top_p, min_p=0.0):
     return SamplingBatch(
-        temperature=jnp.full((R,), temperature, jnp.float32), top_k=jnp.full((R,), top_k, jnp.int32),
-        top_p=jnp.full((R,), top_p, jnp.float32), min_p=jnp.full((R,), min_p, jnp.float32),
-        seed=jnp.zeros((R,), jnp.uint32), has_seed=jnp.zeros((R,), bool),
+        temperature=jnp.full((R,), temperature, jnp.float32),
+        top_k=jnp.full((R,), top_k, jnp.int32),
+        top_p=jnp.full((R,), top_p, jnp.float32),
+        min_p=jnp.full((R,), min_p, jnp.float32),
+        seed=jnp.zeros((R,), jnp.uint32),
+        has_seed=jnp.zeros((R,), bool),
     )
 
 
@@ -184,19 +187,37 @@ def checks(quick: bool) -> dict:
     invalid rows, a chi-square test of the law. Returns a dict of results."""
     res = {}
     rng = np.random.default_rng(1)
-    for V_, R_, dtype in [(163840, 64, jnp.bfloat16), (50000, 48, jnp.float32), (1000, 64, jnp.float32), (37, 16, jnp.float32)]:
-        x = np.array(make_logits("gaussian" if V_ % 2 else "realistic", R_, V_, int(rng.integers(1 << 30)), dtype).astype(jnp.float32))
+    for V_, R_, dtype in [
+        (163840, 64, jnp.bfloat16),
+        (50000, 48, jnp.float32),
+        (1000, 64, jnp.float32),
+        (37, 16, jnp.float32),
+    ]:
+        x = np.array(
+            make_logits("gaussian" if V_ % 2 else "realistic", R_, V_, int(rng.integers(1 << 30)), dtype).astype(
+                jnp.float32
+            )
+        )
         x[0, 3] = np.nan
         x[1, :] = -np.inf
         x[2, 5] = np.inf
-        x[3, :V_ // 2] = -np.inf
+        x[3, : V_ // 2] = -np.inf
         temp = rng.choice([0.0, 0.5, 0.7, 1.0, 1.5], R_).astype(np.float32)
         topk = rng.choice([0, 0, 1, 5, 50, 128, 200], R_).astype(np.int32)
         topp = rng.choice([1.0, 0.9, 0.5, 0.95], R_).astype(np.float32)
         minp = rng.choice([0.0, 0.0, 0.05], R_).astype(np.float32)
         xd = jnp.asarray(x).astype(dtype)
-        pb = SamplingBatch(jnp.asarray(temp), jnp.asarray(topk), jnp.asarray(topp), jnp.asarray(minp), jnp.zeros(R_, jnp.uint32), jnp.zeros(R_, bool))
-        out = jax.tree.map(np.asarray, fs.fused_sample_debug(xd, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(R_, 3)))
+        pb = SamplingBatch(
+            jnp.asarray(temp),
+            jnp.asarray(topk),
+            jnp.asarray(topp),
+            jnp.asarray(minp),
+            jnp.zeros(R_, jnp.uint32),
+            jnp.zeros(R_, bool),
+        )
+        out = jax.tree.map(
+            np.asarray, fs.fused_sample_debug(xd, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(R_, 3))
+        )
         lp = np.asarray(target_logprobs(xd[:, None], pb))[:, 0]
         xf = np.asarray(xd.astype(jnp.float32))
         bad = []
@@ -217,15 +238,37 @@ def checks(quick: bool) -> dict:
                 # the boundary element has q == q_thr in the kernel's float32: ignore a 1e-5 band
                 band = np.abs(q - out["q_thr"][r]) <= 1e-5 * out["q_thr"][r]
             if not (kk == ref_keep)[~band].all():
-                bad.append((r, "kept differs", int(kk.sum()), int(ref_keep.sum()), int(out["path"][r]), float(temp[r]), int(topk[r]), float(topp[r]), float(minp[r])))
+                bad.append(
+                    (
+                        r,
+                        "kept differs",
+                        int(kk.sum()),
+                        int(ref_keep.sum()),
+                        int(out["path"][r]),
+                        float(temp[r]),
+                        int(topk[r]),
+                        float(topp[r]),
+                        float(minp[r]),
+                    )
+                )
             if not ref_keep[out["token"][r]]:
                 bad.append((r, "draw outside support", int(out["token"][r])))
         paths = np.bincount(out["path"], minlength=4).tolist()
         # the opt-in candidate listing (cumsum + scatter + barrier) must give identical outputs
-        sc = jax.tree.map(np.asarray, fs.fused_sample_debug(xd, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(R_, 3), compact="scatter"))
+        sc = jax.tree.map(
+            np.asarray,
+            fs.fused_sample_debug(
+                xd, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(R_, 3), compact="scatter"
+            ),
+        )
         scatter_diff = [k for k in out if not np.array_equal(out[k], sc[k], equal_nan=True)]
-        res[f"V{V_}_{np.dtype(dtype).name}"] = dict(rows=R_, mismatches=bad[:10], n_bad=len(bad), paths=paths,
-                                                     compact_scatter_vs_loop=scatter_diff or "identical")
+        res[f"V{V_}_{np.dtype(dtype).name}"] = dict(
+            rows=R_,
+            mismatches=bad[:10],
+            n_bad=len(bad),
+            paths=paths,
+            compact_scatter_vs_loop=scatter_diff or "identical",
+        )
         log(f"check V={V_} {np.dtype(dtype).name}: {len(bad)} mismatches, paths {paths}", bad[:3])
     # chi-square: one row repeated with different seeds, V = 40, three parameter sets
     from scipy import stats
@@ -233,16 +276,26 @@ def checks(quick: bool) -> dict:
     n = 20000 if quick else 100000
     base = rng.standard_normal(40).astype(np.float32) * 1.5
     chi = {}
-    for name, (T, k, p, m) in {"T1": (1.0, 0, 1.0, 0.0), "T0.7_k10_p0.9": (0.7, 10, 0.9, 0.0), "T1.3_p0.8_minp": (1.3, 0, 0.8, 0.05)}.items():
+    for name, (T, k, p, m) in {
+        "T1": (1.0, 0, 1.0, 0.0),
+        "T0.7_k10_p0.9": (0.7, 10, 0.9, 0.0),
+        "T1.3_p0.8_minp": (1.3, 0, 0.8, 0.05),
+    }.items():
         xs = jnp.broadcast_to(jnp.asarray(base), (n, 40))
         pb = batch_params(n, T, k, p, m)
         tok = np.asarray(fs.fused_sample(xs, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(n, 11)))
-        prob = np.exp(np.asarray(target_logprobs(jnp.asarray(base)[None, None], batch_params(1, T, k, p, m)))[0, 0].astype(np.float64))
+        prob = np.exp(
+            np.asarray(target_logprobs(jnp.asarray(base)[None, None], batch_params(1, T, k, p, m)))[0, 0].astype(
+                np.float64
+            )
+        )
         counts = np.bincount(tok, minlength=40)
         sup = prob > 0
         outside = int(counts[~sup].sum())
         st = stats.chisquare(counts[sup], prob[sup] / prob[sup].sum() * n)
-        chi[name] = dict(n=n, outside_support=outside, chi2=float(st.statistic), p_value=float(st.pvalue), support=int(sup.sum()))
+        chi[name] = dict(
+            n=n, outside_support=outside, chi2=float(st.statistic), p_value=float(st.pvalue), support=int(sup.sum())
+        )
         log(f"chi-square {name}: p={st.pvalue:.3g}, outside support {outside}")
     res["chi_square"] = chi
     return res
@@ -313,12 +366,19 @@ def timings(quick: bool, bw: float) -> list[dict]:
 
 
 STATS_VARIANTS = {
-    "default": {}, "w4": dict(num_warps=4), "w16": dict(num_warps=16), "s3": dict(num_stages=3),
-    "t2048": dict(tile=2048), "t8192_w16": dict(tile=8192, num_warps=16),
+    "default": {},
+    "w4": dict(num_warps=4),
+    "w16": dict(num_warps=16),
+    "s3": dict(num_stages=3),
+    "t2048": dict(tile=2048),
+    "t8192_w16": dict(tile=8192, num_warps=16),
 }
 SELECT_VARIANTS = {
-    "default": {}, "sel_w4": dict(select_warps=4), "sel_w16": dict(select_warps=16),
-    "compact_scatter": dict(compact="scatter"), "compact_scatter_sel_w16": dict(compact="scatter", select_warps=16),
+    "default": {},
+    "sel_w4": dict(select_warps=4),
+    "sel_w16": dict(select_warps=16),
+    "compact_scatter": dict(compact="scatter"),
+    "compact_scatter_sel_w16": dict(compact="scatter", select_warps=16),
 }
 
 
@@ -343,28 +403,48 @@ def sweep(bw: float) -> list[dict]:
 
 
 def markdown(meta, res, rows) -> str:
-    L = [f"# Fused sampling kernel, {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
-         f"Copy bandwidth (read+write, bf16, 671 MB): JAX {meta['copy_bw_jax'] / 1e12:.2f} TB/s, torch "
-         f"{(meta['copy_bw_torch'] or 0) / 1e12:.2f} TB/s; fractions below use the larger.", "",
-         "kernel ms: host loop of single calls (one jit dispatch each, as before); kernel dev ms: 20 calls inside "
-         "one jit (lax.fori_loop), time / 20 (device time without the per-call dispatch). x sort / x torch use "
-         "the host-loop time; dev x sort / dev x torch the device time. JAX/torch pipelines: host loop / CUDA events.", "",
-         "| logits | R | config | kernel ms | GB/s | % copy BW | kernel dev ms | dev % copy BW | JAX reference ms | JAX sort ms | torch ms | x ref | x sort | x torch | dev x sort | dev x torch |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        f"# Fused sampling kernel, {meta['device']}, {meta['date']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Copy bandwidth (read+write, bf16, 671 MB): JAX {meta['copy_bw_jax'] / 1e12:.2f} TB/s, torch "
+        f"{(meta['copy_bw_torch'] or 0) / 1e12:.2f} TB/s; fractions below use the larger.",
+        "",
+        "kernel ms: host loop of single calls (one jit dispatch each, as before); kernel dev ms: 20 calls inside "
+        "one jit (lax.fori_loop), time / 20 (device time without the per-call dispatch). x sort / x torch use "
+        "the host-loop time; dev x sort / dev x torch the device time. JAX/torch pipelines: host loop / CUDA events.",
+        "",
+        "| logits | R | config | kernel ms | GB/s | % copy BW | kernel dev ms | dev % copy BW | JAX reference ms "
+        "| JAX sort ms | torch ms | x ref | x sort | x torch | dev x sort | dev x torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for e in rows:
-        L.append(f"| {e['logits']} | {e['R']} | {e['config']} | {f(e.get('kernel_ms'))} | {f(e.get('kernel_GBps'), 0)} | "
-                 f"{f(100 * e['kernel_frac_copy_bw'] if e.get('kernel_frac_copy_bw') else None, 0)} | {f(e.get('kernel_dev_ms'))} | "
-                 f"{f(100 * e['kernel_dev_frac_copy_bw'] if e.get('kernel_dev_frac_copy_bw') else None, 0)} | {f(e.get('jax_reference_ms'))} | "
-                 f"{f(e.get('jax_sort_ms'))} | {f(e.get('torch_ms'))} | {f(e.get('speedup_vs_jax_reference'), 1)} | "
-                 f"{f(e.get('speedup_vs_jax_sort'), 1)} | {f(e.get('speedup_vs_torch'), 1)} | {f(e.get('dev_speedup_vs_jax_sort'), 1)} | "
-                 f"{f(e.get('dev_speedup_vs_torch'), 1)} |")
+        L.append(
+            f"| {e['logits']} | {e['R']} | {e['config']} | {f(e.get('kernel_ms'))} | {f(e.get('kernel_GBps'), 0)} | "
+            f"{f(100 * e['kernel_frac_copy_bw'] if e.get('kernel_frac_copy_bw') else None, 0)} | "
+            f"{f(e.get('kernel_dev_ms'))} | "
+            f"{f(100 * e['kernel_dev_frac_copy_bw'] if e.get('kernel_dev_frac_copy_bw') else None, 0)} | "
+            f"{f(e.get('jax_reference_ms'))} | "
+            f"{f(e.get('jax_sort_ms'))} | {f(e.get('torch_ms'))} | {f(e.get('speedup_vs_jax_reference'), 1)} | "
+            f"{f(e.get('speedup_vs_jax_sort'), 1)} | {f(e.get('speedup_vs_torch'), 1)} | "
+            f"{f(e.get('dev_speedup_vs_jax_sort'), 1)} | "
+            f"{f(e.get('dev_speedup_vs_torch'), 1)} |"
+        )
     if meta.get("sweep"):
-        L += ["", "Tuning sweep (gaussian rows, device time per call, ms; all variants exact):", "",
-              "| R | config | variant | dev ms | % copy BW |", "|---|---|---|---|---|"]
+        L += [
+            "",
+            "Tuning sweep (gaussian rows, device time per call, ms; all variants exact):",
+            "",
+            "| R | config | variant | dev ms | % copy BW |",
+            "|---|---|---|---|---|",
+        ]
         for e in meta["sweep"]:
-            L.append(f"| {e['R']} | {e['config']} | {e['variant']} | {f(e.get('dev_ms'))} | "
-                     f"{f(100 * e['frac'] if e.get('frac') else None, 0)} |")
+            L.append(
+                f"| {e['R']} | {e['config']} | {e['variant']} | {f(e.get('dev_ms'))} | "
+                f"{f(100 * e['frac'] if e.get('frac') else None, 0)} |"
+            )
     L += ["", "Checks on the GPU:", "", "```", json.dumps(res, indent=1), "```", ""]
     return "\n".join(L)
 
@@ -378,9 +458,13 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
-    meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 " + " ".join(sys.argv))
+    meta = dict(
+        device=getattr(dev, "device_kind", str(dev)),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command="PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 " + " ".join(sys.argv),
+    )
     log("device", meta["device"], "jax", jax.__version__)
     res = {}
     if not args.skip_checks:

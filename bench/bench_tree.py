@@ -97,7 +97,7 @@ def main():
     ref = heapq_build(logq[0], N)
     same = [int(t) for t in np.asarray(tree.tokens[0, 1:])] == [t for t, _ in ref[1:]]
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     result = dict(
         bench="build_draft_tree",
         device=device,

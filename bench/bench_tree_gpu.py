@@ -72,36 +72,50 @@ def main():
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
     dev = jax.devices()[0]
-    meta = dict(device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_tree_gpu.py")
+    meta = dict(
+        device=getattr(dev, "device_kind", str(dev)),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command="PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_tree_gpu.py",
+    )
     res = dict(meta=meta, checks={}, times_us={})
     # --- equality on fresh random inputs (incl. odd sizes and ties)
-    cases = [(B, L, V, BUDGET, 1), (B, L, V, BUDGET, -5), (3, 7, 1000, 100, 2), (2, 5, 37, 300, 3), (4, 16, 5000, 1023, 4)]
-    for (b, l, v, n, s) in cases:
-        x = draft_logits(abs(s), b, l, v)
+    cases = [
+        (B, L, V, BUDGET, 1),
+        (B, L, V, BUDGET, -5),
+        (3, 7, 1000, 100, 2),
+        (2, 5, 37, 300, 3),
+        (4, 16, 5000, 1023, 4),
+    ]
+    for b, depth, v, n, s in cases:
+        x = draft_logits(abs(s), b, depth, v)
         if s < 0:  # heavy ties (values on a coarse grid): exercises the tie rules and top-k fallback
             x = (jnp.round(x.astype(jnp.float32) * 2) / 2).astype(jnp.bfloat16)
         ref = dt.build_draft_tree(x, n, impl="reference")
         ker = dt.build_draft_tree(x, n, impl="pallas")
         diff = [f for f in FIELDS if not np.array_equal(np.asarray(getattr(ref, f)), np.asarray(getattr(ker, f)))]
-        res["checks"][f"build B{b} L{l} V{v} N{n}"] = diff or "equal"
-        log(f"builder B={b} L={l} V={v} N={n}:", diff or "equal")
+        res["checks"][f"build B{b} L{depth} V{v} N{n}"] = diff or "equal"
+        log(f"builder B={b} L={depth} V={v} N={n}:", diff or "equal")
         tree = ref.with_root_tokens(jnp.zeros((b,), jnp.int32))
         tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
         rng = np.random.default_rng(abs(s))
         deep = np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 7)
         smp = jnp.asarray(np.where(rng.random(tk.shape) < 0.85, deep, rng.integers(0, v, tk.shape)).astype(np.int32))
         a, r = dt.accept_path(tree, smp, impl="pallas"), dt.accept_path(tree, smp, impl="reference")
-        d2 = [f for f in ("path", "num_accepted", "bonus", "committed")
-              if not np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(r, f)))]
-        res["checks"][f"walk B{b} L{l} N{n}"] = d2 or "equal"
+        d2 = [
+            f
+            for f in ("path", "num_accepted", "bonus", "committed")
+            if not np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(r, f)))
+        ]
+        res["checks"][f"walk B{b} L{depth} N{n}"] = d2 or "equal"
         log(f"walk: {d2 or 'equal'} (accepted {np.asarray(r.num_accepted)[:6]})")
     # --- timings
     xs = [draft_logits(100 + i) for i in range(3)]
     t = res["times_us"]
-    t["jax_loop_total"] = 1e6 * time_it(lambda x: dt.build_draft_tree(x, BUDGET, impl="reference"),
-                                        [(x,) for x in xs], iters=10)
+    t["jax_loop_total"] = 1e6 * time_it(
+        lambda x: dt.build_draft_tree(x, BUDGET, impl="reference"), [(x,) for x in xs], iters=10
+    )
     log("jax loop", t["jax_loop_total"])
     t["pallas_total"] = 1e6 * time_it(lambda x: dt.build_draft_tree(x, BUDGET, impl="pallas"), [(x,) for x in xs])
     log("pallas total", t["pallas_total"])
@@ -110,14 +124,17 @@ def main():
     t["log_softmax_only"] = 1e6 * time_it(jax.jit(draft_logprobs), [(x,) for x in xs])
     topk = jax.jit(lambda x: jax.lax.top_k(draft_logprobs(x), BUDGET))
     t["topk_lax_incl_log_softmax"] = 1e6 * time_it(topk, [(x,) for x in xs], iters=10)
-    t["topk_chunked_incl_log_softmax"] = 1e6 * time_it(jax.jit(lambda x: exact_top_k(draft_logprobs(x), BUDGET)),
-                                                       [(x,) for x in xs])
+    t["topk_chunked_incl_log_softmax"] = 1e6 * time_it(
+        jax.jit(lambda x: exact_top_k(draft_logprobs(x), BUDGET)), [(x,) for x in xs]
+    )
     tops = [(a, i.astype(jnp.int32)) for a, i in (topk(x) for x in xs)]
     for nw in (1, 2, 4, 8):
         t[f"pallas_pop_loop_w{nw}"] = 1e6 * time_it(
-            lambda a, i, nw=nw: tree_builder.build_tree(a, i, budget=BUDGET, num_warps=nw), tops)
-    t["pallas_pop_loop_w4_dev"] = 1e6 * dev_time(lambda a: tree_builder.build_tree(a, tops[0][1], budget=BUDGET),
-                                                 tops[0][0])
+            lambda a, i, nw=nw: tree_builder.build_tree(a, i, budget=BUDGET, num_warps=nw), tops
+        )
+    t["pallas_pop_loop_w4_dev"] = 1e6 * dev_time(
+        lambda a: tree_builder.build_tree(a, tops[0][1], budget=BUDGET), tops[0][0]
+    )
     tr = dt.build_draft_tree(xs[0], BUDGET, impl="pallas")
     anc = jax.jit(lambda p, v: ancestor_mask_from_parents(p, v, L))
     t["ancestor_mask_only"] = 1e6 * time_it(anc, [(tr.parents, tr.valid)])
@@ -152,13 +169,23 @@ def main():
     stamp = datetime.datetime.now().strftime("%Y%m%d")
     with open(os.path.join(out_dir, f"tree_gpu_h200_{stamp}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
-    md = [f"# Tree builder / walk on {meta['device']}, {meta['date']}", "", f"Command: `{meta['command']}`", "",
-          f"B={B}, budget={BUDGET}, L={L}, V={V} (bf16 draft logits; top-k included in totals)", "",
-          "Host-loop times (one jit dispatch per call) unless the name ends in _dev (20 calls inside one jit, "
-          "lax.fori_loop, time / 20: device time without the per-call dispatch). The pop loop does 5 dependent "
-          "reductions + 3 scalar loads per pop; the ancestor mask follows parent pointers L times.", "",
-          "| what | us per round |", "|---|---|"] + [f"| {k} | {v:.1f} |" for k, v in t.items()]
-    md += ["", "Equality checks (kernel vs plain JAX on the GPU):", ""] + [f"- {k}: {v}" for k, v in res["checks"].items()]
+    md = [
+        f"# Tree builder / walk on {meta['device']}, {meta['date']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"B={B}, budget={BUDGET}, L={L}, V={V} (bf16 draft logits; top-k included in totals)",
+        "",
+        "Host-loop times (one jit dispatch per call) unless the name ends in _dev (20 calls inside one jit, "
+        "lax.fori_loop, time / 20: device time without the per-call dispatch). The pop loop does 5 dependent "
+        "reductions + 3 scalar loads per pop; the ancestor mask follows parent pointers L times.",
+        "",
+        "| what | us per round |",
+        "|---|---|",
+    ] + [f"| {k} | {v:.1f} |" for k, v in t.items()]
+    md += ["", "Equality checks (kernel vs plain JAX on the GPU):", ""] + [
+        f"- {k}: {v}" for k, v in res["checks"].items()
+    ]
     with open(os.path.join(out_dir, f"tree_gpu_h200_{stamp}.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))

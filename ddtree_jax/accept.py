@@ -68,7 +68,9 @@ def accept_path(tree: DraftTree, node_samples: jax.Array, *, impl: str | Backend
         raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     node_samples = jnp.asarray(node_samples)
     if node_samples.shape != tree.tokens.shape:
-        raise ValueError(f"node_samples must have the tree's shape [B, M] = {tree.tokens.shape}, got {node_samples.shape}")
+        raise ValueError(
+            f"node_samples must have the tree's shape [B, M] = {tree.tokens.shape}, got {node_samples.shape}"
+        )
     if not jnp.issubdtype(node_samples.dtype, jnp.integer):
         raise ValueError(f"node_samples must be integer token ids, got {node_samples.dtype}")
     return _accept_path(tree, node_samples.astype(jnp.int32), backend)
@@ -79,8 +81,9 @@ def _accept_path(tree: DraftTree, node_samples: jax.Array, backend: Backend) -> 
     if backend.kernels:
         from pallas_kernels.triton.accept_walk import accept_walk
 
-        path, num_accepted, bonus, committed = accept_walk(tree.tokens, tree.parents, tree.valid, node_samples,
-                                                           draft_len=tree.draft_len, interpret=backend.interpret)
+        path, num_accepted, bonus, committed = accept_walk(
+            tree.tokens, tree.parents, tree.valid, node_samples, draft_len=tree.draft_len, interpret=backend.interpret
+        )
         return AcceptResult(path=path, num_accepted=num_accepted, bonus=bonus, committed=committed)
     return _walk_reference(tree, node_samples)
 
@@ -105,7 +108,9 @@ def _walk_reference(tree: DraftTree, node_samples: jax.Array) -> AcceptResult:
     cur, _, path = jax.lax.fori_loop(0, L, step, (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), path0))
     num_accepted = jnp.sum(path[:, 1:] >= 0, axis=1).astype(jnp.int32)
     bonus = node_samples[rows, cur]
-    accepted_tokens = jnp.where(path[:, 1:] >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1), -1)
+    accepted_tokens = jnp.where(
+        path[:, 1:] >= 0, jnp.take_along_axis(tree.tokens, jnp.maximum(path[:, 1:], 0), axis=1), -1
+    )
     committed = jnp.concatenate([accepted_tokens, jnp.full((B, 1), -1, jnp.int32)], axis=1)
     committed = committed.at[rows, num_accepted].set(bonus)
     return AcceptResult(path=path, num_accepted=num_accepted, bonus=bonus, committed=committed)

@@ -23,7 +23,8 @@ import json
 import os
 import re
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,20 @@ from ddtree_jax.models.registry import lookup_architecture
 
 DEFAULT_MESH_AXES = {"expert": "expert", "tensor": "tensor"}
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 class CheckpointError(ValueError):
@@ -109,8 +121,11 @@ def _hf_parts(model: nnx.Module) -> dict[str, _Part]:
             e, d_in, d_out = shape
             if leaf == "gate_up_proj":
                 half = d_out // 2
-                per = {f"{name}.{i}.{w}_proj.weight": (i, slice(None), slice(j * half, (j + 1) * half))
-                       for i in range(e) for j, w in enumerate(("gate", "up"))}
+                per = {
+                    f"{name}.{i}.{w}_proj.weight": (i, slice(None), slice(j * half, (j + 1) * half))
+                    for i in range(e)
+                    for j, w in enumerate(("gate", "up"))
+                }
                 fused_shape, piece = (e, d_out, d_in), (half, d_in)
             else:
                 per = {f"{name}.{i}.down_proj.weight": (i,) for i in range(e)}
@@ -139,18 +154,27 @@ def _sharding(var: nnx.Variable, mesh: Mesh | None, mesh_axes: dict[str, str]):
     if mesh is None:
         return None
     if any(t != AxisType.Auto for t in mesh.axis_types):
-        raise ValueError("load_*: the mesh needs Auto axes (the models leave layouts to the compiler): "
-                         "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))")
+        raise ValueError(
+            "load_*: the mesh needs Auto axes (the models leave layouts to the compiler): "
+            "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"
+        )
     spec = []
-    for dim, logical in zip(var.shape, var.get_metadata().get("axes", (None,) * len(var.shape))):
+    for dim, logical in zip(var.shape, var.get_metadata().get("axes", (None,) * len(var.shape)), strict=False):
         axis = mesh_axes.get(logical) if logical else None
         ok = axis in mesh.axis_names and dim % mesh.shape[axis] == 0
         spec.append(axis if ok else None)
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def _load_into(model: nnx.Module, path: str, *, skip: Callable[[str], bool], fp8_block: tuple[int, int],
-               mesh: Mesh | None, mesh_axes: dict[str, str]) -> None:
+def _load_into(
+    model: nnx.Module,
+    path: str,
+    *,
+    skip: Callable[[str], bool],
+    fp8_block: tuple[int, int],
+    mesh: Mesh | None,
+    mesh_axes: dict[str, str],
+) -> None:
     """Stream every tensor of the checkpoint at ``path`` into the abstract ``model``'s parameters."""
     parts = _hf_parts(model)
     files = _checkpoint_files(path)
@@ -178,10 +202,12 @@ def _load_into(model: nnx.Module, path: str, *, skip: Callable[[str], bool], fp8
             if scale_name not in files:
                 raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
             scale = read(scale_name)
-            blocks = tuple(-(-d // b) for d, b in zip(tensor.shape, fp8_block))
+            blocks = tuple(-(-d // b) for d, b in zip(tensor.shape, fp8_block, strict=False))
             if tensor.ndim != 2 or scale.shape != blocks:
-                raise CheckpointError(f"{scale_name!r} has shape {scale.shape}, expected {blocks} for "
-                                      f"{fp8_block} blocks of {name!r} {tensor.shape}")
+                raise CheckpointError(
+                    f"{scale_name!r} has shape {scale.shape}, expected {blocks} for "
+                    f"{fp8_block} blocks of {name!r} {tensor.shape}"
+                )
             tensor = _dequantize_fp8(tensor, scale, fp8_block)
         if tuple(tensor.shape) != part.hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {part.hf_shape}")
@@ -263,8 +289,9 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype="auto", mesh_axes:
     return model
 
 
-def load_drafter(path: str, target, *, mesh: Mesh | None = None, dtype=None,
-                 mesh_axes: dict[str, str] = DEFAULT_MESH_AXES):
+def load_drafter(
+    path: str, target, *, mesh: Mesh | None = None, dtype=None, mesh_axes: dict[str, str] = DEFAULT_MESH_AXES
+):
     """Load a drafter checkpoint directory (``DRAFTERS`` in the registry: ``DFlashDraftModel``) for
     ``target``, whose embedding and LM head it uses.
 
@@ -276,8 +303,9 @@ def load_drafter(path: str, target, *, mesh: Mesh | None = None, dtype=None,
     cfg = arch.config_class.from_hf_dict(raw)
     tcfg = target.config
     if cfg.num_target_layers != tcfg.num_hidden_layers:
-        raise ValueError(f"DFlashConfig.num_target_layers={cfg.num_target_layers} but the target has "
-                         f"{tcfg.num_hidden_layers} layers")
+        raise ValueError(
+            f"DFlashConfig.num_target_layers={cfg.num_target_layers} but the target has {tcfg.num_hidden_layers} layers"
+        )
     if cfg.hidden_size != tcfg.hidden_size:
         raise ValueError(f"DFlashConfig.hidden_size={cfg.hidden_size} differs from the target's {tcfg.hidden_size}")
     if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
@@ -288,8 +316,7 @@ def load_drafter(path: str, target, *, mesh: Mesh | None = None, dtype=None,
     return model
 
 
-def save_checkpoint(model, path: str, *,
-                    max_shard_bytes: int | None = None) -> None:
+def save_checkpoint(model, path: str, *, max_shard_bytes: int | None = None) -> None:
     """Write ``model`` as an HF checkpoint directory: ``config.json`` + safetensors, per-expert
     names as published checkpoints use, sharded with ``model.safetensors.index.json`` when the
     tensors exceed ``max_shard_bytes``. Arrays are written in their current dtype."""
@@ -297,7 +324,9 @@ def save_checkpoint(model, path: str, *,
 
     os.makedirs(path, exist_ok=True)
     parts = _hf_parts(model)
-    float_dtypes = {np.dtype(p.dest.var.dtype) for p in parts.values() if jnp.issubdtype(p.dest.var.dtype, jnp.floating)}
+    float_dtypes = {
+        np.dtype(p.dest.var.dtype) for p in parts.values() if jnp.issubdtype(p.dest.var.dtype, jnp.floating)
+    }
     # The checkpoint's dtype (what ``dtype="auto"`` loads): the weights' dtype; router weights stay
     # float32 in a bfloat16 model, so a mix means the narrower one.
     main_dtype = min(float_dtypes, key=lambda d: d.itemsize) if float_dtypes else np.dtype(np.float32)

@@ -103,6 +103,9 @@ class GenerateOutput:
         return sum(len(r.tokens) for r in self.requests)
 
 
+_GREEDY = SamplingParams(temperature=0.0)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -160,7 +163,7 @@ def _check_inputs(target, drafter, prompts, method, budget, max_new_tokens, stop
         budget = L
     context = cfg.max_position_embeddings
     needed = 0
-    for i, (p, m) in enumerate(zip(checked, limits)):
+    for i, (p, m) in enumerate(zip(checked, limits, strict=False)):
         if len(p) + m > context:
             raise ValueError(f"prompts[{i}] ({len(p)} tokens) + max_new_tokens ({m}) exceeds the target's context "
                              f"of {context} positions (max_position_embeddings)")
@@ -180,7 +183,7 @@ def generate(
     *,
     method: str = "ddtree",
     budget: int = 64,
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(temperature=0.0),
+    sampling: SamplingParams | Sequence[SamplingParams] = _GREEDY,
     max_new_tokens: int | Sequence[int] = 64,
     stop_tokens: Sequence[int] = (),
     seed: int = 0,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from tests._reference import walk_first_child
 from tests._random_inputs import random_draft_logits
+from tests._reference import walk_first_child
 
 
 def _check_against_reference_walk(tree, samples):
@@ -24,7 +24,9 @@ def _check_against_reference_walk(tree, samples):
         n = len(path) - 1
         assert int(res.num_accepted[b]) == n and int(res.bonus[b]) == bonus
         np.testing.assert_array_equal(np.asarray(res.path[b]), path + [-1] * (L - n))
-        np.testing.assert_array_equal(np.asarray(res.committed[b]), [int(t.tokens[b, i]) for i in path[1:]] + [bonus] + [-1] * (L - n))
+        np.testing.assert_array_equal(
+            np.asarray(res.committed[b]), [int(t.tokens[b, i]) for i in path[1:]] + [bonus] + [-1] * (L - n)
+        )
     return res
 
 

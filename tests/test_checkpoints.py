@@ -49,13 +49,16 @@ def _logits(model):
     return np.asarray(forward_uncached(model, IDS)[0])
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"), "model.layers.1.self_attn.kv_b_proj.weight"),
-    (lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"), "model.layers.2.mlp.experts.5.up_proj.weight"),
-    (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}), "model.layers.0.mlp.extra.weight"),
-    (lambda t: t.update({"model.norm.weight": torch.ones(63)}), "model.norm.weight"),
-    (lambda t: t.update({"lm_head.weight": torch.ones(64, VOCAB)}), "lm_head.weight"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"), "model.layers.1.self_attn.kv_b_proj.weight"),
+        (lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"), "model.layers.2.mlp.experts.5.up_proj.weight"),
+        (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}), "model.layers.0.mlp.extra.weight"),
+        (lambda t: t.update({"model.norm.weight": torch.ones(63)}), "model.norm.weight"),
+        (lambda t: t.update({"lm_head.weight": torch.ones(64, VOCAB)}), "lm_head.weight"),
+    ],
+)
 def test_errors_name_the_tensor(tmp_path, saved, edit, message):
     _, src = saved
     _write_config(tmp_path, _rewrite(src, tmp_path, edit))
@@ -69,8 +72,10 @@ def test_sharded_index_and_mtp_layers_skipped(tmp_path, saved):
     with open(tmp_path / "model.safetensors.index.json") as f:
         files = set(json.load(f)["weight_map"].values())
     assert len(files) > 2
-    extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128),  # an MTP layer (3 >= num_hidden_layers)
-             "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(32, 64)}
+    extra = {
+        "model.layers.3.eh_proj.weight": torch.zeros(64, 128),  # an MTP layer (3 >= num_hidden_layers)
+        "model.layers.3.mlp.experts.0.up_proj.weight": torch.zeros(32, 64),
+    }
     save_file(extra, str(tmp_path / "mtp.safetensors"))
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     index["weight_map"].update({k: "mtp.safetensors" for k in extra})
@@ -85,7 +90,9 @@ def test_fused_expert_tensors_load(tmp_path, saved):
     def fuse(t):
         for layer in (1, 2):
             p = f"model.layers.{layer}.mlp.experts"
-            gate_up = [torch.cat([t.pop(f"{p}.{e}.gate_proj.weight"), t.pop(f"{p}.{e}.up_proj.weight")]) for e in range(8)]
+            gate_up = [
+                torch.cat([t.pop(f"{p}.{e}.gate_proj.weight"), t.pop(f"{p}.{e}.up_proj.weight")]) for e in range(8)
+            ]
             t[f"{p}.gate_up_proj"] = torch.stack(gate_up)
             t[f"{p}.down_proj"] = torch.stack([t.pop(f"{p}.{e}.down_proj.weight") for e in range(8)])
 
@@ -151,7 +158,7 @@ def test_fp8_checkpoint_loads_dequantised(tmp_path, saved):
         scale = np.ones((3, 2), np.float32)
         for i in range(3):
             for j in range(2):
-                scale[i, j] = np.abs(w[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16]).max() / 448.0
+                scale[i, j] = np.abs(w[i * 16 : (i + 1) * 16, j * 16 : (j + 1) * 16]).max() / 448.0
         q = torch.tensor(w / np.repeat(np.repeat(scale, 16, 0), 16, 1)[:48, :24]).to(torch.float8_e4m3fn)
         t[name], t[name + "_scale_inv"] = q, torch.tensor(scale)
         quantised["want"] = _dequantize_loops(q.to(torch.float32).numpy(), scale, (16, 16))
@@ -193,17 +200,20 @@ def test_mesh_loading_on_8_cpu_devices(saved):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(path)], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT, str(path)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert "MESH_OK" in result.stdout, result.stderr[-3000:]
 
 
 def test_architecture_decides_the_role(saved, tmp_path):
     _, path = saved
     cfg = json.loads((path / "config.json").read_text())
-    for architectures, message in ((["DFlashDraftModel"], "DFlash block drafter"),
-                                   (["LlamaForCausalLM"], "unsupported architecture"),
-                                   (None, "no 'architectures' field")):
+    for architectures, message in (
+        (["DFlashDraftModel"], "DFlash block drafter"),
+        (["LlamaForCausalLM"], "unsupported architecture"),
+        (None, "no 'architectures' field"),
+    ):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": architectures}))
         with pytest.raises(ValueError, match=message):
             load_target(str(tmp_path))

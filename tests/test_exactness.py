@@ -42,9 +42,10 @@ def make_problem(seed, budget=BUDGET):
     tree = dt.build_draft_tree(jnp.asarray(draft), budget)
     depth = np.asarray(tree.depth[0])
     # The target at a node of depth d resembles the drafter at depth d + 1 (plus noise).
-    target = np.where(
-        (depth < L)[:, None], draft[0][np.minimum(depth, L - 1)], 0.0
-    ) + rng.standard_normal((budget + 1, V)) * 0.7
+    target = (
+        np.where((depth < L)[:, None], draft[0][np.minimum(depth, L - 1)], 0.0)
+        + rng.standard_normal((budget + 1, V)) * 0.7
+    )
     return tree, target.astype(np.float32)
 
 
@@ -69,7 +70,7 @@ def law_pvalue(committed: np.ndarray, law: dict) -> float:
         return 0.0
     index = {k: i for i, k in enumerate(keys)}
     observed = np.zeros(len(keys))
-    for c, k in zip(codes, counts):
+    for c, k in zip(codes, counts, strict=False):
         observed[index[c]] = k
     return chisquare_pvalue(observed, probs * n)
 
@@ -86,7 +87,9 @@ def draw(tree, target, params, key, n=N_SAMPLES, impl="auto"):
     return dt.accept_path(tile(tree, n), samples, impl=impl), node_logits
 
 
-@pytest.mark.parametrize("cfg_index", range(len(CONFIGS)), ids=lambda i: "T{temperature}-k{top_k}-p{top_p}-m{min_p}".format(**CONFIGS[i]))
+@pytest.mark.parametrize(
+    "cfg_index", range(len(CONFIGS)), ids=lambda i: "T{temperature}-k{top_k}-p{top_p}-m{min_p}".format(**CONFIGS[i])
+)
 def test_committed_law_is_exact(cfg_index):
     params = CONFIGS[cfg_index]
     tree, target = make_problem(100 + cfg_index)
@@ -97,8 +100,11 @@ def test_committed_law_is_exact(cfg_index):
     assert p > PASS_P, f"chi-square p = {p:.3g} for {params}"
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0, top_k=3, top_p=0.8, min_p=0.1), dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.3)],
-                         ids=["k3-p0.8", "T0.7-m0.3"])
+@pytest.mark.parametrize(
+    "params",
+    [dict(temperature=1.0, top_k=3, top_p=0.8, min_p=0.1), dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.3)],
+    ids=["k3-p0.8", "T0.7-m0.3"],
+)
 def test_committed_law_is_exact_with_the_kernels(params):
     """The Pallas sampler and walk (interpret mode here) through the same test: N = 5,000 rounds
     of a 5-node tree (interpret mode runs each row as a program, hence the smaller N), two

@@ -8,6 +8,7 @@ max_new_tokens 12 unless a test needs otherwise.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 import ddtree_jax as dt
 from ddtree_jax.generate import generate
 from ddtree_jax.testing import BigramOracleDrafter, make_bigram
@@ -93,7 +94,9 @@ def test_sampling_law_of_the_first_two_tokens():
     drafter = tiny_dflash(target, 4, mask_token_id=LAW_VOCAB - 1)
     prompt = [1, 5, 2]
     params = [dt.SamplingParams(**s) for s in LAW_SETTINGS for _ in range(LAW_N)]
-    out = generate(target, drafter, [prompt] * len(params), method="ddtree", budget=6, sampling=params, max_new_tokens=2, seed=11)
+    out = generate(
+        target, drafter, [prompt] * len(params), method="ddtree", budget=6, sampling=params, max_new_tokens=2, seed=11
+    )
     tokens = np.array(out.tokens)
     assert out.mean_tau > 1.1, "drafts must be accepted for the test to mean something"
     for i, s in enumerate(LAW_SETTINGS):
@@ -108,10 +111,34 @@ def test_sampling_law_of_the_first_two_tokens():
 def test_seeded_request_does_not_depend_on_the_batch(models):
     p = dt.SamplingParams(temperature=1.0, seed=99)
     others = [dt.SamplingParams(temperature=0.5, seed=1), dt.SamplingParams(top_k=3)]
-    mixed = generate(*models, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], sampling=[others[0], p, others[1]], method="ddtree", budget=6, seed=5, **SHAPES)
-    shuffled = generate(*models, [PROMPTS[0], PROMPTS[2], PROMPTS[1]], sampling=[p, others[1], others[0]], method="ddtree", budget=6, seed=5, **SHAPES)
+    mixed = generate(
+        *models,
+        [PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+        sampling=[others[0], p, others[1]],
+        method="ddtree",
+        budget=6,
+        seed=5,
+        **SHAPES,
+    )
+    shuffled = generate(
+        *models,
+        [PROMPTS[0], PROMPTS[2], PROMPTS[1]],
+        sampling=[p, others[1], others[0]],
+        method="ddtree",
+        budget=6,
+        seed=5,
+        **SHAPES,
+    )
     assert mixed.tokens[1] == shuffled.tokens[0]
-    alone = generate(*models, [PROMPTS[0]] * 3, sampling=[p, dt.SamplingParams(temperature=0.0), p], method="ddtree", budget=6, seed=5, **SHAPES)
+    alone = generate(
+        *models,
+        [PROMPTS[0]] * 3,
+        sampling=[p, dt.SamplingParams(temperature=0.0), p],
+        method="ddtree",
+        budget=6,
+        seed=5,
+        **SHAPES,
+    )
     assert alone.tokens[0] == alone.tokens[2] == mixed.tokens[1]
 
 
@@ -134,16 +161,32 @@ def test_stop_tokens(models, greedy_ar):
 
 @pytest.mark.parametrize(
     "sampling",
-    [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0),
-     dt.SamplingParams(temperature=0.8, top_k=20, seed=4)],
+    [
+        dt.SamplingParams(temperature=0.0),
+        dt.SamplingParams(temperature=1.0),
+        dt.SamplingParams(temperature=0.8, top_k=20, seed=4),
+    ],
     ids=["greedy", "unseeded", "seeded"],
 )
 def test_compaction_changes_nothing_but_the_work(models, sampling):
     """Requests 0 and 1 have a limit of 1 token and finish in round one, whatever they sample;
     request 2 then runs alone in a batch of one. Outputs equal those of the uncompacted run."""
     limits = [1, 1, SHAPES["max_new_tokens"]]
-    runs = [generate(*models, PROMPTS, method="ddtree", budget=6, sampling=sampling, sync_every=1, compact=c, seed=8,
-                     max_len=SHAPES["max_len"], max_new_tokens=limits) for c in (False, True)]
+    runs = [
+        generate(
+            *models,
+            PROMPTS,
+            method="ddtree",
+            budget=6,
+            sampling=sampling,
+            sync_every=1,
+            compact=c,
+            seed=8,
+            max_len=SHAPES["max_len"],
+            max_new_tokens=limits,
+        )
+        for c in (False, True)
+    ]
     assert runs[0].tokens == runs[1].tokens
     assert [len(t) for t in runs[1].tokens] == limits
     assert [r.acceptance_lengths for r in runs[0].requests] == [r.acceptance_lengths for r in runs[1].requests]
@@ -180,8 +223,9 @@ def test_non_finite_logits_fail_only_that_request():
     poison = next(t for t in range(10, 128) if t not in clean.tokens[0])
     emb = target.model.embed_tokens.weight
     emb[...] = emb[...].at[poison].set(jnp.nan)
-    out = generate(target, drafter, [[1, 2, poison], [3, 4, 5]], method="ddtree", budget=6, max_new_tokens=5,
-                   max_len=64)
+    out = generate(
+        target, drafter, [[1, 2, poison], [3, 4, 5]], method="ddtree", budget=6, max_new_tokens=5, max_len=64
+    )
     assert out.requests[0].finish_reason.startswith("error") and out.requests[0].tokens == []
     assert out.requests[1].finish_reason == "length" and out.requests[1].tokens == clean.tokens[0]
 

@@ -13,7 +13,16 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from ddtree_jax.checkpoints import load_target, save_checkpoint
 from ddtree_jax.models import KimiConfig
 from tests._model_fixtures import (
-    VOCAB, commit, forward_uncached, path_to, prefill, random_tree, tiny_kimi, tiny_kimi_config, verify)
+    VOCAB,
+    commit,
+    forward_uncached,
+    path_to,
+    prefill,
+    random_tree,
+    tiny_kimi,
+    tiny_kimi_config,
+    verify,
+)
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 1.0}
@@ -56,7 +65,7 @@ def test_parity_with_transformers(tmp_path, q_lora_rank, n_group, topk_group, ya
     want = out.logits.numpy()
     chex.assert_shape(logits, want.shape)
     assert np.abs(np.asarray(logits) - want).max() / np.abs(want).max() < 1e-4
-    for layer, h in zip((0, 1), hidden):  # HF convention: hidden_states[layer + 1]
+    for layer, h in zip((0, 1), hidden, strict=False):  # HF convention: hidden_states[layer + 1]
         want_h = out.hidden_states[layer + 1].numpy()
         assert np.abs(np.asarray(h) - want_h).max() / np.abs(want_h).max() < 1e-4
 

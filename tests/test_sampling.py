@@ -194,7 +194,11 @@ def test_raw_and_per_row_keys():
 
 @pytest.mark.parametrize(
     "shape,dtype,match",
-    [((3, 4), jnp.float32, r"\[B, M, V\]"), ((1, 2, 3, 4), jnp.float32, r"\[B, M, V\]"), ((1, 2, 3), jnp.int32, "floating")],
+    [
+        ((3, 4), jnp.float32, r"\[B, M, V\]"),
+        ((1, 2, 3, 4), jnp.float32, r"\[B, M, V\]"),
+        ((1, 2, 3), jnp.int32, "floating"),
+    ],
 )
 def test_sample_tree_nodes_bad_inputs(shape, dtype, match):
     with pytest.raises(ValueError, match=match):

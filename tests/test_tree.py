@@ -15,7 +15,9 @@ def _cases():
     rng = np.random.default_rng(1234)
     cases = [(3, 1, 2, 1), (2, 2, 2, 10), (2, 3, 3, 64), (2, 16, 7, 5), (2, 4, 5000, 512), (4, 15, 300, 256)]
     for _ in range(8):
-        cases.append((int(rng.integers(2, 5)), int(rng.integers(1, 17)), int(rng.integers(2, 5001)), int(rng.integers(1, 513))))
+        cases.append(
+            (int(rng.integers(2, 5)), int(rng.integers(1, 17)), int(rng.integers(2, 5001)), int(rng.integers(1, 513)))
+        )
     return cases
 
 
@@ -25,7 +27,9 @@ def test_matches_heapq_builder(B, L, V, budget):
     tree = dt.build_draft_tree(jnp.asarray(logits), budget)
     logq = np.asarray(dt.draft_logprobs(jnp.asarray(logits)))
     M = budget + 1
-    chex.assert_shape([tree.tokens, tree.parents, tree.depth, tree.score, tree.first_child, tree.next_sibling, tree.valid], (B, M))
+    chex.assert_shape(
+        [tree.tokens, tree.parents, tree.depth, tree.score, tree.first_child, tree.next_sibling, tree.valid], (B, M)
+    )
     chex.assert_shape(tree.ancestor_mask, (B, M, M))
     chex.assert_type([tree.tokens, tree.parents, tree.depth], jnp.int32)
     for b in range(B):
@@ -36,7 +40,7 @@ def test_matches_heapq_builder(B, L, V, budget):
         np.testing.assert_array_equal(np.asarray(tree.parents[b, :n]), ref["parents"])
         np.testing.assert_array_equal(np.asarray(tree.depth[b, :n]), ref["depth"])
         np.testing.assert_array_equal(np.asarray(tree.score[b, :n]), ref["score"])
-        check_invariants(jax.tree.map(lambda a: np.asarray(a[b]), tree), logq[b])
+        check_invariants(jax.tree.map(lambda a, b=b: np.asarray(a[b]), tree), logq[b])
 
 
 def check_invariants(t, logq):
@@ -92,7 +96,7 @@ def test_tree_smaller_than_budget(L, V, budget):
     assert (np.asarray(tree.valid).sum(axis=1) == 1 + min(budget, possible)).all()
     logq = np.asarray(dt.draft_logprobs(jnp.asarray(logits)))
     for b in range(2):
-        check_invariants(jax.tree.map(lambda a: np.asarray(a[b]), tree), logq[b])
+        check_invariants(jax.tree.map(lambda a, b=b: np.asarray(a[b]), tree), logq[b])
 
 
 def test_masked_vocabulary_is_never_drafted():
@@ -101,7 +105,7 @@ def test_masked_vocabulary_is_never_drafted():
     tree = dt.build_draft_tree(jnp.asarray(logits), 400)
     logq = np.asarray(dt.draft_logprobs(jnp.asarray(logits)))
     for b in range(3):
-        t = jax.tree.map(lambda a: np.asarray(a[b]), tree)
+        t = jax.tree.map(lambda a, b=b: np.asarray(a[b]), tree)
         ref = heapq_draft_tree(logq[b], 400)
         assert int(t.valid.sum()) == len(ref["tokens"]) < 401
         assert np.isfinite(logq[b][t.depth[1 : t.valid.sum()] - 1, t.tokens[1 : t.valid.sum()]]).all()
@@ -149,7 +153,7 @@ def test_chain_tree():
     assert tree.draft_len == 6
     np.testing.assert_array_equal(np.asarray(tree.tokens[:, 1:]), logq.argmax(-1))
     for b in range(3):
-        t = jax.tree.map(lambda a: np.asarray(a[b]), tree)
+        t = jax.tree.map(lambda a, b=b: np.asarray(a[b]), tree)
         np.testing.assert_array_equal(t.parents, np.arange(7) - 1)
         check_invariants(t, logq[b])
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from tests._reference import walk_first_child
 from tests._random_inputs import random_draft_logits
+from tests._reference import walk_first_child
 
 
 def _samples(tree, V, rng, p_follow):
@@ -23,7 +23,9 @@ def _samples(tree, V, rng, p_follow):
 
 
 # (2, 4, 37, 21) and (2, 3, 5, 100) are shapes the builder tests also build (shared compiles).
-@pytest.mark.parametrize("B,L,V,budget,seed", [(2, 4, 37, 21, 0), (2, 6, 11, 50, 1), (2, 3, 5, 100, 2), (1, 1, 7, 3, 3)])
+@pytest.mark.parametrize(
+    "B,L,V,budget,seed", [(2, 4, 37, 21, 0), (2, 6, 11, 50, 1), (2, 3, 5, 100, 2), (1, 1, 7, 3, 3)]
+)
 def test_walk_matches_reference(B, L, V, budget, seed):
     rng = np.random.default_rng(seed)
     tree = dt.build_draft_tree(jnp.asarray(random_draft_logits(seed, B, L, V)), budget, impl="reference")
@@ -36,7 +38,9 @@ def test_walk_matches_reference(B, L, V, budget, seed):
         for f in ("path", "num_accepted", "bonus", "committed"):
             np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
         for b in range(B):  # and the first-child/next-sibling numpy walk
-            path, bonus = walk_first_child(np.asarray(tree.tokens[b]), np.asarray(tree.first_child[b]), np.asarray(tree.next_sibling[b]), smp[b])
+            path, bonus = walk_first_child(
+                np.asarray(tree.tokens[b]), np.asarray(tree.first_child[b]), np.asarray(tree.next_sibling[b]), smp[b]
+            )
             n = len(path)
             assert list(np.asarray(ker.path[b, :n])) == path and int(ker.bonus[b]) == bonus
 

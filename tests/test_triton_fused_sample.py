@@ -15,15 +15,24 @@ from scipy import stats
 
 import ddtree_jax as dt
 from ddtree_jax.sampling import SamplingBatch, target_logprobs
-from pallas_kernels.triton.fused_sample import PATH_CANDIDATES, PATH_SLOW, PATH_TEMPERATURE, fused_sample, fused_sample_debug
+from pallas_kernels.triton.fused_sample import (
+    PATH_CANDIDATES,
+    PATH_SLOW,
+    PATH_TEMPERATURE,
+    fused_sample,
+    fused_sample_debug,
+)
 
 
 def _batch(temp, topk, topp, minp):
     R = len(temp)
     return SamplingBatch(
-        jnp.asarray(np.asarray(temp, np.float32)), jnp.asarray(np.asarray(topk, np.int32)),
-        jnp.asarray(np.asarray(topp, np.float32)), jnp.asarray(np.asarray(minp, np.float32)),
-        jnp.zeros(R, jnp.uint32), jnp.zeros(R, bool),
+        jnp.asarray(np.asarray(temp, np.float32)),
+        jnp.asarray(np.asarray(topk, np.int32)),
+        jnp.asarray(np.asarray(topp, np.float32)),
+        jnp.asarray(np.asarray(minp, np.float32)),
+        jnp.zeros(R, jnp.uint32),
+        jnp.zeros(R, bool),
     )
 
 
@@ -32,7 +41,9 @@ def _seeds(R, s):
 
 
 def _run(x, pb, seeds, tile, **kw):
-    out = fused_sample_debug(jnp.asarray(x), pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds, interpret=True, tile=tile, **kw)
+    out = fused_sample_debug(
+        jnp.asarray(x), pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds, interpret=True, tile=tile, **kw
+    )
     return jax.tree.map(np.asarray, out)
 
 
@@ -45,7 +56,10 @@ def _kept_from_thresholds(x_row, T, out, r):
     return kept, band
 
 
-@pytest.mark.parametrize("V,tile,dtype,compact", [(37, 64, np.float32, "loop"), (700, 128, jnp.bfloat16, "loop"), (700, 128, jnp.bfloat16, "scatter")])
+@pytest.mark.parametrize(
+    "V,tile,dtype,compact",
+    [(37, 64, np.float32, "loop"), (700, 128, jnp.bfloat16, "loop"), (700, 128, jnp.bfloat16, "scatter")],
+)
 def test_kept_set_greedy_and_support(V, tile, dtype, compact):
     rng = np.random.default_rng(V)
     R = 24
@@ -58,7 +72,9 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact):
     topp = np.array([1, 1, 1, 0.9, 0.8, 0.6, 1, 0.95, 0.5, 1, 0.9, 0.7] * 2, np.float32)
     minp = np.array([0, 0.05, 0, 0, 0.1, 0] * 4, np.float32)
     pb = _batch(temp, topk, topp, minp)
-    out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **({} if compact == "loop" else dict(compact=compact)))
+    out = _run(
+        jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **({} if compact == "loop" else dict(compact=compact))
+    )
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
     assert {PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW} <= set(out["path"].tolist())
     if compact != "loop":  # the two ways of listing candidate chunks give identical outputs
@@ -86,7 +102,11 @@ def test_invalid_rows_and_mixed_batch():
     x[6, :] = np.nan
     cfg = [[0.7, 0, 1.0, 0, 0.9, 1.2], [0, 0, 5, 0, 5, 0], [1, 1, 0.9, 1, 0.9, 0.5], [0, 0, 0, 0, 0, 0.1]]
     pb = _batch(*[c * 4 for c in cfg])
-    tok = np.asarray(fused_sample(jnp.asarray(x), pb.temperature, pb.top_k, pb.top_p, pb.min_p, _seeds(24, 1), interpret=True, tile=64))
+    tok = np.asarray(
+        fused_sample(
+            jnp.asarray(x), pb.temperature, pb.top_k, pb.top_p, pb.min_p, _seeds(24, 1), interpret=True, tile=64
+        )
+    )
     assert tok[[0, 1, 2, 6]].tolist() == [-1, -1, -1, -1]
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
     for r in range(24):
@@ -109,11 +129,26 @@ def test_chi_square_law(T, k, p, m):
     rng = np.random.default_rng(7)
     base = rng.standard_normal(V).astype(np.float32) * 1.5
     pb = _batch([T] * n, [k] * n, [p] * n, [m] * n)
-    tok = np.asarray(fused_sample(jnp.broadcast_to(jnp.asarray(base), (n, V)), pb.temperature, pb.top_k, pb.top_p, pb.min_p, _seeds(n, 3), interpret=True, tile=64))
+    tok = np.asarray(
+        fused_sample(
+            jnp.broadcast_to(jnp.asarray(base), (n, V)),
+            pb.temperature,
+            pb.top_k,
+            pb.top_p,
+            pb.min_p,
+            _seeds(n, 3),
+            interpret=True,
+            tile=64,
+        )
+    )
     counts = np.bincount(tok, minlength=V)
 
     def law(T_):
-        return np.exp(np.asarray(target_logprobs(jnp.asarray(base)[None, None], _batch([T_], [k], [p], [m])))[0, 0].astype(np.float64))
+        return np.exp(
+            np.asarray(target_logprobs(jnp.asarray(base)[None, None], _batch([T_], [k], [p], [m])))[0, 0].astype(
+                np.float64
+            )
+        )
 
     prob = law(T)
     sup = prob > 0
@@ -131,8 +166,11 @@ def test_sample_tree_nodes_dispatch():
     request draws the same tokens whatever else shares the batch."""
     rng = np.random.default_rng(4)
     logits = jnp.asarray(rng.standard_normal((3, 5, 90)).astype(np.float32))
-    sp = [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.8, top_k=7, seed=5),
-          dt.SamplingParams(temperature=1.1, top_p=0.8, seed=9)]
+    sp = [
+        dt.SamplingParams(temperature=0.0),
+        dt.SamplingParams(temperature=0.8, top_k=7, seed=5),
+        dt.SamplingParams(temperature=1.1, top_p=0.8, seed=9),
+    ]
     key = jax.random.key(0)
     ker = np.asarray(dt.sample_tree_nodes(logits, sp, key, impl="pallas"))
     ref = np.asarray(dt.sample_tree_nodes(logits, sp, key, impl="reference"))

@@ -75,7 +75,7 @@ class KimiConfig:
         return layer >= self.first_k_dense_replace
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "KimiConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> KimiConfig:
         """Read an HF ``config.json`` dict (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
         def unsupported(field, ok):
             if field in d and d[field] not in ok:
@@ -99,7 +99,7 @@ class KimiConfig:
         return cls(**kwargs, rope_theta=theta, rope_scaling=yarn)
 
     @classmethod
-    def from_json(cls, path: str) -> "KimiConfig":
+    def from_json(cls, path: str) -> KimiConfig:
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
 

@@ -37,9 +37,12 @@ __all__ = ["build_tree", "supports"]
 _BIG = 2**30
 
 
-def _builder_kernel(lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, val_ref, *, L, K, M, Mp, N,
-                    pbits, rbits):
-    """One request's pop loop (see the module doc). The frontier entry carries ``ordslot = order * Mp + slot`` (orders are unique among live
+def _builder_kernel(
+    lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, val_ref, *, L, K, M, Mp, N, pbits, rbits
+):
+    """One request's pop loop (see the module doc).
+
+    The frontier entry carries ``ordslot = order * Mp + slot`` (orders are unique among live
     entries, so one min gives both the FIFO tie-break and the slot), the packed ints
     ``metaA = parent | depth << pbits`` and ``metaB = rank | (prev + 1) << rbits`` and its parent's
     score; the popped score is the max itself; token, sibling and child log-probs are scalar loads
@@ -114,21 +117,43 @@ def _builder_kernel(lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, 
         )
         f = dict(f, live=f["live"] & ~onehot)
         sib_ok = ok & (r + 1 < K) & (sib_lq > -jnp.inf)
-        f = push(f, slot, sib_ok, score=score_p + sib_lq, ordslot=counter * Mp + slot,
-                 metaA=A, metaB=r1 | ((i + 1) << rbits), pscore=score_p)
+        f = push(
+            f,
+            slot,
+            sib_ok,
+            score=score_p + sib_lq,
+            ordslot=counter * Mp + slot,
+            metaA=A,
+            metaB=r1 | ((i + 1) << rbits),
+            pscore=score_p,
+        )
         counter = counter + sib_ok.astype(jnp.int32)
         child_ok = ok & (d < L) & (child_lq > -jnp.inf)
         cslot = jnp.where(sib_ok, fresh, slot)
-        f = push(f, cslot, child_ok, score=s + child_lq, ordslot=counter * Mp + cslot,
-                 metaA=i | ((d + 1) << pbits), metaB=zi, pscore=s)
+        f = push(
+            f,
+            cslot,
+            child_ok,
+            score=s + child_lq,
+            ordslot=counter * Mp + cslot,
+            metaA=i | ((d + 1) << pbits),
+            metaB=zi,
+            pscore=s,
+        )
         counter = counter + child_ok.astype(jnp.int32)
         fresh = fresh + (sib_ok & child_ok).astype(jnp.int32)
         return f, nd, counter, fresh
 
     _, nd, _, _ = jax.lax.fori_loop(1, N + 1, pop, (f, nd, zi + 1, zi + 1))
     inb = iota < M
-    for ref, key in ((tok_ref, "tokens"), (par_ref, "parents"), (dep_ref, "depth"), (sc_ref, "score"),
-                     (fc_ref, "first_child"), (ns_ref, "next_sibling")):
+    for ref, key in (
+        (tok_ref, "tokens"),
+        (par_ref, "parents"),
+        (dep_ref, "depth"),
+        (sc_ref, "score"),
+        (fc_ref, "first_child"),
+        (ns_ref, "next_sibling"),
+    ):
         plgpu.store(ref.at[b, pl.ds(0, Mp)], nd[key], mask=inb)
     plgpu.store(val_ref.at[b, pl.ds(0, Mp)], nd["valid"].astype(jnp.int32), mask=inb)
 
@@ -138,7 +163,8 @@ def _bits(n: int) -> int:
 
 
 def supports(budget: int, draft_len: int, k: int) -> bool:
-    """Whether the packed frontier fields fit int32 for this size (any budget up to ~20,000)."""
+    """Whether the packed frontier fields fit int32 for this size (budgets up to 16,383); larger trees
+    fall back to the reference build (``ddtree_jax.tree``)."""
     M, Mp = budget + 1, pl.next_power_of_2(budget + 1)
     return _bits(M - 1) + _bits(draft_len) <= 31 and _bits(k - 1) + _bits(M) <= 31 and (2 * budget + 2) * Mp < _BIG
 
@@ -170,8 +196,15 @@ def build_tree(top_lq: jax.Array, top_ids: jax.Array, *, budget: int, interpret:
         grid=(B,),
         in_specs=[spec] * 2,
         out_specs=[spec] * 7,
-        out_shape=[sd((B, M), i32), sd((B, M), i32), sd((B, M), i32), sd((B, M), jnp.float32),
-                   sd((B, M), i32), sd((B, M), i32), sd((B, M), i32)],
+        out_shape=[
+            sd((B, M), i32),
+            sd((B, M), i32),
+            sd((B, M), i32),
+            sd((B, M), jnp.float32),
+            sd((B, M), i32),
+            sd((B, M), i32),
+            sd((B, M), i32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_build_tree",
