@@ -23,10 +23,18 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from ddtree_jax.models._layers import Embed, GatedMLP, Linear, RMSNorm, masked_softmax, normal_init, silu_glu, write_rows
+from ddtree_jax.models._layers import (
+    Embed,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    masked_softmax,
+    normal_init,
+    silu_glu,
+    write_rows,
+)
 from ddtree_jax.models.kimi_config import KimiConfig
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import block_attention_mask, causal_block_mask, commit_accepted, tree_block_mask
@@ -249,7 +257,12 @@ class KimiForCausalLM(nnx.Module):
         return self.forward_uncached(input_ids)[0]
 
     def forward_uncached(self, input_ids, *, hidden_layer_ids: tuple[int, ...] = (), dense_experts=False):
-        """Causal forward without a cache: ``(logits [B,T,V], hidden tuple of [B,T,H])``."""
+        """Causal forward without a cache: ``(logits [B,T,V], hidden tuple of [B,T,H])``.
+
+        ``hidden`` holds, for each id in ``hidden_layer_ids``, transformers'
+        ``hidden_states[id + 1]``: the output of layer ``id``, except that the LAST layer's entry is
+        after the final norm (transformers returns the normed final state as its last entry).
+        The same holds for ``prefill`` and ``verify``."""
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         mask = causal_block_mask(b, t)
@@ -271,9 +284,9 @@ class KimiForCausalLM(nnx.Module):
 
         ``input_ids [B,T]`` right-padded, ``lengths [B]`` valid tokens per row (0 leaves a row
         untouched). Needs ``cache.lengths + T <= max_len``. Returns ``(logits [B,T,V] float32,
-        hidden tuple of [B,T,H] after each requested layer, cache)``; the lengths advance by
-        ``lengths``. Outputs at padded positions are meaningless. ``dense_experts`` runs the dense
-        reference MoE (benchmarks).
+        hidden tuple of [B,T,H] after each requested layer (see ``forward_uncached``), cache)``;
+        the lengths advance by ``lengths``. Outputs at padded positions are meaningless.
+        ``dense_experts`` runs the dense reference MoE (benchmarks).
         """
         b, t = input_ids.shape
         chex.assert_shape(lengths, (b,))
@@ -296,7 +309,8 @@ class KimiForCausalLM(nnx.Module):
         b, t = tokens.shape
         chex.assert_shape([depths, ancestor_mask], [(b, t), (b, t, t)])
         positions = cache.lengths[:, None] + depths
-        return self._run_cached(tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids, dense_experts)
+        return self._run_cached(tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids,
+                                dense_experts)
 
     @staticmethod
     def commit(cache: KVCache, accepted: jax.Array, counts: jax.Array) -> KVCache:
@@ -336,5 +350,8 @@ class KimiForCausalLM(nnx.Module):
             x, layer_cache = layer(x, cos, sin, mask, layer_cache, start, dense_experts=dense_experts)
             rows.append(layer_cache)
             hidden[i] = x
-        logits = self.lm_logits(self.model.norm(x))
+        # transformers' ``hidden_states[i + 1]`` convention: the last entry is the NORMED output
+        # (DFlash's ``extract_context_feature`` reads it that way for a last-layer target id).
+        hidden[cfg.num_hidden_layers - 1] = normed = self.model.norm(x)
+        logits = self.lm_logits(normed)
         return logits, tuple(hidden[i] for i in hidden_layer_ids), rows
