@@ -19,7 +19,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ddtree_jax.checkpoints import load_target
 from ddtree_jax.models import DFlashConfig
-from tests._model_fixtures import VOCAB, forward_uncached, prefill, tiny_dflash, tiny_kimi
+from tests._model_fixtures import VOCAB, forward_uncached, prefill, tiny_dflash, tiny_dflash_config, tiny_kimi
 from tests.test_kimi import hf_model
 
 draft_uncached = nnx.jit(lambda drafter, target, ctx, last: drafter(target, ctx, last))
@@ -127,7 +127,7 @@ def test_last_layer_features_are_transformers_hidden_states(tmp_path):
     _, hidden = forward_uncached(target, jnp.asarray(ids.numpy()), hidden_layer_ids=layer_ids)
     _, cached, _ = prefill(target, jnp.asarray(ids.numpy()), jnp.asarray([11, 11]), target.init_cache(2, 16),
                            hidden_layer_ids=layer_ids)
-    for got_u, got_c, w in zip(hidden, cached, want):
+    for got_u, got_c, w in zip(hidden, cached, want, strict=True):
         assert rel_err(got_u, w) < 1e-5 and rel_err(got_c, w) < 1e-5
     torch.testing.assert_close(ref.model.norm(raw[0]), hs[-1])
     drafter = tiny_dflash(target, target_layer_ids=layer_ids)
@@ -138,3 +138,94 @@ def test_last_layer_features_are_transformers_hidden_states(tmp_path):
     # conditioning on the pre-norm output instead (the old behaviour) is visibly different
     pre_norm = np.concatenate([want[0], raw[0].detach().numpy()], axis=-1)
     assert rel_err(draft_uncached(drafter, target, jnp.asarray(pre_norm), last_tok), expect) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_kimi(5)
+
+
+def _check_against_numpy(drafter, target, visible, cos, sin, seed):
+    """Uncached and cached (context appended in two chunks) drafts vs the numpy drafter."""
+    rng = np.random.default_rng(seed)
+    c = visible.shape[-1] - drafter.config.block_size
+    ctx = rng.normal(size=(c, len(drafter.config.target_layer_ids) * target.config.hidden_size)).astype(np.float32)
+    last = int(rng.integers(0, VOCAB - 1))
+    want = numpy_drafter_logits(drafter, target, ctx, last, cos, sin, visible)
+    got = draft_uncached(drafter, target, jnp.asarray(ctx)[None], jnp.asarray([last]))[0]
+    cache = drafter.init_cache(1, c + 4)
+    for lo, hi in ((0, c // 2), (c // 2, c)):
+        chunk = np.zeros((1, 4 + c // 2, ctx.shape[1]), np.float32)  # junk past the valid rows
+        chunk[0, : hi - lo] = ctx[lo:hi]
+        cache = append(drafter, cache, jnp.asarray(chunk), jnp.asarray([hi - lo]))
+    cached = propose(drafter, target, cache, jnp.asarray([last]))[0]
+    return rel_err(got, want), rel_err(cached, want), want
+
+
+# ---- 2. sliding-window drafter layers ----
+
+
+@pytest.mark.parametrize("layer_types,window,is_causal", [
+    (("sliding_attention", "sliding_attention"), 4, None),
+    (("sliding_attention", "full_attention"), 3, None),
+    (("full_attention", "sliding_attention"), 6, False),
+    (("sliding_attention", "sliding_attention"), 4, True),  # explicit is_causal: the causal band
+    (("full_attention", "full_attention"), None, True),
+])
+def test_sliding_window_layers_are_a_symmetric_band(target, layer_types, window, is_causal):
+    """Block queries see ``|q_pos - k_pos| < window`` of ``[context ; block]`` in sliding layers,
+    everything in full ones; non-causal unless ``is_causal`` is set (hand-built masks)."""
+    drafter = tiny_dflash(target, layer_types=layer_types, sliding_window=window, is_causal=is_causal)
+    cfg = drafter.config
+    c, bs = 9, cfg.block_size
+    visible = np.stack([band_mask(c, bs, window if t == "sliding_attention" else None, causal=bool(is_causal))
+                        for t in layer_types])
+    cos, sin = default_tables(np.arange(c + bs), cfg.head_dim, cfg.rope_theta)
+    uncached, cached, want = _check_against_numpy(drafter, target, visible, cos, sin, seed=len(layer_types) + c)
+    assert uncached < 1e-5 and cached < 1e-5, (uncached, cached)
+    if window is not None and not is_causal:  # the causal band (the port's old default) is far off
+        causal = np.stack([band_mask(c, bs, window if t == "sliding_attention" else None, causal=True)
+                           for t in layer_types])
+        rng = np.random.default_rng(len(layer_types) + c)
+        ctx = rng.normal(size=(c, 2 * target.config.hidden_size)).astype(np.float32)
+        other = numpy_drafter_logits(drafter, target, ctx, int(rng.integers(0, VOCAB - 1)), cos, sin, causal)
+        assert rel_err(other, want) > 1e-2
+
+
+# ---- 3. RoPE scaling ----
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0,
+     "mscale": 0.9, "mscale_all_dim": 0.7},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 24, "attention_factor": 1.25,
+     "truncate": False},
+], ids=["linear", "yarn", "yarn-mscale", "yarn-attention-factor"])
+def test_rope_scaling_matches_transformers_qwen3(target, rope):
+    """A drafter whose ``config.json`` names linear/yarn RoPE loads, and drafts what a drafter
+    with transformers' Qwen3 RoPE tables (its ``inv_freq`` and ``attention_scaling``) drafts."""
+    base = tiny_dflash_config(target.config).to_hf_dict() | {"max_position_embeddings": 128, "rope_theta": 1e4}
+    for key in ("rope_scaling", "rope_parameters"):  # transformers 4.x and 5.x spellings
+        cfg = DFlashConfig.from_hf_dict(base | {key: dict(rope)})
+        assert DFlashConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    drafter = tiny_dflash(target, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                          max_position_embeddings=cfg.max_position_embeddings)
+    hf = Qwen3Config(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                     max_position_embeddings=128, rope_parameters={**rope, "rope_theta": 1e4})
+    emb = Qwen3RotaryEmbedding(hf)
+    inv_freq, scale = emb.inv_freq.double().numpy(), float(emb.attention_scaling)
+    np.testing.assert_allclose(cfg.rope_tables()[0], inv_freq, rtol=1e-6)
+    assert cfg.rope_tables()[1] == pytest.approx(scale, rel=1e-12)
+    c, bs = 21, drafter.config.block_size
+    ang = np.concatenate([np.outer(np.arange(c + bs), inv_freq)] * 2, axis=-1)
+    visible = np.ones((2, bs, c + bs), bool)
+    uncached, cached, want = _check_against_numpy(drafter, target, visible, np.cos(ang) * scale,
+                                                  np.sin(ang) * scale, seed=c)
+    assert uncached < 1e-5 and cached < 1e-5, (uncached, cached)
+    cos0, sin0 = default_tables(np.arange(c + bs), 16, 1e4)
+    rng = np.random.default_rng(c)
+    ctx = rng.normal(size=(c, 2 * target.config.hidden_size)).astype(np.float32)
+    unscaled = numpy_drafter_logits(drafter, target, ctx, int(rng.integers(0, VOCAB - 1)), cos0, sin0, visible)
+    assert rel_err(unscaled, want) > 1e-3  # the scaling matters at these positions

@@ -6,8 +6,12 @@ embedded with the TARGET's embedding; output: logits at depths ``1 .. block_size
 target's LM head (after the drafter's own final norm). Conditioning: the target's hidden states
 after ``target_layer_ids`` (concatenated on features) go through ``fc`` + ``hidden_norm``; in every
 layer the keys/values are ``[proj(context) ; proj(block)]`` and the queries come from the block
-only; attention is non-causal (upstream makes sliding-window layers causal unless the config
-sets ``is_causal``; so do we). The projected context K/V are cached per layer
+only; attention is non-causal, as in the reference. A ``sliding_attention`` layer with a window
+``w`` sees the symmetric band ``|query position - key position| < w`` of ``[context ; block]``
+(the reference's flash-attention behaviour); ``is_causal=True`` in the config also hides later
+positions (see ``DFlashConfig``). RoPE is Qwen3's: default, linear or yarn (yarn's attention
+factor multiplies cos and sin, so scores scale by its square), the same tables for the context
+keys and the block queries/keys. The projected context K/V are cached per layer
 (``DraftCache``) and grow only by accepted tokens.
 
 The target is passed to the calls that need it: any object with ``embed(tokens) -> [..., H]``
@@ -130,7 +134,7 @@ class DFlashDrafter(nnx.Module):
     def _context_kv(self, target_hidden: jax.Array, positions: jax.Array):
         """``[B,A,n*H]`` target features at ``positions [B,A]`` -> per-layer ``(k, v)`` lists."""
         features = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = rope_cos_sin(positions, self.config.rope_inv_freq())
+        cos, sin = rope_cos_sin(positions, *self.config.rope_tables())
         kvs = [layer.self_attn.kv(features, cos, sin) for layer in self.layers]
         return [k for k, _ in kvs], [v for _, v in kvs]
 
@@ -159,7 +163,7 @@ class DFlashDrafter(nnx.Module):
         tokens = jnp.concatenate([last_token[:, None], jnp.full((b, cfg.block_size - 1), cfg.mask_token_id,
                                                                 last_token.dtype)], axis=1)
         x = target.embed(tokens).astype(self.fc.kernel.dtype)
-        cos, sin = rope_cos_sin(block_pos, cfg.rope_inv_freq())
+        cos, sin = rope_cos_sin(block_pos, *cfg.rope_tables())
         key_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
         valid = jnp.concatenate([ctx_valid, jnp.ones_like(block_pos, bool)], axis=1)[:, None, :]
         offset = block_pos[:, :, None] - key_pos[:, None, :]  # query position - key position
@@ -167,8 +171,8 @@ class DFlashDrafter(nnx.Module):
             mask = valid
             if cfg.layer_is_causal(i):
                 mask = mask & (offset >= 0)
-            if cfg.layer_types[i] == "sliding_attention":
-                mask = mask & (jnp.abs(offset) < cfg.sliding_window)
+            if (window := cfg.layer_window(i)) is not None:
+                mask = mask & (jnp.abs(offset) < window)
             x = layer(x, cos, sin, k_ctx[i], v_ctx[i], mask)
         return target.lm_logits(self.norm(x)[:, 1:])
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ddtree_jax.models._config import require
-from ddtree_jax.models.rope import default_inv_freq
+from ddtree_jax.models.rope import LinearScaling, YarnScaling, parse_rope_scaling, rope_tables
 
 __all__ = ["DFlashConfig", "default_target_layer_ids"]
 
@@ -25,7 +25,23 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DFlashConfig:
-    """Drafter architecture; field names follow the published drafters' ``config.json``."""
+    """Drafter architecture; field names follow the published drafters' ``config.json``.
+
+    Attention pattern (z-lab/dflash ``Qwen3DFlashAttention``, the revision with
+    ``self.is_causal = False``): block queries attend to ``[context ; block]`` NON-causally in every
+    layer. A ``sliding_attention`` layer with a ``sliding_window`` w restricts that to the
+    symmetric band ``|query position - key position| < w`` over the whole key set (what the
+    reference's flash-attention path computes with ``window_size = (w - 1, w - 1)``; its sdpa path
+    ignores the window). ``is_causal=True`` additionally hides later positions (key position <=
+    query position) in every layer; ``None``/``False`` = non-causal. A later reference revision
+    (the one that adds ``DFlash2DraftModel``) makes sliding layers causal when ``is_causal`` is
+    unset; configs that set ``is_causal`` explicitly mean the same thing under both.
+
+    ``sliding_window`` is the EFFECTIVE window, as ``Qwen3Config`` resolves it: ``None`` unless
+    the ``config.json`` sets ``use_sliding_window``; a ``sliding_attention`` layer without a window
+    attends like a full one. ``rope_scaling``: ``None`` (default RoPE), ``LinearScaling`` or
+    ``YarnScaling`` (transformers' Qwen3 RoPE; yarn's attention factor scales cos and sin).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -42,6 +58,7 @@ class DFlashConfig:
     is_causal: bool | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: LinearScaling | YarnScaling | None = None
     max_position_embeddings: int = 40960
     vocab_size: int | None = None
 
@@ -59,17 +76,21 @@ class DFlashConfig:
                 f"needs one entry per layer ({self.num_hidden_layers})")
         require(set(self.layer_types) <= {"full_attention", "sliding_attention"}, self, "layer_types",
                 "entries must be 'full_attention' or 'sliding_attention'")
-        require("sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0, self,
-                "sliding_window", "sliding_attention layers need a positive sliding_window")
+        require(self.sliding_window is None or self.sliding_window > 0, self, "sliding_window",
+                "must be None (no window) or positive")
+        require(self.rope_scaling is None or isinstance(self.rope_scaling, (LinearScaling, YarnScaling)), self,
+                "rope_scaling", "must be None, LinearScaling or YarnScaling")
         require(self.mask_token_id >= 0, self, "mask_token_id", "must be >= 0")
 
     def layer_is_causal(self, layer: int) -> bool:
-        """Whether block tokens see only earlier block tokens in ``layer``. Upstream z-lab/dflash:
-        ``is_causal`` when the config sets it, else causal exactly in sliding-window layers (so
-        the published drafters, all full attention, are non-causal)."""
-        if self.is_causal is not None:
-            return self.is_causal
-        return self.layer_types[layer] == "sliding_attention"
+        """Whether block queries see only keys at earlier or equal positions in ``layer``: the
+        config's ``is_causal`` if set, else never (the reference's drafter attention is
+        non-causal; sliding layers are a symmetric band, see ``layer_window``)."""
+        return bool(self.is_causal)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The band half-width ``w`` of ``layer`` (keys visible iff ``|offset| < w``), or ``None``."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
@@ -78,9 +99,10 @@ class DFlashConfig:
             if field in d and d[field] not in ok:
                 raise ValueError(f"DFlashConfig.{field}: unsupported value {d[field]!r} (supported: {ok})")
         extra = d.get("dflash_config") or {}
+        theta, scaling = parse_rope_scaling(d, "DFlashConfig", ("default", "linear", "yarn"), default_theta=10000.0)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"DFlashConfig.rope_scaling: only default RoPE is supported, got {rope}")
+        if float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError("DFlashConfig: partial_rotary_factor != 1 is not supported")
 
         def get(name, default=dataclasses.MISSING):
             value = extra.get(name, d.get(name, default))
@@ -90,6 +112,12 @@ class DFlashConfig:
 
         layers, target_layers = get("num_hidden_layers"), get("num_target_layers")
         ids = get("target_layer_ids", None)
+        # Qwen3Config: the window exists only with use_sliding_window (default False, window 4096);
+        # without explicit layer_types, layers from max_window_layers (default 28) on slide.
+        window = get("sliding_window", 4096) if get("use_sliding_window", False) else None
+        layer_types = get("layer_types", None) or tuple(
+            "sliding_attention" if window is not None and i >= get("max_window_layers", 28) else "full_attention"
+            for i in range(layers))
         return cls(
             hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
             num_hidden_layers=layers, num_attention_heads=get("num_attention_heads"),
@@ -98,11 +126,9 @@ class DFlashConfig:
             num_target_layers=target_layers, block_size=get("block_size", 16),
             mask_token_id=get("mask_token_id"),
             target_layer_ids=tuple(ids) if ids is not None else default_target_layer_ids(target_layers, layers),
-            layer_types=tuple(get("layer_types", None) or ("full_attention",) * layers),
-            sliding_window=get("sliding_window", None), is_causal=get("is_causal", None),
-            rms_norm_eps=get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
-            max_position_embeddings=get("max_position_embeddings", 40960), vocab_size=get("vocab_size", None))
+            layer_types=tuple(layer_types), sliding_window=window, is_causal=get("is_causal", None),
+            rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=get("max_position_embeddings", 32768), vocab_size=get("vocab_size", None))
 
     @classmethod
     def from_json(cls, path: str) -> "DFlashConfig":
@@ -114,10 +140,13 @@ class DFlashConfig:
         d["dflash_config"] = {"mask_token_id": d.pop("mask_token_id"),
                               "target_layer_ids": list(d.pop("target_layer_ids"))}
         d["layer_types"] = list(self.layer_types)
+        d.pop("rope_scaling")
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = self.rope_scaling.to_hf_dict()
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d, "hidden_act": "silu",
-                "attention_bias": False, "use_sliding_window": "sliding_attention" in self.layer_types,
+                "attention_bias": False, "use_sliding_window": self.sliding_window is not None,
                 "tie_word_embeddings": False}
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """Qwen3 default RoPE inverse frequencies ``[head_dim/2]`` float32."""
-        return default_inv_freq(self.head_dim, self.rope_theta)
+    def rope_tables(self) -> tuple[np.ndarray, float]:
+        """Qwen3 RoPE ``(inv_freq [head_dim/2] float32, cos/sin scale)`` (default, linear or yarn)."""
+        return rope_tables(self.head_dim, self.rope_theta, self.rope_scaling)
