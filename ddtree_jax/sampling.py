@@ -5,8 +5,11 @@ walk, the kernels):
 
     logits -> / temperature -> keep top-k -> keep top-p -> keep min-p -> renormalise
 
-with ``temperature == 0`` meaning greedy (argmax, lowest index on ties). Greedy is not a second
-code path: its law is the point mass on the argmax, and the same sampler draws from it.
+with ``temperature < GREEDY_BELOW`` (1e-5; 0 included) meaning greedy (argmax, lowest index on
+ties). Greedy is not a second code path: its law is the point mass on the argmax, and the same
+sampler draws from it. The threshold is applied in one function, ``canonical_temperature``, by
+every consumer of a ``SamplingBatch`` (``target_logprobs``, the fused kernel's wrapper), so the
+references and the kernel agree on which rows are greedy.
 
 Cut rules (each is a threshold on one row, so a sort-free kernel can compute the same set):
 
@@ -39,11 +42,16 @@ import numpy as np
 
 INVALID_TOKEN = -1
 
+# Temperatures below this are greedy (compared in float32). See SamplingParams.
+GREEDY_BELOW = 1e-5
+
 __all__ = [
+    "GREEDY_BELOW",
     "INVALID_TOKEN",
     "SamplingBatch",
     "SamplingParams",
     "batch_sampling",
+    "canonical_temperature",
     "per_row_keys",
     "sample_tree_nodes",
     "target_logprobs",
@@ -63,7 +71,13 @@ class SamplingParams:
     """Sampling settings of one request.
 
     Attributes:
-      temperature: >= 0; 0 means greedy (argmax).
+      temperature: >= 0. Below ``GREEDY_BELOW`` (1e-5, compared in float32; 0 included) means
+        greedy: the argmax, lowest index on ties. Why a threshold and not only 0: the DFlash
+        reference (``temperature < 1e-5``) and vLLM (``_SAMPLING_EPS = 1e-5``) use this rule, and
+        at such temperatures the law is the argmax anyway unless logits tie within ~1e-5, where
+        float32 logits carry no reliable information. So ``temperature=1e-6`` gives exactly the
+        ``temperature=0`` output on every path (references, kernels, ``generate``), never a
+        NaN or an overflow.
       top_k: >= 0; 0 means off.
       top_p: in (0, 1]; 1.0 means off.
       min_p: in [0, 1]; 0 means off.
@@ -82,7 +96,8 @@ class SamplingParams:
     def __post_init__(self):
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (< {GREEDY_BELOW} = greedy), "
+                             f"got {t!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         p = self.top_p
@@ -96,7 +111,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """``temperature < GREEDY_BELOW`` in float32: exactly the rows ``canonical_temperature`` zeroes."""
+        return bool(np.float32(self.temperature) < np.float32(GREEDY_BELOW))
 
 
 @functools.partial(
@@ -147,6 +163,12 @@ def batch_sampling(sampling: SamplingParams | Sequence[SamplingParams] | Samplin
     )
 
 
+def canonical_temperature(temperature: jax.Array) -> jax.Array:
+    """Per-row temperatures as float32 with every value below ``GREEDY_BELOW`` set to 0 (greedy)."""
+    t = jnp.asarray(temperature).astype(jnp.float32)
+    return jnp.where(t < jnp.float32(GREEDY_BELOW), jnp.float32(0.0), t)
+
+
 def _row_is_valid(logits: jax.Array) -> jax.Array:
     """[..., V] -> [...]: no NaN, no +inf, at least one finite entry."""
     return ~jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) & jnp.any(logits > -jnp.inf, axis=-1)
@@ -178,7 +200,8 @@ def target_logprobs(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     x = logits.astype(jnp.float32)
     B, M, V = x.shape
     col = lambda a: a[:, None, None]  # [B] -> [B, 1, 1]
-    temperature, top_k, top_p, min_p = (col(params.temperature), col(params.top_k), col(params.top_p), col(params.min_p))
+    temperature = col(canonical_temperature(params.temperature))  # greedy iff 0 from here on
+    top_k, top_p, min_p = col(params.top_k), col(params.top_p), col(params.min_p)
 
     valid = _row_is_valid(x)[..., None]
     # Greedy: the point mass on the argmax (lowest index on ties).

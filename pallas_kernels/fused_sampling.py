@@ -26,7 +26,7 @@ Algorithm (two launches, one program per row each):
 2. ``_select_kernel`` chooses per row (``lax.switch`` on per-row flags, so mixed batches pay only
    for what each row needs):
 
-   * invalid row -> -1; greedy row (T == 0) -> the argmax.
+   * invalid row -> -1; greedy row (T == 0; the wrapper maps T < GREEDY_BELOW to 0) -> the argmax.
    * temperature only: two-level inverse CDF with two counter-based uniforms: pick a tile with
      probability ``w_t = s_t exp((m_t - M)/T)`` / sum, re-read that ONE tile (4096 columns) and
      pick inside it by a cumulative sum of ``exp(z)``. One HBM pass plus one tile.
@@ -71,7 +71,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, target_logprobs
+from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, canonical_temperature, target_logprobs
 
 __all__ = ["fused_sample", "fused_sample_debug", "reference_sample", "CHUNK", "CAND_CHUNKS"]
 
@@ -478,7 +478,7 @@ def fused_sample_debug(
     ntp = pl.next_power_of_2(nt)
     ncp = pl.next_power_of_2(nt * (tile // CHUNK))
     f32, i32 = jnp.float32, jnp.int32
-    temperature = temperature.astype(f32)
+    temperature = canonical_temperature(temperature)  # below GREEDY_BELOW -> 0: the kernels' greedy rows
     top_k = top_k.astype(i32)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd = jax.ShapeDtypeStruct
