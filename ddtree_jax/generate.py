@@ -46,7 +46,9 @@ class RequestOutput:
         stop token when ``finish_reason == "stop"``.
       finish_reason: ``"stop"``, ``"length"`` or ``"error: ..."``.
       acceptance_lengths: tokens the target accepted per round, bonus included (1 .. L + 1),
-        before truncation at a stop token or the length limit.
+        before truncation at a stop token or the length limit. Round 1 verifies the prompt's last
+        token as its root, so its count includes the first new token (the one the DFlash
+        reference samples from its prefill and does not count); see ``tau_published``.
     """
 
     tokens: list[int]
@@ -59,8 +61,17 @@ class RequestOutput:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length per round, bonus token included."""
+        """Mean acceptance length over ALL rounds, bonus token included (round 1 counts the first
+        new token): new tokens per target verify pass, before truncation."""
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    @property
+    def tau_published(self) -> float | None:
+        """Mean acceptance length over rounds 2.. (rounds rooted at a generated token, like every
+        decoding round of the DFlash reference, whose tables leave out the prefill's token);
+        ``None`` with a single round."""
+        later = self.acceptance_lengths[1:]
+        return float(np.mean(later)) if later else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +105,16 @@ class GenerateOutput:
 
     @property
     def mean_tau(self) -> float:
-        """Mean acceptance length over all rounds of all requests."""
+        """Mean acceptance length over all rounds of all requests (pooled; round 1 included)."""
         lengths = [a for r in self.requests for a in r.acceptance_lengths]
         return float(np.mean(lengths)) if lengths else 0.0
+
+    @property
+    def mean_tau_published(self) -> float:
+        """The published tables' tau: each request's ``tau_published``, averaged over requests (the
+        reference benchmark's mean of per-request means), over requests with >= 2 rounds; NaN if none."""
+        taus = [r.tau_published for r in self.requests if r.tau_published is not None]
+        return float(np.mean(taus)) if taus else float("nan")
 
     @property
     def new_tokens(self) -> int:
@@ -219,6 +237,14 @@ def generate(
 
     Returns:
       ``GenerateOutput``.
+
+    Acceptance statistics: the prefill covers the prompt without its last token; that token is
+    the root of round 1, so round 1's acceptance length counts the first new token (which the
+    DFlash reference samples from its own prefill and leaves out of its statistics) plus the
+    drafted tokens accepted after it. ``tau``/``mean_tau`` average over all rounds (new tokens
+    per verify pass); ``tau_published``/``mean_tau_published`` leave round 1 out and average per
+    request first, the way the published DFlash/DDTree tables report tau. They differ most on
+    short outputs (docs/acceptance-statistics.md).
     """
     checked = _check_inputs(target, drafter, prompts, method, budget, max_new_tokens, stop_tokens, max_len)
     backend = resolve_backend(impl)

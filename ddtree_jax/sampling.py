@@ -5,8 +5,11 @@ walk, the kernels):
 
     logits -> / temperature -> keep top-k -> keep top-p -> keep min-p -> renormalise
 
-with ``temperature == 0`` meaning greedy (argmax, lowest index on ties). Greedy is not a second
-code path: its law is the point mass on the argmax, and the same sampler draws from it.
+with ``temperature < GREEDY_BELOW`` (1e-5; 0 included) meaning greedy (argmax, lowest index on
+ties). Greedy is not a second code path: its law is the point mass on the argmax, and the same
+sampler draws from it. The threshold is applied in one function, ``canonical_temperature``, by
+every consumer of a ``SamplingBatch`` (``target_logprobs``, the fused kernel's wrapper), so the
+references and the kernel agree on which rows are greedy.
 
 Cut rules (each is a threshold on one row, so a sort-free kernel can compute the same set):
 
@@ -42,11 +45,16 @@ from ddtree_jax.rng import node_seed_words, request_keys
 
 INVALID_TOKEN = -1
 
+# Temperatures below this are greedy (compared in float32). See SamplingParams.
+GREEDY_BELOW = 1e-5
+
 __all__ = [
+    "GREEDY_BELOW",
     "INVALID_TOKEN",
     "SamplingBatch",
     "SamplingParams",
     "batch_sampling",
+    "canonical_temperature",
     "reference_sample",
     "sample_tree_nodes",
     "target_logprobs",
@@ -66,7 +74,13 @@ class SamplingParams:
     """Sampling settings of one request.
 
     Attributes:
-      temperature: >= 0; 0 means greedy (argmax).
+      temperature: >= 0. Below ``GREEDY_BELOW`` (1e-5, compared in float32; 0 included) means
+        greedy: the argmax, lowest index on ties. Why a threshold and not only 0: the DFlash
+        reference (``temperature < 1e-5``) and vLLM (``_SAMPLING_EPS = 1e-5``) use this rule, and
+        at such temperatures the law is the argmax anyway unless logits tie within ~1e-5, where
+        float32 logits carry no reliable information. So ``temperature=1e-6`` gives exactly the
+        ``temperature=0`` output on every path (references, kernels, ``generate``), never a
+        NaN or an overflow.
       top_k: >= 0; 0 means off.
       top_p: in (0, 1]; 1.0 means off.
       min_p: in [0, 1]; 0 means off.
@@ -85,7 +99,9 @@ class SamplingParams:
     def __post_init__(self):
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0 (< {GREEDY_BELOW} = greedy), got {t!r}"
+            )
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         p = self.top_p
@@ -99,7 +115,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """``temperature < GREEDY_BELOW`` in float32: exactly the rows ``canonical_temperature`` zeroes."""
+        return bool(np.float32(self.temperature) < np.float32(GREEDY_BELOW))
 
 
 @functools.partial(
@@ -123,7 +140,9 @@ class SamplingBatch:
         return self.temperature.shape[0]
 
 
-def batch_sampling(sampling: SamplingParams | Sequence[SamplingParams] | SamplingBatch, batch_size: int) -> SamplingBatch:
+def batch_sampling(
+    sampling: SamplingParams | Sequence[SamplingParams] | SamplingBatch, batch_size: int
+) -> SamplingBatch:
     """Turns one ``SamplingParams`` (shared), a list of them (one per request) or a
     ``SamplingBatch`` into a ``SamplingBatch`` of ``batch_size`` rows."""
     if isinstance(sampling, SamplingBatch):
@@ -139,7 +158,9 @@ def batch_sampling(sampling: SamplingParams | Sequence[SamplingParams] | Samplin
         if len(rows) != batch_size:
             raise ValueError(f"sampling has {len(rows)} SamplingParams for a batch of {batch_size} requests")
     else:
-        raise TypeError(f"sampling must be SamplingParams, a list of them, or SamplingBatch; got {type(sampling).__name__}")
+        raise TypeError(
+            f"sampling must be SamplingParams, a list of them, or SamplingBatch; got {type(sampling).__name__}"
+        )
     return SamplingBatch(
         temperature=jnp.asarray(np.array([s.temperature for s in rows], np.float32)),
         top_k=jnp.asarray(np.array([s.top_k for s in rows], np.int32)),
@@ -148,6 +169,12 @@ def batch_sampling(sampling: SamplingParams | Sequence[SamplingParams] | Samplin
         seed=jnp.asarray(np.array([s.seed or 0 for s in rows], np.uint32)),
         has_seed=jnp.asarray(np.array([s.seed is not None for s in rows], bool)),
     )
+
+
+def canonical_temperature(temperature: jax.Array) -> jax.Array:
+    """Per-row temperatures as float32 with every value below ``GREEDY_BELOW`` set to 0 (greedy)."""
+    t = jnp.asarray(temperature).astype(jnp.float32)
+    return jnp.where(t < jnp.float32(GREEDY_BELOW), jnp.float32(0.0), t)
 
 
 def _row_is_valid(logits: jax.Array) -> jax.Array:
@@ -181,7 +208,8 @@ def target_logprobs(logits: jax.Array, params: SamplingBatch) -> jax.Array:
     x = logits.astype(jnp.float32)
     B, M, V = x.shape
     col = lambda a: a[:, None, None]  # [B] -> [B, 1, 1]
-    temperature, top_k, top_p, min_p = (col(params.temperature), col(params.top_k), col(params.top_p), col(params.min_p))
+    temperature = col(canonical_temperature(params.temperature))  # greedy iff 0 from here on
+    top_k, top_p, min_p = col(params.top_k), col(params.top_p), col(params.min_p)
 
     valid = _row_is_valid(x)[..., None]
     # Greedy: the point mass on the argmax (lowest index on ties).
@@ -275,7 +303,12 @@ def _sample_with_kernel(node_logits, params: SamplingBatch, keys, interpret: boo
     B, M, V = node_logits.shape
     rep = lambda a: jnp.repeat(a, M)  # noqa: E731
     tokens = fused_sample(
-        node_logits.reshape(B * M, V), rep(params.temperature), rep(params.top_k), rep(params.top_p), rep(params.min_p),
-        node_seed_words(keys, M).reshape(B * M, 2), interpret=interpret,
+        node_logits.reshape(B * M, V),
+        rep(canonical_temperature(params.temperature)),
+        rep(params.top_k),
+        rep(params.top_p),
+        rep(params.min_p),
+        node_seed_words(keys, M).reshape(B * M, 2),
+        interpret=interpret,
     )
     return tokens.reshape(B, M)

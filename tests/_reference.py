@@ -15,7 +15,7 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
     """
     x = np.asarray(logits, np.float64)
     V = x.shape[0]
-    if temperature == 0:
+    if np.float32(temperature) < np.float32(1e-5):  # the library's GREEDY_BELOW rule, restated
         out = np.zeros(V)
         out[int(np.argmax(x))] = 1.0  # numpy argmax: lowest index on ties
         return out

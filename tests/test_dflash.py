@@ -34,12 +34,26 @@ def test_default_target_layer_ids():
 
 
 def test_config_from_published_style_json():
-    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
-           "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-           "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 5, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "num_target_layers": 36, "rms_norm_eps": 1e-6,
-           "rope_theta": 1000000, "layer_types": ["full_attention"] * 5, "sliding_window": None,
-           "hidden_act": "silu", "attention_bias": False, "vocab_size": 151936}
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_target_layers": 36,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "layer_types": ["full_attention"] * 5,
+        "sliding_window": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "vocab_size": 151936,
+    }
     cfg = DFlashConfig.from_hf_dict(raw)
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.block_size == 16 and cfg.mask_token_id == 151669
     assert DFlashConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
@@ -51,10 +65,13 @@ def test_config_from_published_style_json():
         DFlashConfig.from_hf_dict({**raw, "dflash_config": {"mask_token_id": 7, "target_layer_ids": [40]}})
 
 
-@pytest.mark.parametrize("layer_types,window", [
-    (("full_attention", "full_attention"), None),
-    (("sliding_attention", "full_attention"), 6),
-])
+@pytest.mark.parametrize(
+    "layer_types,window",
+    [
+        (("full_attention", "full_attention"), None),
+        (("sliding_attention", "full_attention"), 6),
+    ],
+)
 def test_cached_context_equals_uncached_and_grows_by_accepted_only(target, layer_types, window):
     drafter = tiny_dflash(target, layer_types=layer_types, sliding_window=window)
     rng = np.random.default_rng(0)
@@ -67,12 +84,12 @@ def test_cached_context_equals_uncached_and_grows_by_accepted_only(target, layer
         cache = append(drafter, cache, jnp.asarray(chunk), jnp.asarray(counts))
         np.testing.assert_array_equal(cache.lengths, old + np.array(counts))
         for r in range(b):
-            accepted[r].extend(chunk[r, :counts[r]])
+            accepted[r].extend(chunk[r, : counts[r]])
     last = jnp.asarray(rng.integers(0, VOCAB - 1, (b,)))
     logits = propose(drafter, target, cache, last)
     chex.assert_shape(logits, (b, drafter.config.block_size - 1, VOCAB))
     for r in range(b):
-        want = draft_uncached(drafter, target, jnp.asarray(np.stack(accepted[r]))[None], last[r:r + 1])
+        want = draft_uncached(drafter, target, jnp.asarray(np.stack(accepted[r]))[None], last[r : r + 1])
         np.testing.assert_allclose(logits[r], want[0], rtol=1e-4, atol=1e-4)
 
 
@@ -89,9 +106,12 @@ class _ShiftLastBlockEmbedding(nnx.Module):
         return self.target.lm_logits(hidden)
 
 
-@pytest.mark.parametrize("is_causal", [None, True])
-def test_block_attention_is_non_causal(target, is_causal):
-    drafter = tiny_dflash(target, is_causal=is_causal)
+@pytest.mark.parametrize("is_causal,sliding", [(None, False), (True, False), (None, True)])
+def test_block_attention_is_non_causal(target, is_causal, sliding):
+    """Non-causal unless ``is_causal``: sliding-window layers too (a symmetric band, here wider
+    than the block)."""
+    kw = dict(layer_types=("sliding_attention",) * 2, sliding_window=8) if sliding else {}
+    drafter = tiny_dflash(target, is_causal=is_causal, **kw)
     ctx = jnp.asarray(np.random.default_rng(1).normal(size=(1, 6, 2 * H)), jnp.float32)
     last = jnp.asarray([3])
     base = draft_uncached(drafter, target, ctx, last)
@@ -108,17 +128,98 @@ def test_sliding_window(target):
     last = jnp.asarray([5])
     full = draft_uncached(tiny_dflash(target, is_causal=False), target, ctx, last)
     sliding = ("sliding_attention", "sliding_attention")
-    wide = draft_uncached(tiny_dflash(target, layer_types=sliding, sliding_window=64, is_causal=False),
-                          target, ctx, last)
-    narrow = draft_uncached(tiny_dflash(target, layer_types=sliding, sliding_window=4, is_causal=False),
-                            target, ctx, last)
+    wide = draft_uncached(
+        tiny_dflash(target, layer_types=sliding, sliding_window=64, is_causal=False), target, ctx, last
+    )
+    narrow = draft_uncached(
+        tiny_dflash(target, layer_types=sliding, sliding_window=4, is_causal=False), target, ctx, last
+    )
     np.testing.assert_array_equal(wide, full)
     assert np.abs(np.asarray(narrow - full)).max() > 1e-3
     # with window 4, context more than 3 positions before the block is invisible
     far_changed = ctx.at[:, :6].add(1.0)
-    narrow2 = draft_uncached(tiny_dflash(target, layer_types=sliding, sliding_window=4, is_causal=False),
-                             target, far_changed, last)
+    narrow2 = draft_uncached(
+        tiny_dflash(target, layer_types=sliding, sliding_window=4, is_causal=False), target, far_changed, last
+    )
     np.testing.assert_array_equal(narrow2, narrow)
+
+
+def test_sliding_layer_without_a_window_is_full_attention(target):
+    """As in ``Qwen3Config`` (window only with ``use_sliding_window``) and the reference."""
+    ctx = jnp.asarray(np.random.default_rng(4).normal(size=(1, 12, 2 * H)), jnp.float32)
+    last = jnp.asarray([5])
+    full = draft_uncached(tiny_dflash(target), target, ctx, last)
+    unwindowed = draft_uncached(tiny_dflash(target, layer_types=("sliding_attention",) * 2), target, ctx, last)
+    np.testing.assert_array_equal(unwindowed, full)
+
+
+_QWEN3 = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 80,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_target_layers": 12,
+    "block_size": 8,
+    "dflash_config": {"mask_token_id": 7},
+}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"sliding_window": 64},  # no use_sliding_window: no window
+        {"use_sliding_window": True, "sliding_window": 64},  # max_window_layers 28 > 4 layers: all full
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+        {"use_sliding_window": True, "max_window_layers": 0},  # Qwen3Config's default window, 4096
+        {
+            "use_sliding_window": True,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention"] * 4,
+            "is_causal": False,
+        },
+        {"use_sliding_window": False, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"] * 2},
+    ],
+)
+def test_layer_types_and_window_resolve_as_qwen3config(extra):
+    """``layer_types``/``sliding_window`` come out as transformers' ``Qwen3Config`` resolves them
+    (the reference drafter builds its attention from that config)."""
+    from transformers import Qwen3Config
+
+    raw = _QWEN3 | extra
+    cfg = DFlashConfig.from_hf_dict(raw)
+    hf = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == hf.sliding_window
+    assert cfg.is_causal == extra.get("is_causal") and not any(cfg.layer_is_causal(i) for i in range(4))
+    assert DFlashConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_rope_types():
+    """default / linear / yarn load and round-trip; other types are refused by name."""
+    from ddtree_jax.models.rope import LinearScaling
+
+    assert DFlashConfig.from_hf_dict(_QWEN3).rope_theta == 10000.0  # Qwen3Config's default
+    for rope in (
+        {"rope_type": "default", "rope_theta": 5e5},
+        {"type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "rope_theta": 1e6},
+    ):
+        for key in ("rope_scaling", "rope_parameters"):
+            cfg = DFlashConfig.from_hf_dict(_QWEN3 | {key: rope, "rope_theta": 1e6})
+            assert DFlashConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+            assert cfg.rope_theta == rope.get("rope_theta", 1e6)
+    assert DFlashConfig.from_hf_dict(
+        _QWEN3 | {"rope_scaling": {"type": "linear", "factor": 2.0}}
+    ).rope_scaling == LinearScaling(factor=2.0)
+    for bad in ("dynamic", "llama3", "longrope"):
+        with pytest.raises(ValueError, match=f"unsupported rope type '{bad}'"):
+            DFlashConfig.from_hf_dict(_QWEN3 | {"rope_scaling": {"rope_type": bad, "factor": 2.0}})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        DFlashConfig.from_hf_dict(_QWEN3 | {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
 
 
 def test_parameter_names_are_the_published_ones(target):
@@ -126,9 +227,13 @@ def test_parameter_names_are_the_published_ones(target):
     from ddtree_jax.checkpoints import _hf_parts
 
     drafter = tiny_dflash(target, num_hidden_layers=1, layer_types=("full_attention",))
-    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight", "mlp.down_proj.weight"] + [
-        f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ] + [f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
     want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.0.{n}" for n in layer}
     assert set(_hf_parts(drafter)) == want
 

@@ -255,3 +255,13 @@ def test_bad_inputs(models, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         generate(**args)
+
+
+def test_published_tau_leaves_out_round_one():
+    target, drafter = bigram_target(), BigramOracleDrafter(block_size=5)
+    out = generate(target, drafter, PROMPTS, method="dflash", **SHAPES)
+    r = out.requests[0]
+    assert r.tau_published == float(np.mean(r.acceptance_lengths[1:]))
+    assert out.mean_tau_published == float(np.mean([q.tau_published for q in out.requests]))
+    single = generate(target, drafter, PROMPTS, method="dflash", max_new_tokens=3, max_len=64)
+    assert all(q.tau_published is None for q in single.requests) and np.isnan(single.mean_tau_published)

@@ -6,8 +6,12 @@ embedded with the TARGET's embedding; output: logits at depths ``1 .. block_size
 target's LM head (after the drafter's own final norm). Conditioning: the target's hidden states
 after ``target_layer_ids`` (concatenated on features) go through ``fc`` + ``hidden_norm``; in every
 layer the keys/values are ``[proj(context) ; proj(block)]`` and the queries come from the block
-only; attention is non-causal (upstream makes sliding-window layers causal unless the config
-sets ``is_causal``; so do we). The projected context K/V are cached per layer
+only; attention is non-causal, as in the reference. A ``sliding_attention`` layer with a window
+``w`` sees the symmetric band ``|query position - key position| < w`` of ``[context ; block]``
+(the reference's flash-attention behaviour); ``is_causal=True`` in the config also hides later
+positions (see ``DFlashConfig``). RoPE is Qwen3's: default, linear or yarn (yarn's attention
+factor multiplies cos and sin, so scores scale by its square), the same tables for the context
+keys and the block queries/keys. The projected context K/V are cached per layer
 (``DraftCache``) and grow only by accepted tokens.
 
 The target is passed to the calls that need it: any object with ``embed(tokens) -> [..., H]``
@@ -49,13 +53,17 @@ class DraftCache:
 
     def take_rows(self, rows: jax.Array) -> DraftCache:
         """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
-        return DraftCache(jnp.take(self.k, rows, axis=1), jnp.take(self.v, rows, axis=1),
-                          jnp.take(self.lengths, rows, axis=0))
+        return DraftCache(
+            jnp.take(self.k, rows, axis=1), jnp.take(self.v, rows, axis=1), jnp.take(self.lengths, rows, axis=0)
+        )
 
     def put_rows(self, rows: jax.Array, src: DraftCache) -> DraftCache:
         """This cache with batch rows ``rows [R]`` replaced by ``src``'s R rows."""
-        return DraftCache(self.k.at[:, rows].set(src.k.astype(self.k.dtype)),
-                          self.v.at[:, rows].set(src.v.astype(self.v.dtype)), self.lengths.at[rows].set(src.lengths))
+        return DraftCache(
+            self.k.at[:, rows].set(src.k.astype(self.k.dtype)),
+            self.v.at[:, rows].set(src.v.astype(self.v.dtype)),
+            self.lengths.at[rows].set(src.lengths),
+        )
 
 
 class DFlashAttention(nnx.Module):
@@ -75,8 +83,7 @@ class DFlashAttention(nnx.Module):
         """``x [B,S,H]`` -> keys, values ``[B,S,kv_heads,head_dim]`` (keys normed and rotated)."""
         b, s, _ = x.shape
         shape = (b, s, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        k = apply_rope(self.k_norm(self.k_proj(x).reshape(shape)), cos[:, :, None], sin[:, :, None],
-                       interleaved=False)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(shape)), cos[:, :, None], sin[:, :, None], interleaved=False)
         return k, self.v_proj(x).reshape(shape)
 
     def __call__(self, x, cos, sin, k_ctx, v_ctx, mask) -> jax.Array:
@@ -90,7 +97,7 @@ class DFlashAttention(nnx.Module):
         k_blk, v_blk = self.kv(x, cos, sin)
         k = jnp.concatenate([k_ctx.astype(x.dtype), k_blk], axis=1)
         v = jnp.concatenate([v_ctx.astype(x.dtype), v_blk], axis=1)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * cfg.head_dim ** -0.5
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * cfg.head_dim**-0.5
         probs = masked_softmax(scores, mask[:, None, None]).astype(x.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
         return self.o_proj(out)
@@ -130,7 +137,7 @@ class DFlashDrafter(nnx.Module):
     def _context_kv(self, target_hidden: jax.Array, positions: jax.Array):
         """``[B,A,n*H]`` target features at ``positions [B,A]`` -> per-layer ``(k, v)`` lists."""
         features = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = rope_cos_sin(positions, self.config.rope_inv_freq())
+        cos, sin = rope_cos_sin(positions, *self.config.rope_tables())
         kvs = [layer.self_attn.kv(features, cos, sin) for layer in self.layers]
         return [k for k, _ in kvs], [v for _, v in kvs]
 
@@ -156,10 +163,11 @@ class DFlashDrafter(nnx.Module):
         (``ctx_valid [B,S]``); the block sits at ``block_pos [B,bs]``."""
         cfg = self.config
         b = last_token.shape[0]
-        tokens = jnp.concatenate([last_token[:, None], jnp.full((b, cfg.block_size - 1), cfg.mask_token_id,
-                                                                last_token.dtype)], axis=1)
+        tokens = jnp.concatenate(
+            [last_token[:, None], jnp.full((b, cfg.block_size - 1), cfg.mask_token_id, last_token.dtype)], axis=1
+        )
         x = target.embed(tokens).astype(self.fc.kernel.dtype)
-        cos, sin = rope_cos_sin(block_pos, cfg.rope_inv_freq())
+        cos, sin = rope_cos_sin(block_pos, *cfg.rope_tables())
         key_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
         valid = jnp.concatenate([ctx_valid, jnp.ones_like(block_pos, bool)], axis=1)[:, None, :]
         offset = block_pos[:, :, None] - key_pos[:, None, :]  # query position - key position
@@ -167,8 +175,8 @@ class DFlashDrafter(nnx.Module):
             mask = valid
             if cfg.layer_is_causal(i):
                 mask = mask & (offset >= 0)
-            if cfg.layer_types[i] == "sliding_attention":
-                mask = mask & (jnp.abs(offset) < cfg.sliding_window)
+            if (window := cfg.layer_window(i)) is not None:
+                mask = mask & (jnp.abs(offset) < window)
             x = layer(x, cos, sin, k_ctx[i], v_ctx[i], mask)
         return target.lm_logits(self.norm(x)[:, 1:])
 

@@ -23,10 +23,18 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from ddtree_jax.models._layers import Embed, GatedMLP, Linear, RMSNorm, masked_softmax, normal_init, silu_glu, write_rows
+from ddtree_jax.models._layers import (
+    Embed,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    masked_softmax,
+    normal_init,
+    silu_glu,
+    write_rows,
+)
 from ddtree_jax.models.kimi_config import KimiConfig
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import block_attention_mask, causal_block_mask, commit_accepted, tree_block_mask
@@ -57,14 +65,19 @@ class KVCache:
 
     def take_rows(self, rows: jax.Array) -> KVCache:
         """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
-        return KVCache(jnp.take(self.latent, rows, axis=1), jnp.take(self.k_rope, rows, axis=1),
-                       jnp.take(self.lengths, rows, axis=0))
+        return KVCache(
+            jnp.take(self.latent, rows, axis=1),
+            jnp.take(self.k_rope, rows, axis=1),
+            jnp.take(self.lengths, rows, axis=0),
+        )
 
     def put_rows(self, rows: jax.Array, src: KVCache) -> KVCache:
         """This cache with batch rows ``rows [R]`` replaced by ``src``'s R rows."""
-        return KVCache(self.latent.at[:, rows].set(src.latent.astype(self.latent.dtype)),
-                       self.k_rope.at[:, rows].set(src.k_rope.astype(self.k_rope.dtype)),
-                       self.lengths.at[rows].set(src.lengths))
+        return KVCache(
+            self.latent.at[:, rows].set(src.latent.astype(self.latent.dtype)),
+            self.k_rope.at[:, rows].set(src.k_rope.astype(self.k_rope.dtype)),
+            self.lengths.at[rows].set(src.lengths),
+        )
 
 
 class MLAttention(nnx.Module):
@@ -78,21 +91,26 @@ class MLAttention(nnx.Module):
         else:
             self.q_a_proj = Linear(h, cfg.q_lora_rank, axes=(None, None), rngs=rngs, dtype=dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=_LATENT_NORM_EPS, dtype=dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, axes=(None, "tensor"),
-                                   rngs=rngs, dtype=dtype)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, axes=(None, None),
-                                         rngs=rngs, dtype=dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(
+            h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, axes=(None, None), rngs=rngs, dtype=dtype
+        )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=_LATENT_NORM_EPS, dtype=dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank,
+            nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            axes=(None, "tensor"),
+            rngs=rngs,
+            dtype=dtype,
+        )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
         cfg = self.cfg
         kv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
-        k_rope = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, interleaved=cfg.rope_interleave)
+        latent = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
+        k_rope = apply_rope(kv[..., cfg.kv_lora_rank :], cos, sin, interleaved=cfg.rope_interleave)
         return latent, k_rope
 
     def __call__(self, x, cos, sin, latent, k_rope, mask) -> jax.Array:
@@ -107,8 +125,9 @@ class MLAttention(nnx.Module):
         w_kv = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, nh, dn + cfg.v_head_dim)
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
-        scores = (jnp.einsum("btnr,bsr->bnts", q_latent, latent.astype(q_latent.dtype))
-                  + jnp.einsum("btnd,bsd->bnts", q_rope, k_rope.astype(q_rope.dtype)))
+        scores = jnp.einsum("btnr,bsr->bnts", q_latent, latent.astype(q_latent.dtype)) + jnp.einsum(
+            "btnd,bsd->bnts", q_rope, k_rope.astype(q_rope.dtype)
+        )
         probs = masked_softmax(scores * cfg.softmax_scale(), mask[:, None]).astype(x.dtype)
         out_latent = jnp.einsum("bnts,bsr->btnr", probs, latent.astype(x.dtype))
         out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
@@ -178,8 +197,9 @@ class MoE(nnx.Module):
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
         self.gate = Router(cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
-        self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                       rngs=rngs, dtype=dtype)
+        self.shared_experts = GatedMLP(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, dtype=dtype
+        )
 
     def __call__(self, x: jax.Array, *, dense_experts: bool = False) -> jax.Array:
         """``[B,T,H] -> [B,T,H]``; ``dense_experts`` runs ``Experts.reference`` (tests, benchmark)."""
@@ -192,8 +212,11 @@ class MoE(nnx.Module):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: KimiConfig, layer: int, *, rngs: nnx.Rngs, dtype):
         self.self_attn = MLAttention(cfg, rngs=rngs, dtype=dtype)
-        self.mlp = (MoE(cfg, rngs=rngs, dtype=dtype) if cfg.is_moe_layer(layer)
-                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype))
+        self.mlp = (
+            MoE(cfg, rngs=rngs, dtype=dtype)
+            if cfg.is_moe_layer(layer)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
@@ -216,8 +239,7 @@ class DecoderLayer(nnx.Module):
 class DeepseekV3Model(nnx.Module):
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype)
-                                for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
@@ -249,7 +271,12 @@ class KimiForCausalLM(nnx.Module):
         return self.forward_uncached(input_ids)[0]
 
     def forward_uncached(self, input_ids, *, hidden_layer_ids: tuple[int, ...] = (), dense_experts=False):
-        """Causal forward without a cache: ``(logits [B,T,V], hidden tuple of [B,T,H])``."""
+        """Causal forward without a cache: ``(logits [B,T,V], hidden tuple of [B,T,H])``.
+
+        ``hidden`` holds, for each id in ``hidden_layer_ids``, transformers'
+        ``hidden_states[id + 1]``: the output of layer ``id``, except that the LAST layer's entry is
+        after the final norm (transformers returns the normed final state as its last entry).
+        The same holds for ``prefill`` and ``verify``."""
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         mask = causal_block_mask(b, t)
@@ -261,30 +288,48 @@ class KimiForCausalLM(nnx.Module):
         cfg = self.config
         dtype = dtype or self.model.embed_tokens.weight.dtype
         shape = (cfg.num_hidden_layers, batch, max_len)
-        return KVCache(jnp.zeros(shape + (cfg.kv_lora_rank,), dtype),
-                       jnp.zeros(shape + (cfg.qk_rope_head_dim,), dtype),
-                       jnp.zeros((batch,), jnp.int32))
+        return KVCache(
+            jnp.zeros(shape + (cfg.kv_lora_rank,), dtype),
+            jnp.zeros(shape + (cfg.qk_rope_head_dim,), dtype),
+            jnp.zeros((batch,), jnp.int32),
+        )
 
-    def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: KVCache, *,
-                hidden_layer_ids: tuple[int, ...] = (), dense_experts: bool = False):
+    def prefill(
+        self,
+        input_ids: jax.Array,
+        lengths: jax.Array,
+        cache: KVCache,
+        *,
+        hidden_layer_ids: tuple[int, ...] = (),
+        dense_experts: bool = False,
+    ):
         """Append a causal chunk after each row's prefix (a prompt into an empty slot, or a decode step).
 
         ``input_ids [B,T]`` right-padded, ``lengths [B]`` valid tokens per row (0 leaves a row
         untouched). Needs ``cache.lengths + T <= max_len``. Returns ``(logits [B,T,V] float32,
-        hidden tuple of [B,T,H] after each requested layer, cache)``; the lengths advance by
-        ``lengths``. Outputs at padded positions are meaningless. ``dense_experts`` runs the dense
-        reference MoE (benchmarks).
+        hidden tuple of [B,T,H] after each requested layer (see ``forward_uncached``), cache)``;
+        the lengths advance by ``lengths``. Outputs at padded positions are meaningless.
+        ``dense_experts`` runs the dense reference MoE (benchmarks).
         """
         b, t = input_ids.shape
         chex.assert_shape(lengths, (b,))
         start = cache.lengths
         positions = start[:, None] + jnp.arange(t)[None]
-        logits, hidden, cache = self._run_cached(input_ids, positions, causal_block_mask(b, t), cache, hidden_layer_ids,
-                                                 dense_experts)
+        logits, hidden, cache = self._run_cached(
+            input_ids, positions, causal_block_mask(b, t), cache, hidden_layer_ids, dense_experts
+        )
         return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
 
-    def verify(self, tokens: jax.Array, depths: jax.Array, ancestor_mask: jax.Array, cache: KVCache, *,
-               hidden_layer_ids: tuple[int, ...] = (), dense_experts: bool = False):
+    def verify(
+        self,
+        tokens: jax.Array,
+        depths: jax.Array,
+        ancestor_mask: jax.Array,
+        cache: KVCache,
+        *,
+        hidden_layer_ids: tuple[int, ...] = (),
+        dense_experts: bool = False,
+    ):
         """Score a tree block of ``T`` nodes per row (node 0 is the root: the last committed token).
 
         ``tokens [B,T]``, ``depths [B,T]`` (root 0; position = ``lengths + depth``),
@@ -296,7 +341,9 @@ class KimiForCausalLM(nnx.Module):
         b, t = tokens.shape
         chex.assert_shape([depths, ancestor_mask], [(b, t), (b, t, t)])
         positions = cache.lengths[:, None] + depths
-        return self._run_cached(tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids, dense_experts)
+        return self._run_cached(
+            tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids, dense_experts
+        )
 
     @staticmethod
     def commit(cache: KVCache, accepted: jax.Array, counts: jax.Array) -> KVCache:
@@ -307,8 +354,11 @@ class KimiForCausalLM(nnx.Module):
         advance by ``counts``.
         """
         start = cache.lengths
-        return KVCache(commit_accepted(cache.latent, start, accepted), commit_accepted(cache.k_rope, start, accepted),
-                       start + counts.astype(jnp.int32))
+        return KVCache(
+            commit_accepted(cache.latent, start, accepted),
+            commit_accepted(cache.k_rope, start, accepted),
+            start + counts.astype(jnp.int32),
+        )
 
     # ---- shared trunk ----
 
@@ -336,5 +386,8 @@ class KimiForCausalLM(nnx.Module):
             x, layer_cache = layer(x, cos, sin, mask, layer_cache, start, dense_experts=dense_experts)
             rows.append(layer_cache)
             hidden[i] = x
-        logits = self.lm_logits(self.model.norm(x))
+        # transformers' ``hidden_states[i + 1]`` convention: the last entry is the NORMED output
+        # (DFlash's ``extract_context_feature`` reads it that way for a last-layer target id).
+        hidden[cfg.num_hidden_layers - 1] = normed = self.model.norm(x)
+        logits = self.lm_logits(normed)
         return logits, tuple(hidden[i] for i in hidden_layer_ids), rows

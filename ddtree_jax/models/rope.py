@@ -1,7 +1,9 @@
-"""Rotary position embeddings: the tables, their application, and yarn scaling.
+"""Rotary position embeddings: the tables, their application, and linear / yarn scaling.
 
 Yarn follows transformers' ``_compute_yarn_parameters`` / ``yarn_get_mscale`` exactly (the
-target's parity tests check it through the whole model).
+target's parity tests check it through the whole model); linear scaling follows
+``_compute_linear_scaling_rope_parameters`` (``inv_freq / factor``, i.e. positions divided by
+``factor``). ``rope_tables`` turns any of them into ``(inv_freq, cos/sin scale)``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["YarnScaling", "apply_rope", "default_inv_freq", "parse_rope_scaling", "rope_cos_sin", "yarn_inv_freq",
-           "yarn_mscale"]
+__all__ = [
+    "LinearScaling",
+    "YarnScaling",
+    "apply_rope",
+    "default_inv_freq",
+    "parse_rope_scaling",
+    "rope_cos_sin",
+    "rope_tables",
+    "yarn_inv_freq",
+    "yarn_mscale",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,8 +43,25 @@ class YarnScaling:
     truncate: bool = True
 
     def to_hf_dict(self) -> dict[str, Any]:
-        return {"type": "yarn", "rope_type": "yarn",
-                **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
+        return {
+            "type": "yarn",
+            "rope_type": "yarn",
+            **{k: v for k, v in dataclasses.asdict(self).items() if v is not None},
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearScaling:
+    """Linear RoPE scaling (HF type ``linear``): positions divided by ``factor``."""
+
+    factor: float
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"LinearScaling.factor={self.factor!r}: must be > 0")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {"type": "linear", "rope_type": "linear", "factor": self.factor}
 
 
 def rope_section(d: dict[str, Any]) -> dict[str, Any]:
@@ -50,21 +78,33 @@ def parse_yarn(rope: dict[str, Any], max_position_embeddings: int | None) -> Yar
     original = rope.get("original_max_position_embeddings", max_position_embeddings or 4096)
     factor = rope.get("factor") or (max_position_embeddings or original) / original
     return YarnScaling(
-        factor=float(factor), original_max_position_embeddings=int(original),
-        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-        mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
-        attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+        mscale=rope.get("mscale"),
+        mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"),
+        truncate=bool(rope.get("truncate", True)),
+    )
 
 
-def parse_rope_scaling(d: dict[str, Any], owner: str, supported: tuple[str, ...]):
-    """``(rope_theta, scaling)`` from an HF config dict; ``scaling`` is ``None`` (default RoPE) or a
-    ``YarnScaling``. Any type outside ``supported`` raises a ``ValueError`` naming ``owner``."""
+def parse_rope_scaling(d: dict[str, Any], owner: str, supported: tuple[str, ...], default_theta: float = 10000.0):
+    """``(rope_theta, scaling)`` from an HF config dict; ``scaling`` is ``None`` (default RoPE), a
+    ``LinearScaling`` or a ``YarnScaling``. Any type outside ``supported`` raises a ``ValueError``
+    naming ``owner``."""
     rope = rope_section(d)
     kind = rope_type(rope)
     if kind not in supported:
         raise ValueError(f"{owner}.rope_scaling: unsupported rope type {kind!r} (supported: {supported})")
-    theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-    return theta, (parse_yarn(rope, d.get("max_position_embeddings")) if kind == "yarn" else None)
+    theta = float(rope.get("rope_theta", d.get("rope_theta", default_theta)))
+    if kind == "yarn":
+        return theta, parse_yarn(rope, d.get("max_position_embeddings"))
+    if kind == "linear":
+        if rope.get("factor") is None:
+            raise ValueError(f"{owner}.rope_scaling: linear RoPE scaling needs a 'factor', got {rope}")
+        return theta, LinearScaling(factor=float(rope["factor"]))
+    return theta, None
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -100,6 +140,18 @@ def yarn_inv_freq(dim: int, base: float, y: YarnScaling) -> tuple[np.ndarray, fl
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_tables(dim: int, base: float, scaling: LinearScaling | YarnScaling | None) -> tuple[np.ndarray, float]:
+    """``(inv_freq [dim/2] float32, cos/sin scale)`` of default, linear or yarn RoPE (transformers'
+    ``ROPE_INIT_FUNCTIONS``; the scale is their ``attention_scaling``, 1 except under yarn)."""
+    if scaling is None:
+        return default_inv_freq(dim, base), 1.0
+    if isinstance(scaling, LinearScaling):
+        return (default_inv_freq(dim, base) / np.float32(scaling.factor)).astype(np.float32), 1.0
+    if isinstance(scaling, YarnScaling):
+        return yarn_inv_freq(dim, base, scaling)
+    raise TypeError(f"unknown RoPE scaling {scaling!r}")
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0):

@@ -26,7 +26,9 @@ Algorithm (two launches, one program per row each):
 2. ``_select_kernel`` chooses per row (``lax.switch`` on per-row flags, so mixed batches pay only
    for what each row needs):
 
-   * invalid row -> -1; greedy row (T == 0) -> the argmax.
+   * invalid row -> -1; greedy row (T == 0) -> the argmax. (Which temperatures count as greedy is
+     the caller's rule: ``ddtree_jax.sampling`` maps T < 1e-5 to 0 before calling. Tiny positive
+     temperatures stay finite here: z = (x - max) / T <= 0, so exp never overflows.)
    * temperature only: two-level inverse CDF with two counter-based uniforms: pick a tile with
      probability ``w_t = s_t exp((m_t - M)/T)`` / sum, re-read that ONE tile (4096 columns) and
      pick inside it by a cumulative sum of ``exp(z)``. One HBM pass plus one tile.
@@ -120,7 +122,10 @@ def _div(a, b, exact_asm: bool):
         return jax.lax.optimization_barrier(a / b)
     b = jnp.broadcast_to(b, a.shape)
     return plgpu.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        "div.rn.f32 $0, $1, $2;",
+        args=[a, b],
+        constraints="=r,r,r",
+        pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
     )[0]
 
@@ -223,9 +228,33 @@ def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_
 
 
 def _select_kernel(
-    x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref,
-    tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, scr_ref,
-    *, V, tile, nt, ntp, ncp, exact_asm, compact, interpret_mode,
+    x_ref,
+    temp_ref,
+    topk_ref,
+    topp_ref,
+    minp_ref,
+    seed_ref,
+    mx_ref,
+    am_ref,
+    ok_ref,
+    tm_ref,
+    ts_ref,
+    cm_ref,
+    tok_ref,
+    tau_ref,
+    qthr_ref,
+    norm_ref,
+    path_ref,
+    scr_ref,
+    *,
+    V,
+    tile,
+    nt,
+    ntp,
+    ncp,
+    exact_asm,
+    compact,
+    interpret_mode,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -327,6 +356,7 @@ def _select_kernel(
                 plgpu.debug_barrier()
             cidx = plgpu.load(scr_ref.at[r, pl.ds(0, CAND_CHUNKS)], mask=iota_k < n_cand, other=-1)
         else:  # one min-reduction per candidate chunk (the first version)
+
             def enum(j, c):
                 cidx, prev = c
                 cj = jnp.min(jnp.where(flag & (iota_c > prev), iota_c, _BIG))
@@ -375,7 +405,8 @@ def _select_kernel(
             k_on,
             lambda: _bisect(
                 lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
-                _INT_MIN, jnp.int32(0),
+                _INT_MIN,
+                jnp.int32(0),
             ),
             lambda: zi + _INT_MIN,
         )
@@ -418,7 +449,8 @@ def _select_kernel(
 
     # Nested conds rather than lax.switch: the switch's index clamp does not lower on jax 0.11.
     tok, tau, qthr, norm = jax.lax.cond(
-        ~valid | greedy, p_none,
+        ~valid | greedy,
+        p_none,
         lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_slow)),
     )
     tok_ref[r] = tok
@@ -465,7 +497,6 @@ def fused_sample_debug(
     ntp = pl.next_power_of_2(nt)
     ncp = pl.next_power_of_2(nt * (tile // CHUNK))
     f32, i32 = jnp.float32, jnp.int32
-    temperature = temperature.astype(f32)
     top_k = top_k.astype(i32)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd = jax.ShapeDtypeStruct
@@ -474,29 +505,66 @@ def fused_sample_debug(
         grid=(R,),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 6,
-        out_shape=[sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R, ntp), f32), sd((R, ntp), f32), sd((R, ncp), f32)],
+        out_shape=[
+            sd((R,), f32),
+            sd((R,), i32),
+            sd((R,), i32),
+            sd((R, ntp), f32),
+            sd((R, ntp), f32),
+            sd((R, ncp), f32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ddtree_sample_stats",
     )(logits, temperature, top_k)
     tok, tau, qthr, norm, path, _ = pl.pallas_call(
-        functools.partial(_select_kernel, V=V, tile=tile, nt=nt, ntp=ntp, ncp=ncp, exact_asm=EXACT_DIV_ASM and not interpret,
-                          compact=compact, interpret_mode=interpret),
+        functools.partial(
+            _select_kernel,
+            V=V,
+            tile=tile,
+            nt=nt,
+            ntp=ntp,
+            ncp=ncp,
+            exact_asm=EXACT_DIV_ASM and not interpret,
+            compact=compact,
+            interpret_mode=interpret,
+        ),
         grid=(R,),
         in_specs=[any_spec] * 12,
         out_specs=[any_spec] * 6,
-        out_shape=[sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32)],
+        out_shape=[
+            sd((R,), i32),
+            sd((R,), f32),
+            sd((R,), f32),
+            sd((R,), f32),
+            sd((R,), i32),
+            sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=select_warps or num_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_sample_select",
     )(
-        logits, temperature, top_k, top_p.astype(f32), min_p.astype(f32), seeds.astype(jnp.uint32),
-        mx, am, ok, tm, ts, cm,
+        logits,
+        temperature,
+        top_k,
+        top_p.astype(f32),
+        min_p.astype(f32),
+        seeds.astype(jnp.uint32),
+        mx,
+        am,
+        ok,
+        tm,
+        ts,
+        cm,
     )
     return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path)
 
 
-def fused_sample(logits, temperature, top_k, top_p, min_p, seeds, *, interpret: bool = False, tile: int | None = None, **tuning) -> jax.Array:
+def fused_sample(
+    logits, temperature, top_k, top_p, min_p, seeds, *, interpret: bool = False, tile: int | None = None, **tuning
+) -> jax.Array:
     """One exact draw per row of ``logits [R, V]`` under per-row (temperature, top_k, top_p,
     min_p), seeds ``u32 [R, 2]``; ``INVALID_TOKEN`` for NaN/+inf/all--inf rows. i32 ``[R]``."""
-    return fused_sample_debug(logits, temperature, top_k, top_p, min_p, seeds, interpret=interpret, tile=tile, **tuning)["token"]
+    return fused_sample_debug(
+        logits, temperature, top_k, top_p, min_p, seeds, interpret=interpret, tile=tile, **tuning
+    )["token"]
