@@ -22,6 +22,7 @@ import glob
 import json
 import math
 import os
+import struct
 
 __all__ = [
     "METHODS",
@@ -210,9 +211,27 @@ def check_model_dir(path: str, role: str, option: str | None = None) -> dict:
             more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
             raise PreflightError(f"{where}: weights file {absent[0]}{more} named by model.safetensors.index.json "
                                  "is missing")
-    elif not glob.glob(os.path.join(glob.escape(path), "*.safetensors")):
-        raise PreflightError(f"{where}: no weights (no *.safetensors file and no model.safetensors.index.json)")
+    else:
+        shards = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+        if not shards:
+            raise PreflightError(f"{where}: no weights (no *.safetensors file and no model.safetensors.index.json)")
+    for name in shards:
+        _check_safetensors_header(os.path.join(path, name), where)
     return cfg
+
+
+def _check_safetensors_header(file: str, where: str) -> None:
+    """The file starts with a safetensors header that fits in it (catches empty and truncated files)."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise PreflightError(f"{where}: cannot read {os.path.basename(file)} ({e})") from None
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+    if n is None or 8 + n > size:
+        raise PreflightError(f"{where}: {os.path.basename(file)} is not a complete safetensors file "
+                             f"({size} bytes{', empty' if size == 0 else ''})")
 
 
 def _drafter_field(cfg: dict, name: str):

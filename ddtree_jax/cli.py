@@ -197,7 +197,7 @@ class _Run:
     tau: float
     seconds: float  # prefill + decoding
     compile_seconds: float
-    compile_note: str
+    code: str  # where the compiled programs came from (CompileWatch.code)
 
 
 def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: list[int], sampling) -> _Run:
@@ -247,12 +247,12 @@ def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: li
     tps = result.new_tokens / result.seconds if result.seconds > 0 else float("nan")
     _log(f"[ddtree_jax] {result.method} ({_settings(result.method, args.budget, models.block)}): "
          f"{result.new_tokens} tokens in {result.seconds:.2f}s + prefill {result.prefill_seconds:.2f}s "
-         f"({tps:.1f} tok/s; {watch.summary()}), mean tau={result.mean_tau:.2f}")
+         f"({tps:.1f} tok/s, {watch.summary()}), mean tau={result.mean_tau:.2f}")
     if result.time_split:
         _log("[ddtree_jax] time split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.time_split.items()))
     return _Run(method=result.method, settings=_settings(result.method, args.budget, models.block),
                 tokens=result.tokens, new_tokens=result.new_tokens, passes=sum(r.rounds for r in result.requests),
-                tau=result.mean_tau, seconds=seconds, compile_seconds=watch.seconds, compile_note=watch.summary())
+                tau=result.mean_tau, seconds=seconds, compile_seconds=watch.seconds, code=watch.code())
 
 
 def run_generate(args, parser=None) -> _Run:
@@ -351,19 +351,20 @@ def _summary(runs: list[_Run], prompts, max_new_tokens: int, same: bool) -> None
 
     ar = next((r for r in runs if r.method == "ar"), None)
     backend = jax.default_backend()
+    w = max(len(r.settings) for r in runs)
     lines = [f"summary: {len(prompts)} prompts x {max_new_tokens} new tokens, greedy, float32, on {backend}",
-             f"  {'method':<7} {'ran with':<44} {'tokens':>6} {'target passes':>13} {'tau':>5}  {'wall':>7}  "
-             "compilation"]
+             f"  {'method':<7} {'ran with':<{w}} {'tokens':>6} {'target passes':>13} {'tau':>5} {'wall':>7} "
+             f"{'compiling':>9}  compiled code"]
     for r in runs:
-        lines.append(f"  {r.method:<7} {r.settings:<44} {r.new_tokens:>6} {r.passes:>13} {r.tau:>5.2f}  "
-                     f"{r.seconds:>6.1f}s  {r.compile_seconds:.1f}s")
-    lines.append("  tau = tokens committed per target pass (mean acceptance length, bonus token included); "
-                 "wall = prefill + decoding, compilation included (see the column)")
+        lines.append(f"  {r.method:<7} {r.settings:<{w}} {r.new_tokens:>6} {r.passes:>13} {r.tau:>5.2f} "
+                     f"{r.seconds:>6.1f}s {r.compile_seconds:>8.1f}s  {r.code}")
+    lines.append("  tau: tokens committed per target pass (bonus token included); target passes: summed over the "
+                 "prompts; wall: prefill + decoding, including the compiling column")
     if ar is not None:
         for r in runs:
             if r.method != "ar" and r.passes:
-                lines.append(f"  {r.method}: tau {r.tau:.2f}: {r.passes} target passes instead of {ar.passes}, "
-                             f"{ar.passes / r.passes:.1f}x fewer than autoregressive decoding")
+                lines.append(f"  {r.method}: tau {r.tau:.2f}, so {r.passes} target passes instead of {ar.passes}: "
+                             f"{1 - r.passes / ar.passes:.0%} of the target passes saved")
     lines.append(f"  greedy outputs identical across {' / '.join(r.method for r in runs)}: {same}")
     if backend == "cpu":
         lines.append("  note: on a CPU, fewer target passes do not mean less time: the tiny target's verify pass costs "

@@ -30,6 +30,7 @@ _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _HIT = "/jax/compilation_cache/cache_hits"
+_explained = False  # whether an announcement has said what the persistent cache does
 
 
 def default_dir() -> str:
@@ -94,17 +95,27 @@ class CompileWatch:
         return total
 
     def summary(self) -> str:
-        """E.g. ``"12.3s of it compiling 4 programs, 3 of them loaded from the cache"``."""
-        if not self.compiles:
-            return "no compilation (programs already compiled in this process)"
-        hits = self.cache_hits
-        if hits == self.compiles:
-            how = "all loaded from the persistent cache"
-        elif hits:
-            how = f"{hits} of them loaded from the persistent cache"
-        else:
-            how = "none from the persistent cache"
-        return f"{self.seconds:.1f}s of it tracing and compiling {self.compiles} programs, {how}"
+        """What the watched time includes, e.g. ``"incl. 12.3s compiling 4 programs (none were in the
+        persistent cache)"`` or ``"incl. 2.1s tracing 4 programs and loading them compiled from the
+        persistent cache"``."""
+        n, hits, sec = self.compiles, self.cache_hits, self.seconds
+        if not n:
+            return "no compilation: every program was already compiled in this process"
+        if hits == n:
+            return f"incl. {sec:.1f}s tracing {n} programs and loading them compiled from the persistent cache"
+        if hits:
+            return f"incl. {sec:.1f}s compiling {n - hits} programs and loading {hits} from the persistent cache"
+        why = "none were in the persistent cache" if _cache_on() else "persistent cache off"
+        return f"incl. {sec:.1f}s compiling {n} programs ({why})"
+
+    def code(self) -> str:
+        """Where the programs came from, in a few words."""
+        n, hits = self.compiles, self.cache_hits
+        if not n:
+            return "already compiled"
+        if hits == n:
+            return "from the cache"
+        return f"{hits}/{n} from the cache" if hits else "compiled now"
 
     # -- jax.monitoring listeners --
 
@@ -138,9 +149,13 @@ class CompileWatch:
             if self._timers.pop(name, None) is None:
                 return
             self._announced[name] = time.time()
-        where = "not in the persistent cache yet; written there for later runs" if _cache_on() else \
-            "persistent compilation cache off"
-        self.log(f"{self.prefix}compiling {name} ({where}) ...")
+        global _explained
+        where = ""
+        if not _explained:  # said once per process
+            where = (" (not in the persistent cache yet; written there for later runs)" if _cache_on()
+                     else " (persistent compilation cache off)")
+            _explained = True
+        self.log(f"{self.prefix}compiling {name}{where} ...")
 
     def _finish(self, name, seconds):
         with self._lock:

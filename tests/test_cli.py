@@ -4,6 +4,7 @@ default model, generation and statistics, the compilation cache."""
 import argparse
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -59,8 +60,9 @@ def _write_model(folder, cfg: dict, weights=True) -> str:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
-    if weights:
-        open(os.path.join(folder, "model.safetensors"), "wb").close()  # never read: checks stop before loading
+    if weights:  # an empty safetensors file (a header, no tensors): the checks read only the header
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(struct.pack("<Q", 2) + b"{}")
     return str(folder)
 
 
@@ -77,6 +79,8 @@ def folders(tmp_path_factory):
     sharded = _write_model(root / "sharded", tcfg.to_hf_dict(), weights=False)
     with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}, f)
+    truncated = _write_model(root / "truncated", tcfg.to_hf_dict(), weights=False)
+    open(os.path.join(truncated, "model.safetensors"), "wb").close()
     (root / "empty").mkdir()
     (root / "notok").mkdir()
     (root / "afile").write_text("x")
@@ -84,7 +88,8 @@ def folders(tmp_path_factory):
         root=str(root), pair=str(pair), target=str(pair / "target"), drafter=str(pair / "drafter"),
         tok=str(pair / "tokenizer.json"), empty=str(root / "empty"), notok=str(root / "notok"),
         noweights=_write_model(root / "noweights", tcfg.to_hf_dict(), weights=False), sharded=sharded,
-        other=_write_model(root / "other", other), afile=str(root / "afile"), missing=str(root / "missing"),
+        other=_write_model(root / "other", other), truncated=truncated, afile=str(root / "afile"),
+        missing=str(root / "missing"),
         llama=_write_model(root / "llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
     )
 
@@ -110,6 +115,7 @@ BAD_INPUTS = {
     "target is a file": (["--target", "{afile}"], ["--target {afile}", "is a file"]),
     "missing weights": (["--target", "{noweights}"], ["--target {noweights}", "no weights"]),
     "missing weights shard": (["--target", "{sharded}"], ["--target {sharded}", "model-00001-of-00002.safetensors"]),
+    "empty weights file": (["--target", "{truncated}"], ["--target {truncated}", "model.safetensors", "0 bytes"]),
     "drafter of another target": (["--drafter", "{other}"], ["--drafter {other}", "7 layers"]),
     "no drafter": (["--drafter", ""], ["--method ddtree needs --drafter"]),
     "budget 0": (["--budget", "0"], ["--budget", ">= 1"]),
@@ -154,7 +160,7 @@ def test_generate_bad_input_is_one_line_before_anything_loads(case, folders):
     (["--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
     (["--dir", "{afile}"], ["--dir {afile}", "is a file"]),
     (["--compilation-cache"], ["--compilation-cache", "expected one argument"]),
-])
+], ids=["budget 0", "max-new-tokens 0", "dir is a file", "cache flag without a value"])
 def test_demo_bad_input_is_one_line_before_anything_loads(argv, expected, folders):
     _check_one_line_error(_run_cli(["demo", *_fill(argv, folders)]), f"{PROG} demo", _fill(expected, folders))
 
@@ -169,6 +175,27 @@ def _check_one_line_error(proc: subprocess.CompletedProcess, prog: str, expected
         assert s in message[0], (s, message[0])
     assert "ddtree_jax.cli" in imported  # -X importtime did report the imports
     assert not [m for m in imported if m.split(".")[0] in ("jax", "flax", "tokenizers")], "imported before the checks"
+
+
+def test_checkpoint_error_after_loading_is_one_line(default_dir, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "target"
+    broken.mkdir()
+    (broken / "config.json").write_text(open(os.path.join(default_dir, "target", "config.json")).read())
+    tensors = load_file(os.path.join(default_dir, "target", "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    argv = ["generate", "--target", str(broken), "--tokenizer", default_dir, "--prompt", "A draft tree", "--method",
+            "ar", "--compilation-cache", "off"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.splitlines()[-1].startswith(f"{PROG} generate: error: --target {broken}: 1 tensor(s) missing")
+    with pytest.raises(Exception, match="missing") as e:  # --debug: the traceback, from the loader
+        cli.main(argv + ["--debug"])
+    assert type(e.value).__name__ == "CheckpointError"
 
 
 def test_preflight_ranges_agree_with_sampling_params():
@@ -207,14 +234,15 @@ def test_model_dir_checks_accept_real_folders(folders):
 
 
 def test_demo_summary_says_what_ran_and_why_cpu_is_not_faster(capsys):
-    runs = [cli._Run("ddtree", cli._settings("ddtree", 32, 15), [[1]], 192, 76, 2.54, 26.8, 25.1, ""),
-            cli._Run("dflash", cli._settings("dflash", 32, 15), [[1]], 192, 94, 2.04, 17.4, 16.2, ""),
-            cli._Run("ar", cli._settings("ar", 32, 0), [[1]], 192, 192, 1.0, 12.4, 11.9, "")]
+    runs = [cli._Run("ddtree", cli._settings("ddtree", 32, 15), [[1]], 192, 76, 2.54, 26.8, 25.1, "compiled now"),
+            cli._Run("dflash", cli._settings("dflash", 32, 15), [[1]], 192, 94, 2.04, 17.4, 16.2, "compiled now"),
+            cli._Run("ar", cli._settings("ar", 32, 0), [[1]], 192, 192, 1.0, 12.4, 11.9, "from the cache")]
     cli._summary(runs, [[1], [2], [3]], 64, True)
     err = capsys.readouterr().err
     assert "tree of 32 drafted nodes over a block of 15" in err and "chain of the 15 drafted tokens" in err
     assert "one token per target pass" in err and "budget=0" not in err
-    assert "2.5x fewer than autoregressive" in err and "identical across ddtree / dflash / ar: True" in err
+    assert "76 target passes instead of 192: 60% of the target passes saved" in err
+    assert "identical across ddtree / dflash / ar: True" in err
     assert "need an accelerator" in err and "3.5x" in err  # this machine is a CPU
 
 
