@@ -47,10 +47,11 @@ def progress(name, max_new):
         f"[example] {name}: {int(generated.sum())}/{len(generated) * max_new} tokens ({time.perf_counter() - t0:.0f}s)")
 
 
-out = dt.generate(target, drafter, prompts, method="ddtree", budget=32, sampling=sampling, max_new_tokens=24,
-                  on_progress=progress("ddtree, budget 32", 24))
+with compilation_cache.CompileWatch(log=log, prefix="[example]   "):  # announces compilations longer than 3 s
+    out = dt.generate(target, drafter, prompts, method="ddtree", budget=32, sampling=sampling, max_new_tokens=24,
+                      on_progress=progress("ddtree, budget 32", 24))
+    ar = dt.generate(target, None, prompts[:1], method="ar", max_new_tokens=24,
+                     on_progress=progress("autoregressive", 24))
 for r in out.requests:
     print(f"{r.finish_reason:>6} | rounds {r.rounds:2d} | tau {r.tau:.2f} | {tokenizer.decode(r.tokens)!r}")
-
-ar = dt.generate(target, None, prompts[:1], method="ar", max_new_tokens=24, on_progress=progress("autoregressive", 24))
 print("greedy DDTree == greedy autoregressive:", out.tokens[0] == ar.tokens[0])
