@@ -119,7 +119,7 @@ def _sampling_from_args(args):
         raise _UserError(f"bad sampling option: {e}") from None
 
 
-def _stop_ids(args, tokenizer) -> list[int]:
+def _stop_ids(args, checked: _Checked) -> list[int]:
     stop = list(args.stop_token_id or [])
     gen_cfg = os.path.join(os.path.dirname(os.path.abspath(args.target)), "generation_config.json")
     for cfg_path in (os.path.join(args.target, "generation_config.json"), gen_cfg):
@@ -129,7 +129,13 @@ def _stop_ids(args, tokenizer) -> list[int]:
                     eos = json.load(f).get("eos_token_id")
             except (OSError, ValueError, AttributeError) as e:
                 raise _UserError(f"--target {args.target}: cannot read {cfg_path} ({e})") from None
-            stop += eos if isinstance(eos, list) else [eos] if eos is not None else []
+            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            vocab = checked.target_cfg.get("vocab_size")
+            bad = [e for e in eos if not isinstance(e, int) or (isinstance(vocab, int) and not 0 <= e < vocab)]
+            if bad:
+                raise _UserError(f"--target {args.target}: eos_token_id {bad[0]!r} in {cfg_path} is not a token id "
+                                 f"of its vocabulary [0, {vocab}) (--ignore-eos skips it)")
+            stop += eos
             break
     return sorted(set(stop))
 
@@ -259,9 +265,9 @@ def run_generate(args, parser=None) -> _Run:
     """Checks the options and folders, loads the tokenizer and models, generates, prints text and statistics."""
     try:
         checked = _preflight_generate(args)
+        stop = _stop_ids(args, checked)
         tokenizer = _load_tokenizer(checked.tokenizer_path, args.debug)
         prompts = _encode_prompts(args, tokenizer, checked)
-        stop = _stop_ids(args, tokenizer)
         cache = _enable_cache(args)
         sampling = _sampling_from_args(args)
         _log(f"[ddtree_jax] compilation cache: {cache or 'off'}")

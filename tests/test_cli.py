@@ -79,6 +79,8 @@ def folders(tmp_path_factory):
     sharded = _write_model(root / "sharded", tcfg.to_hf_dict(), weights=False)
     with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}, f)
+    badeos = _write_model(root / "badeos" / "target", tcfg.to_hf_dict())
+    (root / "badeos" / "generation_config.json").write_text(json.dumps({"eos_token_id": 999}))
     truncated = _write_model(root / "truncated", tcfg.to_hf_dict(), weights=False)
     open(os.path.join(truncated, "model.safetensors"), "wb").close()
     (root / "empty").mkdir()
@@ -88,7 +90,7 @@ def folders(tmp_path_factory):
         root=str(root), pair=str(pair), target=str(pair / "target"), drafter=str(pair / "drafter"),
         tok=str(pair / "tokenizer.json"), empty=str(root / "empty"), notok=str(root / "notok"),
         noweights=_write_model(root / "noweights", tcfg.to_hf_dict(), weights=False), sharded=sharded,
-        other=_write_model(root / "other", other), truncated=truncated, afile=str(root / "afile"),
+        other=_write_model(root / "other", other), truncated=truncated, badeos=badeos, afile=str(root / "afile"),
         missing=str(root / "missing"),
         llama=_write_model(root / "llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
     )
@@ -130,6 +132,7 @@ BAD_INPUTS = {
     "min-p above 1": (["--min-p", "2"], ["--min-p", "[0, 1]"]),
     "seed too large": (["--seed", str(2**32)], ["--seed", "[0, 2**32)"]),
     "stop token outside the vocabulary": (["--stop-token-id", "300"], ["--stop-token-id 300", "[0, 300)"]),
+    "eos outside the vocabulary": (["--target", "{badeos}"], ["--target {badeos}", "eos_token_id 999", "[0, 300)"]),
     "tokenizer folder without tokenizer.json": (["--tokenizer", "{notok}"], ["--tokenizer {notok}", "is a folder"]),
     "missing tokenizer": (["--tokenizer", "{missing}"], ["--tokenizer {missing}", "no such file"]),
     "unknown method": (["--method", "beam"], ["--method", "invalid choice"]),
