@@ -29,7 +29,7 @@ log(f"[example] compilation cache: {cache or 'off'}")
 if is_complete(DEFAULT_DIR):
     log(f"[example] using the cached default in {DEFAULT_DIR}")
 else:
-    log(f"[example] making the default in {DEFAULT_DIR} (first run only, about 4 to 6 minutes on 2 CPU cores) ...")
+    log(f"[example] making the default in {DEFAULT_DIR} (first run only, about 4 to 7 minutes on 2 CPU cores) ...")
 path = make_default(log=log)
 target = dt.load_target(f"{path}/target")
 drafter = dt.load_drafter(f"{path}/drafter", target)
