@@ -3,170 +3,448 @@
     python -m ddtree_jax generate --target DIR --drafter DIR --tokenizer tokenizer.json \\
         --prompt "Speculative decoding" --method ddtree --budget 64 --temperature 0.7 --top-p 0.9
 
-    python -m ddtree_jax demo      # builds the built-in default once, then runs all methods
+    python -m ddtree_jax demo      # makes the built-in default once, then runs every method on it
 
-Progress goes to stderr; with one prompt the text streams as it is committed.
+Every option, model folder (``config.json``, architecture, weights) and the tokenizer path are
+checked before JAX, a tokenizer or a model loads (``ddtree_jax/_preflight.py``). Progress goes to
+stderr; with one prompt the text streams to stdout as it is committed.
+
+Compiled programs persist between runs in JAX's compilation cache (``--compilation-cache DIR|off``,
+environment ``DDTREE_JAX_COMPILATION_CACHE``, default ``~/.cache/ddtree_jax/jax_cache``; see
+``ddtree_jax/compilation_cache.py``), so a second run starts decoding in seconds.
+
+Exit status: 0 done; 2 a bad option, path, model folder, tokenizer or checkpoint (one line on
+stderr, ``<prog>: error: ...``, argparse's convention); 1 the demo's greedy outputs differ between
+methods; 130 interrupted. Any other failure is a bug and prints its traceback. ``--debug`` prints
+the traceback of checkpoint and tokenizer errors too.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
-from ddtree_jax.generate import METHODS
+from ddtree_jax import _preflight as pf
+from ddtree_jax._preflight import METHODS, PreflightError
+
+_EPILOG = ("exit status: 0 done; 2 bad option, path, model folder, tokenizer or checkpoint (one-line message); "
+           "1 the demo's greedy outputs differ; 130 interrupted. Other failures are bugs and show a traceback.")
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _load_tokenizer(path: str):
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: message`` on stderr, exit status 2."""
+
+    def error(self, message: str):
+        sys.stdout.flush()
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _UserError(Exception):
+    """A user mistake found after argument parsing; printed as one line, exit status 2."""
+
+
+# ---- checks before anything loads ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Checked:
+    target_cfg: dict
+    drafter_cfg: dict | None
+    tokenizer_path: str
+
+
+def _preflight_generate(args) -> _Checked:
+    if args.method != "ar" and not args.drafter:
+        raise PreflightError(f"--method {args.method} needs --drafter (a DFlash drafter folder); "
+                             "only --method ar runs without one")
+    target_cfg = pf.check_model_dir(args.target, "target")
+    drafter_cfg = None
+    if args.drafter:
+        drafter_cfg = pf.check_model_dir(args.drafter, "drafter")
+        pf.check_pair(target_cfg, drafter_cfg, args.target, args.drafter)
+    vocab = target_cfg.get("vocab_size")
+    for s in args.stop_token_id or []:
+        if isinstance(vocab, int) and s >= vocab:
+            raise PreflightError(f"--stop-token-id {s}: outside --target {args.target}'s vocabulary [0, {vocab})")
+    for i, p in enumerate(args.prompt):
+        if not p:
+            raise PreflightError(f"--prompt #{i + 1} is empty")
+    return _Checked(target_cfg, drafter_cfg, pf.resolve_tokenizer(args.tokenizer))
+
+
+def _load_tokenizer(path: str, debug: bool):
     from tokenizers import Tokenizer
 
-    if not os.path.isfile(path):
-        raise SystemExit(f"--tokenizer: no such file {path!r}")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exception subclasses
+        if debug:
+            raise
+        raise _UserError(f"--tokenizer {path}: not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
+
+
+def _encode_prompts(args, tokenizer, checked: _Checked) -> list[list[int]]:
+    cfg = checked.target_cfg
+    vocab, context = cfg.get("vocab_size"), cfg.get("max_position_embeddings", 4096)
+    prompts = []
+    for i, text in enumerate(args.prompt):
+        ids = tokenizer.encode(text).ids
+        if not ids:
+            raise _UserError(f"--prompt #{i + 1} encodes to no tokens")
+        if isinstance(vocab, int) and max(ids) >= vocab:
+            raise _UserError(f"--prompt #{i + 1} encodes to token id {max(ids)}, outside --target {args.target}'s "
+                             f"vocabulary [0, {vocab}): does --tokenizer {args.tokenizer} belong to this target?")
+        if isinstance(context, int) and len(ids) + args.max_new_tokens > context:
+            raise _UserError(f"--max-new-tokens {args.max_new_tokens}: with --prompt #{i + 1} ({len(ids)} tokens) it "
+                             f"exceeds the target's context of {context} positions (max_position_embeddings)")
+        prompts.append(ids)
+    return prompts
 
 
 def _sampling_from_args(args):
     from ddtree_jax.sampling import SamplingParams
 
-    try:
-        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    try:  # already checked by the argparse types; SamplingParams stays the authority
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              seed=args.seed)
     except ValueError as e:
-        raise SystemExit(f"bad sampling option: {e}") from None
+        raise _UserError(f"bad sampling option: {e}") from None
 
 
-def _stop_ids(args, tokenizer) -> list[int]:
+def _stop_ids(args, checked: _Checked) -> list[int]:
     stop = list(args.stop_token_id or [])
     gen_cfg = os.path.join(os.path.dirname(os.path.abspath(args.target)), "generation_config.json")
     for cfg_path in (os.path.join(args.target, "generation_config.json"), gen_cfg):
         if os.path.isfile(cfg_path) and not args.ignore_eos:
-            eos = json.load(open(cfg_path)).get("eos_token_id")
-            stop += eos if isinstance(eos, list) else [eos] if eos is not None else []
+            try:
+                with open(cfg_path) as f:
+                    eos = json.load(f).get("eos_token_id")
+            except (OSError, ValueError, AttributeError) as e:
+                raise _UserError(f"--target {args.target}: cannot read {cfg_path} ({e})") from None
+            eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            vocab = checked.target_cfg.get("vocab_size")
+            bad = [e for e in eos if not isinstance(e, int) or (isinstance(vocab, int) and not 0 <= e < vocab)]
+            if bad:
+                raise _UserError(f"--target {args.target}: eos_token_id {bad[0]!r} in {cfg_path} is not a token id "
+                                 f"of its vocabulary [0, {vocab}) (--ignore-eos skips it)")
+            stop += eos
             break
     return sorted(set(stop))
 
 
-def run_generate(args) -> dict:
-    """Loads the models and tokenizer, generates, prints text and statistics; returns a summary."""
+def _enable_cache(args) -> str | None:
+    from ddtree_jax import compilation_cache
+
+    return compilation_cache.enable(compilation_cache.resolve(args.compilation_cache))
+
+
+# ---- loading and decoding --------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Models:
+    target: object
+    drafter: object | None
+    block: int  # drafted tokens per round (the drafter's block size - 1); 0 without a drafter
+
+
+def _load_models(args, need_drafter: bool) -> _Models:
     import jax.numpy as jnp
 
     from ddtree_jax.checkpoints import load_drafter, load_target
-    from ddtree_jax.generate import generate
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    tokenizer = _load_tokenizer(args.tokenizer)
+    dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     t0 = time.perf_counter()
-    target = load_target(args.target, dtype=dtype)
-    drafter = load_drafter(args.drafter, target) if args.method != "ar" else None
+    _log(f"[ddtree_jax] loading the target from {args.target} ...")
+    try:
+        target = load_target(args.target, dtype=dtype)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        if args.debug:
+            raise
+        raise _UserError(f"--target {args.target}: {e}") from None
+    drafter = None
+    if need_drafter:
+        _log(f"[ddtree_jax] loading the drafter from {args.drafter} ...")
+        try:
+            drafter = load_drafter(args.drafter, target)
+        except (ValueError, OSError) as e:
+            if args.debug:
+                raise
+            raise _UserError(f"--drafter {args.drafter}: {e}") from None
     _log(f"[ddtree_jax] loaded target{' + drafter' if drafter is not None else ''} in {time.perf_counter() - t0:.1f}s "
          f"(vocab {target.config.vocab_size}, {target.config.num_hidden_layers} layers)")
-    prompts = [tokenizer.encode(p).ids for p in args.prompt]
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise SystemExit(f"--prompt #{i + 1} encodes to no tokens")
-    stream = len(prompts) == 1 and not args.no_stream
-    printed = [0]
+    return _Models(target, drafter, drafter.config.block_size - 1 if drafter is not None else 0)
+
+
+def _settings(method: str, budget: int, block: int) -> str:
+    """What a method actually ran with, in words."""
+    if method == "ddtree":
+        return f"tree of {budget} drafted nodes over a block of {block}"
+    if method == "dflash":
+        return f"chain of the {block} drafted tokens"
+    return "one token per target pass"
+
+
+@dataclasses.dataclass
+class _Run:
+    method: str
+    settings: str
+    tokens: list[list[int]]
+    new_tokens: int
+    passes: int  # target passes, summed over requests
+    tau: float
+    seconds: float  # prefill + decoding
+    compile_seconds: float
+    code: str  # where the compiled programs came from (CompileWatch.code)
+
+
+def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: list[int], sampling) -> _Run:
+    from ddtree_jax.compilation_cache import CompileWatch
+    from ddtree_jax.generate import generate
+
+    # Streaming: the prompt is echoed with the first tokens, so no message lands glued to it.
+    shown = {"echoed": False, "chars": 0}
+    last = [time.perf_counter()]
+    total = len(prompts) * args.max_new_tokens
 
     def on_progress(out, gen):
         if stream:
+            if not shown["echoed"]:
+                sys.stdout.write(args.prompt[0])
+                shown["echoed"] = True
             text = tokenizer.decode(out[0, : gen[0]].tolist())
-            sys.stdout.write(text[printed[0] :])
+            sys.stdout.write(text[shown["chars"] :])
             sys.stdout.flush()
-            printed[0] = len(text)
-        else:
-            _log(f"[ddtree_jax] generated {int(gen.sum())}/{len(prompts) * args.max_new_tokens} tokens")
+            shown["chars"] = len(text)
+        elif time.perf_counter() - last[0] >= 2.0 or int(gen.sum()) == total:
+            last[0] = time.perf_counter()
+            _log(f"[ddtree_jax]   {args.method}: {int(gen.sum())}/{total} tokens "
+                 f"({time.perf_counter() - start:.0f}s)")
 
-    if stream:
-        sys.stdout.write(args.prompt[0])
-    result = generate(
-        target, drafter, prompts, method=args.method, budget=args.budget, sampling=_sampling_from_args(args),
-        max_new_tokens=args.max_new_tokens, stop_tokens=_stop_ids(args, tokenizer), seed=args.seed or 0,
-        sync_every=args.sync_every, profile=args.profile, on_progress=on_progress,
-    )
-    if stream:
-        sys.stdout.write("\n")
-    else:
-        for prompt, r in zip(args.prompt, result.requests):
-            print(f"--- {prompt!r} ->\n{tokenizer.decode(r.tokens)}")
+    _log(f"[ddtree_jax] {args.method} ({_settings(args.method, args.budget, models.block)}): prefill + decoding "
+         f"{len(prompts)} prompt(s) x {args.max_new_tokens} new tokens; the first call of each shape compiles ...")
+    start = time.perf_counter()
+    try:
+        with CompileWatch(log=_log, prefix="[ddtree_jax]   ") as watch:
+            result = generate(
+                models.target, models.drafter if args.method != "ar" else None, prompts, method=args.method,
+                budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop,
+                seed=args.seed or 0, sync_every=args.sync_every, profile=args.profile, on_progress=on_progress,
+            )
+    finally:
+        if stream and shown["echoed"]:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+    if not stream:
+        for prompt, r in zip(args.prompt, result.requests, strict=True):
+            print(f"--- {prompt!r} ->\n{tokenizer.decode(r.tokens)}", flush=True)
     for i, r in enumerate(result.requests):
-        _log(f"[ddtree_jax] request {i}: {len(r.tokens)} tokens, finish={r.finish_reason}, rounds={r.rounds}, tau={r.tau:.2f}")
+        _log(f"[ddtree_jax] request {i}: {len(r.tokens)} tokens, finish={r.finish_reason}, rounds={r.rounds}, "
+             f"tau={r.tau:.2f}")
+    seconds = result.seconds + result.prefill_seconds
     tps = result.new_tokens / result.seconds if result.seconds > 0 else float("nan")
-    _log(f"[ddtree_jax] method={result.method} budget={result.budget}: {result.new_tokens} tokens in {result.seconds:.2f}s "
-         f"({tps:.1f} tok/s incl. compilation on first use), mean tau={result.mean_tau:.2f}, prefill {result.prefill_seconds:.2f}s")
+    _log(f"[ddtree_jax] {result.method} ({_settings(result.method, args.budget, models.block)}): "
+         f"{result.new_tokens} tokens in {result.seconds:.2f}s + prefill {result.prefill_seconds:.2f}s "
+         f"({tps:.1f} tok/s, {watch.summary()}), mean tau={result.mean_tau:.2f}")
     if result.time_split:
         _log("[ddtree_jax] time split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.time_split.items()))
-    return dict(method=result.method, tokens=result.tokens, tau=result.mean_tau, seconds=result.seconds)
+    return _Run(method=result.method, settings=_settings(result.method, args.budget, models.block),
+                tokens=result.tokens, new_tokens=result.new_tokens, passes=sum(r.rounds for r in result.requests),
+                tau=result.mean_tau, seconds=seconds, compile_seconds=watch.seconds, code=watch.code())
 
 
-def run_demo(args) -> None:
+def run_generate(args, parser=None) -> _Run:
+    """Checks the options and folders, loads the tokenizer and models, generates, prints text and statistics."""
+    try:
+        checked = _preflight_generate(args)
+        stop = _stop_ids(args, checked)
+        tokenizer = _load_tokenizer(checked.tokenizer_path, args.debug)
+        prompts = _encode_prompts(args, tokenizer, checked)
+        cache = _enable_cache(args)
+        sampling = _sampling_from_args(args)
+        _log(f"[ddtree_jax] compilation cache: {cache or 'off'}")
+        models = _load_models(args, need_drafter=args.method != "ar")
+    except (PreflightError, _UserError) as e:
+        _fail(parser, str(e))
+    stream = len(prompts) == 1 and not args.no_stream
+    return _decode(args, models, prompts, tokenizer, stream=stream, stop=stop, sampling=sampling)
+
+
+def _fail(parser, message: str):
+    if parser is None:
+        raise SystemExit(message)
+    parser.error(message)
+
+
+# ---- demo ------------------------------------------------------------------------------------
+
+_DEMO_PROMPTS = ["Speculative decoding lets", "A draft tree", "With sampling, every node"]
+# README, "Measured": end to end on one H200, Kimi-style slice, a drafter that always agrees.
+_GPU_FIGURES = "DFlash 3.5x and DDTree (budget 64) 2.0x the autoregressive tokens/s on one H200 (Kimi-style slice, " \
+               "a drafter that always agrees; README, Measured)"
+# Measured on 2 CPU cores (README, Set up).
+_MAKE_MINUTES = "4 to 7"
+
+
+def run_demo(args, parser=None) -> None:
+    from ddtree_jax.default_model import is_complete
+
+    try:
+        if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+            raise PreflightError(f"--dir {args.dir}: is a file, expected a folder for the default model")
+        for i, p in enumerate(args.prompt or []):
+            if not p:
+                raise PreflightError(f"--prompt #{i + 1} is empty")
+        if is_complete(args.dir):
+            for role in ("target", "drafter"):
+                pf.check_model_dir(os.path.join(args.dir, role), role, option=f"--dir ({role})")
+        cache = _enable_cache(args)
+    except PreflightError as e:
+        _fail(parser, str(e))
+    _log(f"[ddtree_jax] compilation cache: {cache or 'off'}")
+    from ddtree_jax.compilation_cache import CompileWatch
     from ddtree_jax.default_model import make_default
 
     t0 = time.perf_counter()
-    _log(f"[ddtree_jax] preparing the built-in default in {args.dir} (made and trained once, a few minutes) ...")
-    path = make_default(args.dir, log=_log)
-    _log(f"[ddtree_jax] default ready in {time.perf_counter() - t0:.1f}s: target/, drafter/, tokenizer.json")
-    summaries = []
+    if is_complete(args.dir):
+        _log(f"[ddtree_jax] using the cached default in {args.dir} (target/, drafter/, tokenizer.json)")
+    else:
+        _log(f"[ddtree_jax] making the default in {args.dir}: a tokenizer, then training the target and the drafter "
+             f"(first run only, about {_MAKE_MINUTES} minutes on 2 CPU cores; later runs reuse it) ...")
+        with CompileWatch(log=_log, prefix="[ddtree_jax]   "):
+            make_default(args.dir, log=_log)
+        _log(f"[ddtree_jax] default ready in {time.perf_counter() - t0:.0f}s: target/, drafter/, tokenizer.json")
+    prompts_text = args.prompt or _DEMO_PROMPTS
+    base = dict(
+        target=os.path.join(args.dir, "target"), drafter=os.path.join(args.dir, "drafter"),
+        tokenizer=os.path.join(args.dir, "tokenizer.json"), prompt=prompts_text, budget=args.budget,
+        max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
+        stop_token_id=None, ignore_eos=True, dtype="float32", sync_every=8, profile=False, no_stream=True,
+        compilation_cache=args.compilation_cache, debug=args.debug,
+    )
+    ns = argparse.Namespace(method="ddtree", **base)
+    try:
+        checked = _preflight_generate(ns)
+        tokenizer = _load_tokenizer(checked.tokenizer_path, args.debug)
+        prompts = _encode_prompts(ns, tokenizer, checked)
+        models = _load_models(ns, need_drafter=True)
+    except (PreflightError, _UserError) as e:
+        _fail(parser, str(e))
+    sampling = _sampling_from_args(ns)
+    runs = []
     for method in METHODS:
         _log(f"[ddtree_jax] === method {method} ===")
-        ns = argparse.Namespace(
-            target=os.path.join(path, "target"), drafter=os.path.join(path, "drafter"),
-            tokenizer=os.path.join(path, "tokenizer.json"),
-            prompt=args.prompt or ["Speculative decoding lets", "A draft tree", "With sampling, every node"],
-            method=method, budget=args.budget, max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0,
-            top_p=1.0, min_p=0.0, seed=None, stop_token_id=None, ignore_eos=True, dtype="float32", sync_every=8,
-            profile=False, no_stream=True,
-        )
-        summaries.append(run_generate(ns))
-    same = all(s["tokens"] == summaries[-1]["tokens"] for s in summaries)
-    _log(f"[ddtree_jax] greedy outputs identical across ddtree / dflash / ar: {same}")
+        runs.append(_decode(argparse.Namespace(**{**base, "method": method}), models, prompts, tokenizer,
+                            stream=False, stop=[], sampling=sampling))
+    same = all(r.tokens == runs[-1].tokens for r in runs)
+    _summary(runs, prompts, args.max_new_tokens, same)
     if not same:
-        raise SystemExit("greedy speculative output differs from autoregressive output")
+        print(f"{parser.prog if parser else 'demo'}: greedy speculative output differs from autoregressive output",
+              file=sys.stderr)
+        raise SystemExit(1)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_jax", description="Exact tree speculative decoding in JAX.")
+def _summary(runs: list[_Run], prompts, max_new_tokens: int, same: bool) -> None:
+    import jax
+
+    ar = next((r for r in runs if r.method == "ar"), None)
+    backend = jax.default_backend()
+    w = max(len(r.settings) for r in runs)
+    lines = [f"summary: {len(prompts)} prompts x {max_new_tokens} new tokens, greedy, float32, on {backend}",
+             f"  {'method':<7} {'ran with':<{w}} {'tokens':>6} {'target passes':>13} {'tau':>5} {'wall':>7} "
+             f"{'compile':>8}  compiled code"]
+    for r in runs:
+        lines.append(f"  {r.method:<7} {r.settings:<{w}} {r.new_tokens:>6} {r.passes:>13} {r.tau:>5.2f} "
+                     f"{r.seconds:>6.1f}s {r.compile_seconds:>7.1f}s  {r.code}")
+    lines.append("  tau: tokens committed per target pass (bonus token included); target passes: summed over the "
+                 "prompts; wall: prefill + decoding; compile: the part of wall spent tracing and compiling, or tracing "
+                 "and loading compiled code from the persistent cache")
+    if ar is not None:
+        for r in runs:
+            if r.method != "ar" and r.passes:
+                lines.append(f"  {r.method}: tau {r.tau:.2f}, so {r.passes} target passes instead of {ar.passes}: "
+                             f"{1 - r.passes / ar.passes:.0%} of the target passes saved")
+    lines.append(f"  greedy outputs identical across {' / '.join(r.method for r in runs)}: {same}")
+    if backend == "cpu":
+        lines.append("  note: on a CPU, fewer target passes do not mean less time: the tiny target's verify pass costs "
+                     "about as much per token as a decode step, so the speculative methods are not faster here. "
+                     f"Wall-clock speedups need an accelerator: {_GPU_FIGURES}.")
+    for line in lines:
+        _log("[ddtree_jax] " + line)
+
+
+# ---- argument parsing ------------------------------------------------------------------------
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from ddtree_jax import compilation_cache as cc
+
+    ap = _Parser(prog="python -m ddtree_jax", description="Exact tree speculative decoding in JAX.", epilog=_EPILOG)
     sub = ap.add_subparsers(dest="command", required=True)
+    common = _Parser(add_help=False)
+    common.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                        help=f"folder of JAX's persistent compilation cache, or 'off' (default: ${cc.ENV_VAR}, else "
+                             f"{cc.default_dir()})")
+    common.add_argument("--debug", action="store_true", help="print tracebacks for checkpoint and tokenizer errors too")
 
-    g = sub.add_parser("generate", help="generate text with a target (+ drafter) checkpoint")
-    g.add_argument("--target", required=True, help="HF DeepseekV3ForCausalLM checkpoint directory")
-    g.add_argument("--drafter", help="DFlash drafter checkpoint directory (not needed for --method ar)")
-    g.add_argument("--tokenizer", required=True, help="tokenizer.json")
+    g = sub.add_parser("generate", parents=[common], epilog=_EPILOG,
+                       help="generate text with a target (+ drafter) checkpoint")
+    g.add_argument("--target", required=True, help="DeepseekV3ForCausalLM / Kimi checkpoint folder "
+                                                    "(config.json + *.safetensors)")
+    g.add_argument("--drafter", help="DFlash drafter checkpoint folder (not needed for --method ar)")
+    g.add_argument("--tokenizer", required=True, help="tokenizer.json, or a folder that holds one")
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--method", choices=METHODS, default="ddtree")
-    g.add_argument("--budget", type=int, default=64, help="DDTree node budget")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop-token-id", type=int, action="append", help="in addition to generation_config's eos")
+    g.add_argument("--budget", type=pf.positive_int, default=64, help="DDTree node budget, >= 1 (default 64)")
+    g.add_argument("--max-new-tokens", type=pf.positive_int, default=64, help=">= 1 (default 64)")
+    g.add_argument("--temperature", type=pf.temperature, default=0.0, help=">= 0; 0 = greedy (default)")
+    g.add_argument("--top-k", type=pf.top_k, default=0, help=">= 0; 0 = off (default)")
+    g.add_argument("--top-p", type=pf.top_p, default=1.0, help="in (0, 1]; 1 = off (default)")
+    g.add_argument("--min-p", type=pf.min_p, default=0.0, help="in [0, 1]; 0 = off (default)")
+    g.add_argument("--seed", type=pf.seed, default=None, help="in [0, 2**32)")
+    g.add_argument("--stop-token-id", type=pf.nonnegative_int, action="append",
+                   help="in addition to generation_config's eos")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    g.add_argument("--sync-every", type=int, default=8, help="rounds on device between host checks")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weight dtype; auto (default): the checkpoint's own")
+    g.add_argument("--sync-every", type=pf.positive_int, default=8, help="rounds on device between host checks, >= 1")
     g.add_argument("--profile", action="store_true", help="time draft/tree/verify/sample/commit separately")
     g.add_argument("--no-stream", action="store_true")
 
-    d = sub.add_parser("demo", help="make the built-in default model and run every method on it")
+    d = sub.add_parser("demo", parents=[common], epilog=_EPILOG,
+                       help="make the built-in default model (once) and run every method on it")
     from ddtree_jax.default_model import DEFAULT_DIR
 
-    d.add_argument("--dir", default=DEFAULT_DIR)
-    d.add_argument("--prompt", action="append")
-    d.add_argument("--budget", type=int, default=32)
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--dir", default=DEFAULT_DIR, help=f"where the default lives (default {DEFAULT_DIR})")
+    d.add_argument("--prompt", action="append", help="repeat for a batch (default: three corpus-like prompts)")
+    d.add_argument("--budget", type=pf.positive_int, default=32,
+                   help="DDTree node budget, >= 1 (default 32); dflash drafts the chain of the drafter's block, "
+                        "ar one token per pass")
+    d.add_argument("--max-new-tokens", type=pf.positive_int, default=64, help=">= 1 (default 64)")
+    return ap, {"generate": g, "demo": d}
 
+
+def main(argv=None) -> None:
+    ap, subs = _parser()
     args = ap.parse_args(argv)
-    if args.command == "generate":
-        if args.method != "ar" and not args.drafter:
-            ap.error(f"--method {args.method} needs --drafter")
-        run_generate(args)
-    else:
-        run_demo(args)
+    sub = subs[args.command]
+    try:
+        if args.command == "generate":
+            run_generate(args, sub)
+        else:
+            run_demo(args, sub)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"\n{sub.prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

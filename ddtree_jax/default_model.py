@@ -16,25 +16,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from typing import TYPE_CHECKING
 
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+if TYPE_CHECKING:  # JAX and the models are imported where used, so DEFAULT_DIR and is_complete stay light
+    from ddtree_jax.models import DFlashConfig, KimiConfig
 
-from ddtree_jax.checkpoints import save_checkpoint
-from ddtree_jax.models import (
-    DFlashConfig,
-    DFlashDrafter,
-    KimiConfig,
-    KimiForCausalLM,
-    YarnScaling,
-    default_target_layer_ids,
-)
-from ddtree_jax.train import train_drafter, train_target
+__all__ = ["DEFAULT_DIR", "default_configs", "is_complete", "make_default"]
 
-__all__ = ["DEFAULT_DIR", "default_configs", "make_default"]
-
-DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ddtree_jax", "default-v2")
+DEFAULT_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                           "ddtree_jax", "default-v2")
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 
 _CORPUS = """\
@@ -64,7 +55,8 @@ def _train_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS, MASK], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, special_tokens=[EOS, MASK], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
     return tok
@@ -73,6 +65,8 @@ def _train_tokenizer(vocab_size: int):
 def default_configs(vocab_size: int, mask_token_id: int) -> tuple[KimiConfig, DFlashConfig]:
     """Kimi K2's structure at a small size: MLA with q-LoRA and yarn, 1 dense + 3 MoE layers,
     sigmoid routing over 16 experts (2 per token, 1 shared); a 2-layer DFlash drafter, block 16."""
+    from ddtree_jax.models import DFlashConfig, KimiConfig, YarnScaling, default_target_layer_ids
+
     target = KimiConfig(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=4, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32,
@@ -93,18 +87,42 @@ def default_configs(vocab_size: int, mask_token_id: int) -> tuple[KimiConfig, DF
     return target, drafter
 
 
+def _loss_record(losses: list[float]) -> dict:
+    """A training run in numbers: the first step's loss and the mean over the last 10% of steps (one step's
+    loss is one batch's, and for the drafter one context length's, so it is noisy)."""
+    tail = max(1, len(losses) // 10)
+    return dict(steps=len(losses), first_loss=losses[0], final_loss=sum(losses[-tail:]) / tail,
+                final_loss_is=f"mean over the last {tail} steps")
+
+
+def is_complete(path: str) -> bool:
+    """Whether ``make_default`` finished writing the default under ``path``."""
+    return os.path.isfile(os.path.join(path, "COMPLETE"))
+
+
 def make_default(path: str = DEFAULT_DIR, *, seed: int = 0, vocab_size: int = 512, target_steps: int = 200,
                  drafter_steps: int = 300, drafter_contexts: tuple[int, ...] = (4, 8, 16, 32, 64), log=print) -> str:
     """Makes, trains and writes the default target, drafter and tokenizer under ``path``
     (once; reused after). Steps of 0 leave that model at its random initialisation."""
-    done = os.path.join(path, "COMPLETE")
-    if os.path.exists(done):
+    if is_complete(path):
         return path
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from ddtree_jax.checkpoints import save_checkpoint
+    from ddtree_jax.models import DFlashDrafter, KimiForCausalLM
+    from ddtree_jax.train import train_drafter, train_target
+
+    t0 = time.perf_counter()
     os.makedirs(path, exist_ok=True)
+    log(f"[default] training a byte-level BPE tokenizer (vocabulary {vocab_size}) on the built-in corpus ...")
     tok = _train_tokenizer(vocab_size)
     tok.save(os.path.join(path, "tokenizer.json"))
     V = tok.get_vocab_size()
     tcfg, dcfg = default_configs(V, tok.token_to_id(MASK))
+    log(f"[default] initialising the target ({tcfg.num_hidden_layers} layers, {tcfg.n_routed_experts} experts) and "
+        f"the drafter ({dcfg.num_hidden_layers} layers, block {dcfg.block_size}) ({time.perf_counter() - t0:.0f}s)")
     target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(seed), dtype=jnp.float32)
     # Random but not degenerate routing: a spread of correction biases.
     rng = np.random.default_rng(seed)
@@ -120,11 +138,12 @@ def make_default(path: str = DEFAULT_DIR, *, seed: int = 0, vocab_size: int = 51
     if drafter_steps:
         losses["drafter"] = train_drafter(drafter, target, stream, steps=drafter_steps, contexts=drafter_contexts,
                                           seed=seed, log=log)
+    log(f"[default] writing target/, drafter/ and tokenizer.json to {path} ({time.perf_counter() - t0:.0f}s)")
     save_checkpoint(target, os.path.join(path, "target"))
     save_checkpoint(drafter, os.path.join(path, "drafter"))
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tok.token_to_id(EOS), "seed": seed,
-                   "training": {k: dict(steps=len(v), first_loss=v[0], last_loss=v[-1]) for k, v in losses.items()}},
+                   "training": {k: _loss_record(v) for k, v in losses.items()}},
                   f, indent=2)
-    open(done, "w").close()
+    open(os.path.join(path, "COMPLETE"), "w").close()
     return path

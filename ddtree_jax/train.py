@@ -1,14 +1,16 @@
 """Small-scale training of a target and its DFlash drafter (the built-in default's recipe).
 
 * ``train_target``: next-token cross-entropy on random windows of a token stream.
-* ``train_drafter``: the public DFlash recipe (ALGORITHMS.md section 2) with the target frozen:
+* ``train_drafter``: the public DFlash training recipe (SpecForge-style) with the target frozen:
   each example is a window of ``context`` tokens whose target hidden states (after
   ``config.target_layer_ids``) condition the drafter, then a block ``[token at the anchor, MASK x
   (B-1)]``; depth k is trained to predict the token k places after the anchor, with loss weight
   ``exp(-(k-1)/gamma)``. Labels are the target's own greedy continuation, so the drafter learns
   what the target will accept.
 
-Both print progress every ``log_every`` steps. Optimiser: AdamW (optax) with warm-up + cosine.
+Both print progress every ``log_every`` steps: the mean loss of the steps since the previous line
+(a single step's loss is one batch's, and for the drafter one context length's: noisy). Optimiser:
+AdamW (optax) with warm-up + cosine. ``train_drafter`` also prints while it makes its examples.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def train_target(model, stream: np.ndarray, *, steps: int = 300, batch: int = 16
         opt.update(model, grads)
         return loss
 
-    return _loop("target", step, model, opt, lambda rng: _windows(rng, stream, batch, seq_len + 1), steps, seed, log, log_every)
+    log(f"[train target] {steps} steps, batches of {batch} windows of {seq_len + 1} tokens; step 1 compiles first ...")
+    return _loop("target", step, model, opt, lambda rng: (_windows(rng, stream, batch, seq_len + 1), None), steps, seed,
+                 log, log_every)
 
 
 def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batch: int = 16,
@@ -69,17 +73,26 @@ def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batc
     cfg = drafter.config
     bs = cfg.block_size
     if len(stream) <= max(contexts) + 1:
-        raise ValueError(f"the token stream ({len(stream)} tokens) must be longer than the largest context {max(contexts)} + 1")
+        raise ValueError(f"the token stream ({len(stream)} tokens) must be longer than the largest context "
+                         f"{max(contexts)} + 1")
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
-    hidden_fn = nnx.jit(lambda m, ids: jnp.concatenate(m.forward_uncached(ids, hidden_layer_ids=cfg.target_layer_ids)[1], axis=-1))
+    def hidden_states(m, ids):
+        return jnp.concatenate(m.forward_uncached(ids, hidden_layer_ids=cfg.target_layer_ids)[1], axis=-1)
+
+    hidden_fn = nnx.jit(hidden_states)
+    log(f"[train drafter] making examples: for each context length in {contexts}, {pool} windows, the target's hidden "
+        f"states and its greedy continuation of {bs - 1} tokens (each length compiles its own shapes) ...")
     data = []
-    for c in contexts:
+    for j, c in enumerate(contexts):
         windows = _windows(rng, stream, pool, c + 1)
         cont = np.array(generate(target, None, windows, method="ar", max_new_tokens=bs - 1).tokens, np.int32)
         hidden = np.asarray(hidden_fn(target, jnp.asarray(windows[:, :-1])))
         data.append((hidden, np.concatenate([windows[:, -1:], cont], axis=1)))  # block: root + continuation
-    log(f"[train drafter] {pool} examples x contexts {contexts} of the target's greedy blocks in {time.perf_counter() - t0:.1f}s")
+        log(f"[train drafter]   context length {c}: {pool} examples ({j + 1}/{len(contexts)}, "
+            f"{time.perf_counter() - t0:.0f}s)")
+    log(f"[train drafter] {pool} examples x contexts {contexts} of the target's greedy blocks in "
+        f"{time.perf_counter() - t0:.1f}s")
     weights = jnp.exp(-(jnp.arange(1, bs) - 1) / gamma)
     opt = _optimizer(drafter, lr, steps)
 
@@ -95,18 +108,37 @@ def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batc
         return loss
 
     def sample(rng):
-        hidden, blocks = data[rng.integers(len(data))]
+        g = rng.integers(len(data))  # one context length per step (the shapes differ between lengths)
+        hidden, blocks = data[g]
         idx = rng.integers(0, len(blocks), size=batch)
-        return hidden[idx], blocks[idx]
+        return (hidden[idx], blocks[idx]), contexts[g]
 
-    return _loop("drafter", lambda d, o, b: step(d, o, target, *b), drafter, opt, sample, steps, seed, log, log_every)
+    log(f"[train drafter] {steps} steps, batches of {batch} examples of one context length each; "
+        "step 1 compiles first (and each new context length's shapes once) ...")
+    return _loop("drafter", lambda d, o, b: step(d, o, target, *b), drafter, opt, sample, steps, seed, log, log_every,
+                 group_name="context")
 
 
-def _loop(name, step, model, opt, sample, steps, seed, log, log_every):
+def _loop(name, step, model, opt, sample, steps, seed, log, log_every, group_name=None):
+    """Runs ``steps`` steps; ``sample(rng)`` gives ``(batch, group)``. Logs, every ``log_every`` steps, the
+    mean loss since the previous log line, and with ``group_name`` that mean per group (the drafter's
+    context lengths differ in difficulty, so one step's loss says little)."""
     rng = np.random.default_rng(seed + 1)
-    losses, t0 = [], time.perf_counter()
+    losses, groups, t0, since = [], [], time.perf_counter(), 0
     for i in range(steps):
-        losses.append(float(step(model, opt, sample(rng))))
+        batch, group = sample(rng)
+        losses.append(float(step(model, opt, batch)))
+        groups.append(group)
         if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
-            log(f"[train {name}] step {i + 1}/{steps} loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
+            window = losses[since:]
+            what = f"loss {window[0]:.3f} (step 1, includes compilation" if i == 0 else \
+                f"mean loss {np.mean(window):.3f} (steps {since + 1}-{i + 1}"
+            by = ""
+            if group_name and i > 0:
+                per = {}
+                for g, v in zip(groups[since:], window, strict=True):
+                    per.setdefault(g, []).append(v)
+                by = f"; by {group_name} " + ", ".join(f"{g}: {np.mean(per[g]):.2f}" for g in sorted(per))
+            log(f"[train {name}] step {i + 1}/{steps} {what}{by}, {time.perf_counter() - t0:.0f}s)")
+            since = i + 1
     return losses

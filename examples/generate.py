@@ -5,14 +5,32 @@
 Builds the built-in default (a small Kimi-style MoE target, a DFlash drafter and a tokenizer,
 trained and written once as HF checkpoints under ~/.cache/ddtree_jax), loads it like any checkpoint, and
 decodes a mixed batch (one greedy request, one sampled with top-k + top-p) with DDTree, then
-checks the greedy request against plain autoregressive decoding.
+checks the greedy request against plain autoregressive decoding. Progress goes to stderr; compiled
+programs persist in JAX's compilation cache (``DDTREE_JAX_COMPILATION_CACHE``, ``off`` disables), so
+a second run skips most compilation.
 """
 
-import ddtree_jax as dt
-from ddtree_jax.default_model import make_default
+import sys
+import time
+
 from tokenizers import Tokenizer
 
-path = make_default()
+import ddtree_jax as dt
+from ddtree_jax import compilation_cache
+from ddtree_jax.default_model import DEFAULT_DIR, is_complete, make_default
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+cache = compilation_cache.enable(compilation_cache.resolve())
+log(f"[example] compilation cache: {cache or 'off'}")
+if is_complete(DEFAULT_DIR):
+    log(f"[example] using the cached default in {DEFAULT_DIR}")
+else:
+    log(f"[example] making the default in {DEFAULT_DIR} (first run only, about 4 to 7 minutes on 2 CPU cores) ...")
+path = make_default(log=log)
 target = dt.load_target(f"{path}/target")
 drafter = dt.load_drafter(f"{path}/drafter", target)
 tokenizer = Tokenizer.from_file(f"{path}/tokenizer.json")
@@ -20,9 +38,20 @@ tokenizer = Tokenizer.from_file(f"{path}/tokenizer.json")
 prompts = [tokenizer.encode(p).ids for p in ["A draft tree keeps", "Mixture-of-experts models"]]
 sampling = [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7)]
 
-out = dt.generate(target, drafter, prompts, method="ddtree", budget=32, sampling=sampling, max_new_tokens=24)
+
+def progress(name, max_new):
+    """An ``on_progress`` callback: called after each host sync with (tokens [B, max_new], generated [B])."""
+    t0 = time.perf_counter()
+    log(f"[example] {name}: compiling on first use (or loading from the compilation cache), then decoding ...")
+    return lambda tokens, generated: log(
+        f"[example] {name}: {int(generated.sum())}/{len(generated) * max_new} tokens ({time.perf_counter() - t0:.0f}s)")
+
+
+with compilation_cache.CompileWatch(log=log, prefix="[example]   "):  # announces compilations longer than 3 s
+    out = dt.generate(target, drafter, prompts, method="ddtree", budget=32, sampling=sampling, max_new_tokens=24,
+                      on_progress=progress("ddtree, budget 32", 24))
+    ar = dt.generate(target, None, prompts[:1], method="ar", max_new_tokens=24,
+                     on_progress=progress("autoregressive", 24))
 for r in out.requests:
     print(f"{r.finish_reason:>6} | rounds {r.rounds:2d} | tau {r.tau:.2f} | {tokenizer.decode(r.tokens)!r}")
-
-ar = dt.generate(target, None, prompts[:1], method="ar", max_new_tokens=24)
 print("greedy DDTree == greedy autoregressive:", out.tokens[0] == ar.tokens[0])

@@ -28,3 +28,12 @@ def test_verify_module_is_a_deprecated_alias():
     import ddtree_jax as dt
 
     assert accept_path is dt.accept_path
+
+
+def test_preflight_knows_the_registered_architectures():
+    """The command line checks architectures without importing JAX; its lists must match the registry."""
+    from ddtree_jax import _preflight
+    from ddtree_jax.models import DRAFTERS, TARGETS
+
+    assert set(_preflight.TARGET_ARCHITECTURES) == set(TARGETS)
+    assert set(_preflight.DRAFTER_ARCHITECTURES) == set(DRAFTERS)

@@ -1,0 +1,269 @@
+"""Checks the command line runs before anything heavy loads (no JAX, no models, no tokenizer).
+
+Everything here reads only option values, paths and ``config.json`` files, so a mistake costs a
+one-line message in well under a second instead of a traceback after the models load.
+
+* ``positive_int``, ``nonnegative_int``, ``temperature``, ``top_p``, ``min_p``, ``seed``: argparse
+  ``type=`` functions. The sampling ranges restate ``ddtree_jax.sampling.SamplingParams``, which
+  stays authoritative (it checks again when the request is built; ``tests/test_cli.py`` checks
+  that both agree).
+* ``check_model_dir(path, role)``: a checkpoint folder for ``role`` ``"target"`` or ``"drafter"``
+  (``config.json`` present and readable, the architecture of that role, weights present).
+* ``check_pair(target_cfg, drafter_cfg)``: the drafter was made for this target.
+* ``resolve_tokenizer(path)``: a ``tokenizer.json`` file, or a folder holding one.
+
+Each failure raises ``PreflightError`` whose message names the option and the path or value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import struct
+
+__all__ = [
+    "METHODS",
+    "PreflightError",
+    "check_model_dir",
+    "check_pair",
+    "min_p",
+    "nonnegative_int",
+    "positive_int",
+    "resolve_tokenizer",
+    "seed",
+    "temperature",
+    "top_k",
+    "top_p",
+]
+
+# ddtree_jax.generate.METHODS, restated so that argument checking does not import JAX
+# (tests/test_cli.py checks that the two agree).
+METHODS = ("ddtree", "dflash", "ar")
+
+TARGET_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+TARGET_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+_EXPECTED = {"target": "a target (DeepseekV3ForCausalLM, model_type deepseek_v3 or kimi_k2)",
+             "drafter": "a DFlash drafter (DFlashDraftModel)"}
+
+
+class PreflightError(ValueError):
+    """A bad option value, path or model folder; the message names the option."""
+
+
+# ---- argparse type= functions (argparse reports "argument --name: <message>") ---------------
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def top_k(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0 = off), got {text}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = off), got {text}")
+    return value
+
+
+def min_p(text: str) -> float:
+    value = _float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 = off), got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text}")
+    return value
+
+
+# ---- model folders ----------------------------------------------------------------------------
+
+
+def _describe(cfg: dict) -> str:
+    archs = cfg.get("architectures")
+    kind = _kind(cfg)
+    found = {"target": "a DeepSeek-V3/Kimi target", "drafter": "a DFlash drafter"}.get(kind, "a model")
+    return f"{found} (architectures {archs}, model_type {cfg.get('model_type')!r})"
+
+
+def _kind(cfg: dict) -> str | None:
+    """``"target"``, ``"drafter"`` or ``None`` (neither) for a parsed ``config.json``."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs:
+        if any(a in TARGET_ARCHITECTURES for a in archs):
+            return "target"
+        if any(a in DRAFTER_ARCHITECTURES for a in archs):
+            return "drafter"
+        return None
+    if cfg.get("model_type") in TARGET_MODEL_TYPES:
+        return "target"
+    if isinstance(cfg.get("dflash_config"), dict):
+        return "drafter"
+    return None
+
+
+def _subfolders_with_config(path: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    return [n for n in names if os.path.isfile(os.path.join(path, n, "config.json"))]
+
+
+def check_model_dir(path: str, role: str, option: str | None = None) -> dict:
+    """Checks that ``path`` is a checkpoint folder of ``role`` (``"target"`` or ``"drafter"``);
+    returns its parsed ``config.json``. Raises ``PreflightError`` naming ``option`` and ``path``."""
+    if role not in _EXPECTED:
+        raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
+    where = f"{option or '--' + role} {path}"
+    if not os.path.exists(path):
+        raise PreflightError(f"{where}: no such folder")
+    if os.path.isfile(path):
+        hint = f"; did you mean {os.path.dirname(path) or '.'}?" if os.path.basename(path) == "config.json" else ""
+        raise PreflightError(f"{where}: is a file; expected the checkpoint folder that holds config.json{hint}")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        subs = _subfolders_with_config(path)
+        if subs:
+            kinds = {}
+            for s in subs:
+                try:
+                    with open(os.path.join(path, s, "config.json")) as f:
+                        kinds[s] = _kind(json.load(f))
+                except (OSError, ValueError):
+                    kinds[s] = None
+            match = [s for s in subs if kinds[s] == role] or subs
+            raise PreflightError(f"{where}: no config.json in this folder; did you mean "
+                                 + " or ".join(os.path.join(path, s) for s in match) + "?")
+        raise PreflightError(f"{where}: no config.json in this folder (expected an HF checkpoint folder: "
+                             "config.json + *.safetensors)")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise PreflightError(f"{where}: cannot read config.json ({e})") from None
+    except json.JSONDecodeError as e:
+        raise PreflightError(f"{where}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise PreflightError(f"{where}: config.json holds {type(cfg).__name__}, expected a JSON object")
+    kind = _kind(cfg)
+    if kind != role:
+        raise PreflightError(f"{where}: found {_describe(cfg)}, expected {_EXPECTED[role]}")
+    if role == "target" and cfg.get("model_type", "deepseek_v3") not in TARGET_MODEL_TYPES:
+        raise PreflightError(f"{where}: model_type {cfg.get('model_type')!r} is not supported, expected "
+                             f"{' or '.join(TARGET_MODEL_TYPES)}")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PreflightError(f"{where}: cannot read model.safetensors.index.json ({e!r})") from None
+        absent = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if absent:
+            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+            raise PreflightError(f"{where}: weights file {absent[0]}{more} named by model.safetensors.index.json "
+                                 "is missing")
+    else:
+        shards = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+        if not shards:
+            raise PreflightError(f"{where}: no weights (no *.safetensors file and no model.safetensors.index.json)")
+    for name in shards:
+        _check_safetensors_header(os.path.join(path, name), where)
+    return cfg
+
+
+def _check_safetensors_header(file: str, where: str) -> None:
+    """The file starts with a safetensors header that fits in it (catches empty and truncated files)."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise PreflightError(f"{where}: cannot read {os.path.basename(file)} ({e})") from None
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+    if n is None or 8 + n > size:
+        raise PreflightError(f"{where}: {os.path.basename(file)} is not a complete safetensors file "
+                             f"({size} bytes{', empty' if size == 0 else ''})")
+
+
+def _drafter_field(cfg: dict, name: str):
+    extra = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    return extra.get(name, cfg.get(name))
+
+
+def check_pair(target_cfg: dict, drafter_cfg: dict, target_path: str, drafter_path: str) -> None:
+    """Checks that the drafter was made for this target (what ``load_drafter`` checks, up front)."""
+    layers, hidden = target_cfg.get("num_hidden_layers"), target_cfg.get("hidden_size")
+    n = _drafter_field(drafter_cfg, "num_target_layers")
+    if n is not None and layers is not None and n != layers:
+        raise PreflightError(f"--drafter {drafter_path}: made for a target of {n} layers, but --target "
+                             f"{target_path} has {layers}")
+    h = drafter_cfg.get("hidden_size")
+    if h is not None and hidden is not None and h != hidden:
+        raise PreflightError(f"--drafter {drafter_path}: hidden_size {h} differs from --target {target_path}'s "
+                             f"{hidden}")
+    mask, vocab = _drafter_field(drafter_cfg, "mask_token_id"), target_cfg.get("vocab_size")
+    if isinstance(mask, int) and isinstance(vocab, int) and not 0 <= mask < vocab:
+        raise PreflightError(f"--drafter {drafter_path}: mask_token_id {mask} is outside --target {target_path}'s "
+                             f"vocabulary [0, {vocab})")
+
+
+def resolve_tokenizer(path: str) -> str:
+    """The ``tokenizer.json`` to load: ``path`` itself, or ``path/tokenizer.json`` for a folder."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(inside):
+            return inside
+        raise PreflightError(f"--tokenizer {path}: is a folder without tokenizer.json; expected a tokenizer.json "
+                             "file (or a folder that holds one)")
+    if not os.path.exists(path):
+        raise PreflightError(f"--tokenizer {path}: no such file")
+    return path
