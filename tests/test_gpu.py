@@ -42,8 +42,10 @@ def test_accept_walk_equals_reference():
         np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
 
 
+# (temperature, top_k, top_p, min_p); 1e-6 reaches the kernel as a sampled temperature (the
+# greedy threshold is applied by ddtree_jax before the kernel): it must stay finite.
 CONFIGS = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.7, 50, 0.9, 0.0), (0.6, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.1),
-           (0.7, 1000, 1.0, 0.0)]
+           (0.7, 1000, 1.0, 0.0), (1e-6, 0, 1.0, 0.0), (1e-6, 0, 0.9, 0.0)]
 
 
 @pytest.mark.parametrize("V,dtype", [(163_840, jnp.bfloat16), (50_000, jnp.float32), (37, jnp.float32)])
