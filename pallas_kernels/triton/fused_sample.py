@@ -73,7 +73,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "fused_sample", "fused_sample_debug"]
+__all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
 
 INVALID_TOKEN = -1  # the token of a row with no law (NaN, +inf, or all -inf logits)
 
@@ -87,7 +87,8 @@ _ONE_KEY = np.int32(0x3F800000)  # bit pattern of 1.0f
 # IEEE division through inline PTX on GPU (set False only to diagnose a toolchain without it).
 EXACT_DIV_ASM = True
 
-PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW = 0, 1, 2, 3
+PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW, PATH_REJECT = 0, 1, 2, 3, 4
+MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (PATH_SLOW)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -105,9 +106,14 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-def _uniform(s0, s1, stream: int):
-    """Uniform in [0, 1) with 24 bits from (seed words, stream index)."""
-    h = _fmix32(s1 + _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF))
+def _uniform(s0, s1, stream):
+    """Uniform in [0, 1) with 24 bits from (seed words, stream index). ``stream`` is a Python int
+    or a traced int32 scalar (the same index gives the same value either way: uint32 products wrap)."""
+    if isinstance(stream, int):
+        salt = _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF)
+    else:
+        salt = _u32(0x9E3779B9) * (stream + 1).astype(jnp.uint32)
+    h = _fmix32(s1 + salt)
     h = _fmix32(s0 ^ h)
     return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
 
@@ -245,6 +251,8 @@ def _select_kernel(
     qthr_ref,
     norm_ref,
     path_ref,
+    passes_ref,
+    rounds_ref,
     scr_ref,
     *,
     V,
@@ -255,6 +263,7 @@ def _select_kernel(
     exact_asm,
     compact,
     interpret_mode,
+    max_rounds,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -300,7 +309,10 @@ def _select_kernel(
 
     # (Arithmetic, not nested jnp.where on scalar bools: that stored wrong values on jax 0.11 GPU.)
     is_none = (~valid | greedy).astype(jnp.int32)
-    path = (1 - is_none) * (PATH_TEMPERATURE + filtered.astype(jnp.int32) * (1 + (~use_cand).astype(jnp.int32)))
+    other_path = PATH_REJECT if max_rounds > 0 else PATH_SLOW
+    path = (1 - is_none) * (
+        PATH_TEMPERATURE + filtered.astype(jnp.int32) * (1 + (~use_cand).astype(jnp.int32) * (other_path - 2))
+    )
 
     neg_inf = zf - jnp.inf
 
@@ -313,7 +325,7 @@ def _select_kernel(
     # --- path 0: greedy / invalid
     def p_none():
         tok = jnp.where(valid, argmax, INVALID_TOKEN).astype(jnp.int32)
-        return tok, neg_inf, zf, zf
+        return tok, neg_inf, zf, zf, zi, zi, zi
 
     # Re-read one tile and pick inside it by inverse CDF over exp(z) restricted to the kept set.
     def pick_in_tile(t, tau, qthr, S):
@@ -335,7 +347,7 @@ def _select_kernel(
         t = _pick(w, u1, iota_nt)
         S = jnp.sum(w)
         tok = pick_in_tile(jnp.maximum(t, 0), neg_inf, zf, zf + 1.0)
-        return tok.astype(jnp.int32), neg_inf, zf, S
+        return tok.astype(jnp.int32), neg_inf, zf, S, zi, zi, zi
 
     # --- path 2: candidate chunks
     def p_cand():
@@ -388,7 +400,7 @@ def _select_kernel(
         j = _pick(wrow, u2, jnp.arange(CHUNK, dtype=jnp.int32))
         c = jnp.sum(jnp.where(iota_k == slot, cidx, 0))
         tok = jnp.where(j >= 0, c * CHUNK + j, argmax)
-        return tok.astype(jnp.int32), tau, qthr, S
+        return tok.astype(jnp.int32), tau, qthr, S, zi, zi, zi
 
     # --- path 3: full-row passes
     def row_reduce(fn, init):
@@ -400,18 +412,21 @@ def _select_kernel(
 
         return jax.lax.fori_loop(0, nt, body, init)
 
-    def p_slow():
-        K_k = jax.lax.cond(
-            k_on,
-            lambda: _bisect(
-                lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
-                _INT_MIN,
-                jnp.int32(0),
-            ),
-            lambda: zi + _INT_MIN,
+    def topk_key():
+        """Key of z_(k) by bisection: 32 full-row count passes."""
+        return _bisect(
+            lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
+            _INT_MIN,
+            jnp.int32(0),
         )
+
+    def mass_from(tau0):
+        return row_reduce(lambda z, t: jnp.sum(jnp.where(z >= tau0, jnp.exp(z), 0.0)), jnp.float32(0.0))
+
+    def p_slow():
+        K_k = jax.lax.cond(k_on, topk_key, lambda: zi + _INT_MIN)
         tau0 = jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k))
-        S = row_reduce(lambda z, t: jnp.sum(jnp.where(z >= tau0, jnp.exp(z), 0.0)), jnp.float32(0.0))
+        S = mass_from(tau0)
 
         # Top-p in the z domain: the smallest z-key K with mass{z > K} < top_p, so kept is
         # ``z >= tau`` with tau from a key. (A q-domain threshold would be compared with q values
@@ -424,14 +439,14 @@ def _select_kernel(
 
             return row_reduce(f, jnp.float32(0.0))
 
-        K_p = jax.lax.cond(
+        K_p, np_passes = jax.lax.cond(
             p_on,
             lambda: jax.lax.cond(
                 mass_above(jnp.int32(_INT_MIN)) >= p,
-                lambda: _bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0)),
-                lambda: zi + _INT_MIN,
+                lambda: (_bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0)), zi + 33),
+                lambda: (zi + _INT_MIN, zi + 1),
             ),
-            lambda: zi + _INT_MIN,
+            lambda: (zi + _INT_MIN, zi),
         )
         K_t = jnp.maximum(K_k, K_p)
         tau = jnp.where(K_t == _INT_MIN, neg_inf, _key_to_float(K_t))
@@ -445,19 +460,127 @@ def _select_kernel(
         w = row_reduce(tile_w, jnp.zeros((ntp,), jnp.float32))
         t = jnp.maximum(_pick(w, u1, iota_nt), 0)
         tok = pick_in_tile(t, tau, qthr, S)
-        return tok.astype(jnp.int32), tau, qthr, S
+        passes = k_on.astype(jnp.int32) * 32 + 2 + np_passes
+        return tok.astype(jnp.int32), tau, qthr, S, passes, zi, zi
+
+    # --- path 4: pivot rejection (top-p / min-p without top-k, top-k > CAND_CHUNKS, ...)
+    def draw(W, u_t, u_e, P, mfl):
+        """Two-level inverse CDF over exp(z) restricted to {z > P, exp(z) >= mfl}: tile by the
+        weights W (the restricted per-tile masses), then one tile re-read. -> (token, z, exp(z))."""
+        t = jnp.maximum(_pick(W, u_t, iota_nt), 0)
+        cols = t * tile + iota_t
+        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+        z = zof(x)
+        e = jnp.exp(z)
+        j = _pick(jnp.where((z > P) & (z > -jnp.inf) & (e >= mfl), e, 0.0), u_e, iota_t)
+        hit = iota_t == j
+        # (j < 0 cannot happen: W_t > 0 says the tile holds an allowed value; argmax is kept anyway)
+        tok = jnp.where(j >= 0, t * tile + j, argmax)
+        zv = jnp.where(j >= 0, jnp.sum(jnp.where(hit, z, 0.0)), 0.0)
+        ev = jnp.where(j >= 0, jnp.sum(jnp.where(hit, e, 0.0)), 1.0)
+        return tok, zv, ev
+
+    def check_pass(zv, with_count, with_total):
+        """One full-row pass for the drawn value zv: per-tile masses of {z > zv, exp(z) >= min_p}
+        (the next round's weights), #{z > zv} (top-k) and the total mass sum exp(z) (top-p)."""
+
+        def body(t, c):
+            W, cnt, tot = c
+            cols = t * tile + iota_t
+            x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+            z = zof(x)
+            e = jnp.exp(z)
+            up = z > zv
+            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(up & (e >= minp), e, 0.0)), W)
+            if with_count:
+                cnt = cnt + jnp.sum(jnp.where(up, 1, 0))
+            if with_total:
+                tot = tot + jnp.sum(e)
+            return W, cnt, tot
+
+        return jax.lax.fori_loop(0, nt, body, (jnp.zeros((ntp,), jnp.float32), zi, zf + 1.0))
+
+    def p_reject():
+        tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
+        ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+        W0 = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M) * inv_t), 0.0)
+        need_pass_kp = k_on | p_on
+
+        def round_(i, c):
+            done, tok, P, mfl, W, have_sk, S_k, passes, nr = c
+            u_t = _uniform(s0, s1, 2 * i + 2)
+            u_e = _uniform(s0, s1, 2 * i + 3)
+            v, zv, ev = draw(W, u_t, u_e, P, mfl)
+            ok_m = ev >= minp
+
+            def do_pass():
+                return jax.lax.cond(
+                    k_on,
+                    lambda: jax.lax.cond(p_on, lambda: check_pass(zv, True, True), lambda: check_pass(zv, True, False)),
+                    lambda: jax.lax.cond(
+                        p_on, lambda: check_pass(zv, False, True), lambda: check_pass(zv, False, False)
+                    ),
+                )
+
+            # min-p alone: the test is local (exp(z_v) >= min_p); a pass only after a rejection
+            ran = need_pass_kp | ~ok_m
+            Wn, cnt, tot = jax.lax.cond(ran, do_pass, lambda: (W, zi, zf + 1.0))
+            m_gt = jnp.sum(Wn)  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes it too)
+            in_k = ~k_on | (cnt < k)
+            # top-p with top-k: the bound S_k >= mass{z >= zv} >= m_gt + ev decides acceptance,
+            # S_k <= tot decides rejection; otherwise S_k exactly (33 passes, once per row).
+            sure_acc = m_gt < p * (m_gt + ev)
+            sure_rej = m_gt >= p * tot
+            need_sk = ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
+
+            def exact_sk():
+                K_k = topk_key()
+                return zi + 1, mass_from(jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k)))
+
+            have_sk, S_k = jax.lax.cond(need_sk, exact_sk, lambda: (have_sk, S_k))
+            S_p = jnp.where(have_sk > 0, S_k, tot)
+            acc = ok_m & in_k & (~p_on | (m_gt < p * S_p))
+            passes = passes + ran.astype(jnp.int32) + 33 * need_sk.astype(jnp.int32)
+            # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
+            new = (tok, zv, minp, Wn)
+            old = (v, P, mfl, W)
+            tok, P, mfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
+            return acc, tok, P, mfl, W, have_sk, S_k, passes, nr + 1
+
+        def maybe_round(i, c):
+            return jax.lax.cond(c[0], lambda: c, lambda: round_(i, c))
+
+        init = (jnp.bool_(False), argmax, neg_inf, zf, W0, zi, zf + 1.0, zi, zi)
+        done, tok, P, mfl, W, have_sk, S_k, passes, nr = jax.lax.fori_loop(0, max_rounds, maybe_round, init)
+        # nr rounds used (a round is one tile re-read and at most one pass, plus the 33 passes of
+        # S_k when needed); a row that exhausted them falls back to the exact bisections (with
+        # independent uniforms, streams 0 and 1: the law stays exact).
+
+        def accepted():
+            # Described set: kept requires z > P (tau = the next float above P) and exp(z) >= min_p.
+            tau = jnp.where(P > -jnp.inf, _key_to_float(_zkey(P) + 1), neg_inf)
+            return tok.astype(jnp.int32), tau, minp, zf + 1.0, passes, nr, zi
+
+        def fallback():
+            out = p_slow()
+            return out[:4] + (passes + out[4], nr, zi + 1)
+
+        return jax.lax.cond(done, accepted, fallback)
 
     # Nested conds rather than lax.switch: the switch's index clamp does not lower on jax 0.11.
-    tok, tau, qthr, norm = jax.lax.cond(
+    p_other = p_reject if max_rounds > 0 else p_slow
+    tok, tau, qthr, norm, passes, nr, fell_back = jax.lax.cond(
         ~valid | greedy,
         p_none,
-        lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_slow)),
+        lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_other)),
     )
     tok_ref[r] = tok
     tau_ref[r] = tau
     qthr_ref[r] = qthr
     norm_ref[r] = norm
-    path_ref[r] = path
+    path_ref[r] = path - fell_back  # PATH_REJECT -> PATH_SLOW when the rounds ran out
+    passes_ref[r] = passes
+    rounds_ref[r] = nr
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -468,7 +591,10 @@ def _tile_for(V: int, tile: int | None) -> int:
     return max(CHUNK, min(t, pl.next_power_of_2(V)))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile", "num_warps", "select_warps", "num_stages", "compact"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("interpret", "tile", "num_warps", "select_warps", "num_stages", "compact", "max_rounds"),
+)
 def fused_sample_debug(
     logits: jax.Array,  # [R, V] f32 or bf16
     temperature: jax.Array,  # f32 [R]
@@ -483,10 +609,16 @@ def fused_sample_debug(
     select_warps: int | None = None,
     num_stages: int = 1,
     compact: str = "loop",
+    max_rounds: int = MAX_ROUNDS,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
-    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 slow).
+    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 full-row bisections,
+    4 pivot rejection), ``passes`` (full-row passes of the select launch; tile re-reads not counted)
+    and ``rounds`` (pivot-rejection rounds: one tile re-read each). On path 4 ``tau``/``q_thr``
+    (``norm`` = 1) describe a SUPERSET of the kept set (necessary conditions: z above the last
+    rejected pivot, exp(z) >= min_p); the token itself is kept and so is every z >= its z.
+    ``max_rounds`` = 0 turns the rejection path off (path 3 instead: the previous behaviour).
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass, ``select_warps`` of
     the select pass (default ``num_warps``), ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed; "scatter" replaces ~k serial reductions by one cumsum + scatter + barrier; it
@@ -517,7 +649,7 @@ def fused_sample_debug(
         interpret=interpret,
         name="ddtree_sample_stats",
     )(logits, temperature, top_k)
-    tok, tau, qthr, norm, path, _ = pl.pallas_call(
+    tok, tau, qthr, norm, path, passes, rounds, _ = pl.pallas_call(
         functools.partial(
             _select_kernel,
             V=V,
@@ -528,15 +660,18 @@ def fused_sample_debug(
             exact_asm=EXACT_DIV_ASM and not interpret,
             compact=compact,
             interpret_mode=interpret,
+            max_rounds=max_rounds,
         ),
         grid=(R,),
         in_specs=[any_spec] * 12,
-        out_specs=[any_spec] * 6,
+        out_specs=[any_spec] * 8,
         out_shape=[
             sd((R,), i32),
             sd((R,), f32),
             sd((R,), f32),
             sd((R,), f32),
+            sd((R,), i32),
+            sd((R,), i32),
             sd((R,), i32),
             sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32),
         ],
@@ -557,7 +692,7 @@ def fused_sample_debug(
         ts,
         cm,
     )
-    return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path)
+    return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path, passes=passes, rounds=rounds)
 
 
 def fused_sample(
