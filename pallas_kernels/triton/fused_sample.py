@@ -43,7 +43,26 @@ Algorithm (two launches, one program per row each):
      scratch + a CTA barrier (``compact="scatter"``: replaces ~k serial 4096-wide reductions; equal
      outputs in interpret mode and on the H200; opt-in until timed against "loop").
    * anything else (top-p or min-p without top-k, k > 128, more than 128 candidate chunks):
-     the same bisections with full-row passes (correct but ~60 passes: the slow path). Its top-p
+     pivot rejection (``PATH_REJECT``; the idea of FlashInfer's sort-free samplers, adapted to
+     this law). The kept set K is an upper set in z (every rule keeps all values above a kept
+     one), so: draw v from exp(z) restricted to U = {z > P} (P = -inf at first) by the same
+     two-level inverse CDF as the temperature path (tile by per-tile masses of U, then one tile
+     re-read), then decide ``v in K`` exactly with ONE full-row pass for ``z_v``:
+     ``#{z > z_v} < k`` (top-k, ties kept), ``mass{z > z_v} < top_p * S`` (top-p, S the top-k
+     mass) and ``exp(z_v) >= min_p`` (min-p; local, no pass). The same pass stores the per-tile
+     masses of ``{z > z_v, exp(z) >= min_p}``. Accept -> done. Reject -> every u with
+     ``z_u <= z_v`` is out of K too, so P = z_v and redraw from the smaller U (fresh uniforms,
+     streams 2 + 2i, 3 + 2i). Each round draws from q restricted to some U containing K and
+     keeps the draw iff it lies in K, so the accepted token has exactly the law of q on K.
+     Passes: top-p alone / top-k alone ~1 per round (expected rounds ~1 / (mass fraction of K
+     reached by the first draws), about 1.05 for top_p 0.95); min-p alone 0 passes when the first
+     draw passes min-p, else 1 (the redraw from {exp(z) >= min_p} needs no test). top-k with top-p
+     (k > 128): S_k is bounded by ``mass{z >= z_v} <= S_k <= total``; when the bounds do not
+     decide, S_k is computed exactly once per row (bisection for z_(k): 33 passes).
+     After ``MAX_ROUNDS`` rejections the row falls back to the full-row bisections below (an
+     independent draw of the same exact law; worst case ``MAX_ROUNDS`` + ~66 passes).
+   * fallback (and ``max_rounds=0``, the previous behaviour): the same bisections as the
+     candidate path with full-row passes (~34 to ~67 passes: ``PATH_SLOW``). Its top-p
      cut is a threshold on z (bisection over z keys of ``mass{z > K} < top_p``), not on q: the
      passes recompute the values, and a q threshold equals the smallest kept q, so any 1-ulp
      difference in a recomputed ``exp`` dropped that token from the draws (found on CPU: a kept
@@ -54,12 +73,14 @@ Exactness of the cut: every rule is a threshold on one row, evaluated as in the 
 optimization barriers, since XLA:CPU computes ``x / broadcast(T)`` as ``x * (1/T)``, 1 ulp off),
 top-k keeps ``z >= z_(k)`` (ties kept),
 top-p keeps ``q_v`` iff the mass of ``{q_u > q_v}`` is ``< top_p`` with ``q = exp(z)/S_k`` over the
-top-k set, min-p keeps ``q_v >= min_p * max q``. The top-k set is bit-exact; top-p and min-p can
+top-k set, min-p keeps ``q_v >= min_p * max q`` (on the rejection path: ``exp(z_v) >= min_p``, the same
+rule since max z = 0). The top-k set is bit-exact; top-p and min-p can
 differ from the reference only where a value lies within float32 rounding of the boundary (the
-masses are summed in a different order). The draw is exact up to float32 rounding of the masses
-(inverse CDF with 24-bit uniforms at two levels, tile then element).
+masses are summed in a different order; min-p's ratio is rounded differently). The draw is exact
+up to float32 rounding of the masses (inverse CDF with 24-bit uniforms at two levels, tile then
+element).
 
-Random numbers: two uniforms per row from an integer hash (murmur3 finaliser chain) of the row's
+Random numbers: two uniforms per row and draw from an integer hash (murmur3 finaliser chain) of the row's
 two seed words (``seeds[r] = (k0, k1)``) and a stream index, computed in the kernel.
 """
 
@@ -498,7 +519,7 @@ def _select_kernel(
                 tot = tot + jnp.sum(e)
             return W, cnt, tot
 
-        return jax.lax.fori_loop(0, nt, body, (jnp.zeros((ntp,), jnp.float32), zi, zf + 1.0))
+        return jax.lax.fori_loop(0, nt, body, (jnp.zeros((ntp,), jnp.float32), zi, zf))
 
     def p_reject():
         tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
@@ -558,7 +579,9 @@ def _select_kernel(
 
         def accepted():
             # Described set: kept requires z > P (tau = the next float above P) and exp(z) >= min_p.
-            tau = jnp.where(P > -jnp.inf, _key_to_float(_zkey(P) + 1), neg_inf)
+            # (P < 0: the argmax, z = 0, is never rejected; the next float above a negative P is bits - 1)
+            above = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(P, jnp.int32) - 1, jnp.float32)
+            tau = jnp.where(P > -jnp.inf, above, neg_inf)
             return tok.astype(jnp.int32), tau, minp, zf + 1.0, passes, nr, zi
 
         def fallback():
