@@ -49,14 +49,16 @@ Algorithm (two launches, one program per row each):
      two-level inverse CDF as the temperature path (tile by per-tile masses of U, then one tile
      re-read), then decide ``v in K`` exactly with ONE full-row pass for ``z_v``:
      ``#{z > z_v} < k`` (top-k, ties kept), ``mass{z > z_v} < top_p * S`` (top-p, S the top-k
-     mass) and ``exp(z_v) >= min_p`` (min-p; local, no pass). The same pass stores the per-tile
-     masses of ``{z > z_v, exp(z) >= min_p}``. Accept -> done. Reject -> every u with
+     mass) and ``z_v >= log(min_p)`` (min-p; local, no pass). The same pass stores the per-tile
+     masses of ``{z > z_v, z >= log(min_p)}``. The pass compares a cheap ``(x - M) * (1/T)`` and
+     recomputes the IEEE z only in tiles with a value within ~2^-20 of a threshold (exact
+     membership; see ``check_pass``). Accept -> done. Reject -> every u with
      ``z_u <= z_v`` is out of K too, so P = z_v and redraw from the smaller U (fresh uniforms,
      streams 2 + 2i, 3 + 2i). Each round draws from q restricted to some U containing K and
      keeps the draw iff it lies in K, so the accepted token has exactly the law of q on K.
      Passes: top-p alone / top-k alone ~1 per round (expected rounds ~1 / (mass fraction of K
      reached by the first draws), about 1.05 for top_p 0.95); min-p alone 0 passes when the first
-     draw passes min-p, else 1 (the redraw from {exp(z) >= min_p} needs no test). top-k with top-p
+     draw passes min-p, else 1 (the redraw from {z >= log(min_p)} needs no test). top-k with top-p
      (k > 128): S_k is bounded by ``mass{z >= z_v} <= S_k <= total``; when the bounds do not
      decide, S_k is computed exactly once per row (bisection for z_(k): 33 passes).
      After ``MAX_ROUNDS`` rejections the row falls back to the full-row bisections below (an
@@ -73,7 +75,7 @@ Exactness of the cut: every rule is a threshold on one row, evaluated as in the 
 optimization barriers, since XLA:CPU computes ``x / broadcast(T)`` as ``x * (1/T)``, 1 ulp off),
 top-k keeps ``z >= z_(k)`` (ties kept),
 top-p keeps ``q_v`` iff the mass of ``{q_u > q_v}`` is ``< top_p`` with ``q = exp(z)/S_k`` over the
-top-k set, min-p keeps ``q_v >= min_p * max q`` (on the rejection path: ``exp(z_v) >= min_p``, the same
+top-k set, min-p keeps ``q_v >= min_p * max q`` (on the rejection path: ``z_v >= log(min_p)``, the same
 rule since max z = 0). The top-k set is bit-exact; top-p and min-p can
 differ from the reference only where a value lies within float32 rounding of the boundary (the
 masses are summed in a different order; min-p's ratio is rounded differently). The draw is exact
@@ -485,15 +487,15 @@ def _select_kernel(
         return tok.astype(jnp.int32), tau, qthr, S, passes, zi, zi
 
     # --- path 4: pivot rejection (top-p / min-p without top-k, top-k > CAND_CHUNKS, ...)
-    def draw(W, u_t, u_e, P, mfl):
-        """Two-level inverse CDF over exp(z) restricted to {z > P, exp(z) >= mfl}: tile by the
-        weights W (the restricted per-tile masses), then one tile re-read. -> (token, z, exp(z))."""
+    def draw(W, u_t, u_e, P, zfl):
+        """Two-level inverse CDF over exp(z) restricted to {z > P, z >= zfl}: tile by the weights W
+        (the restricted per-tile masses), then one tile re-read. -> (token, z, exp(z))."""
         t = jnp.maximum(_pick(W, u_t, iota_nt), 0)
         cols = t * tile + iota_t
         x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
         z = zof(x)
         e = jnp.exp(z)
-        j = _pick(jnp.where((z > P) & (z > -jnp.inf) & (e >= mfl), e, 0.0), u_e, iota_t)
+        j = _pick(jnp.where((z > P) & (z > -jnp.inf) & (z >= zfl), e, 0.0), u_e, iota_t)
         hit = iota_t == j
         # (j < 0 cannot happen: W_t > 0 says the tile holds an allowed value; argmax is kept anyway)
         tok = jnp.where(j >= 0, t * tile + j, argmax)
@@ -501,20 +503,36 @@ def _select_kernel(
         ev = jnp.where(j >= 0, jnp.sum(jnp.where(hit, e, 0.0)), 1.0)
         return tok, zv, ev
 
+    tau_m = jnp.log(minp)  # min-p on the rejection path: z >= log(min_p) (-inf when off)
+    c2 = inv_t * np.float32(np.log2(np.e))
+
     def check_pass(zv, with_count, with_total):
-        """One full-row pass for the drawn value zv: per-tile masses of {z > zv, exp(z) >= min_p}
-        (the next round's weights), #{z > zv} (top-k) and the total mass sum exp(z) (top-p)."""
+        """One full-row pass for the drawn value zv: per-tile masses of {z > zv, z >= tau_m} (the
+        next round's weights), #{z > zv} (top-k) and the total mass (top-p).
+        Cheap per element: z' = (x - M) * (1/T) (within ~2^-22 relative of the IEEE z) decides
+        the comparisons, except in tiles holding a value within 2^-20 (relative, +2^-20) of zv or
+        tau_m: those (ties, near-ties: rare) recompute z exactly, so membership is exact. Masses
+        use exp2((x - M) * log2(e) / T), as the stats pass (float32 rounding of the masses)."""
+        dv = (jnp.abs(zv) + 1.0) * np.float32(2.0**-20)
+        dm = jnp.where(tau_m > -jnp.inf, (jnp.abs(tau_m) + 1.0) * np.float32(2.0**-20), 0.0)
 
         def body(t, c):
             W, cnt, tot = c
             cols = t * tile + iota_t
             x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
-            z = zof(x)
-            e = jnp.exp(z)
-            up = z > zv
-            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(up & (e >= minp), e, 0.0)), W)
-            if with_count:
-                cnt = cnt + jnp.sum(jnp.where(up, 1, 0))
+            d = x - M
+            zc = d * inv_t
+            e = jnp.exp2(d * c2)
+            near = (jnp.abs(zc - zv) <= dv) | (jnp.abs(zc - tau_m) <= dm)
+
+            def sums(z):
+                up = z > zv
+                s = jnp.sum(jnp.where(up & (z >= tau_m), e, 0.0))
+                return s, (jnp.sum(jnp.where(up, 1, 0)) if with_count else zi)
+
+            s, n = jax.lax.cond(jnp.max(jnp.where(near, 1, 0)) > 0, lambda: sums(zof(x)), lambda: sums(zc))
+            W = jnp.where(iota_nt == t, s, W)
+            cnt = cnt + n
             if with_total:
                 tot = tot + jnp.sum(e)
             return W, cnt, tot
@@ -528,11 +546,11 @@ def _select_kernel(
         need_pass_kp = k_on | p_on
 
         def round_(i, c):
-            done, tok, P, mfl, W, have_sk, S_k, passes, nr = c
+            done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
             u_t = _uniform(s0, s1, 2 * i + 2)
             u_e = _uniform(s0, s1, 2 * i + 3)
-            v, zv, ev = draw(W, u_t, u_e, P, mfl)
-            ok_m = ev >= minp
+            v, zv, ev = draw(W, u_t, u_e, P, zfl)
+            ok_m = zv >= tau_m
 
             def do_pass():
                 return jax.lax.cond(
@@ -543,10 +561,10 @@ def _select_kernel(
                     ),
                 )
 
-            # min-p alone: the test is local (exp(z_v) >= min_p); a pass only after a rejection
+            # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
             ran = need_pass_kp | ~ok_m
             Wn, cnt, tot = jax.lax.cond(ran, do_pass, lambda: (W, zi, zf + 1.0))
-            m_gt = jnp.sum(Wn)  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes it too)
+            m_gt = jnp.sum(Wn)  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
             in_k = ~k_on | (cnt < k)
             # top-p with top-k: the bound S_k >= mass{z >= zv} >= m_gt + ev decides acceptance,
             # S_k <= tot decides rejection; otherwise S_k exactly (33 passes, once per row).
@@ -563,22 +581,23 @@ def _select_kernel(
             acc = ok_m & in_k & (~p_on | (m_gt < p * S_p))
             passes = passes + ran.astype(jnp.int32) + 33 * need_sk.astype(jnp.int32)
             # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
-            new = (tok, zv, minp, Wn)
-            old = (v, P, mfl, W)
-            tok, P, mfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
-            return acc, tok, P, mfl, W, have_sk, S_k, passes, nr + 1
+            new = (tok, zv, tau_m, Wn)
+            old = (v, P, zfl, W)
+            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
+            return acc, tok, P, zfl, W, have_sk, S_k, passes, nr + 1
 
         def maybe_round(i, c):
             return jax.lax.cond(c[0], lambda: c, lambda: round_(i, c))
 
-        init = (jnp.bool_(False), argmax, neg_inf, zf, W0, zi, zf + 1.0, zi, zi)
-        done, tok, P, mfl, W, have_sk, S_k, passes, nr = jax.lax.fori_loop(0, max_rounds, maybe_round, init)
+        init = (jnp.bool_(False), argmax, neg_inf, neg_inf, W0, zi, zf + 1.0, zi, zi)
+        done, tok, P, zfl, W, have_sk, S_k, passes, nr = jax.lax.fori_loop(0, max_rounds, maybe_round, init)
         # nr rounds used (a round is one tile re-read and at most one pass, plus the 33 passes of
         # S_k when needed); a row that exhausted them falls back to the exact bisections (with
         # independent uniforms, streams 0 and 1: the law stays exact).
 
         def accepted():
-            # Described set: kept requires z > P (tau = the next float above P) and exp(z) >= min_p.
+            # Described set: kept requires z > P (tau = the next float above P) and z >= log(min_p)
+            # (reported as exp(z) / 1 >= min_p: the reference's form, up to rounding).
             # (P < 0: the argmax, z = 0, is never rejected; the next float above a negative P is bits - 1)
             above = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(P, jnp.int32) - 1, jnp.float32)
             tau = jnp.where(P > -jnp.inf, above, neg_inf)
@@ -640,7 +659,8 @@ def fused_sample_debug(
     4 pivot rejection), ``passes`` (full-row passes of the select launch; tile re-reads not counted)
     and ``rounds`` (pivot-rejection rounds: one tile re-read each). On path 4 ``tau``/``q_thr``
     (``norm`` = 1) describe a SUPERSET of the kept set (necessary conditions: z above the last
-    rejected pivot, exp(z) >= min_p); the token itself is kept and so is every z >= its z.
+    rejected pivot, z >= log(min_p), reported as ``q_thr`` = min_p); the token itself is kept and
+    so is every z >= its z.
     ``max_rounds`` = 0 turns the rejection path off (path 3 instead: the previous behaviour).
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass, ``select_warps`` of
     the select pass (default ``num_warps``), ``compact`` = "loop" | "scatter" (how the candidate
