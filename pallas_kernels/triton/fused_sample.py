@@ -75,15 +75,15 @@ Exactness of the cut: every rule is a threshold on one row, evaluated as in the 
 optimization barriers, since XLA:CPU computes ``x / broadcast(T)`` as ``x * (1/T)``, 1 ulp off),
 top-k keeps ``z >= z_(k)`` (ties kept),
 top-p keeps ``q_v`` iff the mass of ``{q_u > q_v}`` is ``< top_p`` with ``q = exp(z)/S_k`` over the
-top-k set, min-p keeps ``q_v >= min_p * max q`` (on the rejection path: ``z_v >= log(min_p)``, the same
-rule since max z = 0). The top-k set is bit-exact; top-p and min-p can
-differ from the reference only where a value lies within float32 rounding of the boundary (the
-masses are summed in a different order; min-p's ratio is rounded differently). The draw is exact
-up to float32 rounding of the masses (inverse CDF with 24-bit uniforms at two levels, tile then
-element).
+top-k set, min-p keeps ``q_v >= min_p * max q`` (on the rejection path: ``z_v >= log(min_p)``,
+the same rule since max z = 0). The top-k set is bit-exact; top-p and min-p can differ from the
+reference only where a value lies within float32 rounding of the boundary (the masses are summed
+in a different order; min-p's ratio is rounded differently). The draw is exact up to float32
+rounding of the masses (inverse CDF with 24-bit uniforms at two levels, tile then element).
 
-Random numbers: two uniforms per row and draw from an integer hash (murmur3 finaliser chain) of the row's
-two seed words (``seeds[r] = (k0, k1)``) and a stream index, computed in the kernel.
+Random numbers: two uniforms per draw (streams 0, 1; rejection round i: 2 + 2i, 3 + 2i) from an
+integer hash (murmur3 finaliser chain) of the row's two seed words (``seeds[r] = (k0, k1)``) and
+the stream index, computed in the kernel.
 """
 
 from __future__ import annotations
