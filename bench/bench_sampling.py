@@ -1,13 +1,24 @@
 """Fused sampling kernel on the GPU: correctness checks, then timings against the plain-JAX
-reference, a sort-based plain-JAX pipeline and a PyTorch serving-style pipeline.
+reference, a sort-based plain-JAX pipeline, a PyTorch serving-style pipeline and (when importable)
+FlashInfer's sort-free samplers.
 
 Run on the H200 (results JSON + markdown under $OUT, or bench/results/ by default):
 
     PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_sampling.py [--quick]
 
-V = 163840, rows R in {64, 512, 2048}, bf16 logits; configurations greedy, T=0.7 and
-T=0.7 + top_k=50 + top_p=0.9; Gaussian rows and "realistic" rows (log-probs ~ -a log(rank)
-under a random permutation: a few high logits, a long tail).
+V = 163840, rows R in {16, 64, 512, 2048}, bf16 logits; configurations greedy, T=0.7,
+T=0.7 + top_k=50 + top_p=0.9, T=0.6 + top_p=0.95, T=1 + min_p=0.1, T=0.7 + top_k=1000; Gaussian
+rows and "realistic" rows (log-probs ~ -a log(rank) under a random permutation: a few high logits,
+a long tail). For each configuration the kernel's mean full-row passes / rejection rounds per row
+(``fused_sample_debug``) are recorded, and the rows that take the pivot-rejection path are also
+timed with ``max_rounds=0`` (the previous full-row bisections) for comparison.
+
+FlashInfer (``import flashinfer`` inside a try; skipped when absent): float32 logits (the bf16 ->
+f32 cast is timed apart, ``fi_cast_ms``), temperature applied by a division, then
+``sampling_from_logits`` (T only), ``top_k_top_p_sampling_from_logits`` (top-k + top-p, top-k
+first as our law), or ``softmax`` + ``top_p_sampling_from_probs`` / ``min_p_sampling_from_probs``
+/ ``top_k_sampling_from_probs``; greedy is torch's argmax. Timed by CUDA events over a loop of
+calls. ``x fi`` = our device time (kernel dev ms) / FlashInfer's time (< 1: ours faster).
 """
 
 from __future__ import annotations
@@ -32,12 +43,17 @@ from ddtree_jax.sampling import SamplingBatch, reference_sample, target_logprobs
 from pallas_kernels.triton import fused_sample as fs  # noqa: E402
 
 V = 163840
-ROWS = (64, 512, 2048)
+ROWS = [16, 64, 512, 2048]  # (--rows / --configs select subsets)
 CONFIGS = {
-    "greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
-    "T0.7": dict(temperature=0.7, top_k=0, top_p=1.0),
-    "T0.7_k50_p0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+    "greedy": dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0),
+    "T0.7": dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0),
+    "T0.7_k50_p0.9": dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.0),
+    "T0.6_p0.95": dict(temperature=0.6, top_k=0, top_p=0.95, min_p=0.0),
+    "T1_minp0.1": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1),
+    "T0.7_k1000": dict(temperature=0.7, top_k=1000, top_p=1.0, min_p=0.0),
 }
+# configurations whose rows take the pivot-rejection path (also timed with max_rounds=0)
+REJECT_CONFIGS = ("T0.6_p0.95", "T1_minp0.1", "T0.7_k1000")
 
 
 def log(*a):
@@ -99,7 +115,7 @@ ref_fn = jax.jit(lambda x, p, key: reference_sample(x, p, key))
 
 @jax.jit
 def sort_pipeline(x, p, key):
-    """Sort-based plain JAX, the usual way: sort once, top-k mask, top-p by cumsum, categorical."""
+    """Sort-based plain JAX, the usual way: sort once, top-k mask, top-p by cumsum, min-p, categorical."""
     z = x.astype(jnp.float32) / jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
     order = jnp.argsort(-z, axis=-1)
     zs = jnp.take_along_axis(z, order, axis=-1)
@@ -108,7 +124,8 @@ def sort_pipeline(x, p, key):
     zs = jnp.where(rank < k, zs, -jnp.inf)
     probs = jax.nn.softmax(zs, axis=-1)
     excl = jnp.cumsum(probs, axis=-1) - probs
-    zs = jnp.where(excl < p.top_p[:, None], zs, -jnp.inf)
+    keep = (excl < p.top_p[:, None]) & (probs >= p.min_p[:, None] * probs[:, :1])  # (sorted: max first)
+    zs = jnp.where(keep, zs, -jnp.inf)
     pick = jax.random.categorical(key, zs, axis=-1)
     tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
     return jnp.where(p.temperature > 0, tok, jnp.argmax(x, axis=-1)).astype(jnp.int32)
@@ -145,8 +162,8 @@ def copy_bandwidth():
 def torch_pipeline_timer():
     import torch
 
-    def sample(logits, T, k, p):
-        # serving engines: softmax -> top-k renormalise -> top-p renormalise -> multinomial
+    def sample(logits, T, k, p, m=0.0):
+        # serving engines: softmax -> top-k renormalise -> top-p renormalise -> min-p -> multinomial
         if T == 0:
             return logits.argmax(-1)
         probs = torch.softmax(logits.float() / T, dim=-1)
@@ -160,23 +177,68 @@ def torch_pipeline_timer():
             sp = torch.where(cum - sp < p, sp, torch.zeros_like(sp))
             probs = torch.zeros_like(probs).scatter_(-1, si, sp)
             probs = probs / probs.sum(-1, keepdim=True)
+        if m > 0:
+            probs = torch.where(probs >= m * probs.max(-1, keepdim=True).values, probs, torch.zeros_like(probs))
         return torch.multinomial(probs, 1)[:, 0]
 
-    def run(xs, T, k, p, iters=10, repeats=3):
-        sample(xs[0], T, k, p)
+    def run(xs, T, k, p, m=0.0, iters=10, repeats=3):
+        sample(xs[0], T, k, p, m)
         torch.cuda.synchronize()
         ts = []
         for _ in range(repeats):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             for i in range(iters):
-                sample(xs[i % len(xs)], T, k, p)
+                sample(xs[i % len(xs)], T, k, p, m)
             e1.record()
             torch.cuda.synchronize()
             ts.append(e0.elapsed_time(e1) / 1e3 / iters)
         return float(np.median(ts))
 
     return run
+
+
+def cuda_events_ms(fn, xs, iters=20, repeats=3):
+    """Median over ``repeats`` of the mean time (ms) of ``iters`` calls ``fn(xs[i % len(xs)])``,
+    CUDA events, after one warm-up call."""
+    import torch
+
+    fn(xs[0])
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for i in range(iters):
+            fn(xs[i % len(xs)])
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / iters)
+    return float(np.median(ts))
+
+
+def flashinfer_sampler(c: dict):
+    """FlashInfer's sampler for configuration ``c`` on float32 logits (torch), or None when
+    flashinfer cannot be imported. Greedy: torch argmax (FlashInfer has no greedy sampler)."""
+    try:
+        import flashinfer
+        import torch
+    except Exception as e:  # noqa: BLE001
+        log("flashinfer unavailable:", type(e).__name__, str(e)[:200])
+        return None
+    fsm = flashinfer.sampling
+    T, k, p, m = c["temperature"], c["top_k"], c["top_p"], c.get("min_p", 0.0)
+    if T == 0:
+        return lambda x: x.argmax(-1)
+    if k > 0 and p < 1.0:
+        return lambda x: fsm.top_k_top_p_sampling_from_logits(x / T, k, p)
+    if p < 1.0:
+        return lambda x: fsm.top_p_sampling_from_probs(torch.softmax(x / T, dim=-1), p)
+    if m > 0.0:
+        return lambda x: fsm.min_p_sampling_from_probs(torch.softmax(x / T, dim=-1), m)
+    if k > 0:
+        return lambda x: fsm.top_k_sampling_from_probs(torch.softmax(x / T, dim=-1), k)
+    return lambda x: fsm.sampling_from_logits(x / T)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -203,7 +265,7 @@ def checks(quick: bool) -> dict:
         x[2, 5] = np.inf
         x[3, : V_ // 2] = -np.inf
         temp = rng.choice([0.0, 0.5, 0.7, 1.0, 1.5], R_).astype(np.float32)
-        topk = rng.choice([0, 0, 1, 5, 50, 128, 200], R_).astype(np.int32)
+        topk = rng.choice([0, 0, 1, 5, 50, 128, 200, 1000], R_).astype(np.int32)
         topp = rng.choice([1.0, 0.9, 0.5, 0.95], R_).astype(np.float32)
         minp = rng.choice([0.0, 0.0, 0.05], R_).astype(np.float32)
         xd = jnp.asarray(x).astype(dtype)
@@ -237,7 +299,9 @@ def checks(quick: bool) -> dict:
                 kk = (z >= out["tau"][r]) & (z > -np.inf) & (q >= out["q_thr"][r])
                 # the boundary element has q == q_thr in the kernel's float32: ignore a 1e-5 band
                 band = np.abs(q - out["q_thr"][r]) <= 1e-5 * out["q_thr"][r]
-            if not (kk == ref_keep)[~band].all():
+            # pivot rejection (path 4): the thresholds describe a superset of the kept set
+            differs = (ref_keep & ~kk) if out["path"][r] == fs.PATH_REJECT else (kk != ref_keep)
+            if differs[~band].any():
                 bad.append(
                     (
                         r,
@@ -253,7 +317,7 @@ def checks(quick: bool) -> dict:
                 )
             if not ref_keep[out["token"][r]]:
                 bad.append((r, "draw outside support", int(out["token"][r])))
-        paths = np.bincount(out["path"], minlength=4).tolist()
+        paths = np.bincount(out["path"], minlength=5).tolist()
         # the opt-in candidate listing (cumsum + scatter + barrier) must give identical outputs
         sc = jax.tree.map(
             np.asarray,
@@ -274,14 +338,19 @@ def checks(quick: bool) -> dict:
     from scipy import stats
 
     n = 20000 if quick else 100000
-    base = rng.standard_normal(40).astype(np.float32) * 1.5
+    bases = {40: rng.standard_normal(40).astype(np.float32) * 1.5, 300: rng.standard_normal(300).astype(np.float32)}
     chi = {}
-    for name, (T, k, p, m) in {
-        "T1": (1.0, 0, 1.0, 0.0),
-        "T0.7_k10_p0.9": (0.7, 10, 0.9, 0.0),
-        "T1.3_p0.8_minp": (1.3, 0, 0.8, 0.05),
+    for name, (V_, T, k, p, m) in {
+        "T1": (40, 1.0, 0, 1.0, 0.0),
+        "T0.7_k10_p0.9": (40, 0.7, 10, 0.9, 0.0),
+        "T1.3_p0.8_minp": (40, 1.3, 0, 0.8, 0.05),
+        "T0.6_p0.95": (40, 0.6, 0, 0.95, 0.0),
+        "T1_minp0.1": (40, 1.0, 0, 1.0, 0.1),
+        "V300_T0.7_k150": (300, 0.7, 150, 1.0, 0.0),
+        "V300_T0.7_k150_p0.9": (300, 0.7, 150, 0.9, 0.0),
     }.items():
-        xs = jnp.broadcast_to(jnp.asarray(base), (n, 40))
+        base = bases[V_]
+        xs = jnp.broadcast_to(jnp.asarray(base), (n, V_))
         pb = batch_params(n, T, k, p, m)
         tok = np.asarray(fs.fused_sample(xs, pb.temperature, pb.top_k, pb.top_p, pb.min_p, seeds_for(n, 11)))
         prob = np.exp(
@@ -289,7 +358,7 @@ def checks(quick: bool) -> dict:
                 np.float64
             )
         )
-        counts = np.bincount(tok, minlength=40)
+        counts = np.bincount(tok, minlength=V_)
         sup = prob > 0
         outside = int(counts[~sup].sum())
         st = stats.chisquare(counts[sup], prob[sup] / prob[sup].sum() * n)
@@ -307,6 +376,7 @@ def checks(quick: bool) -> dict:
 def timings(quick: bool, bw: float) -> list[dict]:
     rows = []
     torch_run = None
+    fi_ok = flashinfer_sampler(dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0)) is not None
     try:
         import torch  # noqa: F401
 
@@ -315,6 +385,8 @@ def timings(quick: bool, bw: float) -> list[dict]:
         log("torch unavailable:", e)
     kern = kernel_fn()
     kern_dev = kernel_dev_fn()
+    kern_dev_old = kernel_dev_fn(max_rounds=0)  # the previous full-row bisections
+    debug = jax.jit(lambda x, p, seeds: fs.fused_sample_debug(x, p.temperature, p.top_k, p.top_p, p.min_p, seeds))
     for kind in ("gaussian", "realistic"):
         for R in ROWS:
             nsets = 3
@@ -329,8 +401,18 @@ def timings(quick: bool, bw: float) -> list[dict]:
                     "jax_reference": (ref_fn, [(x, p, jax.random.key(i)) for i, x in enumerate(xs)], 3),
                     "jax_sort": (sort_pipeline, [(x, p, jax.random.key(i)) for i, x in enumerate(xs)], 3),
                 }
+                if cname in REJECT_CONFIGS:
+                    variants["kernel_dev_bisect"] = (kern_dev_old, variants["kernel_dev"][1], 1)
                 if quick and R == 2048:
                     variants.pop("jax_reference")
+                try:  # full-row passes / rejection rounds per row in the select launch
+                    d = jax.tree.map(np.asarray, debug(xs[0], p, seeds_for(R, 0)))
+                    entry["paths"] = np.bincount(d["path"], minlength=5).tolist()
+                    entry["mean_passes"] = float(d["passes"].mean())
+                    entry["max_passes"] = int(d["passes"].max())
+                    entry["mean_rounds"] = float(d["rounds"].mean())
+                except Exception as e:  # noqa: BLE001
+                    log(f"debug failed: {type(e).__name__}: {str(e)[:300]}")
                 for vname, (fn, args, iters) in variants.items():
                     try:
                         t = time_it(fn, args, iters=iters, repeats=3 if iters < 10 else 5)
@@ -343,12 +425,32 @@ def timings(quick: bool, bw: float) -> list[dict]:
                         import torch
 
                         txs = [torch.utils.dlpack.from_dlpack(x) for x in xs]
-                        entry["torch_ms"] = torch_run(txs, c["temperature"], c["top_k"], c["top_p"]) * 1e3
+                        entry["torch_ms"] = torch_run(txs, c["temperature"], c["top_k"], c["top_p"], c["min_p"]) * 1e3
                     except Exception as e:  # noqa: BLE001
                         entry["torch_ms"] = None
                         log(f"torch failed: {type(e).__name__}: {str(e)[:300]}")
+                fi = flashinfer_sampler(c) if fi_ok else None
+                if fi is not None:
+                    try:
+                        import torch
+
+                        txs = [torch.utils.dlpack.from_dlpack(x) for x in xs]
+                        entry["fi_cast_ms"] = cuda_events_ms(lambda t: t.float(), txs)
+                        fxs = [t.float() for t in txs]
+                        entry["flashinfer_ms"] = cuda_events_ms(fi, fxs)
+                        del fxs
+                    except Exception as e:  # noqa: BLE001
+                        entry["flashinfer_ms"] = None
+                        log(f"flashinfer failed: {type(e).__name__}: {str(e)[:300]}")
+                if entry.get("kernel_dev_bisect_ms"):
+                    entry["kernel_dev_bisect_ms"] /= DEV_N
                 if entry.get("kernel_dev_ms"):
                     entry["kernel_dev_ms"] /= DEV_N
+                    if entry.get("flashinfer_ms"):
+                        entry["ratio_vs_flashinfer"] = entry["kernel_dev_ms"] / entry["flashinfer_ms"]
+                        entry["ratio_vs_flashinfer_with_cast"] = entry["kernel_dev_ms"] / (
+                            entry["flashinfer_ms"] + entry["fi_cast_ms"]
+                        )
                     entry["kernel_dev_frac_copy_bw"] = nbytes / (entry["kernel_dev_ms"] / 1e3) / bw
                     for o in ("jax_sort", "torch"):
                         if entry.get(o + "_ms"):
@@ -414,10 +516,15 @@ def markdown(meta, res, rows) -> str:
         "kernel ms: host loop of single calls (one jit dispatch each, as before); kernel dev ms: 20 calls inside "
         "one jit (lax.fori_loop), time / 20 (device time without the per-call dispatch). x sort / x torch use "
         "the host-loop time; dev x sort / dev x torch the device time. JAX/torch pipelines: host loop / CUDA events.",
+        "passes / rounds: mean full-row passes / pivot-rejection rounds per row in the select launch (after the "
+        "one-pass stats launch); bisect dev ms: the same rows with max_rounds=0 (the previous full-row bisections). "
+        "FlashInfer: float32 logits, CUDA events; cast ms = bf16 -> f32 cast (apart); "
+        "x fi = kernel dev ms / FlashInfer ms (< 1: ours faster), x fi+cast = kernel dev ms / (FlashInfer + cast).",
         "",
         "| logits | R | config | kernel ms | GB/s | % copy BW | kernel dev ms | dev % copy BW | JAX reference ms "
-        "| JAX sort ms | torch ms | x ref | x sort | x torch | dev x sort | dev x torch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| JAX sort ms | torch ms | x ref | x sort | x torch | dev x sort | dev x torch "
+        "| passes | rounds | bisect dev ms | FlashInfer ms | cast ms | x fi | x fi+cast |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for e in rows:
@@ -430,7 +537,10 @@ def markdown(meta, res, rows) -> str:
             f"{f(e.get('jax_sort_ms'))} | {f(e.get('torch_ms'))} | {f(e.get('speedup_vs_jax_reference'), 1)} | "
             f"{f(e.get('speedup_vs_jax_sort'), 1)} | {f(e.get('speedup_vs_torch'), 1)} | "
             f"{f(e.get('dev_speedup_vs_jax_sort'), 1)} | "
-            f"{f(e.get('dev_speedup_vs_torch'), 1)} |"
+            f"{f(e.get('dev_speedup_vs_torch'), 1)} | "
+            f"{f(e.get('mean_passes'), 2)} | {f(e.get('mean_rounds'), 2)} | {f(e.get('kernel_dev_bisect_ms'))} | "
+            f"{f(e.get('flashinfer_ms'))} | {f(e.get('fi_cast_ms'))} | {f(e.get('ratio_vs_flashinfer'), 2)} | "
+            f"{f(e.get('ratio_vs_flashinfer_with_cast'), 2)} |"
         )
     if meta.get("sweep"):
         L += [
@@ -455,7 +565,16 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time tuning variants (stats/select knobs)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts to time")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations to time")
     args = ap.parse_args()
+    rows_sel = tuple(int(r) for r in args.rows.split(","))
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown configurations {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    ROWS[:] = rows_sel
+    for name in [c for c in CONFIGS if c not in args.configs.split(",")]:
+        del CONFIGS[name]
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     meta = dict(

@@ -1,10 +1,11 @@
 """Triton fused sampling kernel (interpret mode) against the canonical pipeline ``target_logprobs``.
 
-Small V (37, 40, 700) with tiles of 64/128 columns, so V is not a multiple of the tile and the
-kernel's three sampling paths (temperature-only, top-k candidates, full-row bisection) all run.
-Interpret mode spends most of its time compiling one program per input shape, so the tests share
-shapes: (24 rows, V=37, tile 64) for the kept-set, invalid-row and dispatch tests, (3000, 40) for
-the statistical tests.
+Small V (37, 40, 300, 700) with tiles of 64/128 columns, so V is not a multiple of the tile and the
+kernel's sampling paths (temperature-only, top-k candidates, pivot rejection, and the full-row
+bisections: the rejection path's fallback, forced with ``max_rounds`` 0 or 1) all run.
+Interpret mode spends most of its time compiling one program per input shape (and static
+argument), so the tests share shapes: (24 rows, V=37, tile 64) for the kept-set, invalid-row and
+dispatch tests, (3000, 40) and (3000, 300) for the statistical tests.
 """
 
 import jax
@@ -16,10 +17,12 @@ from scipy import stats
 import ddtree_jax as dt
 from ddtree_jax.sampling import SamplingBatch, target_logprobs
 from pallas_kernels.triton.fused_sample import (
+    MAX_ROUNDS,
     PATH_CANDIDATES,
+    PATH_NONE,
+    PATH_REJECT,
     PATH_SLOW,
     PATH_TEMPERATURE,
-    fused_sample,
     fused_sample_debug,
 )
 
@@ -56,11 +59,28 @@ def _kept_from_thresholds(x_row, T, out, r):
     return kept, band
 
 
+def _check_kept(x_row, T, out, r, ref_keep):
+    """Exact paths: the kept set rebuilt from the thresholds equals the reference's (outside the
+    boundary band). Rejection path: the thresholds describe a superset (necessary conditions), so
+    only inclusion is checked here; the law itself is checked by the chi-square tests."""
+    kept, band = _kept_from_thresholds(x_row, T, out, r)
+    if out["path"][r] == PATH_REJECT:
+        assert not (ref_keep & ~kept)[~band].any(), f"row {r}: a kept token outside the described set"
+    else:
+        np.testing.assert_array_equal(kept[~band], ref_keep[~band], err_msg=f"row {r}")
+    assert ref_keep[out["token"][r]], f"row {r}: draw outside the reference support"
+
+
 @pytest.mark.parametrize(
-    "V,tile,dtype,compact",
-    [(37, 64, np.float32, "loop"), (700, 128, jnp.bfloat16, "loop"), (700, 128, jnp.bfloat16, "scatter")],
+    "V,tile,dtype,compact,max_rounds",
+    [
+        (37, 64, np.float32, "loop", MAX_ROUNDS),
+        (37, 64, np.float32, "loop", 0),  # rejection off: the full-row bisections (its fallback)
+        (700, 128, jnp.bfloat16, "loop", MAX_ROUNDS),
+        (700, 128, jnp.bfloat16, "scatter", MAX_ROUNDS),
+    ],
 )
-def test_kept_set_greedy_and_support(V, tile, dtype, compact):
+def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     rng = np.random.default_rng(V)
     R = 24
     x = (rng.standard_normal((R, V)) * rng.uniform(0.5, 3, (R, 1))).astype(np.float32)
@@ -68,49 +88,68 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact):
     x[4, : V // 3] = -np.inf
     x = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
     temp = np.array([0, 0.7, 1.0, 0.5, 1.3, 0.7] * 4, np.float32)
-    topk = np.array([0, 0, 5, 1, 3, 0, 10, 0, 2, 0, 40, 0] * 2, np.int32)
+    # second half: k = 200 / 300 (> CAND_CHUNKS: rejection at V = 700; >= V, i.e. off, at V = 37)
+    topk = np.array([0, 0, 5, 1, 3, 0, 10, 0, 2, 0, 40, 0] + [0, 0, 200, 1, 300, 0, 10, 0, 200, 0, 300, 0], np.int32)
     topp = np.array([1, 1, 1, 0.9, 0.8, 0.6, 1, 0.95, 0.5, 1, 0.9, 0.7] * 2, np.float32)
     minp = np.array([0, 0.05, 0, 0, 0.1, 0] * 4, np.float32)
     pb = _batch(temp, topk, topp, minp)
-    out = _run(
-        jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **({} if compact == "loop" else dict(compact=compact))
+    # (static arguments left at their defaults where possible: an explicit default is another compile)
+    kw = ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds)) | (
+        {} if compact == "loop" else dict(compact=compact)
     )
+    out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **kw)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
-    assert {PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW} <= set(out["path"].tolist())
+    other = PATH_REJECT if max_rounds else PATH_SLOW
+    assert {PATH_TEMPERATURE, PATH_CANDIDATES, other} <= set(out["path"].tolist())
+    if V > 128:  # top-k > CAND_CHUNKS takes the rejection path
+        assert (out["path"][topk > 128] == PATH_REJECT).all()
+    if max_rounds:
+        rej = out["path"] == PATH_REJECT
+        assert (out["rounds"][rej] >= 1).all() and (out["rounds"][~rej] == 0).all()
     if compact != "loop":  # the two ways of listing candidate chunks give identical outputs
         ref_out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile)
         for key in out:
             np.testing.assert_array_equal(out[key], ref_out[key], err_msg=key)
     for r in range(R):
         if temp[r] == 0:
-            assert out["token"][r] == np.argmax(x[r]), r
+            assert out["token"][r] == np.argmax(x[r]) and out["path"][r] == PATH_NONE, r
             continue
-        ref_keep = lp[r] > -np.inf
-        kept, band = _kept_from_thresholds(x[r], temp[r], out, r)
-        np.testing.assert_array_equal(kept[~band], ref_keep[~band], err_msg=f"row {r}")
-        assert ref_keep[out["token"][r]], f"row {r}: draw outside the reference support"
+        _check_kept(x[r], temp[r], out, r, lp[r] > -np.inf)
 
 
 def test_invalid_rows_and_mixed_batch():
-    """NaN / +inf / all -inf rows give -1; greedy and sampled rows share the batch. (24 rows,
-    V=37, tile 64: the shape of test_kept_set_greedy_and_support[37], no extra compile.)"""
+    """NaN / +inf / all -inf rows give -1 on every path; greedy rows give the argmax; rows taking
+    the four paths share one batch. (24 rows, V=37, tile 64: the shape of
+    test_kept_set_greedy_and_support[37], no extra compile.)"""
     rng = np.random.default_rng(1)
     x = rng.standard_normal((24, 37)).astype(np.float32)
-    x[0, 7] = np.nan
-    x[1, 3] = np.inf
-    x[2, :] = -np.inf
-    x[6, :] = np.nan
-    cfg = [[0.7, 0, 1.0, 0, 0.9, 1.2], [0, 0, 5, 0, 5, 0], [1, 1, 0.9, 1, 0.9, 0.5], [0, 0, 0, 0, 0, 0.1]]
-    pb = _batch(*[c * 4 for c in cfg])
-    tok = np.asarray(
-        fused_sample(
-            jnp.asarray(x), pb.temperature, pb.top_k, pb.top_p, pb.min_p, _seeds(24, 1), interpret=True, tile=64
-        )
-    )
-    assert tok[[0, 1, 2, 6]].tolist() == [-1, -1, -1, -1]
+    x[0, 7] = np.nan  # temperature row
+    x[1, 3] = np.inf  # greedy row
+    x[2, :] = -np.inf  # candidate row
+    x[3, 5] = np.inf  # top-p row
+    x[5, :] = -np.inf  # top-p + min-p row
+    x[6, :] = np.nan  # min-p row
+    x[15, 2] = np.nan  # top-k + top-p row
+    # columns: T, top-k (temperature, greedy, candidates, top-p, candidates, top-p + min-p, min-p, top-p)
+    cfg = [
+        [0.7, 0, 1.0, 0.6, 0.9, 1.2, 1.0, 0.7],
+        [0, 0, 5, 0, 5, 0, 0, 0],
+        [1, 1, 0.9, 0.95, 0.9, 0.5, 1, 0.95],
+        [0, 0, 0, 0, 0, 0.1, 0.1, 0],
+    ]
+    pb = _batch(*[c * 3 for c in cfg])
+    out = _run(x, pb, _seeds(24, 1), 64)
+    tok = out["token"]
+    bad = [0, 1, 2, 3, 5, 6, 15]
+    assert tok[bad].tolist() == [-1] * len(bad)
+    assert (out["path"][bad] == PATH_NONE).all()
+    T_, N_, C_, J_ = PATH_TEMPERATURE, PATH_NONE, PATH_CANDIDATES, PATH_REJECT
+    want_path = np.array([T_, N_, C_, J_, C_, J_, J_, J_] * 3)
+    want_path[bad] = PATH_NONE
+    np.testing.assert_array_equal(out["path"], want_path)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
     for r in range(24):
-        if r in (0, 1, 2, 6):
+        if r in bad:
             continue
         if np.asarray(pb.temperature)[r] == 0:
             assert tok[r] == np.argmax(x[r]), r
@@ -118,47 +157,88 @@ def test_invalid_rows_and_mixed_batch():
             assert lp[r, tok[r]] > -np.inf, r
 
 
-@pytest.mark.parametrize("T,k,p,m", [(1.0, 0, 1.0, 0.0), (0.8, 6, 0.85, 0.02), (1.3, 0, 0.8, 0.05)])
-def test_chi_square_law(T, k, p, m):
-    """n = 3000 draws of one V=40 row (fixed seeds; one compile for all three cases) vs the exact
-    law: temperature only, top-k + top-p + min-p (candidate path), top-p + min-p (full-row path).
-    No draw outside the reference support, every kept token with expected count >= 10 drawn, chi-square
-    p-value > 1e-3. Negative control: the same counts against a wrong law (temperature off by
-    25%) must give p < 1e-6 (or put mass outside its support)."""
-    V, n = 40, 3000
-    rng = np.random.default_rng(7)
-    base = rng.standard_normal(V).astype(np.float32) * 1.5
+def _chi_square(counts, prob, n):
+    """p-value of the counts against ``prob`` (bins with expected count < 5 pooled into one)."""
+    exp = prob * n
+    small = exp < 5
+    obs_b = np.append(counts[~small], counts[small].sum())
+    exp_b = np.append(exp[~small], exp[small].sum())
+    keep = exp_b > 0
+    return stats.chisquare(obs_b[keep], exp_b[keep] / exp_b[keep].sum() * obs_b[keep].sum()).pvalue
+
+
+def _law(base, T, k, p, m):
+    lp = target_logprobs(jnp.asarray(base)[None, None], _batch([T], [k], [p], [m]))
+    return np.exp(np.asarray(lp)[0, 0].astype(np.float64))
+
+
+def _draws(base, n, T, k, p, m, tile, seed, **kw):
     pb = _batch([T] * n, [k] * n, [p] * n, [m] * n)
-    tok = np.asarray(
-        fused_sample(
-            jnp.broadcast_to(jnp.asarray(base), (n, V)),
-            pb.temperature,
-            pb.top_k,
-            pb.top_p,
-            pb.min_p,
-            _seeds(n, 3),
-            interpret=True,
-            tile=64,
-        )
-    )
+    return _run(jnp.broadcast_to(jnp.asarray(base), (n, len(base))), pb, _seeds(n, seed), tile, **kw)
+
+
+def _assert_law(base, tok, T, k, p, m, wrong_t=1.25):
+    """No draw outside the reference support, every kept token with expected count >= 10 drawn,
+    chi-square p-value > 1e-3. Negative control: the same counts against a wrong law
+    (temperature times ``wrong_t``) must give p < 1e-6 (or put mass outside its support)."""
+    n, V = len(tok), len(base)
     counts = np.bincount(tok, minlength=V)
-
-    def law(T_):
-        return np.exp(
-            np.asarray(target_logprobs(jnp.asarray(base)[None, None], _batch([T_], [k], [p], [m])))[0, 0].astype(
-                np.float64
-            )
-        )
-
-    prob = law(T)
+    prob = _law(base, T, k, p, m)
     sup = prob > 0
     assert counts[~sup].sum() == 0
     assert (counts[prob * n >= 10] > 0).all()  # kept tokens expected >= 10 times all show up
-    assert stats.chisquare(counts[sup], prob[sup] / prob[sup].sum() * n).pvalue > 1e-3
-    wrong = law(T * 1.25)
+    assert _chi_square(counts[sup], prob[sup] / prob[sup].sum(), n) > 1e-3
+    wrong = _law(base, T * wrong_t, k, p, m)
     wsup = wrong > 0
     if counts[~wsup].sum() == 0:  # otherwise the wrong law is rejected outright
-        assert stats.chisquare(counts[wsup], wrong[wsup] / wrong[wsup].sum() * n).pvalue < 1e-6
+        assert _chi_square(counts[wsup], wrong[wsup] / wrong[wsup].sum(), n) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "T,k,p,m,paths,max_rounds",
+    [
+        (1.0, 0, 1.0, 0.0, {PATH_TEMPERATURE}, MAX_ROUNDS),
+        (0.8, 6, 0.85, 0.02, {PATH_CANDIDATES}, MAX_ROUNDS),
+        (1.3, 0, 0.8, 0.05, {PATH_REJECT}, MAX_ROUNDS),  # top-p + min-p
+        (0.6, 0, 0.95, 0.0, {PATH_REJECT}, MAX_ROUNDS),  # top-p alone
+        (1.0, 0, 1.0, 0.1, {PATH_REJECT}, MAX_ROUNDS),  # min-p alone
+        (1.3, 0, 0.5, 0.05, {PATH_REJECT, PATH_SLOW}, 1),  # one round, then the bisections
+    ],
+)
+def test_chi_square_law(T, k, p, m, paths, max_rounds):
+    """n = 3000 draws of one V=40 row (fixed seeds; one compile per max_rounds) vs the exact
+    law (see ``_assert_law``). With max_rounds = 1 a row whose first draw is rejected falls back
+    to the full-row bisections: the mixture must still be the exact law."""
+    V, n = 40, 3000
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal(V).astype(np.float32) * 1.5
+    out = _draws(base, n, T, k, p, m, 64, 3, **({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds)))
+    assert set(out["path"].tolist()) == paths
+    if PATH_REJECT in paths and k == 0 and p < 1:
+        # top-p: one pass per round; rounds beyond the first are rejections
+        rej = out["path"] == PATH_REJECT
+        np.testing.assert_array_equal(out["passes"][rej], out["rounds"][rej])
+    if max_rounds == MAX_ROUNDS and p == 1.0 and m > 0:  # min-p alone: a pass only after a rejection
+        assert set(out["passes"].tolist()) <= {0, 1} and (out["rounds"] == out["passes"] + 1).all()
+    _assert_law(base, out["token"], T, k, p, m)
+
+
+def test_chi_square_large_top_k_and_ties():
+    """Top-k > CAND_CHUNKS (the rejection path), alone, with top-p (the exact S_k bisection when
+    the bounds do not decide) and with min-p, on a V=300 row of half-integer logits: large tie
+    groups at the top-k, top-p and min-p boundaries (the reference keeps whole tie groups).
+    n = 3000 draws each (one compile), same checks as ``test_chi_square_law`` (the negative
+    control with the temperature off by 50%: 25% gives a median p-value of only ~1e-7 here)."""
+    V, n = 300, 3000
+    rng = np.random.default_rng(11)
+    base = (np.round(rng.standard_normal(V) * 2) / 2).astype(np.float32)
+    for T, k, p, m in [(0.7, 150, 1.0, 0.0), (0.7, 150, 0.9, 0.0), (1.0, 200, 1.0, 0.05)]:
+        out = _draws(base, n, T, k, p, m, 64, 5)
+        assert (out["path"] == PATH_REJECT).all()
+        assert (out["rounds"] > 1).any()  # some first draws are rejected
+        if p < 1:
+            assert (out["passes"] > 33).any()  # the exact S_k bisection ran
+        _assert_law(base, out["token"], T, k, p, m, wrong_t=1.5)
 
 
 def test_sample_tree_nodes_dispatch():

@@ -43,7 +43,28 @@ Algorithm (two launches, one program per row each):
      scratch + a CTA barrier (``compact="scatter"``: replaces ~k serial 4096-wide reductions; equal
      outputs in interpret mode and on the H200; opt-in until timed against "loop").
    * anything else (top-p or min-p without top-k, k > 128, more than 128 candidate chunks):
-     the same bisections with full-row passes (correct but ~60 passes: the slow path). Its top-p
+     pivot rejection (``PATH_REJECT``; the idea of FlashInfer's sort-free samplers, adapted to
+     this law). The kept set K is an upper set in z (every rule keeps all values above a kept
+     one), so: draw v from exp(z) restricted to U = {z > P} (P = -inf at first) by the same
+     two-level inverse CDF as the temperature path (tile by per-tile masses of U, then one tile
+     re-read), then decide ``v in K`` exactly with ONE full-row pass for ``z_v``:
+     ``#{z > z_v} < k`` (top-k, ties kept), ``mass{z > z_v} < top_p * S`` (top-p, S the top-k
+     mass) and ``z_v >= log(min_p)`` (min-p; local, no pass). The same pass stores the per-tile
+     masses of ``{z > z_v, z >= log(min_p)}``. The pass compares a cheap ``(x - M) * (1/T)`` and
+     recomputes the IEEE z only in tiles with a value within ~2^-20 of a threshold (exact
+     membership; see ``check_pass``). Accept -> done. Reject -> every u with
+     ``z_u <= z_v`` is out of K too, so P = z_v and redraw from the smaller U (fresh uniforms,
+     streams 2 + 2i, 3 + 2i). Each round draws from q restricted to some U containing K and
+     keeps the draw iff it lies in K, so the accepted token has exactly the law of q on K.
+     Passes: top-p alone / top-k alone ~1 per round (expected rounds ~1 / (mass fraction of K
+     reached by the first draws), about 1.05 for top_p 0.95); min-p alone 0 passes when the first
+     draw passes min-p, else 1 (the redraw from {z >= log(min_p)} needs no test). top-k with top-p
+     (k > 128): S_k is bounded by ``mass{z >= z_v} <= S_k <= total``; when the bounds do not
+     decide, S_k is computed exactly once per row (bisection for z_(k): 33 passes).
+     After ``MAX_ROUNDS`` rejections the row falls back to the full-row bisections below (an
+     independent draw of the same exact law; worst case ``MAX_ROUNDS`` + ~66 passes).
+   * fallback (and ``max_rounds=0``, the previous behaviour): the same bisections as the
+     candidate path with full-row passes (~34 to ~67 passes: ``PATH_SLOW``). Its top-p
      cut is a threshold on z (bisection over z keys of ``mass{z > K} < top_p``), not on q: the
      passes recompute the values, and a q threshold equals the smallest kept q, so any 1-ulp
      difference in a recomputed ``exp`` dropped that token from the draws (found on CPU: a kept
@@ -54,13 +75,15 @@ Exactness of the cut: every rule is a threshold on one row, evaluated as in the 
 optimization barriers, since XLA:CPU computes ``x / broadcast(T)`` as ``x * (1/T)``, 1 ulp off),
 top-k keeps ``z >= z_(k)`` (ties kept),
 top-p keeps ``q_v`` iff the mass of ``{q_u > q_v}`` is ``< top_p`` with ``q = exp(z)/S_k`` over the
-top-k set, min-p keeps ``q_v >= min_p * max q``. The top-k set is bit-exact; top-p and min-p can
-differ from the reference only where a value lies within float32 rounding of the boundary (the
-masses are summed in a different order). The draw is exact up to float32 rounding of the masses
-(inverse CDF with 24-bit uniforms at two levels, tile then element).
+top-k set, min-p keeps ``q_v >= min_p * max q`` (on the rejection path: ``z_v >= log(min_p)``,
+the same rule since max z = 0). The top-k set is bit-exact; top-p and min-p can differ from the
+reference only where a value lies within float32 rounding of the boundary (the masses are summed
+in a different order; min-p's ratio is rounded differently). The draw is exact up to float32
+rounding of the masses (inverse CDF with 24-bit uniforms at two levels, tile then element).
 
-Random numbers: two uniforms per row from an integer hash (murmur3 finaliser chain) of the row's
-two seed words (``seeds[r] = (k0, k1)``) and a stream index, computed in the kernel.
+Random numbers: two uniforms per draw (streams 0, 1; rejection round i: 2 + 2i, 3 + 2i) from an
+integer hash (murmur3 finaliser chain) of the row's two seed words (``seeds[r] = (k0, k1)``) and
+the stream index, computed in the kernel.
 """
 
 from __future__ import annotations
@@ -73,7 +96,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "fused_sample", "fused_sample_debug"]
+__all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
 
 INVALID_TOKEN = -1  # the token of a row with no law (NaN, +inf, or all -inf logits)
 
@@ -87,7 +110,8 @@ _ONE_KEY = np.int32(0x3F800000)  # bit pattern of 1.0f
 # IEEE division through inline PTX on GPU (set False only to diagnose a toolchain without it).
 EXACT_DIV_ASM = True
 
-PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW = 0, 1, 2, 3
+PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW, PATH_REJECT = 0, 1, 2, 3, 4
+MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (PATH_SLOW)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -105,9 +129,14 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
-def _uniform(s0, s1, stream: int):
-    """Uniform in [0, 1) with 24 bits from (seed words, stream index)."""
-    h = _fmix32(s1 + _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF))
+def _uniform(s0, s1, stream):
+    """Uniform in [0, 1) with 24 bits from (seed words, stream index). ``stream`` is a Python int
+    or a traced int32 scalar (the same index gives the same value either way: uint32 products wrap)."""
+    if isinstance(stream, int):
+        salt = _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF)
+    else:
+        salt = _u32(0x9E3779B9) * (stream + 1).astype(jnp.uint32)
+    h = _fmix32(s1 + salt)
     h = _fmix32(s0 ^ h)
     return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
 
@@ -245,6 +274,8 @@ def _select_kernel(
     qthr_ref,
     norm_ref,
     path_ref,
+    passes_ref,
+    rounds_ref,
     scr_ref,
     *,
     V,
@@ -255,6 +286,7 @@ def _select_kernel(
     exact_asm,
     compact,
     interpret_mode,
+    max_rounds,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -300,7 +332,10 @@ def _select_kernel(
 
     # (Arithmetic, not nested jnp.where on scalar bools: that stored wrong values on jax 0.11 GPU.)
     is_none = (~valid | greedy).astype(jnp.int32)
-    path = (1 - is_none) * (PATH_TEMPERATURE + filtered.astype(jnp.int32) * (1 + (~use_cand).astype(jnp.int32)))
+    other_path = PATH_REJECT if max_rounds > 0 else PATH_SLOW
+    path = (1 - is_none) * (
+        PATH_TEMPERATURE + filtered.astype(jnp.int32) * (1 + (~use_cand).astype(jnp.int32) * (other_path - 2))
+    )
 
     neg_inf = zf - jnp.inf
 
@@ -313,7 +348,7 @@ def _select_kernel(
     # --- path 0: greedy / invalid
     def p_none():
         tok = jnp.where(valid, argmax, INVALID_TOKEN).astype(jnp.int32)
-        return tok, neg_inf, zf, zf
+        return tok, neg_inf, zf, zf, zi, zi, zi
 
     # Re-read one tile and pick inside it by inverse CDF over exp(z) restricted to the kept set.
     def pick_in_tile(t, tau, qthr, S):
@@ -335,7 +370,7 @@ def _select_kernel(
         t = _pick(w, u1, iota_nt)
         S = jnp.sum(w)
         tok = pick_in_tile(jnp.maximum(t, 0), neg_inf, zf, zf + 1.0)
-        return tok.astype(jnp.int32), neg_inf, zf, S
+        return tok.astype(jnp.int32), neg_inf, zf, S, zi, zi, zi
 
     # --- path 2: candidate chunks
     def p_cand():
@@ -388,7 +423,7 @@ def _select_kernel(
         j = _pick(wrow, u2, jnp.arange(CHUNK, dtype=jnp.int32))
         c = jnp.sum(jnp.where(iota_k == slot, cidx, 0))
         tok = jnp.where(j >= 0, c * CHUNK + j, argmax)
-        return tok.astype(jnp.int32), tau, qthr, S
+        return tok.astype(jnp.int32), tau, qthr, S, zi, zi, zi
 
     # --- path 3: full-row passes
     def row_reduce(fn, init):
@@ -400,18 +435,21 @@ def _select_kernel(
 
         return jax.lax.fori_loop(0, nt, body, init)
 
-    def p_slow():
-        K_k = jax.lax.cond(
-            k_on,
-            lambda: _bisect(
-                lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
-                _INT_MIN,
-                jnp.int32(0),
-            ),
-            lambda: zi + _INT_MIN,
+    def topk_key():
+        """Key of z_(k) by bisection: 32 full-row count passes."""
+        return _bisect(
+            lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
+            _INT_MIN,
+            jnp.int32(0),
         )
+
+    def mass_from(tau0):
+        return row_reduce(lambda z, t: jnp.sum(jnp.where(z >= tau0, jnp.exp(z), 0.0)), jnp.float32(0.0))
+
+    def p_slow():
+        K_k = jax.lax.cond(k_on, topk_key, lambda: zi + _INT_MIN)
         tau0 = jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k))
-        S = row_reduce(lambda z, t: jnp.sum(jnp.where(z >= tau0, jnp.exp(z), 0.0)), jnp.float32(0.0))
+        S = mass_from(tau0)
 
         # Top-p in the z domain: the smallest z-key K with mass{z > K} < top_p, so kept is
         # ``z >= tau`` with tau from a key. (A q-domain threshold would be compared with q values
@@ -424,14 +462,14 @@ def _select_kernel(
 
             return row_reduce(f, jnp.float32(0.0))
 
-        K_p = jax.lax.cond(
+        K_p, np_passes = jax.lax.cond(
             p_on,
             lambda: jax.lax.cond(
                 mass_above(jnp.int32(_INT_MIN)) >= p,
-                lambda: _bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0)),
-                lambda: zi + _INT_MIN,
+                lambda: (_bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0)), zi + 33),
+                lambda: (zi + _INT_MIN, zi + 1),
             ),
-            lambda: zi + _INT_MIN,
+            lambda: (zi + _INT_MIN, zi),
         )
         K_t = jnp.maximum(K_k, K_p)
         tau = jnp.where(K_t == _INT_MIN, neg_inf, _key_to_float(K_t))
@@ -445,19 +483,146 @@ def _select_kernel(
         w = row_reduce(tile_w, jnp.zeros((ntp,), jnp.float32))
         t = jnp.maximum(_pick(w, u1, iota_nt), 0)
         tok = pick_in_tile(t, tau, qthr, S)
-        return tok.astype(jnp.int32), tau, qthr, S
+        passes = k_on.astype(jnp.int32) * 32 + 2 + np_passes
+        return tok.astype(jnp.int32), tau, qthr, S, passes, zi, zi
+
+    # --- path 4: pivot rejection (top-p / min-p without top-k, top-k > CAND_CHUNKS, ...)
+    def draw(W, u_t, u_e, P, zfl):
+        """Two-level inverse CDF over exp(z) restricted to {z > P, z >= zfl}: tile by the weights W
+        (the restricted per-tile masses), then one tile re-read. -> (token, z, exp(z))."""
+        t = jnp.maximum(_pick(W, u_t, iota_nt), 0)
+        cols = t * tile + iota_t
+        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+        z = zof(x)
+        e = jnp.exp(z)
+        j = _pick(jnp.where((z > P) & (z > -jnp.inf) & (z >= zfl), e, 0.0), u_e, iota_t)
+        hit = iota_t == j
+        # (j < 0 cannot happen: W_t > 0 says the tile holds an allowed value; argmax is kept anyway)
+        tok = jnp.where(j >= 0, t * tile + j, argmax)
+        zv = jnp.where(j >= 0, jnp.sum(jnp.where(hit, z, 0.0)), 0.0)
+        ev = jnp.where(j >= 0, jnp.sum(jnp.where(hit, e, 0.0)), 1.0)
+        return tok, zv, ev
+
+    tau_m = jnp.log(minp)  # min-p on the rejection path: z >= log(min_p) (-inf when off)
+    c2 = inv_t * np.float32(np.log2(np.e))
+
+    def check_pass(zv, with_count, with_total):
+        """One full-row pass for the drawn value zv: per-tile masses of {z > zv, z >= tau_m} (the
+        next round's weights), #{z > zv} (top-k) and the total mass (top-p).
+        Cheap per element: z' = (x - M) * (1/T) (within ~2^-22 relative of the IEEE z) decides
+        the comparisons, except in tiles holding a value within 2^-20 (relative, +2^-20) of zv or
+        tau_m: those (ties, near-ties: rare) recompute z exactly, so membership is exact. Masses
+        use exp2((x - M) * log2(e) / T), as the stats pass (float32 rounding of the masses)."""
+        dv = (jnp.abs(zv) + 1.0) * np.float32(2.0**-20)
+        dm = jnp.where(tau_m > -jnp.inf, (jnp.abs(tau_m) + 1.0) * np.float32(2.0**-20), 0.0)
+
+        def body(t, c):
+            W, cnt, tot = c
+            cols = t * tile + iota_t
+            x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+            d = x - M
+            zc = d * inv_t
+            e = jnp.exp2(d * c2)
+            near = (jnp.abs(zc - zv) <= dv) | (jnp.abs(zc - tau_m) <= dm)
+
+            def sums(z):
+                up = z > zv
+                s = jnp.sum(jnp.where(up & (z >= tau_m), e, 0.0))
+                return s, (jnp.sum(jnp.where(up, 1, 0)) if with_count else zi)
+
+            s, n = jax.lax.cond(jnp.max(jnp.where(near, 1, 0)) > 0, lambda: sums(zof(x)), lambda: sums(zc))
+            W = jnp.where(iota_nt == t, s, W)
+            cnt = cnt + n
+            if with_total:
+                tot = tot + jnp.sum(e)
+            return W, cnt, tot
+
+        return jax.lax.fori_loop(0, nt, body, (jnp.zeros((ntp,), jnp.float32), zi, zf))
+
+    def p_reject():
+        tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
+        ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+        W0 = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M) * inv_t), 0.0)
+        need_pass_kp = k_on | p_on
+
+        def round_(i, c):
+            done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
+            u_t = _uniform(s0, s1, 2 * i + 2)
+            u_e = _uniform(s0, s1, 2 * i + 3)
+            v, zv, ev = draw(W, u_t, u_e, P, zfl)
+            ok_m = zv >= tau_m
+
+            def do_pass():
+                return jax.lax.cond(
+                    k_on,
+                    lambda: jax.lax.cond(p_on, lambda: check_pass(zv, True, True), lambda: check_pass(zv, True, False)),
+                    lambda: jax.lax.cond(
+                        p_on, lambda: check_pass(zv, False, True), lambda: check_pass(zv, False, False)
+                    ),
+                )
+
+            # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
+            ran = need_pass_kp | ~ok_m
+            Wn, cnt, tot = jax.lax.cond(ran, do_pass, lambda: (W, zi, zf + 1.0))
+            m_gt = jnp.sum(Wn)  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
+            in_k = ~k_on | (cnt < k)
+            # top-p with top-k: the bound S_k >= mass{z >= zv} >= m_gt + ev decides acceptance,
+            # S_k <= tot decides rejection; otherwise S_k exactly (33 passes, once per row).
+            sure_acc = m_gt < p * (m_gt + ev)
+            sure_rej = m_gt >= p * tot
+            need_sk = ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
+
+            def exact_sk():
+                K_k = topk_key()
+                return zi + 1, mass_from(jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k)))
+
+            have_sk, S_k = jax.lax.cond(need_sk, exact_sk, lambda: (have_sk, S_k))
+            S_p = jnp.where(have_sk > 0, S_k, tot)
+            acc = ok_m & in_k & (~p_on | (m_gt < p * S_p))
+            passes = passes + ran.astype(jnp.int32) + 33 * need_sk.astype(jnp.int32)
+            # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
+            new = (tok, zv, tau_m, Wn)
+            old = (v, P, zfl, W)
+            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
+            return acc, tok, P, zfl, W, have_sk, S_k, passes, nr + 1
+
+        def maybe_round(i, c):
+            return jax.lax.cond(c[0], lambda: c, lambda: round_(i, c))
+
+        init = (jnp.bool_(False), argmax, neg_inf, neg_inf, W0, zi, zf + 1.0, zi, zi)
+        done, tok, P, zfl, W, have_sk, S_k, passes, nr = jax.lax.fori_loop(0, max_rounds, maybe_round, init)
+        # nr rounds used (a round is one tile re-read and at most one pass, plus the 33 passes of
+        # S_k when needed); a row that exhausted them falls back to the exact bisections (with
+        # independent uniforms, streams 0 and 1: the law stays exact).
+
+        def accepted():
+            # Described set: kept requires z > P (tau = the next float above P) and z >= log(min_p)
+            # (reported as exp(z) / 1 >= min_p: the reference's form, up to rounding).
+            # (P < 0: the argmax, z = 0, is never rejected; the next float above a negative P is bits - 1)
+            above = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(P, jnp.int32) - 1, jnp.float32)
+            tau = jnp.where(P > -jnp.inf, above, neg_inf)
+            return tok.astype(jnp.int32), tau, minp, zf + 1.0, passes, nr, zi
+
+        def fallback():
+            out = p_slow()
+            return out[:4] + (passes + out[4], nr, zi + 1)
+
+        return jax.lax.cond(done, accepted, fallback)
 
     # Nested conds rather than lax.switch: the switch's index clamp does not lower on jax 0.11.
-    tok, tau, qthr, norm = jax.lax.cond(
+    p_other = p_reject if max_rounds > 0 else p_slow
+    tok, tau, qthr, norm, passes, nr, fell_back = jax.lax.cond(
         ~valid | greedy,
         p_none,
-        lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_slow)),
+        lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_other)),
     )
     tok_ref[r] = tok
     tau_ref[r] = tau
     qthr_ref[r] = qthr
     norm_ref[r] = norm
-    path_ref[r] = path
+    path_ref[r] = path - fell_back  # PATH_REJECT -> PATH_SLOW when the rounds ran out
+    passes_ref[r] = passes
+    rounds_ref[r] = nr
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -468,7 +633,10 @@ def _tile_for(V: int, tile: int | None) -> int:
     return max(CHUNK, min(t, pl.next_power_of_2(V)))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile", "num_warps", "select_warps", "num_stages", "compact"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("interpret", "tile", "num_warps", "select_warps", "num_stages", "compact", "max_rounds"),
+)
 def fused_sample_debug(
     logits: jax.Array,  # [R, V] f32 or bf16
     temperature: jax.Array,  # f32 [R]
@@ -483,10 +651,17 @@ def fused_sample_debug(
     select_warps: int | None = None,
     num_stages: int = 1,
     compact: str = "loop",
+    max_rounds: int = MAX_ROUNDS,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
-    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 slow).
+    ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 full-row bisections,
+    4 pivot rejection), ``passes`` (full-row passes of the select launch; tile re-reads not counted)
+    and ``rounds`` (pivot-rejection rounds: one tile re-read each). On path 4 ``tau``/``q_thr``
+    (``norm`` = 1) describe a SUPERSET of the kept set (necessary conditions: z above the last
+    rejected pivot, z >= log(min_p), reported as ``q_thr`` = min_p); the token itself is kept and
+    so is every z >= its z.
+    ``max_rounds`` = 0 turns the rejection path off (path 3 instead: the previous behaviour).
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass, ``select_warps`` of
     the select pass (default ``num_warps``), ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed; "scatter" replaces ~k serial reductions by one cumsum + scatter + barrier; it
@@ -517,7 +692,7 @@ def fused_sample_debug(
         interpret=interpret,
         name="ddtree_sample_stats",
     )(logits, temperature, top_k)
-    tok, tau, qthr, norm, path, _ = pl.pallas_call(
+    tok, tau, qthr, norm, path, passes, rounds, _ = pl.pallas_call(
         functools.partial(
             _select_kernel,
             V=V,
@@ -528,15 +703,18 @@ def fused_sample_debug(
             exact_asm=EXACT_DIV_ASM and not interpret,
             compact=compact,
             interpret_mode=interpret,
+            max_rounds=max_rounds,
         ),
         grid=(R,),
         in_specs=[any_spec] * 12,
-        out_specs=[any_spec] * 6,
+        out_specs=[any_spec] * 8,
         out_shape=[
             sd((R,), i32),
             sd((R,), f32),
             sd((R,), f32),
             sd((R,), f32),
+            sd((R,), i32),
+            sd((R,), i32),
             sd((R,), i32),
             sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32),
         ],
@@ -557,7 +735,7 @@ def fused_sample_debug(
         ts,
         cm,
     )
-    return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path)
+    return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path, passes=passes, rounds=rounds)
 
 
 def fused_sample(
