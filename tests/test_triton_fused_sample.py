@@ -266,3 +266,24 @@ def test_sample_tree_nodes_dispatch():
     np.testing.assert_array_equal(moved[0], ker[2])
     with pytest.raises(ValueError, match="impl"):
         dt.sample_tree_nodes(logits, sp, key, impl="fast")
+
+
+def test_split_row_stats_combine_exactly():
+    """Few rows: the stats launch splits each row over several programs (here V=300, tile 64: 5
+    tiles over 4 programs, the last one empty). Lowest-index argmax across splits, invalid rows
+    (NaN or +inf in the last split, all -inf), and sampled rows' kept sets are unchanged."""
+    from pallas_kernels.triton.fused_sample import _splits_for
+
+    assert _splits_for(6, 5) == 4
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 300)).astype(np.float32)
+    x[0, 100] = x[0, 250] = 9.0  # tie across splits 0 and 2: the lower index wins
+    x[1, 260] = 9.0  # max in the last non-empty split
+    x[2, 290] = np.nan
+    x[3] = -np.inf
+    x[4, 299] = np.inf
+    pb = _batch([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0] * 6, [1.0] * 6, [0.0] * 6)
+    out = _run(x, pb, _seeds(6, 2), 64)
+    np.testing.assert_array_equal(out["token"][:5], [100, 260, -1, -1, -1])
+    lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
+    assert lp[5, out["token"][5]] > -np.inf

@@ -210,8 +210,13 @@ def _pick(weights, u, iota):
 # ----------------------------------------------------------------------------- kernel 1: stats
 
 
-def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt):
+def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt, tps):
+    """Program (r, s) reads tiles ``[s * tps, min((s + 1) * tps, nt))`` of row r: per-tile stats go
+    to their own slots, the row max / argmax / validity of its part to ``[r, s]`` (combined by the
+    select launch). Several programs per row keep small row counts from being latency bound."""
     r = pl.program_id(0)
+    split = pl.program_id(1)
+    t0 = split * tps
     cpt = tile // CHUNK
     T = temp_ref[r]
     k = topk_ref[r]
@@ -223,8 +228,9 @@ def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_
     iota = jnp.arange(tile, dtype=jnp.int32)
     iota_cpt = jnp.arange(cpt, dtype=jnp.int32)
 
-    def body(t, c):
+    def body(i, c):
         m, am, bad, fin = c
+        t = t0 + i
         cols = t * tile + iota
         x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
         cmax = jnp.max(x.reshape(cpt, CHUNK), axis=1)  # (max ignores NaN on the GPU: maxnumf)
@@ -247,10 +253,10 @@ def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_
         return jnp.where(better, tmax, m), targ, bad, fin
 
     init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
-    m, am, bad, fin = jax.lax.fori_loop(0, nt, body, init)
-    mx_ref[r] = m
-    am_ref[r] = am
-    ok_ref[r] = jnp.where(~bad & fin, 1, 0).astype(jnp.int32)
+    m, am, bad, fin = jax.lax.fori_loop(0, jnp.minimum(tps, nt - t0), body, init)
+    mx_ref[r, split] = m
+    am_ref[r, split] = am
+    ok_ref[r, split] = bad.astype(jnp.int32) * 2 + fin.astype(jnp.int32)  # combined by the select launch
 
 
 # ----------------------------------------------------------------------------- kernel 2: select
@@ -287,6 +293,7 @@ def _select_kernel(
     compact,
     interpret_mode,
     max_rounds,
+    splits,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -295,9 +302,12 @@ def _select_kernel(
     minp = minp_ref[r]
     s0 = seed_ref[r, 0]
     s1 = seed_ref[r, 1]
-    M = mx_ref[r]
-    argmax = am_ref[r]
-    valid = ok_ref[r] == 1
+    # Combine the stats launch's per-split results: max, lowest-index argmax, validity.
+    mxs = mx_ref[r, pl.ds(0, splits)]
+    M = jnp.max(mxs)
+    argmax = jnp.min(jnp.where(mxs == M, am_ref[r, pl.ds(0, splits)], _BIG))
+    oks = ok_ref[r, pl.ds(0, splits)]
+    valid = (jnp.max(oks // 2) == 0) & (jnp.max(oks % 2) == 1)
     greedy = T == 0.0
     Ts = jnp.where(greedy, 1.0, T)
     inv_t = 1.0 / Ts
@@ -628,6 +638,18 @@ def _select_kernel(
 # ----------------------------------------------------------------------------- wrapper
 
 
+# Programs to aim for in the stats launch: about two waves of the H200's 132 SMs.
+_TARGET_PROGRAMS = 256
+_MAX_SPLITS = 16
+
+
+def _splits_for(R: int, nt: int) -> int:
+    """Programs per row in the stats launch (a power of two): 1 once R rows fill the GPU, more
+    for small R (16-64 rows: a batch-1 tree verify), never more than the row has tiles."""
+    want = pl.next_power_of_2(max(1, -(-_TARGET_PROGRAMS // R)))
+    return max(1, min(want, _MAX_SPLITS, 1 << (nt.bit_length() - 1)))
+
+
 def _tile_for(V: int, tile: int | None) -> int:
     t = tile or MAX_TILE
     return max(CHUNK, min(t, pl.next_power_of_2(V)))
@@ -670,20 +692,22 @@ def fused_sample_debug(
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
     ntp = pl.next_power_of_2(nt)
+    splits = _splits_for(R, nt)
+    tps = pl.cdiv(nt, splits)
     ncp = pl.next_power_of_2(nt * (tile // CHUNK))
     f32, i32 = jnp.float32, jnp.int32
     top_k = top_k.astype(i32)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd = jax.ShapeDtypeStruct
     mx, am, ok, tm, ts, cm = pl.pallas_call(
-        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt),
-        grid=(R,),
+        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps),
+        grid=(R, splits),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 6,
         out_shape=[
-            sd((R,), f32),
-            sd((R,), i32),
-            sd((R,), i32),
+            sd((R, splits), f32),
+            sd((R, splits), i32),
+            sd((R, splits), i32),
             sd((R, ntp), f32),
             sd((R, ntp), f32),
             sd((R, ncp), f32),
@@ -704,6 +728,7 @@ def fused_sample_debug(
             compact=compact,
             interpret_mode=interpret,
             max_rounds=max_rounds,
+            splits=splits,
         ),
         grid=(R,),
         in_specs=[any_spec] * 12,
