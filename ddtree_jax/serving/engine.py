@@ -620,3 +620,4 @@ class Engine:
             while not handle.done:
                 self.step()
         handle.result()
+        self.metrics = EngineMetrics(self.slots)  # the warm-up request is not traffic
