@@ -42,6 +42,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit (default: the target's context)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per slot per engine step")
+    p.add_argument("--prefill-batch", type=int, help="most slots prefilled per engine step (default: all)")
     p.add_argument("--sync-every", type=int, default=1, help="rounds per engine step")
     p.add_argument("--seed", type=int, default=0, help="base key of the random streams")
     p.add_argument("--default-max-tokens", type=int, default=16, help="/v1/completions max_tokens default")
@@ -110,6 +111,7 @@ def build_engine(args):
     stop += list(args.stop_token_id or [])
     engine = Engine(target, drafter, method=args.method, budget=args.budget, slots=args.slots, tokenizer=tokenizer,
                     max_model_len=args.max_model_len, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                    prefill_batch=args.prefill_batch,
                     sync_every=args.sync_every, seed=args.seed, stop_token_ids=stop, impl=args.impl,
                     shard_state=state_sharding(mesh))
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))

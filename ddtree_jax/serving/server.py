@@ -41,6 +41,7 @@ class APIError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.counted = False  # in the engine's rejected-requests metric already
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -340,9 +341,11 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         try:
             handle = engine.submit(ids, sampling, max_tokens=max_tokens, stop=_stops(body),
                                    stop_token_ids=_stop_ids(body), ignore_eos=ignore_eos)
-        except RequestError as e:
+        except RequestError as e:  # (the engine counted it)
             field = {"prompt": "messages" if chat else "prompt", "max_tokens": name}.get(e.field, e.field)
-            raise _bad(field, e.message) from None
+            err = _bad(field, e.message)
+            err.counted = True
+            raise err from None
         except EngineOverloaded as e:
             raise APIError(503, str(e), None, kind="server_overloaded", code="overloaded") from None
         return handle, stream, bool(options.get("include_usage")), len(ids)
@@ -365,8 +368,12 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             await asyncio.sleep(0.1)
 
     async def respond(request: Request, chat: bool):
-        body = await parse(request)
-        handle, stream, include_usage, _ = submit(body, chat)
+        try:
+            handle, stream, include_usage, _ = submit(await parse(request), chat)
+        except APIError as e:
+            if e.status == 400 and not e.counted:
+                engine.metrics.count("rejected", "invalid")
+            raise
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}-{uuid.uuid4().hex[:8]}"
         obj = "chat.completion" if chat else "text_completion"
         now = int(time.time())
