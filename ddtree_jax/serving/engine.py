@@ -35,14 +35,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.decode_round import METHODS, DecodePlan, Models, run_rounds
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
-from ddtree_jax.sampling import SamplingParams, batch_sampling
+from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
 from ddtree_jax.serving.metrics import EngineMetrics
 from ddtree_jax.serving.text import TextStream
@@ -360,19 +359,23 @@ class Engine:
 
     def submit(self, prompt, sampling: SamplingParams | None = None, *, max_tokens: int = 16,
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
-               request_id: int | None = None) -> RequestHandle:
+               request_id: int | None = None, handle: RequestHandle | None = None) -> RequestHandle:
         """Queue a request; returns its handle at once.
 
         Raises ``RequestError`` (naming the field) for an invalid request and ``EngineOverloaded``
         when ``max_queue`` requests are already waiting. ``sampling`` defaults to greedy.
+        ``request_id`` (default: a global counter) keys an unseeded request's random stream;
+        ``handle`` lets a driver hand out the handle before the request reaches the engine
+        (``ddtree_jax.serving.multihost``).
         """
         try:
             arr, stop_ids, stop = self.check_request(prompt, sampling, max_tokens, stop_token_ids, stop, ignore_eos)
         except RequestError:
             self.metrics.count("rejected", "invalid")
             raise
-        rid = next(_request_counter) if request_id is None else int(request_id)
-        handle = RequestHandle(self, rid % 2**32)
+        if handle is None:
+            rid = next(_request_counter) if request_id is None else int(request_id)
+            handle = RequestHandle(self, rid % 2**32)
         req = _Request(handle=handle, prompt=arr, sampling=sampling or SamplingParams(temperature=0.0),
                        max_tokens=max_tokens, stop_ids=stop_ids, text=TextStream(self.tokenizer, stop),
                        submitted=time.perf_counter())
@@ -453,11 +456,21 @@ class Engine:
 
     def _rows(self, slots: list[int]) -> jax.Array:
         """Slot indices padded to a power of two by repeating the first (with identical data)."""
-        return jnp.asarray(np.array(slots + [slots[0]] * (_pow2(len(slots)) - len(slots)), np.int32))
+        return np.array(slots + [slots[0]] * (_pow2(len(slots)) - len(slots)), np.int32)
 
     @staticmethod
     def _pad(rows: np.ndarray, n: int) -> np.ndarray:
         return np.concatenate([rows, np.repeat(rows[:1], n - len(rows), axis=0)]) if n > len(rows) else rows
+
+    @staticmethod
+    def _fetch(tree):
+        """Device -> host; with several processes (``jax.distributed``) every process gathers the
+        whole (small) arrays, so that all of them take the same host decisions."""
+        if jax.process_count() == 1:
+            return jax.device_get(tree)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
 
     def _release(self, slots: list[int]) -> None:
         self._state = _device.release(self._state, self._rows(slots))
@@ -481,7 +494,7 @@ class Engine:
                 counts[i] = chunk.size
             self._state = _device.prefill_chunk(
                 self._models, self._tparams, self._dparams, self.plan, self._state, self._rows([r.slot for r in need]),
-                jnp.asarray(self._pad(ids, R)), jnp.asarray(self._pad(starts, R)), jnp.asarray(self._pad(counts, R)))
+                self._pad(ids, R), self._pad(starts, R), self._pad(counts, R))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
         ready = [r for r in batch if r.prefilled == r.prompt.size - 1]
@@ -493,8 +506,12 @@ class Engine:
         stop_ids = np.full((len(reqs), self.max_stop_ids), NO_STOP, np.int32)
         for i, r in enumerate(reqs):
             stop_ids[i, : len(r.stop_ids)] = r.stop_ids
-        pad = lambda x: jnp.asarray(self._pad(np.asarray(x), R))
-        sampling = batch_sampling([r.sampling for r in reqs] + [reqs[0].sampling] * (R - len(reqs)), R)
+        pad = lambda x: self._pad(np.asarray(x), R)
+        sampling = SamplingBatch(*(pad(np.array([getattr(r.sampling, f) for r in reqs], dtype))
+                                   for f, dtype in (("temperature", np.float32), ("top_k", np.int32),
+                                                    ("top_p", np.float32), ("min_p", np.float32))),
+                                 seed=pad(np.array([r.sampling.seed or 0 for r in reqs], np.uint32)),
+                                 has_seed=pad(np.array([r.sampling.seed is not None for r in reqs], bool)))
         self._state = _device.activate(
             self._state, self._rows([r.slot for r in reqs]), pad([r.prompt[-1] for r in reqs]),
             pad(np.array([r.prompt.size - 1 for r in reqs], np.int32)),
@@ -516,7 +533,7 @@ class Engine:
         rnd_starts = np.zeros((self.slots,), np.int32)
         for r in running:
             tok_starts[r.slot], rnd_starts[r.slot] = r.read_tokens, r.read_rounds
-        got = jax.device_get(_device.harvest(self._state, jnp.asarray(tok_starts), jnp.asarray(rnd_starts),
+        got = self._fetch(_device.harvest(self._state, tok_starts, rnd_starts,
                                              tokens=self.sync_every * self.tokens_per_round, rounds=self.sync_every))
         now = time.perf_counter()
         release = []
@@ -615,7 +632,7 @@ class Engine:
     def warmup(self) -> None:
         """Compile the common shapes (one request through prefill, activation and a round)."""
         prompt = [0] * min(_MIN_CHUNK + 1, self.max_model_len - 1)
-        handle = self.submit(prompt, SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True)
+        handle = self.submit(prompt, SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True, request_id=0)
         if self._thread is None:
             while not handle.done:
                 self.step()
