@@ -194,3 +194,21 @@ def test_background_thread_serves_concurrent_submitters(models, reference):
         assert np.all([h is None for h in eng._slot])
     finally:
         eng.stop()
+
+
+def test_lockstep_driver_on_one_process(models, reference):
+    """The multi-host driver's message path (encode, broadcast, apply, step) with the broadcast of a
+    single process: same tokens, cancellation reaches the engine."""
+    from ddtree_jax.serving.multihost import LockstepEngine
+
+    driver = LockstepEngine(engine(models, slots=2), process_index=0, broadcast=lambda x: x).start()
+    try:
+        handles = [driver.submit(PROMPTS[i], max_tokens=MAX_TOKENS) for i in range(5)]
+        doomed = driver.submit(PROMPTS[0], max_tokens=40)
+        doomed.cancel()
+        assert [h.result(timeout=300).tokens for h in handles] == reference.tokens
+        assert doomed.result(timeout=300).finish_reason == "cancelled"
+        with pytest.raises(RequestError, match="max_tokens"):
+            driver.submit(PROMPTS[0], max_tokens=0)
+    finally:
+        driver.stop()

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-__all__ = ["add_serve_parser", "main", "run_serve"]
+__all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "run_serve"]
 
 METHODS = ("ddtree", "dflash", "ar")
 
@@ -25,11 +25,11 @@ METHODS = ("ddtree", "dflash", "ar")
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the ``serve`` subcommand to an ``argparse`` subparsers object; returns its parser."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
-    _add_arguments(p)
+    add_arguments(p)
     return p
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="HF DeepseekV3ForCausalLM checkpoint directory")
     p.add_argument("--drafter", help="DFlash drafter checkpoint directory (not needed for --method ar)")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (chat template: tokenizer_config.json beside it)")
@@ -135,7 +135,7 @@ def run_serve(args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ddtree_jax.serving.cli", description=__doc__.splitlines()[0])
-    _add_arguments(ap)
+    add_arguments(ap)
     run_serve(ap.parse_args(argv))
 
 
