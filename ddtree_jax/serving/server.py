@@ -240,6 +240,10 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         raise ValueError("the HTTP server needs an engine with a tokenizer")
     template = ChatTemplate(chat_template, specials or {}) if chat_template else None
     created = int(time.time())
+    import jax
+
+    device = dict(device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
+                  devices=jax.device_count(), processes=jax.process_count())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -257,7 +261,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "method": engine.method, "slots": engine.slots}
+        return {"status": "ok", "model": model_name, "method": engine.method, "budget": engine.budget,
+                "slots": engine.slots, "max_model_len": engine.max_model_len, **device}
 
     @app.get("/v1/models")
     async def models():

@@ -69,10 +69,14 @@ def make_mesh(spec: str | dict[str, int] | None, devices: Sequence | None = None
                          f"(use -1 for one axis to take the rest)")
     names = tuple(a for a in MESH_AXES if a in sizes)
     shape = tuple(sizes[a] for a in names)
-    try:
-        arr = mesh_utils.create_device_mesh(shape, devices)
-    except Exception:  # noqa: BLE001 - fall back to the given order (CPU devices, odd shapes)
-        arr = np.array(devices).reshape(shape)
+    if len({d.process_index for d in devices}) > 1:
+        # Several hosts: hosts along the leading axis, each host's devices together after it.
+        arr = np.array(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)
+    else:
+        try:
+            arr = mesh_utils.create_device_mesh(shape, devices)
+        except Exception:  # noqa: BLE001 - fall back to the given order (CPU devices, odd shapes)
+            arr = np.array(devices).reshape(shape)
     return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
 
 
