@@ -266,6 +266,8 @@ def main(argv=None) -> dict:
             results[method] = []
             for c in args.concurrency:
                 n = args.requests_per_level or max(8 if not small else 4, 4 * c)
+                # Untimed pass first: whatever this level's batch shapes compile happens here.
+                asyncio.run(_level(server.base, c, c, argparse.Namespace(**{**vars(args), "max_tokens": 4})))
                 r = asyncio.run(_level(server.base, c, n, args))
                 results[method].append(r)
                 print(f"[bench_serving] {method} c={c}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 "

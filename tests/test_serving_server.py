@@ -238,8 +238,8 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
     assert m["ddtree_time_to_first_token_seconds_count"] >= 12 and m["ddtree_acceptance_length_count"] > 0
 
 
-def test_chat_without_a_template_is_a_clear_400():
-    """In-process (nothing compiles: the request is refused before it reaches the engine)."""
+def test_no_chat_template_is_400_and_a_full_queue_is_503():
+    """In-process (nothing compiles: the requests are refused before they reach the engine)."""
     from fastapi.testclient import TestClient
 
     from ddtree_jax.serving import Engine
@@ -247,10 +247,16 @@ def test_chat_without_a_template_is_a_clear_400():
     from tests._model_fixtures import tiny_kimi
     from tests._serving_fixtures import char_tokenizer
 
-    engine = Engine(tiny_kimi(0), None, method="ar", slots=1, tokenizer=char_tokenizer(), max_model_len=32)
+    engine = Engine(tiny_kimi(0), None, method="ar", slots=1, tokenizer=char_tokenizer(), max_model_len=32,
+                    max_queue=1)
     with TestClient(create_app(engine, model_name="t", chat_template=None, manage_engine=False)) as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages"
         assert http.get("/v1/models").json()["data"][0]["id"] == "t"
-        assert 'ddtree_rejected_requests_total{reason="invalid"} 1.0' in http.get("/metrics").text
+        engine.submit([1, 2], max_tokens=2)  # the queue is now full (nothing steps the engine)
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded"
+        text = http.get("/metrics").text
+        assert 'ddtree_rejected_requests_total{reason="invalid"} 1.0' in text
+        assert 'ddtree_rejected_requests_total{reason="overloaded"} 1.0' in text and "ddtree_queue_length 1.0" in text

@@ -630,11 +630,17 @@ class Engine:
             self._finish(r, "abort")
 
     def warmup(self) -> None:
-        """Compile the common shapes (one request through prefill, activation and a round)."""
+        """Compile the common shapes before serving: a round, and the prefill and activation of every
+        power-of-two number of newcomers up to ``prefill_batch`` (with the smallest prompt chunk)."""
         prompt = [0] * min(_MIN_CHUNK + 1, self.max_model_len - 1)
-        handle = self.submit(prompt, SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True, request_id=0)
-        if self._thread is None:
-            while not handle.done:
-                self.step()
-        handle.result()
-        self.metrics = EngineMetrics(self.slots)  # the warm-up request is not traffic
+        R = 1
+        while R <= min(self.prefill_batch, self.max_queue):
+            handles = [self.submit(prompt, SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True,
+                                   request_id=0) for _ in range(R)]
+            if self._thread is None:
+                while not all(h.done for h in handles):
+                    self.step()
+            for h in handles:
+                h.result()
+            R *= 2
+        self.metrics = EngineMetrics(self.slots)  # the warm-up requests are not traffic
