@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the model id clients use (default: the target directory's name)")
-    p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit (default: the target's context)")
+    p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit; sets the cache size (default: the "
+                                                         "target's context, at most 8192)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per slot per engine step")
     p.add_argument("--prefill-batch", type=int, help="most slots prefilled per engine step (default: all)")
@@ -114,6 +115,8 @@ def build_engine(args):
                     prefill_batch=args.prefill_batch,
                     sync_every=args.sync_every, seed=args.seed, stop_token_ids=stop, impl=args.impl,
                     shard_state=state_sharding(mesh))
+    _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
+         f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return engine, name, template, specials
 

@@ -231,7 +231,8 @@ class Engine:
       tokenizer: a ``tokenizers.Tokenizer`` (or anything with ``decode(ids)``), for text and stop
         strings; ``None``: tokens only.
       max_model_len: prompt + max_tokens limit per request (default: the target's
-        ``max_position_embeddings``); sets the cache size.
+        ``max_position_embeddings``, at most 8192); sets the cache size: every slot holds that
+        many positions (plus one verify block), so a long context costs memory in every slot.
       max_output_tokens: the largest ``max_tokens`` a request may ask for (default
         ``max_model_len - 1``); sets the output buffer.
       max_queue: requests waiting for a slot before ``submit`` raises ``EngineOverloaded``.
@@ -263,7 +264,7 @@ class Engine:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         cfg = target.config
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 8192))
         if not 2 <= self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the target's context), "
                              f"got {max_model_len}")
@@ -306,6 +307,11 @@ class Engine:
         self.metrics = EngineMetrics(slots)
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    @property
+    def state_bytes(self) -> int:
+        """Device memory of the decoding state (caches of every slot included)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self._state))
 
     def _empty_state(self):
         return _device.empty_state(self._target, self._drafter, self.plan, self.slots, self.cache_len,
