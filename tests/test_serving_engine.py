@@ -212,3 +212,28 @@ def test_lockstep_driver_on_one_process(models, reference):
             driver.submit(PROMPTS[0], max_tokens=0)
     finally:
         driver.stop()
+
+
+def test_incremental_text_equals_decoding_everything():
+    """Byte-level BPE with multi-byte characters split across tokens: the streamed pieces join up
+    to the tokenizer's decoding of all tokens, and every streamed prefix is a prefix of it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["héllo wörld, 日本語のテキスト 🙂🙃 naïve café"] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        ids = rng.integers(0, tok.get_vocab_size(), size=int(rng.integers(1, 60))).tolist()
+        if trial % 2:
+            ids = tok.encode("日本語のテキスト 🙂 héllo wörld " * 2).ids
+        s, streamed, i = TextStream(tok), "", 0
+        while i < len(ids):
+            n = int(rng.integers(1, 6))
+            _, text = s.add(ids[i : i + n])
+            streamed += text
+            assert tok.decode(ids).startswith(streamed)
+            i += n
+        assert streamed + s.flush() == tok.decode(ids) == s.text
