@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
+from ddtree_jax.decode_state import FREE
 from ddtree_jax.serving import Engine, EngineOverloaded, RequestError
 from ddtree_jax.serving.text import TextStream
 from tests._model_fixtures import tiny_dflash, tiny_kimi
@@ -192,6 +193,7 @@ def test_background_thread_serves_concurrent_submitters(models, reference):
             t.join()
         assert [results[i] for i in range(5)] == reference.tokens
         assert np.all([h is None for h in eng._slot])
+        assert (np.asarray(eng._state.finish) == FREE).all()  # retired slots are free on the device too
     finally:
         eng.stop()
 

@@ -4,8 +4,8 @@ One ``DecodeState`` of ``slots`` rows lives on the device for the engine's lifet
 batches of compiled rounds (``decode_round.run_rounds``, ``sync_every`` rounds at a time) the host
 
 (a) retires requests: finished on the device (stop token, length, error), finished on the host
-    (a stop string), or cancelled; a retired slot is free again (a cancelled or stop-string slot
-    is marked ``FREE`` on the device so it commits nothing more);
+    (a stop string), or cancelled; a retired slot is marked ``FREE`` on the device (it commits
+    nothing more) and takes the next request;
 (b) admits queued requests into free slots and prefills them in chunks of at most
     ``prefill_chunk`` prompt tokens per engine step (so that a long prompt does not stall the
     running streams), up to ``prefill_batch`` slots per step, padded to a power of two (each
@@ -570,6 +570,7 @@ class Engine:
                 release.append(s)
                 self._finish(r, "stop", kept, text)
             elif code != RUNNING:
+                release.append(s)
                 self._finish(r, FINISH_REASONS[code], kept, text + r.text.flush())
             elif kept or text:
                 r.handle._push(StreamChunk(kept, text))
