@@ -192,10 +192,10 @@ def test_background_thread_serves_concurrent_submitters(models, reference):
         for t in threads:
             t.join()
         assert [results[i] for i in range(5)] == reference.tokens
-        assert np.all([h is None for h in eng._slot])
-        assert (np.asarray(eng._state.finish) == FREE).all()  # retired slots are free on the device too
     finally:
         eng.stop()
+    assert np.all([h is None for h in eng._slot])
+    assert (np.asarray(eng._state.finish) == FREE).all()  # retired slots are free on the device too
 
 
 def test_lockstep_driver_on_one_process(models, reference):
