@@ -460,7 +460,7 @@ class Engine:
             self._update_load()
         return True
 
-    def _rows(self, slots: list[int]) -> jax.Array:
+    def _rows(self, slots: list[int]) -> np.ndarray:
         """Slot indices padded to a power of two by repeating the first (with identical data)."""
         return np.array(slots + [slots[0]] * (_pow2(len(slots)) - len(slots)), np.int32)
 
