@@ -238,6 +238,28 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
     assert m["ddtree_time_to_first_token_seconds_count"] >= 12 and m["ddtree_acceptance_length_count"] > 0
 
 
+def test_non_streaming_client_that_gives_up_cancels_its_request(server):
+    """Every slot busy with a long stream, a non-streaming request waits; its client gives up after
+    0.3 s (the request needs a free slot, then ~60 rounds): the server cancels it, the streams finish."""
+    before = metrics(server)
+    long = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+        busy = [pool.submit(sse, server, "/v1/completions", {**long, "stream": True}) for _ in range(SLOTS)]
+        time.sleep(0.1)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server + "/v1/completions", json=long, timeout=0.3)
+        for f in busy:
+            _, events, done = f.result(timeout=120)
+            _, reason, usage = check_stream(events, done)
+            assert reason == "length" and usage["completion_tokens"] == 60
+    deadline = time.monotonic() + 30
+    while (m := metrics(server))["ddtree_running_requests"] or m["ddtree_queue_length"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    key = 'ddtree_requests_total{reason="cancelled"}'
+    assert m[key] - before.get(key, 0) == 1
+
+
 def test_no_chat_template_is_400_and_a_full_queue_is_503():
     """In-process (nothing compiles: the requests are refused before they reach the engine)."""
     from fastapi.testclient import TestClient
