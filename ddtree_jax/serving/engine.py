@@ -260,6 +260,8 @@ class Engine:
                                 sync_every=sync_every, max_stop_ids=max_stop_ids).items():
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if prefill_batch is not None and (not _is_int(prefill_batch) or prefill_batch < 1):
+            raise ValueError(f"prefill_batch must be None or an integer >= 1, got {prefill_batch!r}")
         if not _is_int(seed) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         cfg = target.config
