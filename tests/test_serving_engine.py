@@ -239,3 +239,20 @@ def test_incremental_text_equals_decoding_everything():
             assert tok.decode(ids).startswith(streamed)
             i += n
         assert streamed + s.flush() == tok.decode(ids) == s.text
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="beam"), "method"),
+    (dict(drafter=None), "needs a drafter"),
+    (dict(slots=0), "slots"),
+    (dict(budget=0), "budget"),
+    (dict(max_model_len=1000), "max_model_len"),
+    (dict(prefill_batch=-1), "prefill_batch"),
+    (dict(stop_token_ids=[128]), "stop_token_ids"),
+    (dict(seed=-1), "seed"),
+])
+def test_bad_engine_settings(models, kwargs, match):
+    target, drafter = models
+    kwargs = {"drafter": drafter, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        Engine(target, kwargs.pop("drafter"), **{**SHAPE, **kwargs})
