@@ -244,9 +244,11 @@ def main(argv=None) -> dict:
     if small:
         paths, models = _smoke_checkpoints(workdir), "tiny random target + drafter (smoke)"
     elif args.default:
-        from ddtree_jax.default_model import make_default
-
-        d = make_default()
+        # In a child process: training the default (first use) must not keep accelerator memory here.
+        d = subprocess.run([sys.executable, "-c", "from ddtree_jax.default_model import make_default; "
+                            "print(make_default())"], check=True, capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                           ).stdout.strip().splitlines()[-1]
         paths = dict(target=f"{d}/target", drafter=f"{d}/drafter", tokenizer=f"{d}/tokenizer.json")
         models = f"built-in default ({d})"
     else:
