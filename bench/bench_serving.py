@@ -1,0 +1,302 @@
+"""Serving benchmark: throughput, TTFT and inter-token latency against concurrency, through the HTTP
+server, for autoregressive decoding, linear DFlash and DDTree in one run.
+
+    python bench/bench_serving.py --target DIR --drafter DIR --tokenizer tokenizer.json \\
+        [--concurrency 1 4 16 64] [--slots 64] [--max-tokens 128] [--budget 64] [--mesh expert=8]
+    python bench/bench_serving.py --default          # the built-in default pair (made once, minutes)
+    python bench/bench_serving.py --smoke            # tiny random models on the CPU: checks the pipeline
+
+For each method a server (``python -m ddtree_jax.serving.cli``) starts on 127.0.0.1, compiles
+(warm-up), then for each concurrency level ``c`` it serves ``--requests-per-level`` (default
+``4c``, at least 8) streaming ``/v1/completions`` requests with ``c`` in flight at a time (prompts
+from a fixed list, ``ignore_eos`` so every request makes ``--max-tokens`` tokens). Per level:
+output tokens/s over the level's wall time, requests/s, TTFT (request sent -> first text) and
+inter-token latency ((last text - first text) / (tokens - 1), per request) as p50/p90/p99, and the
+mean acceptance length the server reports. Greedy by default (``--temperature``).
+
+Writes ``bench/results/serving_<device>_<date>.{json,md}`` (``--out`` to change the folder) with the
+device, date and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PROMPTS = [
+    "Speculative decoding lets a large model",
+    "A small drafter proposes a block of tokens;",
+    "A block diffusion drafter predicts",
+    "A draft tree keeps the most probable",
+    "With sampling, every node draws one token",
+    "Mixture-of-experts models route each token",
+    "Latent attention caches a compressed vector",
+    "The quick brown fox",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _smoke_checkpoints(path: str) -> dict[str, str]:
+    """Tiny random target + drafter and a character tokenizer (vocabulary 128), made on the CPU."""
+    import jax
+    from tokenizers import Tokenizer, decoders, models
+
+    jax.config.update("jax_platforms", "cpu")  # this process only: keep any accelerator for the servers
+
+    import ddtree_jax as dt
+    from ddtree_jax.models import DFlashConfig, DFlashDrafter, KimiConfig, KimiForCausalLM
+
+    tcfg = KimiConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                      qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+                      n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
+    dcfg = DFlashConfig(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_target_layers=3, block_size=5, mask_token_id=127,
+                        target_layer_ids=(0, 1), layer_types=("full_attention",) * 2, vocab_size=128)
+    from flax import nnx
+
+    target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(0))
+    dt.save_checkpoint(target, os.path.join(path, "target"))
+    dt.save_checkpoint(DFlashDrafter(dcfg, rngs=nnx.Rngs(1)), os.path.join(path, "drafter"))
+    pieces = ["<|endoftext|>"] + [chr(c) for c in range(32, 127)] + ["\n"]
+    pieces += [f"<{i}>" for i in range(127 - len(pieces))] + ["<|mask|>"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|endoftext|>", "<|mask|>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return dict(target=os.path.join(path, "target"), drafter=os.path.join(path, "drafter"),
+                tokenizer=os.path.join(path, "tokenizer.json"))
+
+
+class Server:
+    """``python -m ddtree_jax.serving.cli`` as a subprocess on a free 127.0.0.1 port."""
+
+    def __init__(self, paths: dict, method: str, args, log_dir: str):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--tokenizer",
+               paths["tokenizer"], "--method", method, "--budget", str(args.budget), "--slots", str(args.slots),
+               "--port", str(self.port), "--host", "127.0.0.1", "--max-queue", str(max(256, 4 * args.slots)),
+               "--sync-every", str(args.sync_every), "--log-level", "warning", "--served-model-name", "bench",
+               "--prefill-chunk", str(args.prefill_chunk)]
+        if method != "ar":
+            cmd += ["--drafter", paths["drafter"]]
+        for flag in ("max_model_len", "mesh", "dtype"):
+            if getattr(args, flag):
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.log_path = os.path.join(log_dir, f"server_{method}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> dict:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log_path}:\n"
+                                   + open(self.log_path).read()[-2000:])
+            try:
+                r = httpx.get(self.base + "/health", timeout=2)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout}s; see {self.log_path}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def _one(client, base: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    usage, chunks = None, 0
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            now = time.perf_counter()
+            if event["choices"] and event["choices"][0]["text"]:
+                chunks += 1
+                first = first or now
+                last = now
+            if event.get("usage"):
+                usage = event["usage"]
+    tokens = usage["completion_tokens"]
+    return dict(ttft=(first or time.perf_counter()) - t0, e2e=time.perf_counter() - t0, tokens=tokens,
+                itl=(last - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+                tau=usage["speculative"]["mean_acceptance_length"], chunks=chunks)
+
+
+async def _level(base: str, concurrency: int, n: int, args) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def run(i):
+            async with sem:
+                body = dict(model="bench", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=args.max_tokens,
+                            temperature=args.temperature, stream=True, ignore_eos=True)
+                if args.temperature > 0:
+                    body["seed"] = i
+                return await _one(client, base, body)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(run(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+    ttft = [r["ttft"] for r in results]
+    itl = [r["itl"] for r in results if r["itl"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    return dict(concurrency=concurrency, requests=n, wall_s=wall, output_tokens=tokens, tokens_per_s=tokens / wall,
+                requests_per_s=n / wall, ttft_ms={f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
+                itl_ms={f"p{q}": pct(itl, q) for q in (50, 90, 99)},
+                e2e_ms_p50=pct([r["e2e"] for r in results], 50), mean_tau=float(np.mean([r["tau"] for r in results])))
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"# Serving benchmark: {report['device']} ({report['date']})", "",
+             f"Command: `{report['command']}`", "",
+             f"Models: {report['models']}; slots {report['slots']}, budget {report['budget']}, "
+             f"max_tokens {report['max_tokens']}, temperature {report['temperature']}, "
+             f"sync_every {report['sync_every']}; host {report['host']}, jax {report['jax']}.", "",
+             "| method | concurrency | requests | tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
+             "| e2e p50 ms | tau |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method, levels in report["results"].items():
+        for r in levels:
+            t, i = r["ttft_ms"], r["itl_ms"]
+            lines.append(f"| {method} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['requests_per_s']:.2f} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | "
+                         f"{i['p50']:.2f} / {i['p90']:.2f} / {i['p99']:.2f} | {r['e2e_ms_p50']:.0f} | "
+                         f"{r['mean_tau']:.2f} |")
+    lines += ["", "tok/s: output tokens over the level's wall time (all requests, `concurrency` in flight). "
+              "TTFT: request sent -> first text. ITL: (last text - first text) / (tokens - 1) per request. "
+              "tau: mean acceptance length (tokens per target pass) the server reports in `usage`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--drafter")
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--default", action="store_true", help="the built-in default pair (ddtree_jax.default_model)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random models, small levels (CPU check)")
+    ap.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
+    ap.add_argument("--concurrency", type=int, nargs="+")
+    ap.add_argument("--requests-per-level", type=int)
+    ap.add_argument("--slots", type=int)
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--budget", type=int)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--sync-every", type=int, default=1)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--mesh", default="")
+    ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--startup-timeout", type=float, default=1800)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args(argv)
+    small = args.smoke
+    args.concurrency = args.concurrency or ([1, 2] if small else [1, 4, 16, 64])
+    args.slots = args.slots or (2 if small else max(args.concurrency))
+    args.max_tokens = args.max_tokens or (12 if small else 128)
+    args.budget = args.budget or (6 if small else 64)
+    if small:
+        args.max_model_len = args.max_model_len or 64
+        args.prefill_chunk = min(args.prefill_chunk, 16)
+        args.dtype = args.dtype or "float32"
+
+    workdir = tempfile.mkdtemp(prefix="bench_serving_")
+    if small:
+        paths, models = _smoke_checkpoints(workdir), "tiny random target + drafter (smoke)"
+    elif args.default:
+        # In a child process: training the default (first use) must not keep accelerator memory here.
+        d = subprocess.run([sys.executable, "-c", "from ddtree_jax.default_model import make_default; "
+                            "print(make_default())"], check=True, capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+                           ).stdout.strip().splitlines()[-1]
+        paths = dict(target=f"{d}/target", drafter=f"{d}/drafter", tokenizer=f"{d}/tokenizer.json")
+        models = f"built-in default ({d})"
+    else:
+        if not (args.target and args.tokenizer and (args.drafter or args.methods == ["ar"])):
+            ap.error("--target, --drafter and --tokenizer (or --default, or --smoke)")
+        paths = dict(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer)
+        models = f"{args.target} + {args.drafter}"
+
+    results, health = {}, {}
+    for method in args.methods:
+        server = Server(paths, method, args, workdir)
+        try:
+            t0 = time.perf_counter()
+            health = server.wait(args.startup_timeout)
+            print(f"[bench_serving] {method}: server up in {time.perf_counter() - t0:.0f}s on {health['device']}",
+                  flush=True)
+            results[method] = []
+            for c in args.concurrency:
+                n = args.requests_per_level or max(8 if not small else 4, 4 * c)
+                # Untimed pass first: whatever this level's batch shapes compile happens here.
+                asyncio.run(_level(server.base, c, c, argparse.Namespace(**{**vars(args), "max_tokens": 4})))
+                r = asyncio.run(_level(server.base, c, n, args))
+                results[method].append(r)
+                print(f"[bench_serving] {method} c={c}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                      f"{r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms, tau {r['mean_tau']:.2f}",
+                      flush=True)
+        finally:
+            server.close()
+
+    import jax
+
+    date = datetime.date.today().strftime("%Y%m%d")
+    device = health.get("device", "unknown")
+    report = dict(device=device, platform=health.get("platform"), devices=health.get("devices"), date=date,
+                  command="python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                  host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
+                  max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
+                  mesh=args.mesh, smoke=small, results=results)
+    os.makedirs(args.out, exist_ok=True)
+    tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if small else "")
+    stem = os.path.join(args.out, f"serving_{tag}_{date}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(_markdown(report))
+    print(f"[bench_serving] wrote {stem}.md / .json", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

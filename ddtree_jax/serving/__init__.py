@@ -1,0 +1,25 @@
+"""Serving: a continuous-batching ``Engine`` over fixed decoding slots (``engine``), an
+OpenAI-compatible HTTP server (``server``; needs the ``serve`` extra), the ``serve`` command
+(``cli``) and mesh set-up (``sharding``).
+
+Names are imported on first use, so the command line's argument parsing does not import JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {name: "ddtree_jax.serving.engine" for name in
+            ("Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk")}
+_EXPORTS.update({"make_mesh": "ddtree_jax.serving.sharding", "parse_mesh_spec": "ddtree_jax.serving.sharding"})
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddtree_jax.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

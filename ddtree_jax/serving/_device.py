@@ -1,0 +1,109 @@
+"""The engine's compiled operations on a ``DecodeState`` of fixed slots (besides ``run_rounds``).
+
+Every function takes ``rows [R]``: the slots it touches, with ``R`` padded up to a power of two
+by repeating the first entry *with identical data*, so that duplicate scatter writes agree and
+each ``R`` compiles once. The state is donated: the engine holds the only reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.decode_round import DecodePlan, Models
+from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
+from ddtree_jax.sampling import SamplingBatch
+
+
+def _set_lengths(cache, rows, lengths):
+    """``cache`` with ``lengths[rows]`` replaced (a ``RowCache``'s lengths are ``[B]`` by slot)."""
+    return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(lengths.astype(cache.lengths.dtype)))
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
+def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, rows, ids, starts,
+                  counts) -> DecodeState:
+    """Append one prompt chunk to slots ``rows``: ``ids [R, T]`` right-padded, ``counts [R]`` valid,
+    written after the first ``starts [R]`` prompt tokens already in those slots' caches (0 for a
+    prompt's first chunk, which discards whatever the slot held). Finish codes do not change: a
+    slot being filled is not ``RUNNING`` and the rounds leave it alone."""
+    target = nnx.merge(models.target, tparams)
+    tcache = _set_lengths(state.target_cache, rows, starts).take_rows(rows)
+    _, hidden, tcache = target.prefill(ids, counts, tcache, hidden_layer_ids=plan.hidden_layer_ids)
+    new = dict(target_cache=state.target_cache.put_rows(rows, tcache))
+    if plan.hidden_layer_ids:
+        drafter = nnx.merge(models.drafter, dparams)
+        dcache = _set_lengths(state.draft_cache, rows, starts).take_rows(rows)
+        dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), counts)
+        new["draft_cache"] = state.draft_cache.put_rows(rows, dcache)
+    return dataclasses.replace(state, **new)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, stop_ids, sampling: SamplingBatch,
+             request_ids) -> DecodeState:
+    """Start decoding in slots ``rows`` whose caches hold ``cache_lengths [R]`` prompt tokens (all
+    but the last, ``roots [R]``): per-row limits, stop ids ``[R, S]``, sampling and request ids."""
+    R = rows.shape[0]
+    zeros = jnp.zeros((R,), jnp.int32)
+    tcache = _set_lengths(state.target_cache, rows, cache_lengths)
+    dcache = None if state.draft_cache is None else _set_lengths(state.draft_cache, rows, cache_lengths)
+
+    def put(x, y):
+        return x.at[rows].set(jnp.asarray(y).astype(x.dtype))
+
+    return DecodeState(
+        target_cache=tcache, draft_cache=dcache, root=put(state.root, roots),
+        out=put(state.out, jnp.zeros((R, state.capacity), jnp.int32)), generated=put(state.generated, zeros),
+        finish=put(state.finish, jnp.full((R,), RUNNING, jnp.int32)),
+        accept_lengths=put(state.accept_lengths, jnp.zeros((R, state.capacity), jnp.int32)),
+        rounds=put(state.rounds, zeros), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
+        stop_ids=put(state.stop_ids, stop_ids), sampling=jax.tree.map(put, state.sampling, sampling),
+        request_ids=put(state.request_ids, request_ids),
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def release(state: DecodeState, rows) -> DecodeState:
+    """Mark slots ``rows`` ``FREE``: they commit nothing more (a cancelled or stop-string request)."""
+    return dataclasses.replace(state, finish=state.finish.at[rows].set(FREE))
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "rounds"))
+def harvest(state: DecodeState, token_starts, round_starts, *, tokens: int, rounds: int):
+    """What the host reads after a batch of rounds, in one small transfer: per slot ``generated``,
+    ``finish``, ``rounds``, the next ``tokens`` output tokens from ``token_starts [B]`` and the next
+    ``rounds`` acceptance lengths from ``round_starts [B]`` (clipped at the capacity)."""
+    C = state.capacity
+    tok_idx = jnp.clip(token_starts[:, None] + jnp.arange(tokens)[None], 0, C - 1)
+    rnd_idx = jnp.clip(round_starts[:, None] + jnp.arange(rounds)[None], 0, C - 1)
+    return dict(generated=state.generated, finish=state.finish, rounds=state.rounds,
+                tokens=jnp.take_along_axis(state.out, tok_idx, axis=1),
+                accept=jnp.take_along_axis(state.accept_lengths, rnd_idx, axis=1))
+
+
+def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, capacity: int, stop_width: int,
+                shard=None) -> DecodeState:
+    """A state of ``slots`` free slots (finish ``FREE``); ``shard`` optionally places it."""
+
+    def build():
+        zeros = jnp.zeros((slots,), jnp.int32)
+        return DecodeState(
+            target_cache=target.init_cache(slots, max_len),
+            draft_cache=drafter.init_cache(slots, max_len) if plan.hidden_layer_ids else None,
+            root=zeros, out=jnp.zeros((slots, capacity), jnp.int32), generated=zeros,
+            finish=jnp.full((slots,), FREE, jnp.int32), accept_lengths=jnp.zeros((slots, capacity), jnp.int32),
+            rounds=zeros, max_new_tokens=jnp.ones((slots,), jnp.int32),
+            stop_ids=jnp.full((slots, stop_width), NO_STOP, jnp.int32),
+            sampling=SamplingBatch(temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,
+                                   top_p=jnp.ones((slots,), jnp.float32), min_p=jnp.zeros((slots,), jnp.float32),
+                                   seed=jnp.zeros((slots,), jnp.uint32), has_seed=jnp.zeros((slots,), bool)),
+            request_ids=jnp.zeros((slots,), jnp.uint32),
+        )
+
+    state = jax.jit(build)()  # compiled: every leaf its own buffer (the state is donated leaf by leaf)
+    return state if shard is None else shard(state)

@@ -1,0 +1,112 @@
+"""Engine metrics: counters, gauges and histograms kept by the engine, read by the server.
+
+Plain Python (no dependency): the HTTP server turns a ``snapshot()`` into the prometheus text
+format (``ddtree_jax.serving.server``). Histograms have fixed bucket bounds (cumulative counts as
+prometheus expects), a sum and a count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import threading
+import time
+
+__all__ = ["EngineMetrics", "Histogram"]
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ACCEPT_BUCKETS = tuple(float(x) for x in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32))
+
+
+@dataclasses.dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = dataclasses.field(default_factory=list)  # per bucket (not cumulative), + one for +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total, self.count)
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.total += value * n
+        self.count += n
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations <= it)`` per bucket, ``+Inf`` last."""
+        out, run = [], 0
+        for bound, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            run += c
+            out.append((bound, run))
+        return out
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+class EngineMetrics:
+    """Thread-safe metrics of one engine (the engine thread writes, anyone reads a snapshot)."""
+
+    def __init__(self, slots: int, rate_window_s: float = 10.0):
+        self._lock = threading.Lock()
+        self.slots = slots
+        self.queue_length = 0
+        self.running = 0
+        self.prefilling = 0
+        self.requests = collections.Counter()  # finished requests by finish reason
+        self.rejected = collections.Counter()  # refused at submission: "invalid" / "overloaded"
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.rounds = 0  # request-rounds (one request running one round)
+        self.engine_steps = 0
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(LATENCY_BUCKETS)
+        self.accept = Histogram(ACCEPT_BUCKETS)
+        self._window = rate_window_s
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def set_load(self, queue_length: int, running: int, prefilling: int) -> None:
+        with self._lock:
+            self.queue_length, self.running, self.prefilling = queue_length, running, prefilling
+
+    def tokens(self, n: int, now: float) -> None:
+        with self._lock:
+            self.generated_tokens += n
+            self._recent.append((now, n))
+
+    def observe(self, name: str, value: float, n: int = 1) -> None:
+        with self._lock:
+            getattr(self, name).observe(value, n)
+
+    def count(self, field: str, key: str | None = None, n: int = 1) -> None:
+        with self._lock:
+            if key is None:
+                setattr(self, field, getattr(self, field) + n)
+            else:
+                getattr(self, field)[key] += n
+
+    def tokens_per_second(self, now: float | None = None) -> float:
+        now = time.perf_counter() if now is None else now
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self._window:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / self._window
+
+    def snapshot(self) -> dict:
+        tps = self.tokens_per_second()
+        with self._lock:
+            return dict(
+                slots=self.slots, queue_length=self.queue_length, running=self.running, prefilling=self.prefilling,
+                free_slots=self.slots - self.running - self.prefilling, requests=dict(self.requests),
+                rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
+                generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
+                tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
+                ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
+            )

@@ -1,0 +1,258 @@
+"""serving.Engine: greedy outputs equal generate()'s whatever the arrival order and slot count,
+seeded sampling does not depend on the slot or the batch, chunked prefill, cancellation, overload,
+bad requests failing alone, stop strings and streaming text, the background thread.
+
+Compilation dominates on the CPU: every engine here shares one shape (ddtree, budget 6, 2 slots,
+max_model_len 64, prefill chunks of 16, at most 2 prefilled per step); generate() runs 5 rows.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+import ddtree_jax as dt
+from ddtree_jax.decode_state import FREE
+from ddtree_jax.serving import Engine, EngineOverloaded, RequestError
+from ddtree_jax.serving.text import TextStream
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+from tests._serving_fixtures import char_tokenizer
+
+# The 40-token prompt takes three 16-token prefill chunks.
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11], list(range(20, 60)), [5, 6]]
+MAX_TOKENS = 12
+SHAPE = dict(method="ddtree", budget=6, max_model_len=64, prefill_chunk=16, prefill_batch=2)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_kimi(0)
+    return target, tiny_dflash(target, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return dt.generate(*models, PROMPTS, method="ddtree", budget=6, max_new_tokens=MAX_TOKENS, compact=False,
+                       max_len=80)
+
+
+def engine(models, slots=2, **kw):
+    return Engine(*models, slots=slots, **{**SHAPE, **kw})
+
+
+def run(eng, handles):
+    while not all(h.done for h in handles):
+        eng.step()
+    return [h.result() for h in handles]
+
+
+def test_greedy_equals_generate_whatever_the_arrival_order_and_slot(models, reference):
+    eng = engine(models, slots=2)
+    order = [3, 1, 4, 0, 2]
+    got = {i: r for i, r in zip(order, eng.generate([PROMPTS[i] for i in order], max_tokens=MAX_TOKENS),
+                                strict=True)}
+    assert [got[i].tokens for i in range(5)] == reference.tokens
+    assert all(got[i].finish_reason == "length" for i in range(5))
+    # Staggered arrivals: requests join while others run, in other slots than before.
+    eng = engine(models, slots=2)
+    handles = {}
+    for i in [2, 0, 4, 1, 3]:
+        handles[i] = eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS)
+        eng.step()
+    assert [r.tokens for r in run(eng, [handles[i] for i in range(5)])] == reference.tokens
+    m = eng.metrics.snapshot()
+    assert m["requests"] == {"length": 5} and m["generated_tokens"] == 5 * MAX_TOKENS
+    assert m["ttft"].count == 5 and m["itl"].count == 5 * (MAX_TOKENS - 1) and m["free_slots"] == 2
+    assert m["accept"].count == m["rounds"] > 0 and 1 <= m["mean_acceptance_length"] <= 5
+
+
+def test_seeded_sampling_does_not_depend_on_slot_or_batch(models, reference):
+    p = dt.SamplingParams(temperature=1.0, top_p=0.9, seed=123)
+    others = [dt.SamplingParams(temperature=0.7, seed=4), dt.SamplingParams(temperature=1.0, top_k=5),
+              dt.SamplingParams(temperature=0.0)]
+    eng = engine(models, slots=2, seed=5)
+    alone = eng.generate([PROMPTS[0]], [p], max_tokens=MAX_TOKENS)[0].tokens
+    mixed = eng.generate([PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[4]], others[:2] + [p, others[2]],
+                         max_tokens=MAX_TOKENS)
+    assert mixed[2].tokens == alone
+    again = engine(models, slots=2, seed=5).generate([PROMPTS[3], PROMPTS[0], PROMPTS[0]], [others[1], p, p],
+                                                     max_tokens=MAX_TOKENS)
+    assert again[1].tokens == again[2].tokens == alone
+    # generate() with the same seed gives the same tokens (same shapes as the `reference` fixture's run).
+    ref = dt.generate(*models, PROMPTS, sampling=[p, *others, p], method="ddtree", budget=6, seed=5,
+                      max_new_tokens=MAX_TOKENS, compact=False, max_len=80)
+    assert ref.tokens[0] == alone
+
+
+def test_cancel_frees_the_slot_for_the_next_request(models, reference):
+    eng = engine(models, slots=2)
+    long = [eng.submit(PROMPTS[i], max_tokens=40) for i in (0, 1)]
+    queued = eng.submit(PROMPTS[4], max_tokens=MAX_TOKENS)
+    eng.step()
+    eng.step()
+    assert eng.metrics.snapshot()["queue_length"] == 1
+    long[0].cancel()
+    eng.step()
+    cancelled = long[0].result(timeout=0)
+    assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.tokens) < 40
+    assert eng.metrics.snapshot()["queue_length"] == 0
+    assert run(eng, [queued])[0].tokens == reference.tokens[4]
+    assert run(eng, [long[1]])[0].finish_reason == "length"
+    # Cancelling a request still in the queue.
+    a, b, c = (eng.submit(PROMPTS[0], max_tokens=4) for _ in range(3))
+    c.cancel()
+    assert [r.finish_reason for r in run(eng, [a, b, c])] == ["length", "length", "cancelled"]
+    assert eng.metrics.snapshot()["requests"]["cancelled"] == 2
+
+
+def test_full_queue_refuses_clearly(models):
+    eng = engine(models, slots=2, max_queue=2)
+    eng.submit([1], max_tokens=2)
+    eng.submit([1], max_tokens=2)
+    with pytest.raises(EngineOverloaded, match="queue is full"):
+        eng.submit([1], max_tokens=2)
+    assert eng.metrics.snapshot()["rejected"] == {"overloaded": 1}
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(prompt=[1, 500]), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt="hello"), "prompt"),
+    (dict(prompt=[1] * 64), "prompt"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(prompt=[1] * 60, max_tokens=5), "max_tokens"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=list(range(9))), "stop_token_ids"),
+    (dict(stop=["x"]), "stop"),  # no tokenizer
+])
+def test_bad_request_fails_alone(models, reference, kwargs, field):
+    eng = engine(models, slots=2)
+    good = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
+    kwargs = {"prompt": [1, 2], **kwargs}
+    with pytest.raises(RequestError) as err:
+        eng.submit(kwargs.pop("prompt"), **kwargs)
+    assert err.value.field == field and str(err.value).startswith(field)
+    assert run(eng, [good])[0].tokens == reference.tokens[0]
+
+
+def test_stop_strings_truncate_text_and_stream_joins_up(models):
+    tok = char_tokenizer()
+    eng = engine(models, slots=2, tokenizer=tok)
+    full = eng.generate([PROMPTS[0]], max_tokens=MAX_TOKENS)[0]
+    assert full.text == tok.decode(full.tokens) and len(full.text) >= 6
+    stop = full.text[3:5]
+    cut = full.text.find(stop)
+    h = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS, stop=["never-there", stop])
+    chunks = []
+    while not h.done:
+        eng.step()
+    chunks = list(h.stream(timeout=0))
+    res = chunks[-1].result
+    assert res.finish_reason == "stop" and res.text == full.text[:cut]
+    assert "".join(c.text for c in chunks) == res.text
+    assert [t for c in chunks for t in c.token_ids] == res.tokens == full.tokens[: len(res.tokens)]
+    assert stop in tok.decode(res.tokens) and stop not in tok.decode(res.tokens[:-1])
+    # A stop token ends the request with the token kept.
+    h = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS, stop_token_ids=[full.tokens[5]])
+    res = run(eng, [h])[0]
+    assert res.finish_reason == "stop" and res.tokens == full.tokens[: full.tokens.index(full.tokens[5]) + 1]
+
+
+class _Chars:
+    """A tokenizer whose ids are code points; 0xD800 stands for half a character (decodes to U+FFFD)."""
+
+    def decode(self, ids):
+        return "".join("\ufffd" if i == 0xD800 else chr(i) for i in ids)
+
+
+def test_text_stream_holds_back_stop_prefixes_and_incomplete_characters():
+    s = TextStream(_Chars(), ("END",))
+    ids = lambda text: [ord(c) for c in text]
+    assert s.add(ids("abcE")) == (ids("abcE"), "abc")
+    assert s.add(ids("N")) == (ids("N"), "")
+    assert s.add(ids("x")) == (ids("x"), "ENx")  # not a stop after all
+    assert s.add([0xD800]) == ([0xD800], "")
+    assert s.add(ids("yEN")) == (ids("yEN"), "\ufffdy")
+    kept, text = s.add(ids("Dzz"))
+    assert kept == ids("D") and text == "" and s.stopped and s.text == "abcENx\ufffdy"
+    assert s.add(ids("more")) == ([], "")
+
+
+def test_background_thread_serves_concurrent_submitters(models, reference):
+    eng = engine(models, slots=2).start()
+    try:
+        results = {}
+
+        def client(i):
+            results[i] = eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS).result(timeout=300).tokens
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [results[i] for i in range(5)] == reference.tokens
+    finally:
+        eng.stop()
+    assert np.all([h is None for h in eng._slot])
+    assert (np.asarray(eng._state.finish) == FREE).all()  # retired slots are free on the device too
+
+
+def test_lockstep_driver_on_one_process(models, reference):
+    """The multi-host driver's message path (encode, broadcast, apply, step) with the broadcast of a
+    single process: same tokens, cancellation reaches the engine."""
+    from ddtree_jax.serving.multihost import LockstepEngine
+
+    driver = LockstepEngine(engine(models, slots=2), process_index=0, broadcast=lambda x: x).start()
+    try:
+        handles = [driver.submit(PROMPTS[i], max_tokens=MAX_TOKENS) for i in range(5)]
+        doomed = driver.submit(PROMPTS[0], max_tokens=40)
+        doomed.cancel()
+        assert [h.result(timeout=300).tokens for h in handles] == reference.tokens
+        assert doomed.result(timeout=300).finish_reason == "cancelled"
+        with pytest.raises(RequestError, match="max_tokens"):
+            driver.submit(PROMPTS[0], max_tokens=0)
+    finally:
+        driver.stop()
+
+
+def test_incremental_text_equals_decoding_everything():
+    """Byte-level BPE with multi-byte characters split across tokens: the streamed pieces join up
+    to the tokenizer's decoding of all tokens, and every streamed prefix is a prefix of it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["héllo wörld, 日本語のテキスト 🙂🙃 naïve café"] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        ids = rng.integers(0, tok.get_vocab_size(), size=int(rng.integers(1, 60))).tolist()
+        if trial % 2:
+            ids = tok.encode("日本語のテキスト 🙂 héllo wörld " * 2).ids
+        s, streamed, i = TextStream(tok), "", 0
+        while i < len(ids):
+            n = int(rng.integers(1, 6))
+            _, text = s.add(ids[i : i + n])
+            streamed += text
+            assert tok.decode(ids).startswith(streamed)
+            i += n
+        assert streamed + s.flush() == tok.decode(ids) == s.text
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="beam"), "method"),
+    (dict(drafter=None), "needs a drafter"),
+    (dict(slots=0), "slots"),
+    (dict(budget=0), "budget"),
+    (dict(max_model_len=1000), "max_model_len"),
+    (dict(prefill_batch=-1), "prefill_batch"),
+    (dict(stop_token_ids=[128]), "stop_token_ids"),
+    (dict(seed=-1), "seed"),
+])
+def test_bad_engine_settings(models, kwargs, match):
+    target, drafter = models
+    kwargs = {"drafter": drafter, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        Engine(target, kwargs.pop("drafter"), **{**SHAPE, **kwargs})
