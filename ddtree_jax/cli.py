@@ -429,7 +429,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    help="DDTree node budget, >= 1 (default 32); dflash drafts the chain of the drafter's block, "
                         "ar one token per pass")
     d.add_argument("--max-new-tokens", type=pf.positive_int, default=64, help=">= 1 (default 64)")
-    return ap, {"generate": g, "demo": d}
+    from ddtree_jax.serving.cli import add_serve_parser
+
+    s = add_serve_parser(sub)
+    return ap, {"generate": g, "demo": d, "serve": s}
 
 
 def main(argv=None) -> None:
@@ -439,6 +442,10 @@ def main(argv=None) -> None:
     try:
         if args.command == "generate":
             run_generate(args, sub)
+        elif args.command == "serve":
+            from ddtree_jax.serving.cli import run_serve
+
+            run_serve(args)
         else:
             run_demo(args, sub)
     except KeyboardInterrupt:
