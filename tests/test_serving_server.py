@@ -1,6 +1,6 @@
 """The OpenAI-compatible server as a real subprocess on 127.0.0.1 (tiny checkpoints written here),
 driven by the official ``openai`` client and raw HTTP: completions and chat, streaming and not,
-stop strings, refused fields, malformed input, and a bounded load test (16 concurrent streams with
+stop strings, refused fields, malformed input, and a bounded load test (64 concurrent streams with
 mixed settings, some bad, some disconnecting) checked for well-formed streams, greedy/seeded
 outputs equal to the same request alone, nothing lost or duplicated, and freed slots.
 """
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -181,36 +182,43 @@ def test_malformed_and_refused_input(server, client):
 
 
 def test_concurrent_streams_mixed_bad_and_disconnecting(server):
-    """16 concurrent streaming requests through 4 slots: 6 greedy and 4 seeded (compared with the same
-    request alone), 2 unseeded sampled, 2 invalid (400), 2 that hang up after 2 events."""
+    """64 concurrent streaming requests through 4 slots, in a shuffled order: 24 greedy and 16 seeded
+    (each compared with the same request run alone), 8 unseeded sampled, 8 invalid (400, naming the
+    field), 8 that hang up after 2 events (cancelled, their slots freed). Nothing lost or duplicated."""
     prompts = ["The quick", "Hello", "abc def", "Tree", "0123", "Speculative"]
-    greedy = [dict(prompt=p, max_tokens=16 + i, temperature=0) for i, p in enumerate(prompts)]
-    seeded = [dict(prompt=p, max_tokens=14, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i)
-              for i, p in enumerate(prompts[:4])]
-    sampled = [dict(prompt="Hello", max_tokens=12, temperature=1.0), dict(prompt="Tree", max_tokens=12, min_p=0.1)]
-    bad = [dict(prompt="x", temperature=-1.0), dict(prompt="x", top_p=2.0)]
-    hangups = [dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True)] * 2
+    greedy = [dict(prompt=prompts[i % 6], max_tokens=6 + i % 11, temperature=0) for i in range(24)]
+    seeded = [dict(prompt=prompts[i % 6], max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i)
+              for i in range(16)]
+    sampled = [dict(prompt=prompts[i % 6], max_tokens=8, temperature=1.0, min_p=0.05 * (i % 2)) for i in range(8)]
+    bad = [dict(prompt="x", temperature=-1.0), dict(prompt="x", top_p=2.0), dict(prompt="x", top_p=0.0),
+           dict(prompt="x", max_tokens=0), dict(prompt="x", min_p=1.5), dict(prompt="x", top_k=-2),
+           dict(prompt="x", temperature=-0.5, top_p=0.5), dict(prompt="x", max_tokens=-3)]
+    bad_fields = ["temperature", "top_p", "top_p", "max_tokens", "min_p", "top_k", "temperature", "max_tokens"]
+    hangups = [dict(prompt=["ab", "cd", "e", "fg"][i % 4], max_tokens=50, temperature=0, ignore_eos=True)
+               for i in range(8)]
     alone = [httpx.post(server + "/v1/completions", json=b, timeout=120).json()["choices"][0]["text"]
              for b in greedy + seeded]
     before = metrics(server)
 
     jobs = ([("ok", b) for b in greedy + seeded + sampled] + [("bad", b) for b in bad]
             + [("hangup", b) for b in hangups])
-    order = [3, 14, 0, 10, 7, 15, 1, 12, 5, 9, 2, 13, 4, 11, 6, 8]
+    assert len(jobs) == 64
+    order = np.random.default_rng(0).permutation(len(jobs)).tolist()
 
     def run(i):
         kind, body = jobs[i]
         return sse(server, "/v1/completions", {**body, "stream": True}, stop_after=2 if kind == "hangup" else None)
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = {i: pool.submit(run, i) for i in order}
-        results = {i: f.result(timeout=300) for i, f in futures.items()}
+        results = {i: f.result(timeout=600) for i, f in futures.items()}
 
     ids = set()
+    n_ok = len(greedy) + len(seeded) + len(sampled)
     for i, (kind, body) in enumerate(jobs):
         status, events, done = results[i]
         if kind == "bad":
-            assert status == 400 and events[0]["error"]["param"] in ("temperature", "top_p")
+            assert status == 400 and events[0]["error"]["param"] == bad_fields[i - n_ok], (body, events)
             continue
         if kind == "hangup":
             assert status == 200 and len(events) == 2 and not done
@@ -222,7 +230,7 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
             reason == "stop" and usage["completion_tokens"] <= body["max_tokens"])
         if i < len(alone):
             assert text == alone[i], (i, body)
-    assert len(ids) == 12  # nothing lost or duplicated
+    assert len(ids) == n_ok  # nothing lost or duplicated
 
     deadline = time.monotonic() + 60
     while True:  # the hung-up requests are cancelled and every slot is free again
@@ -232,10 +240,11 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
     delta = {k: m.get(k, 0) - before.get(k, 0) for k in m}
-    assert delta['ddtree_requests_total{reason="length"}'] + delta.get('ddtree_requests_total{reason="stop"}', 0) == 12
-    assert delta['ddtree_requests_total{reason="cancelled"}'] == 2
-    assert delta['ddtree_rejected_requests_total{reason="invalid"}'] == 2
-    assert m["ddtree_time_to_first_token_seconds_count"] >= 12 and m["ddtree_acceptance_length_count"] > 0
+    finished = delta['ddtree_requests_total{reason="length"}'] + delta.get('ddtree_requests_total{reason="stop"}', 0)
+    assert finished == n_ok
+    assert delta['ddtree_requests_total{reason="cancelled"}'] == len(hangups)
+    assert delta['ddtree_rejected_requests_total{reason="invalid"}'] == len(bad)
+    assert m["ddtree_time_to_first_token_seconds_count"] >= n_ok and m["ddtree_acceptance_length_count"] > 0
 
 
 def test_non_streaming_client_that_gives_up_cancels_its_request(server):
