@@ -82,14 +82,8 @@ def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths
     if plan.hidden_layer_ids:
         drafter = nnx.merge(models.drafter, dparams)
         dcache = drafter.append_context(drafter.init_cache(B, max_len), jnp.concatenate(hidden, axis=-1), lengths)
-    zeros = jnp.zeros((B,), jnp.int32)
-    return DecodeState(
-        target_cache=tcache, draft_cache=dcache, root=roots.astype(jnp.int32),
-        out=jnp.zeros((B, capacity), jnp.int32), generated=zeros, finish=zeros,
-        accept_lengths=jnp.zeros((B, capacity), jnp.int32), rounds=zeros,
-        max_new_tokens=max_new_tokens.astype(jnp.int32), stop_ids=stop_ids.astype(jnp.int32), sampling=sampling,
-        request_ids=request_ids.astype(jnp.uint32),
-    )
+    return DecodeState.start(tcache, dcache, roots, capacity=capacity, max_new_tokens=max_new_tokens,
+                             stop_ids=stop_ids, sampling=sampling, request_ids=request_ids)
 
 
 # ---------------------------------------------------------------------------------------------- stages

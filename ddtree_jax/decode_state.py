@@ -68,6 +68,23 @@ class DecodeState:
     sampling: SamplingBatch
     request_ids: jax.Array
 
+    @classmethod
+    def start(cls, target_cache: RowCache, draft_cache: RowCache | None, roots: jax.Array, *, capacity: int,
+              max_new_tokens: jax.Array, stop_ids: jax.Array, sampling: SamplingBatch, request_ids: jax.Array,
+              finish: int = RUNNING) -> DecodeState:
+        """A state of ``B = len(roots)`` slots with nothing generated yet: empty outputs and
+        statistics, every slot's finish code ``finish`` (``RUNNING`` to decode, ``FREE`` for empty
+        slots), the given per-slot limits, stop ids, sampling and request ids."""
+        B = roots.shape[0]
+        zeros = jnp.zeros((B,), jnp.int32)
+        return cls(
+            target_cache=target_cache, draft_cache=draft_cache, root=roots.astype(jnp.int32),
+            out=jnp.zeros((B, capacity), jnp.int32), generated=zeros, finish=jnp.full((B,), finish, jnp.int32),
+            accept_lengths=jnp.zeros((B, capacity), jnp.int32), rounds=zeros,
+            max_new_tokens=max_new_tokens.astype(jnp.int32), stop_ids=stop_ids.astype(jnp.int32), sampling=sampling,
+            request_ids=request_ids.astype(jnp.uint32),
+        )
+
     @property
     def batch_size(self) -> int:
         return self.root.shape[0]

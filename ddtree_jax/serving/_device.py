@@ -92,17 +92,14 @@ def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, cap
 
     def build():
         zeros = jnp.zeros((slots,), jnp.int32)
-        return DecodeState(
-            target_cache=target.init_cache(slots, max_len),
-            draft_cache=drafter.init_cache(slots, max_len) if plan.hidden_layer_ids else None,
-            root=zeros, out=jnp.zeros((slots, capacity), jnp.int32), generated=zeros,
-            finish=jnp.full((slots,), FREE, jnp.int32), accept_lengths=jnp.zeros((slots, capacity), jnp.int32),
-            rounds=zeros, max_new_tokens=jnp.ones((slots,), jnp.int32),
+        return DecodeState.start(
+            target.init_cache(slots, max_len), drafter.init_cache(slots, max_len) if plan.hidden_layer_ids else None,
+            zeros, capacity=capacity, max_new_tokens=jnp.ones((slots,), jnp.int32),
             stop_ids=jnp.full((slots, stop_width), NO_STOP, jnp.int32),
             sampling=SamplingBatch(temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,
                                    top_p=jnp.ones((slots,), jnp.float32), min_p=jnp.zeros((slots,), jnp.float32),
                                    seed=jnp.zeros((slots,), jnp.uint32), has_seed=jnp.zeros((slots,), bool)),
-            request_ids=jnp.zeros((slots,), jnp.uint32),
+            request_ids=jnp.zeros((slots,), jnp.uint32), finish=FREE,
         )
 
     state = jax.jit(build)()  # compiled: every leaf its own buffer (the state is donated leaf by leaf)
