@@ -182,18 +182,8 @@ def torch_pipeline_timer():
         return torch.multinomial(probs, 1)[:, 0]
 
     def run(xs, T, k, p, m=0.0, iters=10, repeats=3):
-        sample(xs[0], T, k, p, m)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(repeats):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for i in range(iters):
-                sample(xs[i % len(xs)], T, k, p, m)
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1e3 / iters)
-        return float(np.median(ts))
+        """Seconds per call (CUDA events)."""
+        return cuda_events_ms(lambda x: sample(x, T, k, p, m), xs, iters=iters, repeats=repeats) / 1e3
 
     return run
 
