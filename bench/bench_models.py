@@ -186,7 +186,7 @@ def main():
             log(f"  {sec * 1e3:.2f} ms, {b * nodes / sec:,.0f} tokens/s")
 
         moe = model.model.layers[cfg.first_k_dense_replace].mlp
-        moe_call = nnx.jit(lambda layer, x: layer(x, dense_experts=dense))
+        moe_call = nnx.jit(lambda layer, x: layer(x, backend=model.backend, dense_experts=dense))
         for n in sorted({b * (max(args.budgets) + 1), b * t}):
             x = jnp.asarray(rng.normal(size=(1, n, cfg.hidden_size)), jnp.bfloat16)
             log(f"MoE layer [{name}] tokens={n}")

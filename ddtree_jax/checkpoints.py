@@ -265,14 +265,22 @@ def _fp8_block(raw: dict[str, Any]) -> tuple[int, int]:
     return tuple((raw.get("quantization_config") or {}).get("weight_block_size", (128, 128)))
 
 
-def load_target(path: str, *, mesh: Mesh | None = None, dtype="auto", mesh_axes: dict[str, str] = DEFAULT_MESH_AXES):
+def load_target(
+    path: str,
+    *,
+    mesh: Mesh | None = None,
+    dtype="auto",
+    mesh_axes: dict[str, str] = DEFAULT_MESH_AXES,
+    impl="auto",
+):
     """Load a target checkpoint directory; its class comes from ``architectures`` in config.json
     (``ddtree_jax.models.registry.TARGETS``: ``DeepseekV3ForCausalLM``, model type ``deepseek_v3``
     or ``kimi_k2``).
 
     ``dtype``: ``"auto"`` (the checkpoint's own, see ``_resolve_dtype``) or a JAX dtype; router
     weights stay float32. With ``mesh``, weights are placed with the shardings their logical
-    axes give under ``mesh_axes``.
+    axes give under ``mesh_axes``. ``impl`` picks the model's kernels or references
+    (``ddtree_jax.backend``; ``"auto"``: the kernels on a GPU).
     """
     raw = _read_config(path)
     arch = lookup_architecture(raw, "target", path)
@@ -286,7 +294,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype="auto", mesh_axes:
         return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
     _load_into(model, path, skip=is_mtp, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
-    return model
+    return model.set_impl(impl)
 
 
 def load_drafter(

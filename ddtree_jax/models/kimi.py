@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.models._layers import (
     Embed,
     GatedMLP,
@@ -113,7 +114,7 @@ class MLAttention(nnx.Module):
         k_rope = apply_rope(kv[..., cfg.kv_lora_rank :], cos, sin, interleaved=cfg.rope_interleave)
         return latent, k_rope
 
-    def __call__(self, x, cos, sin, latent, k_rope, mask) -> jax.Array:
+    def __call__(self, x, cos, sin, latent, k_rope, mask, *, backend: Backend) -> jax.Array:
         """Attend from ``x [B,T,H]`` to keys ``latent [B,S,r]``/``k_rope [B,S,dr]`` where ``mask [B,T,S]``."""
         cfg = self.cfg
         b, t, _ = x.shape
@@ -169,7 +170,7 @@ class Experts(nnx.Module):
         self.gate_up_proj = nnx.Param(normal_init(rngs, (e, h, 2 * i), h, dtype), axes=("expert", None, "tensor"))
         self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
 
-    def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend) -> jax.Array:
         """Grouped matmuls over token copies sorted by expert. ``x [N,H]``, ``weights/ids [N,k]``."""
         n, k = ids.shape
         flat_ids = ids.reshape(-1)
@@ -201,11 +202,14 @@ class MoE(nnx.Module):
             cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, dtype=dtype
         )
 
-    def __call__(self, x: jax.Array, *, dense_experts: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, backend: Backend, dense_experts: bool = False) -> jax.Array:
         """``[B,T,H] -> [B,T,H]``; ``dense_experts`` runs ``Experts.reference`` (tests, benchmark)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        routed = (self.experts.reference if dense_experts else self.experts)(flat, weights, ids)
+        if dense_experts:
+            routed = self.experts.reference(flat, weights, ids)
+        else:
+            routed = self.experts(flat, weights, ids, backend=backend)
         return routed.reshape(x.shape) + self.shared_experts(x)
 
 
@@ -220,7 +224,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, mask, cache_rows, start, *, dense_experts=False):
+    def __call__(self, x, cos, sin, mask, cache_rows, start, *, backend: Backend, dense_experts=False):
         """One block. ``cache_rows``: ``None`` (attend within ``x``) or this layer's
         ``(latent [B,S,r], k_rope [B,S,dr])``; the new latents are written at ``start [B]`` and
         ``mask [B,T,S]`` indexes the whole cache. Returns ``(x, cache_rows)``."""
@@ -230,9 +234,12 @@ class DecoderLayer(nnx.Module):
             latent = write_rows(cache_rows[0], latent, start)
             k_rope = write_rows(cache_rows[1], k_rope, start)
             cache_rows = (latent, k_rope)
-        x = x + self.self_attn(h, cos, sin, latent, k_rope, mask)
+        x = x + self.self_attn(h, cos, sin, latent, k_rope, mask, backend=backend)
         h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h, dense_experts=dense_experts) if isinstance(self.mlp, MoE) else self.mlp(h))
+        if isinstance(self.mlp, MoE):
+            x = x + self.mlp(h, backend=backend, dense_experts=dense_experts)
+        else:
+            x = x + self.mlp(h)
         return x, cache_rows
 
 
@@ -247,12 +254,20 @@ class KimiForCausalLM(nnx.Module):
     """The target model; parameter paths mirror HF names (``model.layers.3.self_attn.kv_b_proj``).
 
     ``dtype`` is the weights' and activations' dtype; norms, softmax and the router run in float32.
+    ``impl`` picks the attention and expert implementations (``ddtree_jax.backend``: ``"auto"``
+    runs the Pallas kernels on a GPU, the plain-JAX references elsewhere); ``set_impl`` changes it.
     """
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, impl: str | Backend = "auto"):
         self.config = cfg
+        self.backend = resolve_backend(impl)
         self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
+
+    def set_impl(self, impl: str | Backend) -> KimiForCausalLM:
+        """Use ``impl`` (see the class docstring) for the forward passes from now on; returns self."""
+        self.backend = resolve_backend(impl)
+        return self
 
     # ---- pieces the drafter shares ----
 
@@ -383,7 +398,9 @@ class KimiForCausalLM(nnx.Module):
         hidden, rows = {}, []
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache.latent[i], cache.k_rope[i])
-            x, layer_cache = layer(x, cos, sin, mask, layer_cache, start, dense_experts=dense_experts)
+            x, layer_cache = layer(
+                x, cos, sin, mask, layer_cache, start, backend=self.backend, dense_experts=dense_experts
+            )
             rows.append(layer_cache)
             hidden[i] = x
         # transformers' ``hidden_states[i + 1]`` convention: the last entry is the NORMED output
