@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DEFAULT_MESH_AXES": "ddtree_jax.checkpoints",
     "CheckpointError": "ddtree_jax.checkpoints",
+    "init_on_mesh": "ddtree_jax.checkpoints",
     "load_drafter": "ddtree_jax.checkpoints",
     "load_target": "ddtree_jax.checkpoints",
     "save_checkpoint": "ddtree_jax.checkpoints",

@@ -166,6 +166,21 @@ def _sharding(var: nnx.Variable, mesh: Mesh | None, mesh_axes: dict[str, str]):
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def init_on_mesh(factory: Callable[[], nnx.Module], mesh: Mesh | None = None, *,
+                 mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> nnx.Module:
+    """``factory()`` (a model constructor call, e.g. ``lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0))``)
+    with its parameters created by one compiled call straight into the shardings their logical
+    axes give on ``mesh`` (``None``: the default device), so a model larger than one device never
+    exists whole anywhere. The values do not depend on ``mesh`` (partitionable random bits): the
+    same factory gives the same weights on one device and on any mesh."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(factory))
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    shardings = (None if mesh is None
+                 else jax.tree.map(lambda v: _sharding(v, mesh, mesh_axes), abstract, is_leaf=is_var))
+    state = jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
 def _load_into(
     model: nnx.Module,
     path: str,

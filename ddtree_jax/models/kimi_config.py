@@ -99,6 +99,22 @@ class KimiConfig:
         return cls(**kwargs, rope_theta=theta, rope_scaling=yarn)
 
     @classmethod
+    def kimi_k2(cls, **overrides) -> KimiConfig:
+        """Kimi K2's published architecture (61 layers, 384 experts, vocabulary 163,840), with
+        ``overrides`` (e.g. fewer layers or experts for a slice that fits the devices at hand)."""
+        fields = dict(
+            vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
+            num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.827, rope_theta=50000.0, max_position_embeddings=131072,
+            model_type="kimi_k2",
+            rope_scaling=YarnScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0,
+                                     beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        )
+        return cls(**{**fields, **overrides})
+
+    @classmethod
     def from_json(cls, path: str) -> KimiConfig:
         with open(path) as f:
             return cls.from_hf_dict(json.load(f))
