@@ -86,3 +86,17 @@ def _greedy_speculative_equals_autoregressive():
                           sampling=dt.SamplingParams(temperature=0.8, top_p=0.9, seed=4), **kw)
     assert all(len(t) == 16 for t in sampled.tokens)
     assert jax.default_backend() == "gpu"
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs several GPUs")
+def test_engine_on_gpu_meshes_matches_one_gpu(tmp_path):
+    """The sharded serving engine over every local GPU (expert, tensor and data meshes) against
+    one GPU, float32 products (tests/_mesh_check.py says what must be equal)."""
+    from tests._mesh_check import check_runs, mesh_runs, one_device_tokens
+
+    n = jax.device_count()
+    meshes = [f"expert={n}", f"tensor={n}"] + ([f"data=2,expert={n // 2}"] if n % 2 == 0 else [])
+    with jax.default_matmul_precision("highest"):
+        with jax.default_device(jax.devices()[0]):
+            plain = one_device_tokens()
+        check_runs(mesh_runs(str(tmp_path), meshes, plain), meshes)
