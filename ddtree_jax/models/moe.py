@@ -1,0 +1,147 @@
+"""Routed experts of a MoE layer as pure functions: routing metadata, two plain-JAX paths and the
+Pallas kernel path, chosen by a ``Backend``.
+
+Shapes: ``N`` tokens, ``k`` experts per token, ``E`` experts, ``H`` hidden, ``I`` expert
+intermediate size; ``gate_up [E, H, 2I]`` (gate columns, then up), ``down [E, I, H]``.
+
+* ``experts_reference``: every expert on every token, weighted by a dense ``[N, E]`` routing
+  matrix (slow, obviously correct; tests and benchmarks).
+* ``experts_ragged_dot``: ``jax.lax.ragged_dot`` over token copies sorted by expert (exact; the
+  CPU default; on the GPU XLA lowers it through a ``[E, N*k, I]`` masked copy).
+* ``experts_grouped_matmul``: ``pallas_kernels.triton.moe_grouped_matmul`` over the same sorted
+  copies, then a fixed-order sum of each token's k outputs.
+
+Tokens with ``valid == False`` (unused tree slots) route to no expert: their copies sort last, no
+path computes them, and their routed output is zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax.backend import Backend
+from ddtree_jax.models._layers import silu_glu
+
+__all__ = [
+    "ExpertRouting",
+    "experts_grouped_matmul",
+    "experts_ragged_dot",
+    "experts_reference",
+    "route_tokens",
+    "routed_experts",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertRouting:
+    """Token copies sorted by expert (stable: token order within an expert), computed once per layer.
+
+    ``R = N*k`` copies; ``Rp = R + block_m`` sorted rows (the tail pads the last row tile).
+
+    Attributes:
+      sorted_token: i32 ``[Rp]`` token of each sorted copy (0 in the padding).
+      sorted_weight: f32 ``[Rp]`` its routing weight (0 for invalid copies and the padding).
+      group_sizes: i32 ``[E]`` copies per expert (invalid copies counted nowhere).
+      slot_row: i32 ``[N, k]`` the sorted row of copy ``(n, j)``.
+      slot_valid: bool ``[N, k]`` the copy routes to an expert (its token is valid).
+      tile_expert, tile_start, tile_end: i32 ``[T]`` row tiles of at most ``block_m`` sorted rows
+        of one expert (``T = max_row_tiles``; the unused tail has ``start == end``).
+    """
+
+    sorted_token: jax.Array
+    sorted_weight: jax.Array
+    group_sizes: jax.Array
+    slot_row: jax.Array
+    slot_valid: jax.Array
+    tile_expert: jax.Array
+    tile_start: jax.Array
+    tile_end: jax.Array
+
+
+def route_tokens(weights: jax.Array, ids: jax.Array, num_experts: int, *, valid: jax.Array | None = None,
+                 block_m: int = 16) -> ExpertRouting:
+    """Sort the copies ``ids [N, k]`` (weights ``[N, k]``) by expert; invalid tokens sort last."""
+    from pallas_kernels.triton.moe_grouped_matmul import max_row_tiles
+
+    n, k = ids.shape
+    r, e = n * k, num_experts
+    chex.assert_shape(weights, (n, k))
+    slot_valid = jnp.ones((n, k), bool) if valid is None else jnp.broadcast_to(valid.reshape(n, 1), (n, k))
+    flat = jnp.where(slot_valid, ids, e).reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sorted_valid = slot_valid.reshape(-1)[order]
+    weight = jnp.where(sorted_valid, weights.reshape(-1)[order].astype(jnp.float32), 0.0)
+    pad = jnp.zeros((block_m,), jnp.int32)
+    group_sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    tiles = (group_sizes + block_m - 1) // block_m
+    tiles_end = jnp.cumsum(tiles)
+    t = jnp.arange(max_row_tiles(r, e, block_m), dtype=jnp.int32)
+    tile_expert = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right"), e - 1).astype(jnp.int32)
+    tile_start = starts[tile_expert] + (t - (tiles_end - tiles)[tile_expert]) * block_m
+    tile_end = jnp.where(t < tiles_end[-1], jnp.minimum(tile_start + block_m, ends[tile_expert]), tile_start)
+    return ExpertRouting(
+        sorted_token=jnp.concatenate([order // k, pad]),
+        sorted_weight=jnp.concatenate([weight, pad.astype(jnp.float32)]),
+        group_sizes=group_sizes,
+        slot_row=jnp.zeros((r,), jnp.int32).at[order].set(jnp.arange(r, dtype=jnp.int32)).reshape(n, k),
+        slot_valid=slot_valid,
+        tile_expert=tile_expert,
+        tile_start=tile_start.astype(jnp.int32),
+        tile_end=tile_end.astype(jnp.int32),
+    )
+
+
+def experts_reference(x, gate_up, down, weights, ids, valid=None) -> jax.Array:
+    """Every expert run densely on every token: ``x [N,H]``, ``weights/ids [N,k]`` -> ``[N,H]``."""
+    n = x.shape[0]
+    if valid is not None:
+        weights = jnp.where(valid[:, None], weights, 0.0)
+    dense_w = jnp.zeros((n, gate_up.shape[0]), jnp.float32).at[jnp.arange(n)[:, None], ids].add(weights)
+    gate, up = jnp.split(jnp.einsum("nh,ehi->eni", x, gate_up), 2, axis=-1)
+    out = jnp.einsum("eni,eih->enh", silu_glu(gate, up), down)
+    return jnp.einsum("enh,ne->nh", out, dense_w.astype(out.dtype))
+
+
+def experts_ragged_dot(x, gate_up, down, routing: ExpertRouting) -> jax.Array:
+    """``jax.lax.ragged_dot`` over the sorted copies, then a scatter-add back to the tokens."""
+    n, k = routing.slot_row.shape
+    token = routing.sorted_token[: n * k]
+    gate_up_rows = jax.lax.ragged_dot(x[token], gate_up, routing.group_sizes)
+    gate, up = jnp.split(gate_up_rows, 2, axis=-1)
+    out = jax.lax.ragged_dot(silu_glu(gate, up), down, routing.group_sizes)
+    live = jnp.arange(n * k) < routing.group_sizes.sum()  # invalid copies sort last
+    out = jnp.where(live[:, None], out * routing.sorted_weight[: n * k, None].astype(out.dtype), 0)
+    return jnp.zeros_like(x).at[token].add(out)
+
+
+def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, interpret: bool = False) -> jax.Array:
+    """The Pallas grouped-matmul kernel over the sorted copies, then each token's k rows summed."""
+    from pallas_kernels.triton.moe_grouped_matmul import moe_grouped_matmul
+
+    y = moe_grouped_matmul(
+        x, gate_up, down, routing.sorted_token, routing.sorted_weight,
+        routing.tile_expert, routing.tile_start, routing.tile_end, blocks=blocks, interpret=interpret,
+    )
+    rows = jnp.where(routing.slot_valid[..., None], y[routing.slot_row], 0.0)  # [N, k, H]
+    return rows.sum(axis=1).astype(x.dtype)
+
+
+def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: jax.Array, ids: jax.Array, *,
+                   backend: Backend, valid: jax.Array | None = None) -> jax.Array:
+    """The routed experts' combined output ``[N, H]`` (``valid [N]`` bool or None: all valid)."""
+    n, k = ids.shape
+    e = gate_up.shape[0]
+    if backend.kernels:
+        from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
+
+        blocks = choose_blocks(n * k, e)
+        routing = route_tokens(weights, ids, e, valid=valid, block_m=blocks.block_m)
+        return experts_grouped_matmul(x, gate_up, down, routing, blocks, interpret=backend.interpret)
+    return experts_ragged_dot(x, gate_up, down, route_tokens(weights, ids, e, valid=valid))
