@@ -170,6 +170,8 @@ class Experts(nnx.Module):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nnx.Param(normal_init(rngs, (e, h, 2 * i), h, dtype), axes=("expert", None, "tensor"))
         self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
+        # (mesh, mesh axis) when the weights' expert dim is split over a mesh axis (``set_mesh``)
+        self.expert_mesh = None
 
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend,
                  valid: jax.Array | None = None) -> jax.Array:
@@ -177,7 +179,7 @@ class Experts(nnx.Module):
         ``backend.kernels``, else ``jax.lax.ragged_dot``. ``x [N,H]``, ``weights/ids [N,k]``,
         ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output)."""
         return routed_experts(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, backend=backend,
-                              valid=valid)
+                              valid=valid, expert_mesh=self.expert_mesh)
 
     def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Same result with every expert run densely on every token (the slow, obvious version)."""
@@ -263,6 +265,19 @@ class KimiForCausalLM(nnx.Module):
     def set_impl(self, impl: str | Backend) -> KimiForCausalLM:
         """Use ``impl`` (see the class docstring) for the forward passes from now on; returns self."""
         self.backend = resolve_backend(impl)
+        return self
+
+    def set_mesh(self, mesh, mesh_axes: dict[str, str]) -> KimiForCausalLM:
+        """Tell the experts how their weights are placed (``load_target(mesh=...)`` calls this):
+        with the expert dim split over a mesh axis, the kernel path runs expert-parallel
+        (``ddtree_jax.models.moe.experts_expert_parallel``). ``mesh=None`` forgets it."""
+        axis = mesh_axes.get("expert")
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                experts = layer.mlp.experts
+                split = (mesh is not None and axis in mesh.axis_names
+                         and experts.gate_up_proj.shape[0] % mesh.shape[axis] == 0)
+                experts.expert_mesh = (mesh, axis) if split else None
         return self
 
     # ---- pieces the drafter shares ----

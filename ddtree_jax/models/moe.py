@@ -22,12 +22,15 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.backend import Backend
 from ddtree_jax.models._layers import silu_glu
 
 __all__ = [
     "ExpertRouting",
+    "experts_expert_parallel",
     "experts_grouped_matmul",
     "experts_ragged_dot",
     "experts_reference",
@@ -65,13 +68,17 @@ class ExpertRouting:
 
 def route_tokens(weights: jax.Array, ids: jax.Array, num_experts: int, *, valid: jax.Array | None = None,
                  block_m: int = 16) -> ExpertRouting:
-    """Sort the copies ``ids [N, k]`` (weights ``[N, k]``) by expert; invalid tokens sort last."""
+    """Sort the copies ``ids [N, k]`` (weights ``[N, k]``) by expert; invalid copies (``valid``:
+    bool ``[N]`` per token or ``[N, k]`` per copy; None: all valid) sort last."""
     from pallas_kernels.triton.moe_grouped_matmul import max_row_tiles
 
     n, k = ids.shape
     r, e = n * k, num_experts
     chex.assert_shape(weights, (n, k))
-    slot_valid = jnp.ones((n, k), bool) if valid is None else jnp.broadcast_to(valid.reshape(n, 1), (n, k))
+    if valid is None:
+        slot_valid = jnp.ones((n, k), bool)
+    else:
+        slot_valid = jnp.broadcast_to(valid.reshape(n, -1), (n, k))
     flat = jnp.where(slot_valid, ids, e).reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     sorted_valid = slot_valid.reshape(-1)[order]
@@ -121,8 +128,10 @@ def experts_ragged_dot(x, gate_up, down, routing: ExpertRouting) -> jax.Array:
     return jnp.zeros_like(x).at[token].add(out)
 
 
-def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, interpret: bool = False) -> jax.Array:
-    """The Pallas grouped-matmul kernel over the sorted copies, then each token's k rows summed."""
+def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, interpret: bool = False,
+                           out_dtype=None) -> jax.Array:
+    """The Pallas grouped-matmul kernel over the sorted copies, then each token's k rows summed
+    (in float32, in copy order; cast to ``out_dtype``, default x's)."""
     from pallas_kernels.triton.moe_grouped_matmul import moe_grouped_matmul
 
     y = moe_grouped_matmul(
@@ -130,18 +139,62 @@ def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, 
         routing.tile_expert, routing.tile_start, routing.tile_end, blocks=blocks, interpret=interpret,
     )
     rows = jnp.where(routing.slot_valid[..., None], y[routing.slot_row], 0.0)  # [N, k, H]
-    return rows.sum(axis=1).astype(x.dtype)
+    return rows.sum(axis=1).astype(out_dtype or x.dtype)
 
 
 def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: jax.Array, ids: jax.Array, *,
-                   backend: Backend, valid: jax.Array | None = None) -> jax.Array:
-    """The routed experts' combined output ``[N, H]`` (``valid [N]`` bool or None: all valid)."""
+                   backend: Backend, valid: jax.Array | None = None,
+                   expert_mesh: tuple[Mesh, str] | None = None) -> jax.Array:
+    """The routed experts' combined output ``[N, H]`` (``valid [N]`` bool or None: all valid).
+
+    ``expert_mesh = (mesh, axis)``: the weights' expert dim is sharded over ``axis`` of ``mesh``;
+    the kernel path then runs ``experts_expert_parallel`` (the ragged_dot path leaves it to GSPMD,
+    which partitions ragged_dot by expert without gathering the weights)."""
+    if backend.kernels and expert_mesh is not None and expert_mesh[0].shape[expert_mesh[1]] > 1:
+        return experts_expert_parallel(x, gate_up, down, weights, ids, valid, *expert_mesh, backend=backend)
+    if backend.kernels:
+        return _experts_kernel(x, gate_up, down, weights, ids, valid, backend)
+    return experts_ragged_dot(x, gate_up, down, route_tokens(weights, ids, gate_up.shape[0], valid=valid))
+
+
+def _experts_kernel(x, gate_up, down, weights, ids, valid, backend: Backend, out_dtype=None) -> jax.Array:
+    from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
+
     n, k = ids.shape
     e = gate_up.shape[0]
-    if backend.kernels:
-        from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
+    blocks = choose_blocks(n * k, e)
+    routing = route_tokens(weights, ids, e, valid=valid, block_m=blocks.block_m)
+    return experts_grouped_matmul(x, gate_up, down, routing, blocks, interpret=backend.interpret,
+                                  out_dtype=out_dtype)
 
-        blocks = choose_blocks(n * k, e)
-        routing = route_tokens(weights, ids, e, valid=valid, block_m=blocks.block_m)
-        return experts_grouped_matmul(x, gate_up, down, routing, blocks, interpret=backend.interpret)
-    return experts_ragged_dot(x, gate_up, down, route_tokens(weights, ids, e, valid=valid))
+
+def experts_expert_parallel(x, gate_up, down, weights, ids, valid, mesh: Mesh, axis: str, *,
+                            backend: Backend) -> jax.Array:
+    """Expert parallelism without moving weights: each device of ``axis`` runs the kernel for its
+    own ``E / devices`` experts on all (its data shard's) tokens, copies routed elsewhere count as
+    invalid there, and one float32 ``psum`` over ``axis`` adds the partial outputs.
+
+    The weights enter the ``shard_map`` split over ``axis`` only: a weight also split over
+    another axis (``tensor``) is gathered over it first, because ``gate_up``'s gate and up
+    halves would land on different tensor shards (a limitation of the stacked layout).
+    Tokens stay split over ``data`` when the mesh has it and it divides N; else replicated.
+    """
+    n, k = ids.shape
+    e = gate_up.shape[0]
+    ep = mesh.shape[axis]
+    if e % ep:
+        raise ValueError(f"expert parallelism: {e} experts do not split over {ep} devices of {axis!r}")
+    e_local = e // ep
+    data = "data" if "data" in mesh.axis_names and mesh.shape["data"] > 1 and n % mesh.shape["data"] == 0 else None
+    valid = jnp.ones((n,), bool) if valid is None else valid
+
+    def local(x, weights, ids, valid, gate_up, down):
+        local_ids = ids - jax.lax.axis_index(axis) * e_local
+        mine = valid[:, None] & (local_ids >= 0) & (local_ids < e_local)
+        out = _experts_kernel(x, gate_up, down, weights, jnp.where(mine, local_ids, 0), mine, backend,
+                              out_dtype=jnp.float32)
+        return jax.lax.psum(out, axis).astype(x.dtype)
+
+    tok = P(data)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, tok, P(axis), P(axis)), out_specs=tok,
+                         check_vma=False)(x, weights, ids, valid, gate_up, down)
