@@ -309,6 +309,8 @@ def load_target(
         return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
     _load_into(model, path, skip=is_mtp, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
+    if mesh is not None and hasattr(model, "set_mesh"):
+        model.set_mesh(mesh, mesh_axes)
     return model.set_impl(impl)
 
 

@@ -111,7 +111,7 @@ def _verify(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
     tree = work["tree"]
     tokens = jnp.where(tree.valid, tree.tokens, 0)  # unused slots: any in-vocabulary id, never accepted
     logits, hidden, tcache = target.verify(tokens, tree.depth, tree.ancestor_mask, state.target_cache,
-                                           hidden_layer_ids=plan.hidden_layer_ids)
+                                           hidden_layer_ids=plan.hidden_layer_ids, valid=tree.valid)
     feats = jnp.concatenate(hidden, axis=-1) if hidden else None
     return dict(tree=tree, logits=logits, feats=feats, target_cache=tcache)
 

@@ -50,8 +50,11 @@ class TargetModel(Protocol):
         ...
 
     def verify(self, tokens: jax.Array, depths: jax.Array, ancestor_mask: jax.Array, cache: RowCache, *,
-               hidden_layer_ids: tuple[int, ...] = ()) -> tuple[jax.Array, tuple[jax.Array, ...], RowCache]:
-        """Logits ``[B, T, V]`` at every node of a tree block; the cache's lengths do not move."""
+               hidden_layer_ids: tuple[int, ...] = (), valid: jax.Array | None = None,
+               ) -> tuple[jax.Array, tuple[jax.Array, ...], RowCache]:
+        """Logits ``[B, T, V]`` at every node of a tree block; the cache's lengths do not move.
+        ``valid [B, T]`` bool (None: all) marks the used node slots; outputs at the others are
+        meaningless (a model may skip work for them)."""
         ...
 
     def commit(self, cache: RowCache, accepted: jax.Array, counts: jax.Array) -> RowCache:

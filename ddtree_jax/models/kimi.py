@@ -1,7 +1,8 @@
 """Kimi K2 / DeepSeek-V3 target model (HF ``DeepseekV3ForCausalLM``) in Flax NNX.
 
 MLA attention over a latent KV cache, sigmoid-routed MoE with grouped matmuls
-(``jax.lax.ragged_dot``), and three cached forward modes used by tree speculative decoding:
+(``ddtree_jax.models.moe``: a Pallas kernel or ``jax.lax.ragged_dot``), and three cached forward
+modes used by tree speculative decoding:
 
 * ``prefill``: append a causal chunk (a prompt, or one decoded token) after each row's prefix;
 * ``verify``: run a draft tree block whose nodes attend to the prefix and to their ancestors;
@@ -33,10 +34,10 @@ from ddtree_jax.models._layers import (
     RMSNorm,
     masked_softmax,
     normal_init,
-    silu_glu,
     write_rows,
 )
 from ddtree_jax.models.kimi_config import KimiConfig
+from ddtree_jax.models.moe import experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import block_attention_mask, causal_block_mask, commit_accepted, tree_block_mask
 
@@ -169,27 +170,20 @@ class Experts(nnx.Module):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nnx.Param(normal_init(rngs, (e, h, 2 * i), h, dtype), axes=("expert", None, "tensor"))
         self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
+        # (mesh, mesh axis) when the weights' expert dim is split over a mesh axis (``set_mesh``)
+        self.expert_mesh = None
 
-    def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend) -> jax.Array:
-        """Grouped matmuls over token copies sorted by expert. ``x [N,H]``, ``weights/ids [N,k]``."""
-        n, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = jnp.argsort(flat_ids, stable=True)
-        token = order // k
-        group_sizes = jnp.bincount(flat_ids, length=self.gate_up_proj.shape[0]).astype(jnp.int32)
-        gate_up = jax.lax.ragged_dot(x[token], self.gate_up_proj[...], group_sizes)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        out = jax.lax.ragged_dot(silu_glu(gate, up), self.down_proj[...], group_sizes)
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-        return jnp.zeros_like(x).at[token].add(out)
+    def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend,
+                 valid: jax.Array | None = None) -> jax.Array:
+        """Grouped matmuls over token copies sorted by expert: the Pallas kernel where
+        ``backend.kernels``, else ``jax.lax.ragged_dot``. ``x [N,H]``, ``weights/ids [N,k]``,
+        ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output)."""
+        return routed_experts(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, backend=backend,
+                              valid=valid, expert_mesh=self.expert_mesh)
 
-    def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Same result with every expert run densely on every token (the slow, obvious version)."""
-        dense_w = jnp.zeros((x.shape[0], self.gate_up_proj.shape[0]), jnp.float32)
-        dense_w = dense_w.at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
-        gate, up = jnp.split(jnp.einsum("nh,ehi->eni", x, self.gate_up_proj[...]), 2, axis=-1)
-        out = jnp.einsum("eni,eih->enh", silu_glu(gate, up), self.down_proj[...])
-        return jnp.einsum("enh,ne->nh", out, dense_w.astype(out.dtype))
+        return experts_reference(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, valid)
 
 
 class MoE(nnx.Module):
@@ -202,14 +196,17 @@ class MoE(nnx.Module):
             cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, dtype=dtype
         )
 
-    def __call__(self, x: jax.Array, *, backend: Backend, dense_experts: bool = False) -> jax.Array:
-        """``[B,T,H] -> [B,T,H]``; ``dense_experts`` runs ``Experts.reference`` (tests, benchmark)."""
+    def __call__(self, x: jax.Array, *, backend: Backend, dense_experts: bool = False,
+                 valid: jax.Array | None = None) -> jax.Array:
+        """``[B,T,H] -> [B,T,H]``; ``dense_experts`` runs ``Experts.reference`` (tests, benchmark);
+        ``valid [B,T]`` bool (None: all): invalid tokens get only the shared experts' output."""
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
+        flat_valid = None if valid is None else valid.reshape(-1)
         if dense_experts:
-            routed = self.experts.reference(flat, weights, ids)
+            routed = self.experts.reference(flat, weights, ids, flat_valid)
         else:
-            routed = self.experts(flat, weights, ids, backend=backend)
+            routed = self.experts(flat, weights, ids, backend=backend, valid=flat_valid)
         return routed.reshape(x.shape) + self.shared_experts(x)
 
 
@@ -224,10 +221,11 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, mask, cache_rows, start, *, backend: Backend, dense_experts=False):
+    def __call__(self, x, cos, sin, mask, cache_rows, start, *, backend: Backend, dense_experts=False, valid=None):
         """One block. ``cache_rows``: ``None`` (attend within ``x``) or this layer's
         ``(latent [B,S,r], k_rope [B,S,dr])``; the new latents are written at ``start [B]`` and
-        ``mask [B,T,S]`` indexes the whole cache. Returns ``(x, cache_rows)``."""
+        ``mask [B,T,S]`` indexes the whole cache; ``valid [B,T]`` (or None) is for the MoE.
+        Returns ``(x, cache_rows)``."""
         h = self.input_layernorm(x)
         latent, k_rope = self.self_attn.latents(h, cos, sin)
         if cache_rows is not None:
@@ -237,7 +235,7 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn(h, cos, sin, latent, k_rope, mask, backend=backend)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            x = x + self.mlp(h, backend=backend, dense_experts=dense_experts)
+            x = x + self.mlp(h, backend=backend, dense_experts=dense_experts, valid=valid)
         else:
             x = x + self.mlp(h)
         return x, cache_rows
@@ -267,6 +265,19 @@ class KimiForCausalLM(nnx.Module):
     def set_impl(self, impl: str | Backend) -> KimiForCausalLM:
         """Use ``impl`` (see the class docstring) for the forward passes from now on; returns self."""
         self.backend = resolve_backend(impl)
+        return self
+
+    def set_mesh(self, mesh, mesh_axes: dict[str, str]) -> KimiForCausalLM:
+        """Tell the experts how their weights are placed (``load_target(mesh=...)`` calls this):
+        with the expert dim split over a mesh axis, the kernel path runs expert-parallel
+        (``ddtree_jax.models.moe.experts_expert_parallel``). ``mesh=None`` forgets it."""
+        axis = mesh_axes.get("expert")
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                experts = layer.mlp.experts
+                split = (mesh is not None and axis in mesh.axis_names
+                         and experts.gate_up_proj.shape[0] % mesh.shape[axis] == 0)
+                experts.expert_mesh = (mesh, axis) if split else None
         return self
 
     # ---- pieces the drafter shares ----
@@ -344,6 +355,7 @@ class KimiForCausalLM(nnx.Module):
         *,
         hidden_layer_ids: tuple[int, ...] = (),
         dense_experts: bool = False,
+        valid: jax.Array | None = None,
     ):
         """Score a tree block of ``T`` nodes per row (node 0 is the root: the last committed token).
 
@@ -351,13 +363,17 @@ class KimiForCausalLM(nnx.Module):
         ``ancestor_mask [B,T,T]`` bool, ``[b,i,j]`` true iff node j is an ancestor of node i (the
         diagonal is added). Each node attends to the row's cached prefix and its ancestors. The
         block's latents are written at ``[lengths, lengths+T)``; lengths do not move (``commit``
-        keeps the accepted ones). Returns ``(logits [B,T,V], hidden tuple [B,T,H], cache)``.
+        keeps the accepted ones). ``valid [B,T]`` bool (None: all nodes): unused node slots route
+        to no expert (their outputs are meaningless; the valid nodes' are unchanged).
+        Returns ``(logits [B,T,V], hidden tuple [B,T,H], cache)``.
         """
         b, t = tokens.shape
         chex.assert_shape([depths, ancestor_mask], [(b, t), (b, t, t)])
+        if valid is not None:
+            chex.assert_shape(valid, (b, t))
         positions = cache.lengths[:, None] + depths
         return self._run_cached(
-            tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids, dense_experts
+            tokens, positions, tree_block_mask(ancestor_mask), cache, hidden_layer_ids, dense_experts, valid
         )
 
     @staticmethod
@@ -377,17 +393,20 @@ class KimiForCausalLM(nnx.Module):
 
     # ---- shared trunk ----
 
-    def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids, dense_experts):
+    def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids, dense_experts, valid=None):
         """Run a block written at ``cache.lengths``; ``block_mask [B,T,T]`` says which block
         tokens see which (the whole prefix is always visible)."""
         start = cache.lengths
         mask = block_attention_mask(block_mask, start, cache.max_len)
-        logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts)
+        logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts,
+                                         valid)
         latent = jnp.stack([r[0] for r in rows])
         k_rope = jnp.stack([r[1] for r in rows])
         return logits, hidden, KVCache(latent, k_rope, start)
 
-    def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts):
+    def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts, valid=None):
+        """The trunk; ``valid [B,T]`` (or None) reaches only the MoE layers (invalid tokens route
+        to no expert)."""
         cfg = self.config
         for i in hidden_layer_ids:
             if not 0 <= i < cfg.num_hidden_layers:
@@ -399,7 +418,7 @@ class KimiForCausalLM(nnx.Module):
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache.latent[i], cache.k_rope[i])
             x, layer_cache = layer(
-                x, cos, sin, mask, layer_cache, start, backend=self.backend, dense_experts=dense_experts
+                x, cos, sin, mask, layer_cache, start, backend=self.backend, dense_experts=dense_experts, valid=valid
             )
             rows.append(layer_cache)
             hidden[i] = x

@@ -1,0 +1,240 @@
+"""Routed MoE experts on one GPU: the Pallas grouped-matmul kernel against ``jax.lax.ragged_dot``
+and the weight-read floor, at Kimi K2 expert shapes, in one run (checks first, then timings).
+
+K2 shapes: hidden 7168, expert intermediate 2048, 384 experts, top-8, bf16, random weights and
+uniformly random routing (k distinct experts per token); tokens 1, 16, 64, 256, 1024, 16384.
+
+Checks (bf16 at K2 shapes): the kernel's output for the first <= 64 tokens against the dense
+float32 reference on those tokens (``experts_reference``: every expert on every token), bound 2%
+of the largest output; and a small float32 case (tight: the Triton dot must run in IEEE float32).
+
+Timings (``jax.block_until_ready``, warm-up call, median of 3 x ``--iters``): the whole routed
+experts step of each path (routing metadata + matmuls + combine), the routing metadata alone,
+and a few alternative block sizes of the kernel at 1 and 1024 tokens. Floors: weight-read = bytes
+of the experts the routing actually touches / 4.2 TB/s; matmul = 6*N*k*H*I FLOPs / the bf16 matmul
+rate measured in the same run; the table's floor is the larger. ``ragged_dot`` is skipped above
+``--ragged-max`` tokens (XLA's GPU lowering materialises an ``[E, N*k, I]`` copy: out of memory).
+Every variant runs in its own try/except: a failure is reported and the rest still runs.
+
+    PYTHONUNBUFFERED=1 python bench/bench_moe_gpu.py                 # H200, ~3 minutes
+    python bench/bench_moe_gpu.py --smoke --out /tmp/bench           # tiny shapes, CPU (interpret)
+
+Writes ``moe_<platform>_<date>.json`` and ``.md`` to ``--out`` (default bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench._timing import time_it  # noqa: E402
+from ddtree_jax.backend import Backend  # noqa: E402
+from ddtree_jax.models.moe import (  # noqa: E402
+    experts_grouped_matmul,
+    experts_reference,
+    route_tokens,
+    routed_experts,
+)
+from pallas_kernels.triton.moe_grouped_matmul import choose_blocks  # noqa: E402
+
+COPY_BW = 4.2e12  # bytes/s, measured copy bandwidth of the H200 (docs/kernels.md)
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def random_routing(key, n, e, k):
+    """k distinct uniformly random experts per token, sigmoid-like positive weights."""
+    kr, kw = jax.random.split(key)
+    ids = jax.lax.top_k(jax.random.uniform(kr, (n, e)), k)[1].astype(jnp.int32)
+    return jax.random.uniform(kw, (n, k), minval=0.1, maxval=1.0), ids
+
+
+def matmul_rate(dtype, interpret):
+    """Measured FLOP/s of one large bf16 matmul (the compute floor's denominator)."""
+    m, kk, nn = (256, 256, 256) if interpret else (8192, 7168, 4096)
+    a = jnp.ones((m, kk), dtype)
+    b = jnp.ones((kk, nn), dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * m * kk * nn / time_it(f, [(a, b)], iters=5, repeats=3)
+
+
+def run_variant(results, name, fn, **info):
+    """Run ``fn`` (returns a dict), record it or its failure; never raises."""
+    t = time.perf_counter()
+    try:
+        out = fn()
+        results.append(dict(variant=name, ok=True, **info, **out))
+        log(f"  {name} {info}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in out.items()) + f" ({time.perf_counter() - t:.1f}s)")
+    except Exception as exc:  # noqa: BLE001 - report and carry on (lowering error, OOM, ...)
+        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        results.append(dict(variant=name, ok=False, error=msg, **info))
+        log(f"  {name} {info}: FAILED {msg}")
+        traceback.print_exc(limit=3)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
+    parser.add_argument("--experts", type=int, default=384)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--inter", type=int, default=2048)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 16384])
+    parser.add_argument("--ragged-max", type=int, default=1024, help="largest token count timed with ragged_dot")
+    parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 1024], help="block-size sweep at these")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    dev = jax.devices()[0]
+    interpret = dev.platform != "gpu"
+    if args.smoke:
+        args.experts, args.hidden, args.inter, args.topk = 8, 64, 32, 2
+        args.tokens, args.iters, args.sweep_tokens, args.ragged_max = [1, 16, 64], 2, [16], 64
+    elif interpret:
+        sys.exit("no GPU: run with --smoke for the interpret-mode check")
+    e, h, i, k = args.experts, args.hidden, args.inter, args.topk
+    dtype = jnp.bfloat16
+    kernel, ragged = Backend(kernels=True, interpret=interpret), Backend(kernels=False)
+    meta = dict(
+        device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
+        python=platform.python_version(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        experts=e, hidden=h, inter=i, topk=k, dtype="bfloat16", iters=args.iters, copy_bandwidth=COPY_BW,
+    )
+    log(f"device {meta['device']}, jax {jax.__version__}, interpret={interpret}; E={e} H={h} I={i} top-{k}")
+    results = []
+    key = jax.random.PRNGKey(0)
+    kg, kd, kx = jax.random.split(key, 3)
+    gate_up = (jax.random.normal(kg, (e, h, 2 * i), dtype) * h**-0.5).astype(dtype)
+    down = (jax.random.normal(kd, (e, i, h), dtype) * i**-0.5).astype(dtype)
+    expert_bytes = (h * 2 * i + i * h) * jnp.dtype(dtype).itemsize
+    log(f"weights ready: {e * expert_bytes / 2**30:.1f} GiB")
+    rate = matmul_rate(dtype, interpret)
+    meta["matmul_flops_per_s"] = rate
+    log(f"bf16 matmul rate {rate / 1e12:.1f} TFLOP/s")
+
+    kernel_fn = jax.jit(lambda x, w, ids: routed_experts(x, gate_up, down, w, ids, backend=kernel))
+    ragged_fn = jax.jit(lambda x, w, ids: routed_experts(x, gate_up, down, w, ids, backend=ragged))
+
+    # ---- checks ----
+    log("checks")
+
+    def check_small_f32():
+        kk = jax.random.split(key, 4)
+        ee, hh, ii, n = 8, 256, 128, 37
+        gu = jax.random.normal(kk[0], (ee, hh, 2 * ii)) * hh**-0.5
+        dn = jax.random.normal(kk[1], (ee, ii, hh)) * ii**-0.5
+        x = jax.random.normal(kk[2], (n, hh))
+        w, ids = random_routing(kk[3], n, ee, 2)
+        valid = jnp.arange(n) % 5 != 0
+        got = jax.jit(lambda *a: routed_experts(*a, backend=kernel, valid=valid))(x, gu, dn, w, ids)
+        want = experts_reference(x, gu, dn, w, ids, valid)
+        err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+        assert err < 1e-5, f"float32 relative error {err:.2e} (tf32 dot?)"
+        return dict(rel_err=err)
+
+    run_variant(results, "check_f32_small", check_small_f32, tokens=37)
+    for n in args.tokens:
+        def check(n=n):
+            w, ids = random_routing(jax.random.fold_in(kx, n), n, e, k)
+            x = jax.random.normal(jax.random.fold_in(kx, 10**6 + n), (n, h), dtype)
+            got = kernel_fn(x, w, ids)
+            m = min(n, 64)
+            f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+            want = experts_reference(f32(x[:m]), f32(gate_up), f32(down), w[:m], ids[:m])
+            err = float(jnp.abs(f32(got[:m]) - want).max() / jnp.abs(want).max())
+            finite = bool(jnp.isfinite(got.astype(jnp.float32)).all())
+            assert finite and err < 0.02, f"relative error {err:.3g}, finite {finite}"
+            return dict(rel_err=err)
+
+        run_variant(results, "check_k2", check, tokens=n)
+
+    # ---- timings ----
+    log("timings")
+    for n in args.tokens:
+        w, ids = random_routing(jax.random.fold_in(kx, n), n, e, k)
+        xs = [jax.random.normal(jax.random.fold_in(kx, 1000 * n + j), (n, h), dtype) for j in range(2)]
+        touched = int(jnp.unique(ids).size)
+        read_floor = touched * expert_bytes / COPY_BW
+        flop_floor = 6 * n * k * h * i / rate
+        floor = max(read_floor, flop_floor)
+        info = dict(tokens=n, touched_experts=touched, read_floor_ms=read_floor * 1e3,
+                    flop_floor_ms=flop_floor * 1e3)
+        call_args = [(x, w, ids) for x in xs]
+
+        def timed(fn, call_args=call_args, floor=floor):
+            s = time_it(fn, call_args, iters=args.iters, repeats=3)
+            return dict(ms=s * 1e3, x_floor=s / floor)
+
+        label = ("kernel bm{0.block_m} bn{0.block_n_gate_up}/{0.block_n_down} bk{0.block_k} "
+                 "w{0.num_warps} s{0.num_stages}")
+        run_variant(results, f"kernel (default: {label.format(choose_blocks(n * k, e))[7:]})",
+                    lambda: timed(kernel_fn), **info)
+        if n <= args.ragged_max:
+            run_variant(results, "ragged_dot", lambda: timed(ragged_fn), **info)
+        blocks = choose_blocks(n * k, e)
+        route_fn = jax.jit(lambda x, w, ids, bm=blocks.block_m: route_tokens(w, ids, e, block_m=bm))
+        run_variant(results, "routing_only", lambda fn=route_fn: timed(fn), **info)
+        if n in args.sweep_tokens:
+            base = blocks
+            alts = [dataclasses.replace(base, block_n_gate_up=32, block_n_down=64),
+                    dataclasses.replace(base, block_n_gate_up=128, block_n_down=256, num_warps=8),
+                    dataclasses.replace(base, block_k=64 if base.block_k == 128 else 128, num_stages=4)]
+            for alt in alts:
+                fn = jax.jit(lambda x, w, ids, alt=alt: experts_grouped_matmul(
+                    x, gate_up, down, route_tokens(w, ids, e, block_m=alt.block_m), alt, interpret=interpret))
+                run_variant(results, label.format(alt), lambda fn=fn: timed(fn), **info)
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = f"moe_{'smoke_' if args.smoke else ''}{dev.platform}_{datetime.date.today():%Y%m%d}"
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=2)
+    lines = [
+        f"# Routed MoE experts: grouped-matmul kernel vs ragged_dot ({meta['date']}, {meta['device']})",
+        "",
+        f"`{meta['command']}`, jax {meta['jax']}; {e} experts, hidden {h}, inter {i}, top-{k}, bf16, random "
+        f"routing; median of 3 x {args.iters} calls. Floor = max(touched experts' weight bytes / "
+        f"{COPY_BW / 1e12:.1f} TB/s, 6 N k H I / {rate / 1e12:.0f} TFLOP/s measured).",
+        "",
+        "| check | tokens | result |",
+        "|---|---|---|",
+    ]
+    for r in results:
+        if r["variant"].startswith("check"):
+            result = f"ok, rel err {r['rel_err']:.2e}" if r["ok"] else f"FAILED: {r['error']}"
+            lines.append(f"| {r['variant']} | {r['tokens']} | {result} |")
+    lines += ["", "| variant | tokens | touched experts | ms | read floor ms | flop floor ms | x floor |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["variant"].startswith("check"):
+            continue
+        head = f"| {r['variant']} | {r['tokens']} | {r['touched_experts']} | "
+        if r["ok"]:
+            lines.append(head + f"{r['ms']:.3f} | {r['read_floor_ms']:.3f} | {r['flop_floor_ms']:.3f} | "
+                         f"{r['x_floor']:.2f} |")
+        else:
+            lines.append(head + f"FAILED: {r['error']} | | | |")
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    log(f"wrote {os.path.join(args.out, stem)}.json/.md")
+
+
+if __name__ == "__main__":
+    main()
