@@ -178,7 +178,10 @@ def init_on_mesh(factory: Callable[[], nnx.Module], mesh: Mesh | None = None, *,
     shardings = (None if mesh is None
                  else jax.tree.map(lambda v: _sharding(v, mesh, mesh_axes), abstract, is_leaf=is_var))
     state = jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if mesh is not None and hasattr(model, "set_mesh"):  # the model's sharded kernel paths
+        model.set_mesh(mesh, mesh_axes)
+    return model
 
 
 def _load_into(
