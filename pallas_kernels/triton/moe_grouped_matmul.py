@@ -58,6 +58,10 @@ from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["MoEBlocks", "choose_blocks", "max_row_tiles", "moe_grouped_matmul"]
 
+# float32 operands multiply in IEEE float32 (the Triton lowering's DEFAULT precision is tf32, about
+# 1e-3 relative); bf16 operands are unaffected (bf16 MMA, float32 accumulation).
+_IEEE = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEBlocks:
@@ -122,8 +126,8 @@ def _gate_up_kernel(x_ref, w_ref, tok_ref, ex_ref, ts_ref, te_ref, h_ref, *, H, 
             xb = plgpu.load(x_ref.at[tok[:, None], cols[None, :]], mask=live[:, None], other=0)
             wg = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
             wu = w_ref[e, pl.ds(k0, bk), pl.ds(inter + n0, bn)]
-            g = g + jnp.dot(xb, wg, preferred_element_type=jnp.float32)
-            u = u + jnp.dot(xb, wu, preferred_element_type=jnp.float32)
+            g = g + jnp.dot(xb, wg, preferred_element_type=jnp.float32, precision=_IEEE)
+            u = u + jnp.dot(xb, wu, preferred_element_type=jnp.float32, precision=_IEEE)
             return g, u
 
         zero = jnp.zeros((bm, bn), jnp.float32)
@@ -146,7 +150,7 @@ def _down_kernel(h_ref, w_ref, wt_ref, ex_ref, ts_ref, te_ref, y_ref, *, inter, 
             k0 = pl.multiple_of(kk * bk, bk)
             hb = plgpu.load(h_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], mask=live[:, None], other=0)
             wd = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
-            return acc + jnp.dot(hb, wd, preferred_element_type=jnp.float32)
+            return acc + jnp.dot(hb, wd, preferred_element_type=jnp.float32, precision=_IEEE)
 
         acc = jax.lax.fori_loop(0, inter // bk, body, jnp.zeros((bm, bn), jnp.float32))
         wt = plgpu.load(wt_ref.at[pl.ds(start, bm)], mask=live, other=0.0)
