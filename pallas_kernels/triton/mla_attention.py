@@ -30,7 +30,7 @@ few tiles that touch the block are masked. The tree mask is applied without gath
 Split keys (flash-decoding): with few programs (decode and small verify blocks at small batch)
 one program per row tile cannot pull the cache at HBM speed, so ``split_keys`` cuts the key
 range at fixed multiples of ``split_keys`` positions; each split writes its unnormalised
-``(o, m, l)`` in float32 and a second small kernel merges, per row tile, only the splits its
+``(o, m, den)`` in float32 and a second small kernel merges, per row tile, only the splits its
 length reached (in split order). The boundaries depend only on the positions, not on ``B`` or
 ``T``: with the same ``split_keys`` a row's reductions run in the same order whatever the batch.
 
@@ -113,16 +113,11 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
         qn = plgpu.load(qn_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], mask=both(row_ok[:, None], col_ok), other=0)
         qr = plgpu.load(qr_ref.at[b, pl.ds(row0, BM), pl.ds(0, DRP)], mask=both(row_ok[:, None], dcol_ok), other=0)
         tmp_tok = tok_lo + jnp.arange(TMP, dtype=jnp.int32)
-        onehot = None if causal else (tok[:, None] == tmp_tok[None, :]).astype(jnp.bfloat16)
+        onehot = None if causal else jnp.where(tok[:, None] == tmp_tok[None, :], 1.0, 0.0).astype(jnp.bfloat16)
 
-        def lean(i, carry):
-            return _step(i, carry, False)
-
-        def edge(i, carry):
-            return _step(i, carry, True)
-
-        def _step(i, carry, masked):
-            o, m, l = carry
+        def step(i, carry, masked):
+            """Key tile i of this program's range; ``masked`` for tiles that reach the block."""
+            o, m, den = carry
             k0 = lo + i * BK
             kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
             kin = (kpos < hi)[:, None] if masked else None
@@ -142,28 +137,29 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             m_new = jnp.maximum(m, s.max(axis=-1))
             corr = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
-            l = l * corr + p.sum(axis=-1)
+            den = den * corr + p.sum(axis=-1)
             o = o * corr[:, None] + _dot(p.astype(lat.dtype), lat)
-            return o, m_new, l
+            return o, m_new, den
 
+        # Tiles wholly inside the committed prefix see every key (no mask), then the rest.
         n_lean = jnp.maximum(jnp.minimum(hi, start) - lo, 0) // BK
         n_all = pl.cdiv(hi - lo, BK)
         carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-        carry = jax.lax.fori_loop(0, n_lean, lean, carry)
-        o, m, l = jax.lax.fori_loop(n_lean, n_all, edge, carry)
+        carry = jax.lax.fori_loop(0, n_lean, functools.partial(step, masked=False), carry)
+        o, m, den = jax.lax.fori_loop(n_lean, n_all, functools.partial(step, masked=True), carry)
         out_mask = both(row_ok[:, None], col_ok)
         if chunk:
-            o_ref, m_ref, l_ref = out_refs
+            o_ref, m_ref, den_ref = out_refs
             plgpu.store(o_ref.at[b, sp, pl.ds(row0, BM), pl.ds(0, RP)], o, mask=out_mask)
             plgpu.store(m_ref.at[b, sp, pl.ds(row0, BM)], m, mask=row_ok)
-            plgpu.store(l_ref.at[b, sp, pl.ds(row0, BM)], l, mask=row_ok)
+            plgpu.store(den_ref.at[b, sp, pl.ds(row0, BM)], den, mask=row_ok)
         else:
             (out_ref,) = out_refs
-            out = o / jnp.where(l > 0, l, 1.0)[:, None]
+            out = o / jnp.where(den > 0, den, 1.0)[:, None]
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, H, T, R, r, RP, BM, causal, chunk):
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, R, r, RP, BM, causal, chunk):
     """Merge the splits a row tile's length reached, in split order (the same order for any batch)."""
     b, rt = pl.program_id(0), pl.program_id(1)
     rows, _, _, kv_end = _row_span(rt, H=H, T=T, BM=BM, causal=causal, start=start_ref[b])
@@ -173,17 +169,17 @@ def _merge_kernel(start_ref, o_ref, m_ref, l_ref, out_ref, *, H, T, R, r, RP, BM
     mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
 
     def body(s, carry):
-        o, m, l = carry
+        o, m, den = carry
         o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(0, RP)], mask=mask2, other=0)
         m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
-        l_s = plgpu.load(l_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
+        den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
         m_new = jnp.maximum(m, m_s)
         a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-        return o * a[:, None] + o_s * c[:, None], m_new, l * a + l_s * c
+        return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
 
     carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-    o, _, l = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, carry)
-    out = o / jnp.where(l > 0, l, 1.0)[:, None]
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, carry)
+    out = o / jnp.where(den > 0, den, 1.0)[:, None]
     plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
 
 
