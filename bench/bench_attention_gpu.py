@@ -54,15 +54,16 @@ def random_tree_masks(rng, b, t):
     return tree_block_mask(jnp.asarray(anc))
 
 
-def dev_time(fn, q, n, repeats=3):
-    """Device seconds per call of ``fn(q)``: n calls inside one jit (``lax.fori_loop``) whose input
-    is a carry touched at one element per iteration (nothing is hoisted), timed as one dispatch."""
+def dev_time(fn, q, n, rest=(), repeats=3):
+    """Device seconds per call of ``fn(q, *rest)``: n calls inside one jit (``lax.fori_loop``) whose
+    ``q`` is a carry touched at one element per iteration (nothing is hoisted), timed as one
+    dispatch. Arrays go in as arguments (``rest``), not as closed-over constants."""
 
     @jax.jit
-    def loop(q):
+    def loop(q, rest):
         def body(i, c):
             q, acc = c
-            out = fn(q)
+            out = fn(q, *rest)
             acc = acc + out.reshape(-1)[0].astype(jnp.float32)
             first = q.reshape(-1)[0]
             q = q.at[(0,) * q.ndim].set(jnp.where(acc < -3e38, jnp.zeros_like(first), first))
@@ -70,7 +71,7 @@ def dev_time(fn, q, n, repeats=3):
 
         return jax.lax.fori_loop(0, n, body, (q, jnp.float32(0)))[1]
 
-    return _timing.time_it(loop, [(q,)], iters=1, repeats=repeats) / n
+    return _timing.time_it(loop, [(q, tuple(rest))], iters=1, repeats=repeats) / n
 
 
 def matmul_rate(dtype, n, interpret):
@@ -78,7 +79,7 @@ def matmul_rate(dtype, n, interpret):
     if interpret:
         return float("nan")
     a = jnp.ones((n, n), dtype)
-    t = dev_time(lambda x: x @ a, a, 10)
+    t = dev_time(lambda x, y: x @ y, a, 10, (a,))
     return 2 * n**3 / t
 
 
@@ -104,22 +105,24 @@ class Bench:
         within = random_tree_masks(self.rng, b, t) if tree else None
         return ql, qr, lat, kr, jnp.asarray(start, jnp.int32), within
 
-    def kernel_fn(self, lat, kr, start, within, qr, split, cfg=None):
+    def kernel_fn(self, causal, split, cfg=None):
+        """``f(q_latent, q_rope, latent, k_rope, start, within)`` with this bench's static settings."""
         kw = dict(self.tiles, **(cfg or {}))
-        return functools.partial(mla_attention, q_rope=qr, latent=lat, k_rope=kr, start=start, block_mask=within,
-                                 scale=self.scale, causal=within is None, split_keys=split, interpret=self.interp,
-                                 **kw)
+        return functools.partial(mla_attention, scale=self.scale, causal=causal, split_keys=split,
+                                 interpret=self.interp, **kw)
 
-    def reference_fn(self, lat, kr, start, within, qr):
-        mask = BlockMask(start, within)
-        return lambda ql: latent_attention_reference(ql, qr, lat, kr, mask, scale=self.scale)
+    def reference_fn(self):
+        def f(ql, qr, lat, kr, start, within):
+            return latent_attention_reference(ql, qr, lat, kr, BlockMask(start, within), scale=self.scale)
+
+        return f
 
     # ---- checks ----
 
     def check(self, name, b, t, max_len, start, tree, split, dtype, tol):
         try:
             ql, qr, lat, kr, st, within = self.inputs(b, t, max_len, start, tree, dtype)
-            out = jax.jit(self.kernel_fn(lat, kr, st, within, qr, split))(ql)
+            out = jax.jit(self.kernel_fn(within is None, split))(ql, qr, lat, kr, st, within)
             f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
             ref = latent_attention_reference(*f32, BlockMask(st, within), scale=self.scale)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
@@ -169,31 +172,32 @@ class Bench:
                 log(f"{name} reference skipped (scores {score_gb:.0f} GB)")
             else:
                 try:
-                    ref_us = dev_time(self.reference_fn(lat, kr, st, within, qr), ql, self.n_dev) * 1e6
+                    ref_us = dev_time(self.reference_fn(), ql, self.n_dev, (qr, lat, kr, st, within)) * 1e6
                     self.rows.append(dict(base, variant="reference", us=ref_us, x_cache_floor=ref_us / base[
                         "cache_floor_us"], x_floor=ref_us / floor / 1e6))
                     log(f"{name} reference {ref_us:.1f} us")
                 except Exception as e:  # noqa: BLE001
                     self.fail(name + " reference", e)
                     self.rows.append(dict(base, variant="reference", note="failed (see errors)"))
-        for split in splits:
-            sk = auto_split_keys(b, t * self.H, max_len, **self.tiles) if split == "auto" else split
-            for cfg in cfgs:
-                variant = f"kernel split={split}" + (f"({sk})" if split == "auto" else "") + (
-                    "" if cfg is None else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
-                try:
-                    us = dev_time(self.kernel_fn(lat, kr, st, within, qr, sk, cfg), ql, self.n_dev) * 1e6
-                    row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6,
-                               x_floor=us / floor / 1e6)
-                    if ref_us:
-                        row["reference_over_kernel"] = ref_us / us
-                    self.rows.append(row)
-                    log(f"{name} {variant}: {us:.1f} us, x cache floor {row['x_cache_floor']:.2f}, "
-                        f"x max(mem, flop) floor {row['x_floor']:.2f}"
-                        + (f", reference / kernel {ref_us / us:.2f}" if ref_us else ""))
-                except Exception as e:  # noqa: BLE001
-                    self.fail(f"{name} {variant}", e)
-                    self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
+        # every split with the default tiles, then every other tile config with the auto split
+        for split, cfg in [(sp, None) for sp in splits] + [("auto", c) for c in cfgs if c is not None]:
+            tiles = dict(self.tiles, **{k: v for k, v in (cfg or {}).items() if k in ("block_m", "block_k")})
+            sk = auto_split_keys(b, t * self.H, max_len, **tiles) if split == "auto" else split
+            variant = f"kernel split={split}" + (f"({sk})" if split == "auto" else "") + (
+                "" if cfg is None else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
+            try:
+                us = dev_time(self.kernel_fn(within is None, sk, cfg), ql, self.n_dev, (qr, lat, kr, st, within)) * 1e6
+                row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6,
+                           x_floor=us / floor / 1e6)
+                if ref_us:
+                    row["reference_over_kernel"] = ref_us / us
+                self.rows.append(row)
+                log(f"{name} {variant}: {us:.1f} us, x cache floor {row['x_cache_floor']:.2f}, "
+                    f"x max(mem, flop) floor {row['x_floor']:.2f}"
+                    + (f", reference / kernel {ref_us / us:.2f}" if ref_us else ""))
+            except Exception as e:  # noqa: BLE001
+                self.fail(f"{name} {variant}", e)
+                self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
 
 
 def main():
@@ -239,7 +243,9 @@ def main():
     for ctx in contexts:
         for b in batches:
             big = ctx == contexts[-1] and sweep
-            splits = ("auto", 0) + ((16 if small else 512, 32 if small else 2048) if big else ())
+            splits = ("auto", 0)
+            if sweep and b == 1:
+                splits += (16, 32) if small else (128, 512, 2048)
             cfgs = (None,)
             if big and b == 1 and not small:
                 tiles = ((64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 3))

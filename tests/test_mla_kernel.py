@@ -1,5 +1,6 @@
 """MLA attention kernel (Triton, interpret mode) == the dense reference, and the model through it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -99,3 +100,20 @@ def test_model_prefill_verify_through_kernel():
         results[impl] = (logits_p, logits_v, cache.latent)
     for got, want in zip(results["pallas"], results["reference"], strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-4)])
+@pytest.mark.parametrize("t,split_keys,tree", [(1, 512, False), (65, 0, True), (17, 512, True), (256, 0, False)])
+def test_compiled_kernel_k2_shapes(t, split_keys, tree, dtype, tol):
+    """The compiled kernel (shipped tiles) at Kimi K2 attention shapes against the float32 reference."""
+    b, h, r, dr, s = 2, 64, 512, 64, 3000
+    rng = np.random.default_rng(t)
+    ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
+    start = jnp.asarray([0, s - t - 3], jnp.int32)
+    within = _random_tree_masks(rng, b, t) if tree else None
+    out = mla_attention(ql, qr, lat, kr, start, within, scale=0.13, causal=not tree, split_keys=split_keys)
+    f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
+    with jax.default_matmul_precision("highest"):
+        ref = latent_attention_reference(*f32, BlockMask(start, within), scale=0.13)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=0)
