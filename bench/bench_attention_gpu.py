@@ -248,7 +248,7 @@ def main():
                 splits += (16, 32) if small else (128, 512, 2048)
             cfgs = (None,)
             if big and b == 1 and not small:
-                tiles = ((64, 32, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 3))
+                tiles = ((64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 16, 2), (32, 32, 4, 2), (64, 32, 8, 3))
                 cfgs = (None,) + tuple(dict(block_m=m, block_k=k, num_warps=w, num_stages=s) for m, k, w, s in tiles)
             bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=cfgs)
         for t in verify_ts:

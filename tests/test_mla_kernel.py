@@ -8,7 +8,7 @@ import pytest
 from ddtree_jax.models.latent_attention import latent_attention_reference
 from ddtree_jax.models.tree_cache import BlockMask
 from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention
-from tests._model_fixtures import prefill, random_tree, tiny_kimi, verify
+from tests._model_fixtures import forward_uncached, prefill, random_tree, tiny_kimi, verify
 
 
 def _random_tree_masks(rng, b, t):
@@ -59,9 +59,9 @@ def test_kernel_matches_reference_bf16_split():
     _check(VERIFY, jnp.bfloat16, 32, np.random.default_rng(5), tol=2e-2)
 
 
-def test_kernel_default_tiles_k2_heads():
-    # The shipped tiles (64 rows = one token's 64 heads, 64 keys), a decode step and a 3-token
-    # tree over a context that is not a multiple of the tile, in one call.
+def test_kernel_wide_tiles_k2_heads():
+    # The bf16 shipped row tile (64 rows = one token's 64 heads) with 64-key tiles: a decode step
+    # and a 3-token tree over a context that is not a multiple of the tile, in one call.
     _check((2, 3, 64, 16, 16, 100, [0, 97], True), jnp.float32, 0, np.random.default_rng(6), 64, 64)
 
 
@@ -82,7 +82,8 @@ def test_bad_arguments():
 
 
 def test_model_prefill_verify_through_kernel():
-    """KimiForCausalLM(impl="pallas") == impl="reference" (float32): prefill, then a tree verify."""
+    """KimiForCausalLM(impl="pallas") == impl="reference" (float32): prefill, then a tree verify,
+    and the cache-free forward (the reference keeps its transformers parity: tests/test_kimi.py)."""
     model = tiny_kimi(3)
     rng = np.random.default_rng(7)
     b, t, n = 2, 9, 6
@@ -97,7 +98,7 @@ def test_model_prefill_verify_through_kernel():
         model.set_impl(impl)
         logits_p, _, cache = prefill(model, prompt, lengths, model.init_cache(b, 24))
         logits_v, _, cache = verify(model, tokens, depths, anc, cache)
-        results[impl] = (logits_p, logits_v, cache.latent)
+        results[impl] = (logits_p, logits_v, cache.latent, forward_uncached(model, prompt)[0])
     for got, want in zip(results["pallas"], results["reference"], strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 

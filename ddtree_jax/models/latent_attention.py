@@ -45,9 +45,9 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     chex.assert_shape([q_latent, latent, mask.start], [(b, t, h, r), (b, s, r), (b,)])
     if not backend.kernels:
         return latent_attention_reference(q_latent, q_rope, latent, k_rope, mask, scale=scale)
-    from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention
+    from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 
-    dtype = q_latent.dtype
+    dtype, tiles = q_latent.dtype, default_tiles(latent.dtype)
     out = mla_attention(
         q_latent.astype(latent.dtype),
         q_rope.astype(k_rope.dtype),
@@ -57,7 +57,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         mask.within,
         scale=float(scale),
         causal=mask.causal,
-        split_keys=auto_split_keys(b, t * h, s),
+        split_keys=auto_split_keys(b, t * h, s, block_m=tiles["block_m"], block_k=tiles["block_k"]),
         interpret=backend.interpret,
     )
     return out.astype(dtype)

@@ -39,11 +39,13 @@ like the other kernels here: it has dynamic-trip-count loops, masked 2-D loads w
 offsets and ``dot`` on tensor cores, which is all this kernel needs. Not measured against a
 Mosaic GPU version.
 
-Tiles for the H200 (defaults, see bench/bench_attention_gpu.py for the sweep):
-``block_m = 64`` query rows (one token's 64 heads at K2 shapes: decode needs no padding and the
-latent tile is reused by 64 rows), ``block_k = 64`` keys: the latent tile is 64 x 512 bf16 =
-64 KiB, twice that with ``num_stages = 2`` prefetching, within the 228 KiB of shared memory;
-``num_warps = 8`` spreads the 64 x 512 float32 accumulator over 256 threads (128 registers each).
+Tiles for the H200 (``default_tiles``; bench/bench_attention_gpu.py sweeps alternatives; not yet
+tuned on the device): bf16 ``block_m = 64`` query rows (one token's 64 heads at K2 shapes: decode
+needs no padding and each latent tile serves 64 rows), ``block_k = 32`` keys: the latent tile is
+32 x 512 bf16 = 32 KiB, 64 KiB double-buffered (``num_stages = 2``), which leaves room in the
+228 KiB of shared memory for the 64 x 576 bf16 queries (72 KiB) should Triton stage them there;
+64-key tiles would sit at the limit. ``num_warps = 8`` spreads the 64 x 512 float32 accumulator
+over 256 threads (128 registers each). float32 inputs (tests) take 32 x 32 tiles, one stage.
 The absorbed form does ``2 * H * (2r + dr)`` flops per key and query token (139 kflop at K2
 shapes) against ``2 * (r + dr)`` bytes of cache per key, so a decode step is already near the
 tensor-core balance point and verify/prefill blocks are compute-bound.
@@ -58,7 +60,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["auto_split_keys", "mla_attention"]
+__all__ = ["auto_split_keys", "default_tiles", "mla_attention"]
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf.
@@ -183,6 +185,13 @@ def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, R, r, RP, 
     plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
 
 
+def default_tiles(dtype) -> dict:
+    """``block_m, block_k, num_warps, num_stages`` for caches of ``dtype`` (see the module notes)."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return dict(block_m=32, block_k=32, num_warps=4, num_stages=1)
+    return dict(block_m=64, block_k=32, num_warps=8, num_stages=2)
+
+
 def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, block_k: int = 64,
                     num_sms: int = _NUM_SMS) -> int:
     """A ``split_keys`` for ``batch`` rows of ``rows = T*H`` query rows over a ``max_len`` cache.
@@ -205,9 +214,9 @@ def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, b
     static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "num_warps", "num_stages", "interpret"),
 )
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, start: jax.Array,
-                  block_mask: jax.Array | None = None, *, scale: float, causal: bool = False, block_m: int = 64,
-                  block_k: int = 64, split_keys: int = 0, num_warps: int = 8, num_stages: int = 2,
-                  interpret: bool = False) -> jax.Array:
+                  block_mask: jax.Array | None = None, *, scale: float, causal: bool = False,
+                  block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
+                  num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
 
     Args:
@@ -218,7 +227,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
       scale: the softmax scale. causal: the block is causal (prefill, decode).
       block_m / block_k: query rows (of the flattened ``T*H``) and keys per tile (powers of 2,
         >= 16). split_keys: 0, or keys per split (a multiple of ``block_k``; see
-        ``auto_split_keys``). num_warps / num_stages: Triton launch parameters.
+        ``auto_split_keys``). num_warps / num_stages: Triton launch parameters. ``None``:
+        ``default_tiles(latent.dtype)``.
 
     Returns:
       ``[B,T,H,r]`` in ``q_latent``'s dtype.
@@ -228,6 +238,9 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     if q_rope.shape != (B, T, H, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr):
         raise ValueError(f"mla_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, "
                          f"latent {latent.shape}, k_rope {k_rope.shape} do not agree")
+    tiles = default_tiles(latent.dtype)
+    block_m, block_k = block_m or tiles["block_m"], block_k or tiles["block_k"]
+    num_warps, num_stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     if (block_mask is None) != causal:
         raise ValueError("mla_attention: pass exactly one of block_mask and causal=True")
     if split_keys and split_keys % block_k:
