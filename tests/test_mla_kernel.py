@@ -65,6 +65,28 @@ def test_kernel_wide_tiles_k2_heads():
     _check((2, 3, 64, 16, 16, 100, [0, 97], True), jnp.float32, 0, np.random.default_rng(6), 64, 64)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape,causal,split_keys", [
+    ((2, 17, 64, 512, 64, 1000), False, 512),  # K2 shapes, tree, split keys, shipped tiles
+    ((2, 1, 64, 512, 64, 1000), True, 0),  # K2 decode step, one pass
+    ((3, 5, 3, 24, 6, 40), False, 32),  # ranks that are not powers of two (masked columns)
+    ((3, 5, 3, 24, 6, 40), True, 0),
+])
+def test_kernel_lowers_to_triton(shape, causal, split_keys, dtype):
+    """Interpret mode skips the Triton lowering rules; lowering for CUDA (no GPU needed) runs them
+    (it does not compile to PTX, so shared-memory limits are left to the GPU tests)."""
+    b, t, h, r, dr, s = shape
+    sd = jax.ShapeDtypeStruct
+    args = (sd((b, t, h, r), dtype), sd((b, t, h, dr), dtype), sd((b, s, r), dtype), sd((b, s, dr), dtype),
+            sd((b,), jnp.int32), None if causal else sd((b, t, t), jnp.bool_))
+
+    def attend(*a):
+        return mla_attention(*a, scale=0.1, causal=causal, split_keys=split_keys)
+
+    text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_attention" in text
+
+
 def test_split_keys_heuristic():
     assert auto_split_keys(1, 64, 32768) == 512  # decode, B=1: 64 splits
     assert auto_split_keys(16, 64, 32768) == 2048  # 16 rows x 16 splits

@@ -110,6 +110,10 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             return c
         return a if c is None else a & c
 
+    def load(ref, mask):
+        # Triton takes ``other`` only with a mask: the lean tiles load unmasked.
+        return plgpu.load(ref, mask=mask, other=None if mask is None else 0)
+
     @pl.when(lo < hi)
     def _():
         qn = plgpu.load(qn_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], mask=both(row_ok[:, None], col_ok), other=0)
@@ -123,8 +127,8 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             k0 = lo + i * BK
             kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
             kin = (kpos < hi)[:, None] if masked else None
-            lat = plgpu.load(lat_ref.at[b, pl.ds(k0, BK), pl.ds(0, RP)], mask=both(kin, col_ok), other=0)
-            kr = plgpu.load(kr_ref.at[b, pl.ds(k0, BK), pl.ds(0, DRP)], mask=both(kin, dcol_ok), other=0)
+            lat = load(lat_ref.at[b, pl.ds(k0, BK), pl.ds(0, RP)], both(kin, col_ok))
+            kr = load(kr_ref.at[b, pl.ds(k0, BK), pl.ds(0, DRP)], both(kin, dcol_ok))
             s = (_dot(qn, lat, trans_b=True) + _dot(qr, kr, trans_b=True)) * scale_log2
             if masked:
                 rel = kpos - start
