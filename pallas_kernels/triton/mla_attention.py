@@ -69,8 +69,9 @@ _NEG = -1e30
 _NUM_SMS = 132
 
 
-def _row_span(rt, *, H, T, BM, causal, start):
-    """Rows of row tile ``rt``, their tokens, the tile's first token and the end of its keys."""
+def _row_span(rt, *, H, T, S, BM, causal, start):
+    """Rows of row tile ``rt``, their tokens, the tile's first token and the end of its keys
+    (clamped to the cache: a caller breaking ``start + T <= S`` gets wrong values, not stray reads)."""
     row0 = rt * BM
     rows = row0 + jnp.arange(BM, dtype=jnp.int32)
     tok = rows // H
@@ -79,7 +80,7 @@ def _row_span(rt, *, H, T, BM, causal, start):
         kv_end = start + jnp.minimum((row0 + BM - 1) // H, T - 1) + 1
     else:
         kv_end = start + T
-    return rows, tok, tok_lo, kv_end
+    return rows, tok, tok_lo, jnp.minimum(kv_end, S)
 
 
 def _dot(a, b, trans_b=False):
@@ -88,11 +89,11 @@ def _dot(a, b, trans_b=False):
     return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
-def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, R, r, dr, RP, DRP, BM, BK,
+def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
                  TMP, causal, chunk, scale_log2):
     b, rt, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[b]
-    rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, BM=BM, causal=causal, start=start)
+    rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start)
     row0 = rt * BM
     row_ok = rows < R
     if chunk:
@@ -165,10 +166,10 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, R, r, RP, BM, causal, chunk):
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk):
     """Merge the splits a row tile's length reached, in split order (the same order for any batch)."""
     b, rt = pl.program_id(0), pl.program_id(1)
-    rows, _, _, kv_end = _row_span(rt, H=H, T=T, BM=BM, causal=causal, start=start_ref[b])
+    rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
     row0 = rt * BM
     row_ok = rows < R
     col_ok = None if RP == r else (jnp.arange(RP, dtype=jnp.int32) < r)[None, :]
@@ -267,7 +268,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         out_shape = [sd((B, R, r), q_latent.dtype)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    static = dict(H=H, T=T, R=R, r=r, BM=BM, causal=causal, chunk=chunk)
+    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk)
     outs = pl.pallas_call(
         functools.partial(_attn_kernel, dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E,
                           **static),
