@@ -6,5 +6,6 @@ dispatch and the result types live in ``ddtree_jax`` (see ``ddtree_jax.backend``
 * ``pallas_kernels.triton``: NVIDIA GPUs through Pallas' Triton lowering (``interpret=True`` runs
   them on a CPU for tests): ``fused_sample`` (filters + one exact draw per row), ``tree_builder``
   (the DDTree pop loop), ``accept_walk`` (the accept walk), ``moe_grouped_matmul`` (a MoE layer's
-  routed experts over token copies sorted by expert).
+  routed experts over token copies sorted by expert), ``mla_attention`` (the target's MLA
+  attention over the latent cache: decode, tree verify, prefill).
 """

@@ -32,14 +32,14 @@ from ddtree_jax.models._layers import (
     GatedMLP,
     Linear,
     RMSNorm,
-    masked_softmax,
     normal_init,
     write_rows,
 )
 from ddtree_jax.models.kimi_config import KimiConfig
+from ddtree_jax.models.latent_attention import latent_attention
 from ddtree_jax.models.moe import experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
-from ddtree_jax.models.tree_cache import block_attention_mask, causal_block_mask, commit_accepted, tree_block_mask
+from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
 
 __all__ = ["KVCache", "KimiForCausalLM"]
 
@@ -115,8 +115,9 @@ class MLAttention(nnx.Module):
         k_rope = apply_rope(kv[..., cfg.kv_lora_rank :], cos, sin, interleaved=cfg.rope_interleave)
         return latent, k_rope
 
-    def __call__(self, x, cos, sin, latent, k_rope, mask, *, backend: Backend) -> jax.Array:
-        """Attend from ``x [B,T,H]`` to keys ``latent [B,S,r]``/``k_rope [B,S,dr]`` where ``mask [B,T,S]``."""
+    def __call__(self, x, cos, sin, latent, k_rope, mask: BlockMask, *, backend: Backend) -> jax.Array:
+        """Attend from ``x [B,T,H]`` to keys ``latent [B,S,r]``/``k_rope [B,S,dr]`` (the block's own
+        latents at ``[mask.start, mask.start + T)``) where ``mask`` allows (``BlockMask``)."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -127,11 +128,8 @@ class MLAttention(nnx.Module):
         w_kv = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, nh, dn + cfg.v_head_dim)
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
-        scores = jnp.einsum("btnr,bsr->bnts", q_latent, latent.astype(q_latent.dtype)) + jnp.einsum(
-            "btnd,bsd->bnts", q_rope, k_rope.astype(q_rope.dtype)
-        )
-        probs = masked_softmax(scores * cfg.softmax_scale(), mask[:, None]).astype(x.dtype)
-        out_latent = jnp.einsum("bnts,bsr->btnr", probs, latent.astype(x.dtype))
+        out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
+                                      backend=backend).astype(x.dtype)
         out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
         return self.o_proj(out)
 
@@ -224,7 +222,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, mask, cache_rows, start, *, backend: Backend, dense_experts=False, valid=None):
         """One block. ``cache_rows``: ``None`` (attend within ``x``) or this layer's
         ``(latent [B,S,r], k_rope [B,S,dr])``; the new latents are written at ``start [B]`` and
-        ``mask [B,T,S]`` indexes the whole cache; ``valid [B,T]`` (or None) is for the MoE.
+        ``mask`` (``BlockMask``) says what the block sees; ``valid [B,T]`` (or None) is for the MoE.
         Returns ``(x, cache_rows)``."""
         h = self.input_layernorm(x)
         latent, k_rope = self.self_attn.latents(h, cos, sin)
@@ -305,7 +303,7 @@ class KimiForCausalLM(nnx.Module):
         The same holds for ``prefill`` and ``verify``."""
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        mask = causal_block_mask(b, t)
+        mask = BlockMask(jnp.zeros((b,), jnp.int32))
         logits, hidden, _ = self._run(input_ids, positions, mask, None, None, hidden_layer_ids, dense_experts)
         return logits, hidden
 
@@ -342,7 +340,7 @@ class KimiForCausalLM(nnx.Module):
         start = cache.lengths
         positions = start[:, None] + jnp.arange(t)[None]
         logits, hidden, cache = self._run_cached(
-            input_ids, positions, causal_block_mask(b, t), cache, hidden_layer_ids, dense_experts
+            input_ids, positions, None, cache, hidden_layer_ids, dense_experts
         )
         return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
 
@@ -395,9 +393,9 @@ class KimiForCausalLM(nnx.Module):
 
     def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids, dense_experts, valid=None):
         """Run a block written at ``cache.lengths``; ``block_mask [B,T,T]`` says which block
-        tokens see which (the whole prefix is always visible)."""
+        tokens see which, ``None`` a causal block (the whole prefix is always visible)."""
         start = cache.lengths
-        mask = block_attention_mask(block_mask, start, cache.max_len)
+        mask = BlockMask(start, block_mask)
         logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts,
                                          valid)
         latent = jnp.stack([r[0] for r in rows])

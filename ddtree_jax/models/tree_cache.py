@@ -8,12 +8,14 @@ advances the lengths. These helpers do both for caches stored as ``[layers, B, S
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from ddtree_jax.models._layers import write_rows
 
-__all__ = ["block_attention_mask", "causal_block_mask", "commit_accepted", "tree_block_mask"]
+__all__ = ["BlockMask", "block_attention_mask", "causal_block_mask", "commit_accepted", "tree_block_mask"]
 
 
 def causal_block_mask(batch: int, size: int) -> jax.Array:
@@ -38,6 +40,30 @@ def block_attention_mask(block_mask: jax.Array, start: jax.Array, max_len: int) 
     block_part = jnp.take_along_axis(block_mask, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None], (b, t, max_len)),
                                      axis=2)
     return (rel < 0)[:, None, :] | (in_block[:, None, :] & block_part)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """Where a block of ``T`` tokens written at ``start`` may attend, without a ``[B,T,S]`` array.
+
+    ``start [B] int32``: the committed prefix of each row (all of it is visible);
+    ``within [B,T,T] bool`` (which block tokens see which, e.g. ``tree_block_mask``), or ``None``
+    for a causal block (a prompt chunk, a decode step). Keys after the block are not visible.
+    Attention kernels read this description; ``dense`` is the plain mask the references use.
+    """
+
+    start: jax.Array
+    within: jax.Array | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.within is None
+
+    def dense(self, size: int, max_len: int) -> jax.Array:
+        """``[B, size, max_len]`` bool for a block of ``size`` tokens over a ``max_len`` cache."""
+        within = causal_block_mask(self.start.shape[0], size) if self.within is None else self.within
+        return block_attention_mask(within, self.start, max_len)
 
 
 def commit_accepted(buffer: jax.Array, start: jax.Array, accepted: jax.Array) -> jax.Array:

@@ -1,0 +1,296 @@
+"""MLA attention in the absorbed form, straight from the latent cache (decode, tree verify, prefill).
+
+Contract (the plain-JAX reference is ``ddtree_jax.models.latent_attention.latent_attention``
+with ``impl="reference"``; tests/test_mla_kernel.py compares both on random inputs):
+
+* ``q_latent [B,T,H,r]`` (``q_nope`` already multiplied by ``W_UK``; r = kv_lora_rank),
+  ``q_rope [B,T,H,dr]``, the cache ``latent [B,S,r]`` and ``k_rope [B,S,dr]`` (the block's own
+  latents already written at ``[start, start+T)``), ``start [B] int32`` (committed prefix per row),
+  and either ``causal=True`` or ``block_mask [B,T,T] bool`` (tree: ancestors and the diagonal).
+* Block token i of row b sees cache positions ``[0, start[b])`` and block positions
+  ``start[b] + j`` where ``block_mask[b,i,j]`` (causal: ``j <= i``). Every token must see at least
+  one key (it always sees itself in this package); ``start + T <= S``.
+* Output ``[B,T,H,r]`` in the query dtype: ``softmax(scale * (q_latent.latent + q_rope.k_rope))``
+  times ``latent`` (``W_UV`` and ``o_proj`` are applied outside). Float32 accumulators.
+
+Algorithm: FlashAttention-2 style online softmax (base-2 exponentials, ``scale * log2 e`` folded
+into the scores) over key tiles of ``block_k`` positions; no score tensor beyond one
+``[block_m, block_k]`` tile exists. All heads of a row share the keys (MLA is MQA-like in the
+absorbed form), so the query rows of a row are flattened to ``T*H`` (token-major) and a program
+owns ``block_m`` of them: one ``[block_m, r+dr] x [r+dr, block_k]`` score product and one
+``[block_m, block_k] x [block_k, r]`` value product per key tile, with each key tile loaded once
+for all its heads. The key loop stops at each row's own ``start + T`` (causal: at the last token
+of the program's tile), a dynamic trip count: the cache is read up to the current length, never
+to ``S``. Tiles entirely inside the committed prefix need no mask and run a lean loop; only the
+few tiles that touch the block are masked. The tree mask is applied without gathers: the tile's
+``[tokens, block_k]`` slice of the block mask (a contiguous 2-D load from a copy padded by
+``block_k`` on both sides, so the slice offset is never negative) is expanded to the
+``[block_m, block_k]`` query rows by a product with a one-hot ``[block_m, tokens]`` matrix.
+
+Split keys (flash-decoding): with few programs (decode and small verify blocks at small batch)
+one program per row tile cannot pull the cache at HBM speed, so ``split_keys`` cuts the key
+range at fixed multiples of ``split_keys`` positions; each split writes its unnormalised
+``(o, m, den)`` in float32 and a second small kernel merges, per row tile, only the splits its
+length reached (in split order). The boundaries depend only on the positions, not on ``B`` or
+``T``: with the same ``split_keys`` a row's reductions run in the same order whatever the batch.
+
+Backend: the Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``),
+like the other kernels here: it has dynamic-trip-count loops, masked 2-D loads with dynamic
+offsets and ``dot`` on tensor cores, which is all this kernel needs. Not measured against a
+Mosaic GPU version.
+
+Tiles for the H200 (``default_tiles``; bench/bench_attention_gpu.py sweeps alternatives; not yet
+tuned on the device): bf16 ``block_m = 64`` query rows (one token's 64 heads at K2 shapes: decode
+needs no padding and each latent tile serves 64 rows), ``block_k = 32`` keys: the latent tile is
+32 x 512 bf16 = 32 KiB, 64 KiB double-buffered (``num_stages = 2``), which leaves room in the
+228 KiB of shared memory for the 64 x 576 bf16 queries (72 KiB) should Triton stage them there;
+64-key tiles would sit at the limit. ``num_warps = 8`` spreads the 64 x 512 float32 accumulator
+over 256 threads (128 registers each). float32 inputs (tests) take 32 x 32 tiles, one stage.
+The absorbed form does ``2 * H * (2r + dr)`` flops per key and query token (139 kflop at K2
+shapes) against ``2 * (r + dr)`` bytes of cache per key, so a decode step is already near the
+tensor-core balance point and verify/prefill blocks are compute-bound.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["auto_split_keys", "default_tiles", "mla_attention"]
+
+_LOG2E = 1.4426950408889634
+# A finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf.
+_NEG = -1e30
+# Streaming multiprocessors of an H200 (used only to size the split-keys heuristic).
+_NUM_SMS = 132
+
+
+def _row_span(rt, *, H, T, S, BM, causal, start):
+    """Rows of row tile ``rt``, their tokens, the tile's first token and the end of its keys
+    (clamped to the cache: a caller breaking ``start + T <= S`` gets wrong values, not stray reads)."""
+    row0 = rt * BM
+    rows = row0 + jnp.arange(BM, dtype=jnp.int32)
+    tok = rows // H
+    tok_lo = row0 // H
+    if causal:
+        kv_end = start + jnp.minimum((row0 + BM - 1) // H, T - 1) + 1
+    else:
+        kv_end = start + T
+    return rows, tok, tok_lo, jnp.minimum(kv_end, S)
+
+
+def _dot(a, b, trans_b=False):
+    # float32 inputs (tests, reference-precision runs) use IEEE products, not tf32.
+    exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
+
+
+def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
+                 TMP, causal, chunk, scale_log2):
+    b, rt, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start = start_ref[b]
+    rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start)
+    row0 = rt * BM
+    row_ok = rows < R
+    if chunk:
+        lo = sp * chunk
+        hi = jnp.minimum(lo + chunk, kv_end)
+    else:
+        lo = sp * 0
+        hi = kv_end
+    cols, dcols = jnp.arange(RP, dtype=jnp.int32), jnp.arange(DRP, dtype=jnp.int32)
+    col_ok = None if RP == r else (cols < r)[None, :]
+    dcol_ok = None if DRP == dr else (dcols < dr)[None, :]
+
+    def both(a, c):
+        if a is None:
+            return c
+        return a if c is None else a & c
+
+    def load(ref, mask):
+        # Triton takes ``other`` only with a mask: the lean tiles load unmasked.
+        return plgpu.load(ref, mask=mask, other=None if mask is None else 0)
+
+    @pl.when(lo < hi)
+    def _():
+        qn = plgpu.load(qn_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], mask=both(row_ok[:, None], col_ok), other=0)
+        qr = plgpu.load(qr_ref.at[b, pl.ds(row0, BM), pl.ds(0, DRP)], mask=both(row_ok[:, None], dcol_ok), other=0)
+        tmp_tok = tok_lo + jnp.arange(TMP, dtype=jnp.int32)
+        onehot = None if causal else jnp.where(tok[:, None] == tmp_tok[None, :], 1.0, 0.0).astype(jnp.bfloat16)
+
+        def step(i, carry, masked):
+            """Key tile i of this program's range; ``masked`` for tiles that reach the block."""
+            o, m, den = carry
+            k0 = lo + i * BK
+            kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
+            kin = (kpos < hi)[:, None] if masked else None
+            lat = load(lat_ref.at[b, pl.ds(k0, BK), pl.ds(0, RP)], both(kin, col_ok))
+            kr = load(kr_ref.at[b, pl.ds(k0, BK), pl.ds(0, DRP)], both(kin, dcol_ok))
+            s = (_dot(qn, lat, trans_b=True) + _dot(qr, kr, trans_b=True)) * scale_log2
+            if masked:
+                rel = kpos - start
+                if causal:
+                    in_block = rel[None, :] <= tok[:, None]
+                else:
+                    mt = plgpu.load(bm_ref.at[b, pl.ds(tok_lo, TMP), pl.ds(k0 - start + BK, BK)],
+                                    mask=(tmp_tok < T)[:, None], other=0)
+                    in_block = _dot(onehot, mt) > 0.5
+                vis = (kpos < hi)[None, :] & ((kpos < start)[None, :] | ((rel >= 0)[None, :] & in_block))
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            corr = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            den = den * corr + p.sum(axis=-1)
+            o = o * corr[:, None] + _dot(p.astype(lat.dtype), lat)
+            return o, m_new, den
+
+        # Tiles wholly inside the committed prefix see every key (no mask), then the rest.
+        n_lean = jnp.maximum(jnp.minimum(hi, start) - lo, 0) // BK
+        n_all = pl.cdiv(hi - lo, BK)
+        carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
+        carry = jax.lax.fori_loop(0, n_lean, functools.partial(step, masked=False), carry)
+        o, m, den = jax.lax.fori_loop(n_lean, n_all, functools.partial(step, masked=True), carry)
+        out_mask = both(row_ok[:, None], col_ok)
+        if chunk:
+            o_ref, m_ref, den_ref = out_refs
+            plgpu.store(o_ref.at[b, sp, pl.ds(row0, BM), pl.ds(0, RP)], o, mask=out_mask)
+            plgpu.store(m_ref.at[b, sp, pl.ds(row0, BM)], m, mask=row_ok)
+            plgpu.store(den_ref.at[b, sp, pl.ds(row0, BM)], den, mask=row_ok)
+        else:
+            (out_ref,) = out_refs
+            out = o / jnp.where(den > 0, den, 1.0)[:, None]
+            plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
+
+
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk):
+    """Merge the splits a row tile's length reached, in split order (the same order for any batch)."""
+    b, rt = pl.program_id(0), pl.program_id(1)
+    rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
+    row0 = rt * BM
+    row_ok = rows < R
+    col_ok = None if RP == r else (jnp.arange(RP, dtype=jnp.int32) < r)[None, :]
+    mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
+
+    def body(s, carry):
+        o, m, den = carry
+        o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(0, RP)], mask=mask2, other=0)
+        m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
+        den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
+        m_new = jnp.maximum(m, m_s)
+        a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+        return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
+
+    carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, carry)
+    out = o / jnp.where(den > 0, den, 1.0)[:, None]
+    plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
+
+
+def default_tiles(dtype) -> dict:
+    """``block_m, block_k, num_warps, num_stages`` for caches of ``dtype`` (see the module notes)."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return dict(block_m=32, block_k=32, num_warps=4, num_stages=1)
+    return dict(block_m=64, block_k=32, num_warps=8, num_stages=2)
+
+
+def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, block_k: int = 64,
+                    num_sms: int = _NUM_SMS) -> int:
+    """A ``split_keys`` for ``batch`` rows of ``rows = T*H`` query rows over a ``max_len`` cache.
+
+    0 (no split) once ``batch * row tiles`` fills the SMs; otherwise enough splits of a full
+    cache to give about two programs per SM, but never fewer than 512 keys per split: each split
+    writes ``block_m * r`` float32 partials, about half the bytes of the 512 keys it reads.
+    """
+    programs = batch * pl.cdiv(rows, block_m)
+    if programs >= num_sms:
+        return 0
+    want = pl.cdiv(2 * num_sms, programs)
+    keys = max(512, pl.next_power_of_2(pl.cdiv(max_len, want)))
+    keys = pl.cdiv(keys, block_k) * block_k
+    return 0 if keys >= max_len else keys
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "num_warps", "num_stages", "interpret"),
+)
+def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, start: jax.Array,
+                  block_mask: jax.Array | None = None, *, scale: float, causal: bool = False,
+                  block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
+                  num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
+
+    Args:
+      q_latent: ``[B,T,H,r]``; q_rope: ``[B,T,H,dr]`` (bf16 or float32).
+      latent: ``[B,S,r]``; k_rope: ``[B,S,dr]``; the block's own keys at ``[start, start+T)``.
+      start: int32 ``[B]``, committed prefix length per row (``start + T <= S``).
+      block_mask: bool ``[B,T,T]`` (which block tokens see which), or ``None`` with ``causal``.
+      scale: the softmax scale. causal: the block is causal (prefill, decode).
+      block_m / block_k: query rows (of the flattened ``T*H``) and keys per tile (powers of 2,
+        >= 16). split_keys: 0, or keys per split (a multiple of ``block_k``; see
+        ``auto_split_keys``). num_warps / num_stages: Triton launch parameters. ``None``:
+        ``default_tiles(latent.dtype)``.
+
+    Returns:
+      ``[B,T,H,r]`` in ``q_latent``'s dtype.
+    """
+    B, T, H, r = q_latent.shape
+    S, dr = latent.shape[1], k_rope.shape[-1]
+    if q_rope.shape != (B, T, H, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr):
+        raise ValueError(f"mla_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, "
+                         f"latent {latent.shape}, k_rope {k_rope.shape} do not agree")
+    tiles = default_tiles(latent.dtype)
+    block_m, block_k = block_m or tiles["block_m"], block_k or tiles["block_k"]
+    num_warps, num_stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
+    if (block_mask is None) != causal:
+        raise ValueError("mla_attention: pass exactly one of block_mask and causal=True")
+    if split_keys and split_keys % block_k:
+        raise ValueError(f"mla_attention: split_keys {split_keys} must be a multiple of block_k {block_k}")
+    R, BM, BK = T * H, block_m, block_k
+    RP, DRP = max(16, pl.next_power_of_2(r)), max(16, pl.next_power_of_2(dr))
+    TMP = max(16, pl.next_power_of_2(pl.cdiv(BM, H) + 1))
+    if causal:
+        bm = jnp.zeros((B, 1, 1), jnp.bfloat16)  # unused
+    else:
+        # bf16 0/1 (an operand of the one-hot product), padded so every tile's slice is in bounds.
+        bm = jnp.pad(block_mask.astype(jnp.bfloat16), ((0, 0), (0, 0), (BK, BK)))
+    chunk = split_keys if split_keys and split_keys < S else 0
+    n_split = pl.cdiv(S, chunk) if chunk else 1
+    grid = (B, pl.cdiv(R, BM), n_split)
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    if chunk:
+        out_shape = [sd((B, n_split, R, r), f32), sd((B, n_split, R), f32), sd((B, n_split, R), f32)]
+    else:
+        out_shape = [sd((B, R, r), q_latent.dtype)]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk)
+    outs = pl.pallas_call(
+        functools.partial(_attn_kernel, dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E,
+                          **static),
+        grid=grid,
+        in_specs=[any_spec] * 6,
+        out_specs=[any_spec] * len(out_shape),
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+        name="mla_attention",
+    )(start.astype(jnp.int32), q_latent.reshape(B, R, r), q_rope.reshape(B, R, dr), latent, k_rope, bm)
+    if chunk:
+        (out,) = pl.pallas_call(
+            functools.partial(_merge_kernel, RP=RP, **static),
+            grid=grid[:2],
+            in_specs=[any_spec] * 4,
+            out_specs=[any_spec],
+            out_shape=[sd((B, R, r), q_latent.dtype)],
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+            interpret=interpret,
+            name="mla_attention_merge",
+        )(start.astype(jnp.int32), *outs)
+    else:
+        (out,) = outs
+    return out.reshape(B, T, H, r)

@@ -1,0 +1,142 @@
+"""MLA attention kernel (Triton, interpret mode) == the dense reference, and the model through it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.models.latent_attention import latent_attention_reference
+from ddtree_jax.models.tree_cache import BlockMask
+from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention
+from tests._model_fixtures import forward_uncached, prefill, random_tree, tiny_kimi, verify
+
+
+def _random_tree_masks(rng, b, t):
+    """``[b,t,t]`` ancestor masks, diagonal included, of random trees (parents precede children)."""
+    return jnp.asarray(np.stack([random_tree(rng, t)[2] for _ in range(b)]))
+
+
+def _inputs(rng, b, t, h, r, dr, s, dtype):
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+    return arr(b, t, h, r), arr(b, t, h, dr), arr(b, s, r), arr(b, s, dr)
+
+
+def _check(case, dtype, split_keys, rng, block_m=16, block_k=16, tol=None):
+    b, t, h, r, dr, s, starts, tree = case
+    ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
+    start = jnp.asarray(starts, jnp.int32)
+    within = _random_tree_masks(rng, b, t) if tree else None
+    scale = 0.7 / np.sqrt(r)
+    out = mla_attention(ql, qr, lat, kr, start, within, scale=scale, causal=not tree, block_m=block_m,
+                        block_k=block_k, split_keys=split_keys, interpret=True)
+    assert out.shape == (b, t, h, r) and out.dtype == dtype
+    f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
+    ref = latent_attention_reference(*f32, BlockMask(start, within), scale=scale)
+    atol = tol if tol is not None else 2e-6
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=atol, rtol=0)
+
+
+# (B, T, H, r, dr, S, starts, tree). Tiles of 16 rows x 16 keys; S is never a multiple of 16.
+DECODE = (3, 1, 8, 32, 8, 70, [0, 37, 69], False)  # contexts of 1 (start 0), 38 and 70 (= S) keys
+VERIFY = (3, 7, 3, 32, 8, 45, [0, 13, 38], True)  # 21 rows: a token straddles the two row tiles
+PREFILL = (2, 20, 2, 16, 4, 50, [0, 5], False)  # causal prefill into an empty row and after a prefix
+
+
+# Each case compiles once (interpret-mode compiles dominate the runtime): the split-keys path runs
+# causal (decode) and with a tree (bf16 verify), the one-pass path causal (prefill) and with a
+# tree (f32 verify, and the shipped tiles below).
+@pytest.mark.parametrize("case,split_keys", [(DECODE, 32), (VERIFY, 0), (PREFILL, 0)],
+                         ids=["decode-split", "verify", "prefill"])
+def test_kernel_matches_reference_f32(case, split_keys):
+    _check(case, jnp.float32, split_keys, np.random.default_rng(case[1]))
+
+
+def test_kernel_matches_reference_bf16_split():
+    # bf16 inputs against the float32 reference on the same rounded inputs: the kernel rounds the
+    # probabilities to bf16 for the value product and the output to bf16 (outputs are O(1)).
+    _check(VERIFY, jnp.bfloat16, 32, np.random.default_rng(5), tol=2e-2)
+
+
+def test_kernel_wide_tiles_k2_heads():
+    # The bf16 shipped row tile (64 rows = one token's 64 heads) with 64-key tiles: a decode step
+    # and a 3-token tree over a context that is not a multiple of the tile, in one call.
+    _check((2, 3, 64, 16, 16, 100, [0, 97], True), jnp.float32, 0, np.random.default_rng(6), 64, 64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape,causal,split_keys", [
+    ((2, 17, 64, 512, 64, 1000), False, 512),  # K2 shapes, tree, split keys, shipped tiles
+    ((2, 1, 64, 512, 64, 1000), True, 0),  # K2 decode step, one pass
+    ((3, 5, 3, 24, 6, 40), False, 32),  # ranks that are not powers of two (masked columns)
+    ((3, 5, 3, 24, 6, 40), True, 0),
+])
+def test_kernel_lowers_to_triton(shape, causal, split_keys, dtype):
+    """Interpret mode skips the Triton lowering rules; lowering for CUDA (no GPU needed) runs them
+    (it does not compile to PTX, so shared-memory limits are left to the GPU tests)."""
+    b, t, h, r, dr, s = shape
+    sd = jax.ShapeDtypeStruct
+    args = (sd((b, t, h, r), dtype), sd((b, t, h, dr), dtype), sd((b, s, r), dtype), sd((b, s, dr), dtype),
+            sd((b,), jnp.int32), None if causal else sd((b, t, t), jnp.bool_))
+
+    def attend(*a):
+        return mla_attention(*a, scale=0.1, causal=causal, split_keys=split_keys)
+
+    text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_attention" in text
+
+
+def test_split_keys_heuristic():
+    assert auto_split_keys(1, 64, 32768) == 512  # decode, B=1: 64 splits
+    assert auto_split_keys(16, 64, 32768) == 2048  # 16 rows x 16 splits
+    assert auto_split_keys(16, 257 * 64, 32768) == 0  # 4112 programs: no split
+    assert auto_split_keys(1, 64, 512) == 0  # a short cache is one split
+
+
+def test_bad_arguments():
+    ql, qr, lat, kr = _inputs(np.random.default_rng(0), 1, 2, 2, 16, 16, 8, jnp.float32)
+    start = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="exactly one"):
+        mla_attention(ql, qr, lat, kr, start, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="shapes"):
+        mla_attention(ql, qr[..., :8], lat, kr, start, scale=1.0, causal=True, interpret=True)
+
+
+def test_model_prefill_verify_through_kernel():
+    """KimiForCausalLM(impl="pallas") == impl="reference" (float32): prefill, then a tree verify,
+    and the cache-free forward (the reference keeps its transformers parity: tests/test_kimi.py)."""
+    model = tiny_kimi(3)
+    rng = np.random.default_rng(7)
+    b, t, n = 2, 9, 6
+    prompt = jnp.asarray(rng.integers(0, model.config.vocab_size, (b, t)), jnp.int32)
+    lengths = jnp.asarray([t, 4], jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (b, n)), jnp.int32)
+    trees = [random_tree(rng, n) for _ in range(b)]
+    depths = jnp.asarray(np.stack([tr[1] for tr in trees]))
+    anc = jnp.asarray(np.stack([tr[2] & ~np.eye(n, dtype=bool) for tr in trees]))
+    results = {}
+    for impl in ("reference", "pallas"):
+        model.set_impl(impl)
+        logits_p, _, cache = prefill(model, prompt, lengths, model.init_cache(b, 24))
+        logits_v, _, cache = verify(model, tokens, depths, anc, cache)
+        results[impl] = (logits_p, logits_v, cache.latent, forward_uncached(model, prompt)[0])
+    for got, want in zip(results["pallas"], results["reference"], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-4)])
+@pytest.mark.parametrize("t,split_keys,tree", [(1, 512, False), (65, 0, True), (17, 512, True), (256, 0, False)])
+def test_compiled_kernel_k2_shapes(t, split_keys, tree, dtype, tol):
+    """The compiled kernel (shipped tiles) at Kimi K2 attention shapes against the float32 reference."""
+    b, h, r, dr, s = 2, 64, 512, 64, 3000
+    rng = np.random.default_rng(t)
+    ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
+    start = jnp.asarray([0, s - t - 3], jnp.int32)
+    within = _random_tree_masks(rng, b, t) if tree else None
+    out = mla_attention(ql, qr, lat, kr, start, within, scale=0.13, causal=not tree, split_keys=split_keys)
+    f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
+    with jax.default_matmul_precision("highest"):
+        ref = latent_attention_reference(*f32, BlockMask(start, within), scale=0.13)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=0)
