@@ -129,7 +129,9 @@ def test_prefill_verify_commit_match_uncached_decoding():
     logits, hidden, cache = prefill(model, jnp.asarray(prompts), jnp.asarray(prompt_lens), cache,
                                     hidden_layer_ids=(1,))
     np.testing.assert_array_equal(cache.lengths, prompt_lens)
-    chex.assert_shape([cache.latent, cache.k_rope], [(3, b, max_len, 16), (3, b, max_len, 4)])  # latent, not heads
+    assert len(cache.latent) == len(cache.k_rope) == 3  # one buffer per layer
+    # latent, not heads
+    chex.assert_shape([*cache.latent, *cache.k_rope], [(b, max_len, 16)] * 3 + [(b, max_len, 4)] * 3)
     want, want_hidden = _last_logits(model, [list(prompts[r, :prompt_lens[r]]) for r in range(b)])
     for r in range(b):
         np.testing.assert_allclose(logits[r, prompt_lens[r] - 1], want[r], rtol=1e-4, atol=1e-4)

@@ -120,7 +120,7 @@ def test_model_prefill_verify_through_kernel():
         model.set_impl(impl)
         logits_p, _, cache = prefill(model, prompt, lengths, model.init_cache(b, 24))
         logits_v, _, cache = verify(model, tokens, depths, anc, cache)
-        results[impl] = (logits_p, logits_v, cache.latent, forward_uncached(model, prompt)[0])
+        results[impl] = (logits_p, logits_v, jnp.stack(cache.latent), forward_uncached(model, prompt)[0])
     for got, want in zip(results["pallas"], results["reference"], strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
 

@@ -39,29 +39,32 @@ __all__ = ["DFlashDrafter", "DraftCache"]
 class DraftCache:
     """Projected context keys/values of the committed tokens, per draft layer and batch slot.
 
-    ``k, v [layers, B, max_len, kv_heads, head_dim]`` (keys after k_norm and RoPE at their
-    absolute positions ``0 .. lengths-1``); ``lengths [B] int32``.
+    ``k, v``: per draft layer, ``[B, max_len, kv_heads, head_dim]`` (keys after k_norm and RoPE at
+    their absolute positions ``0 .. lengths-1``), each layer its own buffer (updated in place, never
+    stacked); ``lengths [B] int32``.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
     def take_rows(self, rows: jax.Array) -> DraftCache:
         """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
         return DraftCache(
-            jnp.take(self.k, rows, axis=1), jnp.take(self.v, rows, axis=1), jnp.take(self.lengths, rows, axis=0)
+            tuple(jnp.take(a, rows, axis=0) for a in self.k),
+            tuple(jnp.take(a, rows, axis=0) for a in self.v),
+            jnp.take(self.lengths, rows, axis=0),
         )
 
     def put_rows(self, rows: jax.Array, src: DraftCache) -> DraftCache:
         """This cache with batch rows ``rows [R]`` replaced by ``src``'s R rows."""
         return DraftCache(
-            self.k.at[:, rows].set(src.k.astype(self.k.dtype)),
-            self.v.at[:, rows].set(src.v.astype(self.v.dtype)),
+            tuple(a.at[rows].set(s.astype(a.dtype)) for a, s in zip(self.k, src.k, strict=True)),
+            tuple(a.at[rows].set(s.astype(a.dtype)) for a, s in zip(self.v, src.v, strict=True)),
             self.lengths.at[rows].set(src.lengths),
         )
 
@@ -131,8 +134,13 @@ class DFlashDrafter(nnx.Module):
     def init_cache(self, batch: int, max_len: int, dtype=None) -> DraftCache:
         cfg = self.config
         dtype = dtype or self.fc.kernel.dtype
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        return DraftCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        layers = range(cfg.num_hidden_layers)
+        return DraftCache(
+            tuple(jnp.zeros(shape, dtype) for _ in layers),
+            tuple(jnp.zeros(shape, dtype) for _ in layers),
+            jnp.zeros((batch,), jnp.int32),
+        )
 
     def _context_kv(self, target_hidden: jax.Array, positions: jax.Array):
         """``[B,A,n*H]`` target features at ``positions [B,A]`` -> per-layer ``(k, v)`` lists."""
@@ -152,8 +160,8 @@ class DFlashDrafter(nnx.Module):
         chex.assert_shape(counts, (b,))
         start = cache.lengths
         ks, vs = self._context_kv(target_hidden, start[:, None] + jnp.arange(a)[None])
-        k = jnp.stack([write_rows(cache.k[i], ks[i], start) for i in range(len(ks))])
-        v = jnp.stack([write_rows(cache.v[i], vs[i], start) for i in range(len(vs))])
+        k = tuple(write_rows(buf, new, start) for buf, new in zip(cache.k, ks, strict=True))
+        v = tuple(write_rows(buf, new, start) for buf, new in zip(cache.v, vs, strict=True))
         return DraftCache(k, v, start + counts.astype(jnp.int32))
 
     # ---- block ----

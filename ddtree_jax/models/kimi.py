@@ -52,32 +52,32 @@ _LATENT_NORM_EPS = 1e-6
 class KVCache:
     """MLA latent cache, one slot per batch row.
 
-    ``latent [layers, B, max_len, kv_lora_rank]``: normalised compressed KV;
-    ``k_rope [layers, B, max_len, qk_rope_head_dim]``: the shared RoPE key (rotated);
+    ``latent``: per layer, ``[B, max_len, kv_lora_rank]``, the normalised compressed KV;
+    ``k_rope``: per layer, ``[B, max_len, qk_rope_head_dim]``, the shared RoPE key (rotated);
     ``lengths [B] int32``: committed tokens per row. Entries at and past ``lengths`` are scratch.
     """
 
-    latent: jax.Array
-    k_rope: jax.Array
+    latent: tuple[jax.Array, ...]
+    k_rope: tuple[jax.Array, ...]
     lengths: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.latent.shape[2]
+        return self.latent[0].shape[1]
 
     def take_rows(self, rows: jax.Array) -> KVCache:
         """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
         return KVCache(
-            jnp.take(self.latent, rows, axis=1),
-            jnp.take(self.k_rope, rows, axis=1),
+            tuple(jnp.take(a, rows, axis=0) for a in self.latent),
+            tuple(jnp.take(a, rows, axis=0) for a in self.k_rope),
             jnp.take(self.lengths, rows, axis=0),
         )
 
     def put_rows(self, rows: jax.Array, src: KVCache) -> KVCache:
         """This cache with batch rows ``rows [R]`` replaced by ``src``'s R rows."""
         return KVCache(
-            self.latent.at[:, rows].set(src.latent.astype(self.latent.dtype)),
-            self.k_rope.at[:, rows].set(src.k_rope.astype(self.k_rope.dtype)),
+            tuple(a.at[rows].set(s.astype(a.dtype)) for a, s in zip(self.latent, src.latent, strict=True)),
+            tuple(a.at[rows].set(s.astype(a.dtype)) for a, s in zip(self.k_rope, src.k_rope, strict=True)),
             self.lengths.at[rows].set(src.lengths),
         )
 
@@ -311,10 +311,10 @@ class KimiForCausalLM(nnx.Module):
         """An empty cache of ``batch`` slots of ``max_len`` tokens (``dtype`` defaults to the weights')."""
         cfg = self.config
         dtype = dtype or self.model.embed_tokens.weight.dtype
-        shape = (cfg.num_hidden_layers, batch, max_len)
+        layers = range(cfg.num_hidden_layers)
         return KVCache(
-            jnp.zeros(shape + (cfg.kv_lora_rank,), dtype),
-            jnp.zeros(shape + (cfg.qk_rope_head_dim,), dtype),
+            tuple(jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype) for _ in layers),
+            tuple(jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype) for _ in layers),
             jnp.zeros((batch,), jnp.int32),
         )
 
@@ -384,8 +384,8 @@ class KimiForCausalLM(nnx.Module):
         """
         start = cache.lengths
         return KVCache(
-            commit_accepted(cache.latent, start, accepted),
-            commit_accepted(cache.k_rope, start, accepted),
+            tuple(commit_accepted(a, start, accepted) for a in cache.latent),
+            tuple(commit_accepted(a, start, accepted) for a in cache.k_rope),
             start + counts.astype(jnp.int32),
         )
 
@@ -398,9 +398,8 @@ class KimiForCausalLM(nnx.Module):
         mask = BlockMask(start, block_mask)
         logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts,
                                          valid)
-        latent = jnp.stack([r[0] for r in rows])
-        k_rope = jnp.stack([r[1] for r in rows])
-        return logits, hidden, KVCache(latent, k_rope, start)
+        # Each layer's buffer was updated where the block landed; nothing is stacked or copied.
+        return logits, hidden, KVCache(tuple(r[0] for r in rows), tuple(r[1] for r in rows), start)
 
     def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts, valid=None):
         """The trunk; ``valid [B,T]`` (or None) reaches only the MoE layers (invalid tokens route

@@ -67,13 +67,15 @@ class BlockMask:
 
 
 def commit_accepted(buffer: jax.Array, start: jax.Array, accepted: jax.Array) -> jax.Array:
-    """Move the accepted nodes of the last block into place in one layered cache array.
+    """Move the accepted nodes of the last block into place in one layer's cache array.
 
-    ``buffer [layers, B, S, ...]`` holds the block at ``[start, start + T)``; ``accepted [B, A]``
-    lists node indices in path order (root first), ``-1`` padded. Node ``accepted[b, i]`` moves to
+    ``buffer [B, S, ...]`` holds the block at ``[start, start + T)``; ``accepted [B, A]`` lists
+    node indices in path order (root first), ``-1`` padded. Node ``accepted[b, i]`` moves to
     ``start[b] + i``; padded entries copy node 0 onto positions past the accepted ones (scratch).
+    Only ``A`` rows per batch row are read and written: with the buffer donated (the decode loop's
+    carry), the update happens in place.
     """
     src = start[:, None] + jnp.maximum(accepted, 0)
-    index = src.reshape(src.shape + (1,) * (buffer.ndim - 3))[None]
-    picked = jnp.take_along_axis(buffer, index, axis=2)
-    return jax.vmap(write_rows, in_axes=(0, 0, None))(buffer, picked, start)
+    index = src.reshape(src.shape + (1,) * (buffer.ndim - 2))
+    picked = jnp.take_along_axis(buffer, index, axis=1)
+    return write_rows(buffer, picked, start)

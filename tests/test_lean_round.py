@@ -1,0 +1,43 @@
+"""The compiled decode loop never copies a whole cache: each layer's cache is its own buffer,
+updated in place where a block lands (verify), where accepted rows move (commit) and where the
+drafter's context grows. Checked on the optimised HLO of ``run_rounds`` (tiny models, a cache
+length no other array shares): no copy or concatenate produces an array that holds a whole
+layer's cache buffer (or a stack of them)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import ddtree_jax as dt
+from ddtree_jax.backend import resolve_backend
+from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
+from ddtree_jax.sampling import batch_sampling
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+
+MAX_LEN = 2999  # distinctive: no other dimension of the round has this size
+
+
+def test_round_updates_caches_in_place():
+    target = tiny_kimi(0)
+    drafter = tiny_dflash(target, 1)
+    (tg, tp), (dg, dp) = nnx.split(target), nnx.split(drafter)
+    models = Models(tg, dg)
+    plan = DecodePlan(method="ddtree", budget=6, backend=resolve_backend("reference"),
+                      hidden_layer_ids=tuple(drafter.config.target_layer_ids))
+    b = 2
+    state = prefill(models, tp, dp, plan, jnp.ones((b, 4), jnp.int32), jnp.full((b,), 4), jnp.ones((b,), jnp.int32),
+                    max_len=MAX_LEN, capacity=32, max_new_tokens=jnp.full((b,), 16), stop_ids=jnp.full((b, 1), -2),
+                    sampling=batch_sampling([dt.SamplingParams(temperature=0.0)] * b, b), request_ids=jnp.arange(b))
+    buffers = {tuple(a.shape) for a in jax.tree.leaves((state.target_cache, state.draft_cache)) if MAX_LEN in a.shape}
+    assert buffers, "the caches should hold arrays of the cache length"
+    hlo = run_rounds.lower(models, tp, dp, plan, state, jax.random.key(0), max_rounds=2).compile().as_text()
+    offenders = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*\w+\[([\d,]*)\]\S*\s+(copy|concatenate)\(", line)
+        if m:
+            shape = tuple(int(d) for d in m.group(1).split(",") if d)
+            if any(shape[-len(buf):] == buf for buf in buffers):
+                offenders.append(line.strip()[:200])
+    assert not offenders, "whole-cache copies in the round:\n" + "\n".join(offenders)
