@@ -1,0 +1,681 @@
+"""Fused per-row sampling for TPUs: the canonical pipeline (temperature, top-k, top-p, min-p) and
+one exact draw per row, without sorting. Reference: ``ddtree_jax.sampling.target_logprobs`` (the
+law) and ``reference_sample`` (a draw from it); the Triton version is
+``pallas_kernels.triton.fused_sample`` (same thresholds, tie rules and random streams).
+
+Backend: Pallas' Mosaic TPU lowering. Checked only in TPU interpret mode on a CPU
+(``interpret=True`` here means ``pltpu.InterpretParams()``); it has not run on a TPU.
+
+Layout. Rows are padded to a multiple of ``block_rows`` (16 by default: one bf16 (16, 128) tile,
+two f32 (8, 128) tiles) and the vocabulary to a multiple of ``tile`` (a multiple of 128; 4096 by
+default, the Triton version's tile, so both pick the same tile with the same uniform); padding is
+-inf. Streaming passes run on the grid ``(row blocks, vocab tiles)``, the tile axis last and
+"arbitrary" (a reduction): each step holds one lane-dense ``(block_rows, tile)`` block in VMEM,
+per-row accumulators live in VMEM scratch or in an output block that stays resident across the tile
+axis (per-tile results are written into their lane with a one-hot select, no dynamic lane offsets).
+Per-row parameters of a block ride as ``(block_rows, 128)`` lane-broadcast VMEM blocks (a vector op
+needs them in vregs); per-block and per-row scalars that steer control flow and DMAs (is this block
+still active, which tile to re-read) are scalar-prefetched into SMEM. An inactive block's index map
+returns the block it already holds, so the pipeline skips its copies.
+
+Passes (each a ``pallas_call``; the per-row logic between them works on ``[rows, tiles]`` arrays in
+plain JAX, which XLA runs on the TPU as small fused ops):
+
+1. ``_stats_kernel``: row max and argmax (lowest index on ties: the greedy token), validity
+   (NaN / +inf / all -inf), and per tile ``m_t`` (max) and ``s_t = sum exp2((x - m_t) log2(e)/T)``.
+2. Temperature only: a tile by inverse CDF over ``w_t = s_t exp((m_t - M)/T)`` with uniform
+   stream 0, then ``_draw_kernel`` re-reads that ONE tile per row (a DMA from HBM addressed by the
+   scalar-prefetched tile index) and picks inside it with stream 1.
+3. Any filter: pivot rejection (the Triton version's ``PATH_REJECT``, same rounds and streams
+   2 + 2i, 3 + 2i): draw v from exp(z) restricted to ``U = {z > P, z >= zfl}`` (tile, then one tile
+   re-read), then one ``_check_kernel`` pass for ``z_v`` decides ``v in K`` exactly:
+   ``#{z > z_v} < k``, ``mass{z > z_v} < top_p * S`` and ``z_v >= log(min_p)``; the same pass
+   stores the per-tile masses of the next ``U``. Top-k with top-p: the bounds
+   ``mass{z >= z_v} <= S_k <= total`` decide most rows; otherwise ``S_k`` is computed exactly once
+   per row (a radix-16 search: ~9 passes of ``_bisect_kernel``). After ``max_rounds`` rejections the row falls back to
+   the full-row bisections over float bit patterns (``PATH_SLOW``, streams 0, 1; also the path of
+   every filtered row with ``max_rounds=0``).
+
+What differs from the Triton version (``pallas_kernels.triton.fused_sample``):
+
+* No top-k candidate path (``PATH_CANDIDATES``, k <= 128): it gathers the candidate 64-column
+  chunks with pointer loads and lists them with data-dependent loops, which have no TPU form that
+  pays off (no vector gathers in Mosaic). Top-k rows take the pivot-rejection path here, so a
+  top-k <= 128 row draws from the same law with another mapping of its uniforms to tokens; every
+  other row uses the same uniforms in the same way (temperature-only and rejection-path rows give
+  the same token as the Triton version up to float32 rounding of the masses at a boundary).
+* Row-wise control flow (``lax.cond`` per row, a loop of rounds per program) becomes per-pass:
+  the rejection rounds are a ``lax.while_loop`` over passes that run while any row is undecided;
+  each pass does work only for row blocks with an undecided row.
+* ``cumsum`` (inverse CDF inside a tile): a binary search over the prefix index, each step one
+  masked sum over the tile (log2(tile) reductions; Mosaic has no cumsum). argmax: max, then the
+  minimum index where equal. The per-tile stats are written with one-hot selects into a resident
+  block instead of dynamic stores.
+* Division: ``z = (x - M) / T`` is one division expression used by every pass, so thresholds
+  found in one pass compare equal in another; in interpret mode it sits between optimization
+  barriers (XLA:CPU may otherwise turn it into ``x * (1/T)`` in one fusion only), as in the Triton
+  version. Whether Mosaic's f32 division is correctly rounded on a TPU has not been checked (no
+  TPU): the kept sets are self-consistent either way, and equal to the reference's when both use
+  the same division.
+* The check pass computes the exact z for every element (the Triton version compares a cheap
+  ``(x - M) * (1/T)`` and recomputes z only near a threshold): simpler, the same membership.
+
+Random numbers: exactly the Triton version's: ``_uniform(k0, k1, stream)``, a murmur3-finaliser
+hash of the row's two seed words and the stream index (24-bit uniforms), computed with the same
+uint32 operations (in the wrapper, on ``[rows]`` vectors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
+
+INVALID_TOKEN = -1
+MAX_TILE = 4096
+MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (PATH_SLOW)
+LANES = 128
+PIVOTS = 16  # keys tested per pass by the threshold searches (radix 16)
+PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW, PATH_REJECT = 0, 1, 2, 3, 4  # as the Triton version
+_INT_MIN = np.int32(np.iinfo(np.int32).min)
+_BIG = np.int32(2**30)
+_LOG2E = np.float32(np.log2(np.e))
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def _u32(x):
+    return jnp.asarray(x, jnp.uint32)
+
+
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * _u32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _u32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _uniform(s0, s1, stream):
+    """Uniform in [0, 1) with 24 bits from (seed words, stream index): bit for bit the Triton
+    version's ``_uniform`` (``stream`` a Python int or a traced int32)."""
+    if isinstance(stream, int):
+        salt = _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF)
+    else:
+        salt = _u32(0x9E3779B9) * (stream + 1).astype(jnp.uint32)
+    h = _fmix32(s1 + salt)
+    h = _fmix32(s0 ^ h)
+    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def _zkey(z):
+    """Monotone int32 key of a float32 (no NaN); -0.0 and +0.0 share key 0."""
+    b = jax.lax.bitcast_convert_type(z, jnp.int32)
+    k = jnp.where(b < 0, b ^ np.int32(0x7FFFFFFF), b)
+    return jnp.where(z == 0, 0, k)
+
+
+def _key_to_float(k):
+    b = jnp.where(k < 0, k ^ np.int32(0x7FFFFFFF), k)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _zof(x, M, Ts, barrier: bool):
+    """``(x - M) / T``: the one division every pass uses (see the module doc)."""
+    a, b = x - M, jnp.broadcast_to(Ts, x.shape)
+    if barrier:
+        a, b = jax.lax.optimization_barrier((a, b))
+        return jax.lax.optimization_barrier(a / b)
+    return a / b
+
+
+def _pick_rows(w, u):
+    """[R, n] weights, [R] uniforms -> [R] index of the first ``cumsum(w) > u * total`` among
+    positive weights, else the last positive weight (float prefix sums need not be monotone),
+    -1 if none (the Triton version's ``_pick``, on small per-row arrays in plain JAX)."""
+    cw = jnp.cumsum(w, axis=1)
+    total = jnp.max(cw, axis=1, keepdims=True)
+    iota = jnp.arange(w.shape[1], dtype=jnp.int32)
+    first = jnp.min(jnp.where((cw > u[:, None] * total) & (w > 0), iota, _BIG), axis=1)
+    last = jnp.max(jnp.where(w > 0, iota, -1), axis=1)
+    return jnp.where(first < _BIG, first, last)
+
+
+def _col(ref):
+    """A ``(rows, 128)`` lane-broadcast parameter block -> ``(rows, 1)``."""
+    return ref[:, 0:1]
+
+
+# ----------------------------------------------------------------------------- pass 1: stats
+
+
+def _stats_kernel(x_ref, temp_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, m_s, am_s, bad_s, fin_s, *, tile):
+    t = pl.program_id(1)
+    nt = pl.num_programs(1)
+
+    @pl.when(t == 0)
+    def _():
+        m_s[...] = jnp.full(m_s.shape, -jnp.inf, jnp.float32)
+        am_s[...] = jnp.zeros(am_s.shape, jnp.int32)
+        bad_s[...] = jnp.zeros(bad_s.shape, jnp.int32)
+        fin_s[...] = jnp.zeros(fin_s.shape, jnp.int32)
+        tm_ref[...] = jnp.full(tm_ref.shape, -jnp.inf, jnp.float32)
+        ts_ref[...] = jnp.zeros(ts_ref.shape, jnp.float32)
+
+    T = _col(temp_ref)
+    inv_t = 1.0 / jnp.where(T == 0.0, 1.0, T)  # greedy rows: any finite scale (the mass only flags NaN)
+    x = x_ref[...].astype(jnp.float32)
+    cols = t * tile + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    tmax = jnp.max(x, axis=1, keepdims=True)
+    safe = jnp.where(jnp.abs(tmax) < jnp.inf, tmax, 0.0)
+    # NaN iff the tile holds a NaN (terms in [0, 1] when tmax is finite or -inf)
+    s = jnp.sum(jnp.exp2((x - safe) * (inv_t * _LOG2E)), axis=1, keepdims=True)
+    lane = jax.lax.broadcasted_iota(jnp.int32, tm_ref.shape, 1)
+    tm_ref[...] = jnp.where(lane == t, tmax, tm_ref[...])
+    ts_ref[...] = jnp.where(lane == t, s, ts_ref[...])
+    bad_s[...] = bad_s[...] | ((s != s) | (tmax == jnp.inf)).astype(jnp.int32)
+    fin_s[...] = fin_s[...] | (tmax > -jnp.inf).astype(jnp.int32)
+    better = tmax > m_s[...]
+    targ = jnp.min(jnp.where(x == tmax, cols, _BIG), axis=1, keepdims=True)
+    am_s[...] = jnp.where(better, targ, am_s[...])
+    m_s[...] = jnp.where(better, tmax, m_s[...])
+
+    @pl.when(t == nt - 1)
+    def _():
+        mx_ref[...] = jnp.broadcast_to(m_s[...], mx_ref.shape)
+        am_ref[...] = jnp.broadcast_to(am_s[...], am_ref.shape)
+        ok_ref[...] = jnp.broadcast_to((1 - bad_s[...]) * fin_s[...], ok_ref.shape)
+
+
+# ----------------------------------------------------------------------------- draw: one tile per row
+
+
+def _draw_kernel(tl_ref, nd_ref, x_ref, tsel_ref, act_ref, m_ref, ts_ref, p_ref, zlo_ref, s_ref, q_ref, u_ref,
+                 tok_ref, zv_ref, ev_ref, *, tile, nt, barrier):
+    """Step j of row block rb holds tile ``tl[rb, j]``, the j-th distinct tile that an active row of
+    the block chose (the scalar-prefetched list; steps past their count repeat the last tile, so the
+    pipeline fetches nothing new). The rows that chose it pick in it by inverse CDF over exp(z)
+    restricted to ``{z > P, z >= zlo, z > -inf, exp(z) / S >= q_thr}``. -> (token, z, exp(z))."""
+    rb, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+        tok_ref[...] = jnp.full(tok_ref.shape, -1, jnp.int32)
+        zv_ref[...] = jnp.zeros(zv_ref.shape, jnp.float32)
+        ev_ref[...] = jnp.ones(ev_ref.shape, jnp.float32)
+
+    @pl.when(j < nd_ref[rb])
+    def _():
+        t = tl_ref[rb * nt + j]
+        mine = (_col(tsel_ref) == t) & (_col(act_ref) > 0)
+        x = x_ref[...].astype(jnp.float32)
+        z = _zof(x, _col(m_ref), _col(ts_ref), barrier)
+        e = jnp.exp(z)
+        kept = (z > _col(p_ref)) & (z >= _col(zlo_ref)) & (z > -jnp.inf) & (e / _col(s_ref) >= _col(q_ref))
+        w = jnp.where(kept, e, 0.0)
+        iota = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
+        thr = _col(u_ref) * jnp.sum(w, axis=1, keepdims=True)
+
+        def prefix(k):
+            return jnp.sum(jnp.where(iota <= k, w, 0.0), axis=1, keepdims=True)
+
+        # Smallest k with prefix(k) > u * total: a binary search (no cumsum in Mosaic).
+        lo = jnp.full(thr.shape, -1, jnp.int32)
+        hi = jnp.full(thr.shape, tile - 1, jnp.int32)
+        for _ in range(int(tile - 1).bit_length()):
+            mid = (lo + hi) // 2
+            ok = prefix(mid) > thr
+            hi, lo = jnp.where(ok, mid, hi), jnp.where(ok, lo, mid)
+        wk = jnp.sum(jnp.where(iota == hi, w, 0.0), axis=1, keepdims=True)
+        found = (prefix(hi) > thr) & (wk > 0)
+        last = jnp.max(jnp.where(w > 0, iota, -1), axis=1, keepdims=True)  # (non-monotone float sums)
+        k = jnp.where(found, hi, last)
+        hit = iota == k
+        tok = jnp.where(k >= 0, t * tile + k, -1)
+        zv = jnp.where(k >= 0, jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True), 0.0)
+        ev = jnp.where(k >= 0, jnp.sum(jnp.where(hit, e, 0.0), axis=1, keepdims=True), 1.0)
+        tok_ref[...] = jnp.where(mine, tok, tok_ref[...])
+        zv_ref[...] = jnp.where(mine, zv, zv_ref[...])
+        ev_ref[...] = jnp.where(mine, ev, ev_ref[...])
+
+
+# ----------------------------------------------------------------------------- check pass (rejection)
+
+
+def _check_kernel(blk_ref, x_ref, m_ref, ts_ref, zv_ref, taum_ref, w_ref, cnt_ref, tot_ref, cnt_s, tot_s,
+                  *, barrier):
+    """Per row, for its drawn value zv: per-tile masses of ``{z > zv, z >= log(min_p)}`` (the next
+    round's tile weights), ``#{z > zv}`` and the total mass; masses with exp2((x - M) log2(e) / T)
+    as the stats pass."""
+    rb, t = pl.program_id(0), pl.program_id(1)
+    nt = pl.num_programs(1)
+
+    @pl.when(blk_ref[rb] > 0)
+    def _():
+        @pl.when(t == 0)
+        def _():
+            cnt_s[...] = jnp.zeros(cnt_s.shape, jnp.int32)
+            tot_s[...] = jnp.zeros(tot_s.shape, jnp.float32)
+            w_ref[...] = jnp.zeros(w_ref.shape, jnp.float32)
+
+        M, Ts, zv, tau_m = _col(m_ref), _col(ts_ref), _col(zv_ref), _col(taum_ref)
+        x = x_ref[...].astype(jnp.float32)
+        z = _zof(x, M, Ts, barrier)
+        e = jnp.exp2((x - M) * ((1.0 / Ts) * _LOG2E))
+        up = z > zv
+        s = jnp.sum(jnp.where(up & (z >= tau_m), e, 0.0), axis=1, keepdims=True)
+        lane = jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
+        w_ref[...] = jnp.where(lane == t, s, w_ref[...])
+        cnt_s[...] += jnp.sum(up.astype(jnp.int32), axis=1, keepdims=True)
+        tot_s[...] += jnp.sum(e, axis=1, keepdims=True)
+
+        @pl.when(t == nt - 1)
+        def _():
+            cnt_ref[...] = jnp.broadcast_to(cnt_s[...], cnt_ref.shape)
+            tot_ref[...] = jnp.broadcast_to(tot_s[...], tot_ref.shape)
+
+
+# ----------------------------------------------------------------------------- bisection pass
+
+
+def _bisect_kernel(blk_ref, x_ref, m_ref, ts_ref, key_ref, tau0_ref, s_ref, tau_ref, q_ref,
+                   cnt_ref, mass_ref, above_ref, w_ref, mass_s, *, barrier):
+    """One full-row pass of the threshold searches, per row and for each of its ``PIVOTS`` keys
+    ``K_b`` (lanes 0..15 of the key block): ``#{key(z) > K_b}`` (top-k) and
+    ``sum exp(z) [z >= tau0] / S [key(z) > K_b]`` (top-p); and once: the mass
+    ``sum exp(z) [z >= tau0]`` (S_k) and the per-tile masses of the final kept set
+    ``{z >= tau, z > -inf, exp(z) / S >= q_thr}``."""
+    rb, t = pl.program_id(0), pl.program_id(1)
+    nt = pl.num_programs(1)
+
+    @pl.when(blk_ref[rb] > 0)
+    def _():
+        @pl.when(t == 0)
+        def _():
+            cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
+            above_ref[...] = jnp.zeros(above_ref.shape, jnp.float32)
+            mass_s[...] = jnp.zeros(mass_s.shape, jnp.float32)
+            w_ref[...] = jnp.zeros(w_ref.shape, jnp.float32)
+
+        x = x_ref[...].astype(jnp.float32)
+        z = _zof(x, _col(m_ref), _col(ts_ref), barrier)
+        e = jnp.exp(z)
+        key = _zkey(z)
+        S = _col(s_ref)
+        e0 = jnp.where(z >= _col(tau0_ref), e, 0.0)
+        q0 = e0 / S
+        lane = jax.lax.broadcasted_iota(jnp.int32, cnt_ref.shape, 1)
+        cnt, above = cnt_ref[...], above_ref[...]
+        for b in range(PIVOTS):
+            gt = key > key_ref[:, b : b + 1]
+            cnt = cnt + jnp.where(lane == b, jnp.sum(gt.astype(jnp.int32), axis=1, keepdims=True), 0)
+            above = above + jnp.where(lane == b, jnp.sum(jnp.where(gt, q0, 0.0), axis=1, keepdims=True), 0.0)
+        cnt_ref[...] = cnt
+        above_ref[...] = above
+        mass_s[...] += jnp.sum(e0, axis=1, keepdims=True)
+        kept = (z >= _col(tau_ref)) & (z > -jnp.inf) & (e / S >= _col(q_ref))
+        s = jnp.sum(jnp.where(kept, e, 0.0), axis=1, keepdims=True)
+        tl = jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
+        w_ref[...] = jnp.where(tl == t, s, w_ref[...])
+
+        @pl.when(t == nt - 1)
+        def _():
+            mass_ref[...] = jnp.broadcast_to(mass_s[...], mass_ref.shape)
+
+
+# ----------------------------------------------------------------------------- pass launchers
+# Each pass is its own jitted function, so a pass called from several places of the wrapper is
+# traced and lowered once (in interpret mode most of the cost of a call site is its compile).
+
+_STATIC = ("tile", "rows", "interpret")
+
+
+def _bcast(v, dtype=jnp.float32):
+    """[Rp] -> [Rp, 128] lane-broadcast (a per-row parameter as a lane-dense block)."""
+    return jnp.broadcast_to(v.astype(dtype)[:, None], (v.shape[0], LANES))
+
+
+def _interp(interpret):
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _geometry(x, tile, rows):
+    Rp, Vp = x.shape
+    nt = Vp // tile
+    return Rp, nt, pl.cdiv(nt, LANES) * LANES, Rp // rows
+
+
+def _block_active(active, rows):
+    return jnp.any(active.reshape(-1, rows), axis=1).astype(jnp.int32)
+
+
+def _reduce_params():
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _stats_pass(x, temp, *, tile, rows, interpret):
+    """-> (max, argmax, valid) [Rp] and per-tile (max, mass) [Rp, ntp]."""
+    Rp, nt, ntp, nb = _geometry(x, tile, rows)
+    sd = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    row = pl.BlockSpec((rows, LANES), lambda rb, t: (rb, 0))
+    tiles = pl.BlockSpec((rows, ntp), lambda rb, t: (rb, 0))
+    mx, am, ok, tm, ts = pl.pallas_call(
+        functools.partial(_stats_kernel, tile=tile),
+        grid=(nb, nt),
+        in_specs=[pl.BlockSpec((rows, tile), lambda rb, t: (rb, t)), row],
+        out_specs=[row, row, row, tiles, tiles],
+        out_shape=[sd((Rp, LANES), f32), sd((Rp, LANES), i32), sd((Rp, LANES), i32), sd((Rp, ntp), f32),
+                   sd((Rp, ntp), f32)],
+        scratch_shapes=[pltpu.VMEM((rows, 1), f32)] + [pltpu.VMEM((rows, 1), i32)] * 3,
+        compiler_params=_reduce_params(),
+        interpret=_interp(interpret),
+        name="ddtree_tpu_sample_stats",
+    )(x, _bcast(temp))
+    return mx[:, 0], am[:, 0], ok[:, 0] > 0, tm, ts
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _draw_pass(x, active, tile_idx, M, Ts, P, zlo, S, qthr, u, *, tile, rows, interpret):
+    """-> (token, z, exp(z)) [Rp] of the active rows (token -1 elsewhere)."""
+    Rp, nt, ntp, nb = _geometry(x, tile, rows)
+    # Per row block: the distinct tiles its active rows chose, ascending, the last one repeated.
+    need = jnp.any((active[:, None] & (tile_idx[:, None] == jnp.arange(nt)[None, :])).reshape(nb, rows, nt), axis=1)
+    order = jnp.argsort(~need, axis=1, stable=True).astype(jnp.int32)
+    nd = jnp.sum(need, axis=1).astype(jnp.int32)
+    tl = jnp.take_along_axis(order, jnp.minimum(jnp.arange(nt)[None, :], jnp.maximum(nd, 1)[:, None] - 1), axis=1)
+    sd = jax.ShapeDtypeStruct
+    row = pl.BlockSpec((rows, LANES), lambda rb, j, tl, nd: (rb, 0))
+    gs = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(nb, nt),
+        in_specs=[pl.BlockSpec((rows, tile), lambda rb, j, tl, nd: (rb, tl[rb * nt + j]))] + [row] * 9,
+        out_specs=[row] * 3,
+    )
+    tok, zv, ev = pl.pallas_call(
+        functools.partial(_draw_kernel, tile=tile, nt=nt, barrier=bool(interpret)),
+        grid_spec=gs,
+        out_shape=[sd((Rp, LANES), jnp.int32), sd((Rp, LANES), jnp.float32), sd((Rp, LANES), jnp.float32)],
+        compiler_params=_reduce_params(),
+        interpret=_interp(interpret),
+        name="ddtree_tpu_sample_draw",
+    )(tl.reshape(-1), nd, x, _bcast(tile_idx, jnp.int32), _bcast(active, jnp.int32),
+      *[_bcast(a) for a in (M, Ts, P, zlo, S, qthr, u)])
+    return tok[:, 0], zv[:, 0], ev[:, 0]
+
+
+def _gated_specs(rows, tile, ntp, n_rows):
+    """An inactive block's index map returns the block it already holds: no copy."""
+    stream = pl.BlockSpec((rows, tile), lambda rb, t, blk: (rb, jnp.where(blk[rb] > 0, t, 0)))
+    row = pl.BlockSpec((rows, LANES), lambda rb, t, blk: (rb, 0))
+    tiles = pl.BlockSpec((rows, ntp), lambda rb, t, blk: (rb, 0))
+    return [stream] + [row] * n_rows, row, tiles
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _check_pass(x, active, M, Ts, zv, tau_m, *, tile, rows, interpret):
+    """-> (per-tile masses [Rp, ntp], count [Rp], total [Rp]) for the active rows."""
+    Rp, nt, ntp, nb = _geometry(x, tile, rows)
+    sd = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    ins, row, tiles = _gated_specs(rows, tile, ntp, 4)
+    gs = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(nb, nt), in_specs=ins, out_specs=[tiles, row, row],
+        scratch_shapes=[pltpu.VMEM((rows, 1), i32), pltpu.VMEM((rows, 1), f32)],
+    )
+    W, cnt, tot = pl.pallas_call(
+        functools.partial(_check_kernel, barrier=bool(interpret)),
+        grid_spec=gs,
+        out_shape=[sd((Rp, ntp), f32), sd((Rp, LANES), i32), sd((Rp, LANES), f32)],
+        compiler_params=_reduce_params(),
+        interpret=_interp(interpret),
+        name="ddtree_tpu_sample_check",
+    )(_block_active(active, rows), x, *[_bcast(a) for a in (M, Ts, zv, tau_m)])
+    return W, cnt[:, 0], tot[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _bisect_pass(x, active, M, Ts, K, tau0, S, tau, qthr, *, tile, rows, interpret):
+    """``K [Rp, PIVOTS]`` -> (#{key(z) > K_b} [Rp, PIVOTS], mass{z >= tau0} [Rp], mass above K_b of
+    the tau0-set / S [Rp, PIVOTS], per-tile kept masses [Rp, ntp]) for the active rows."""
+    Rp, nt, ntp, nb = _geometry(x, tile, rows)
+    sd = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    ins, row, tiles = _gated_specs(rows, tile, ntp, 7)
+    gs = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(nb, nt), in_specs=ins, out_specs=[row, row, row, tiles],
+        scratch_shapes=[pltpu.VMEM((rows, 1), f32)],
+    )
+    keys = jnp.pad(K.astype(i32), ((0, 0), (0, LANES - PIVOTS)))
+    cnt, mass, above, W = pl.pallas_call(
+        functools.partial(_bisect_kernel, barrier=bool(interpret)),
+        grid_spec=gs,
+        out_shape=[sd((Rp, LANES), i32), sd((Rp, LANES), f32), sd((Rp, LANES), f32), sd((Rp, ntp), f32)],
+        compiler_params=_reduce_params(),
+        interpret=_interp(interpret),
+        name="ddtree_tpu_sample_bisect",
+    )(_block_active(active, rows), x, _bcast(M), _bcast(Ts), keys, *[_bcast(a) for a in (tau0, S, tau, qthr)])
+    return cnt[:, :PIVOTS], mass[:, 0], above[:, :PIVOTS], W
+
+
+def _search_rows(pred_below, lo, hi, active):
+    """Per row: the smallest int32 K in (lo, hi] with ``pred_below(K)`` true, given it false at lo,
+    true at hi and monotone: a radix-16 search, ``PIVOTS`` keys per pass (each pass cuts the interval
+    16-fold: 8 passes for 2**31 keys where a bisection takes 31). ``pred_below(K [Rp, PIVOTS],
+    active [Rp]) -> bool [Rp, PIVOTS]`` runs one pass; rows not active keep ``hi``.
+    -> (K, passes run)."""
+    b = jnp.arange(1, PIVOTS + 1, dtype=jnp.uint32)[None, :]
+
+    def live(c):
+        lo, hi = c[0], c[1]
+        return active & (hi > lo + 1)  # (hi - lo could overflow int32)
+
+    def body(c):
+        lo, hi, n = c
+        on = live(c)
+        d = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)  # exact mod 2**32
+        q, r = (d >> 4)[:, None], (d & 15)[:, None]
+        off = q * b + ((r * b) >> 4)  # floor(d * b / 16) <= d, no overflow
+        piv = (lo.astype(jnp.uint32)[:, None] + off).astype(jnp.int32)  # in (lo, hi]; == lo where off = 0
+        fresh = piv > lo[:, None]  # pred is known false at lo and true at hi
+        ok = fresh & (pred_below(piv, on) | (piv >= hi[:, None]))
+        nlo = jnp.max(jnp.where(fresh & ~ok, piv, lo[:, None]), axis=1)
+        nhi = jnp.min(jnp.where(ok, piv, hi[:, None]), axis=1)
+        return jnp.where(on, nlo, lo), jnp.where(on, nhi, hi), n + 1
+
+    lo, hi, n = jax.lax.while_loop(lambda c: jnp.any(live(c)), body, (lo, hi, jnp.int32(0)))
+    return hi, n
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _tile_for(V: int, tile: int | None) -> int:
+    t = tile or MAX_TILE
+    if t % LANES:
+        raise ValueError(f"tile must be a multiple of {LANES} on TPU, got {t}")
+    return max(LANES, min(t, pl.cdiv(V, LANES) * LANES))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile", "block_rows", "max_rounds"))
+def fused_sample_debug(
+    logits: jax.Array,  # [R, V] f32 or bf16
+    temperature: jax.Array,  # f32 [R] (0 = greedy)
+    top_k: jax.Array,  # i32 [R]
+    top_p: jax.Array,  # f32 [R]
+    min_p: jax.Array,  # f32 [R]
+    seeds: jax.Array,  # u32 [R, 2]
+    *,
+    interpret: bool = False,
+    tile: int | None = None,
+    block_rows: int = 16,
+    max_rounds: int = MAX_ROUNDS,
+) -> dict:
+    """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays as the Triton
+    version's ``fused_sample_debug``: ``token``, ``tau`` (kept requires ``z >= tau``), ``q_thr``
+    (kept requires ``exp(z)/norm >= q_thr``), ``norm``, ``path`` (0 greedy/invalid, 1 temperature,
+    3 full-row bisections, 4 pivot rejection; 2 is never taken here), ``passes`` (full-row passes
+    after the stats pass, tile re-reads not counted) and ``rounds``. On path 4 ``tau``/``q_thr``
+    (``norm`` = 1) describe a superset of the kept set, as in the Triton version.
+
+    ``interpret``: run in Pallas' TPU interpret mode (off a TPU). ``tile``: vocabulary columns per
+    grid step (a multiple of 128; default 4096). ``block_rows``: rows per block (a multiple of 8;
+    16 suits bf16). ``max_rounds`` = 0 turns the rejection path off (path 3 instead)."""
+    R, V = logits.shape
+    if block_rows % 8:
+        raise ValueError(f"block_rows must be a multiple of 8, got {block_rows}")
+    tile = _tile_for(V, tile)
+    nt = pl.cdiv(V, tile)
+    Rp = pl.cdiv(R, block_rows) * block_rows
+    f32, i32 = jnp.float32, jnp.int32
+    x = jnp.pad(logits, ((0, Rp - R), (0, nt * tile - V)), constant_values=-jnp.inf)  # padded rows: invalid
+    pad = lambda a, v: jnp.pad(a, ((0, Rp - R),) + ((0, 0),) * (a.ndim - 1), constant_values=v)  # noqa: E731
+    T = pad(temperature.astype(f32), 1.0)
+    k = pad(top_k.astype(i32), 0)
+    p = pad(top_p.astype(f32), 1.0)
+    minp = pad(min_p.astype(f32), 0.0)
+    seeds = pad(seeds.astype(jnp.uint32), 0)
+    s0, s1 = seeds[:, 0], seeds[:, 1]
+    opts = dict(tile=tile, rows=block_rows, interpret=interpret)
+
+    M, argmax, valid, tm, ts = _stats_pass(x, T, **opts)
+    greedy = T == 0.0
+    Ts = jnp.where(greedy, 1.0, T)
+    inv_t = 1.0 / Ts
+    k_on = (k > 0) & (k < V)
+    p_on = p < 1.0
+    filtered = k_on | p_on | (minp > 0.0)
+    sampled = valid & ~greedy
+    neg_inf = jnp.full((Rp,), -jnp.inf, f32)
+    zeros, ones, izeros = jnp.zeros((Rp,), f32), jnp.ones((Rp,), f32), jnp.zeros((Rp,), i32)
+    u1, u2 = _uniform(s0, s1, 0), _uniform(s0, s1, 1)
+    W0 = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M[:, None]) * inv_t[:, None]), 0.0)
+
+    def draw(active, W, u_t, u_e, P, zlo, S, qthr):
+        t = jnp.maximum(_pick_rows(W, u_t), 0)
+        tok, zv, ev = _draw_pass(x, active, t, M, Ts, P, zlo, S, qthr, u_e, **opts)
+        ok = tok >= 0  # (j < 0 cannot happen when W_t > 0; the argmax is kept anyway)
+        return jnp.where(ok, tok, argmax), jnp.where(ok, zv, 0.0), jnp.where(ok, ev, 1.0)
+
+    # --- path 1: temperature only
+    temp_rows = sampled & ~filtered
+    tok_t, _, _ = draw(temp_rows, W0, u1, u2, neg_inf, neg_inf, ones, zeros)
+    S_t = jnp.sum(W0, axis=1)
+
+    # --- full-row bisections (PATH_SLOW and the exact S_k of the rejection path)
+    def pivots(a):
+        return jnp.broadcast_to(a[:, None], (Rp, PIVOTS))
+
+    def topk_key(act):
+        """Key of z_(k): the smallest K with #{key(z) > K} < k (radix-16 search, ~8 passes)."""
+        return _search_rows(
+            lambda K, a: _bisect_pass(x, a, M, Ts, K, neg_inf, ones, neg_inf, zeros, **opts)[0] < k[:, None],
+            jnp.full((Rp,), _INT_MIN, i32), izeros, act)
+
+    def mass_from(tau0, act):
+        return _bisect_pass(x, act, M, Ts, pivots(izeros), tau0, ones, neg_inf, zeros, **opts)[1]
+
+    def p_slow(rows):
+        K_k, nk = topk_key(rows & k_on)
+        K_k = jnp.where(rows & k_on, K_k, _INT_MIN)
+        tau0 = jnp.where(K_k == _INT_MIN, -jnp.inf, _key_to_float(K_k))
+        S = jnp.where(rows, mass_from(tau0, rows), 1.0)
+
+        # Top-p in the z domain: the smallest z-key K with mass{z > K} < top_p (see the Triton version).
+        def mass_above(K, act):
+            return _bisect_pass(x, act, M, Ts, K, tau0, S, neg_inf, zeros, **opts)[2]
+
+        prow = rows & p_on
+        need = prow & (mass_above(pivots(jnp.full((Rp,), _INT_MIN, i32)), prow)[:, 0] >= p)
+        K_p, np_ = _search_rows(lambda K, a: mass_above(K, a) < p[:, None], jnp.full((Rp,), _INT_MIN, i32),
+                                izeros, need)
+        K_p = jnp.where(need, K_p, _INT_MIN)
+        K_t = jnp.maximum(K_k, K_p)
+        tau = jnp.where(K_t == _INT_MIN, -jnp.inf, _key_to_float(K_t))
+        qthr = minp * (1.0 / S)
+        w = _bisect_pass(x, rows, M, Ts, pivots(izeros), neg_inf, S, tau, qthr, **opts)[3]
+        tok, _, _ = draw(rows, w, u1, u2, neg_inf, tau, S, qthr)
+        passes = jnp.where(k_on, nk, 0) + 2 + jnp.where(prow, jnp.where(need, np_ + 1, 1), 0)
+        return tok, tau, qthr, S, passes
+
+    def run_slow(rows):
+        return jax.lax.cond(jnp.any(rows), p_slow, lambda r: (argmax, neg_inf, zeros, ones, izeros), rows)
+
+    # --- path 4: pivot rejection
+    rej_rows = sampled & filtered
+    tau_m = jnp.log(minp)  # min-p on the rejection path: z >= log(min_p) (-inf when off)
+    need_pass_kp = k_on | p_on
+
+    def round_(c):
+        i, done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
+        active = rej_rows & ~done
+        v, zv, ev = draw(active, W, _uniform(s0, s1, 2 * i + 2), _uniform(s0, s1, 2 * i + 3), P, zfl, ones, zeros)
+        ok_m = zv >= tau_m
+        # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
+        ran = active & (need_pass_kp | ~ok_m)
+        Wc, cnt, tot = jax.lax.cond(jnp.any(ran), lambda: _check_pass(x, ran, M, Ts, zv, tau_m, **opts),
+                                    lambda: (W, izeros, ones))
+        Wn = jnp.where(ran[:, None], Wc, W)
+        cnt, tot = jnp.where(ran, cnt, 0), jnp.where(ran, tot, 1.0)
+        m_gt = jnp.sum(Wn, axis=1)  # = mass{z > zv} whenever v passes min-p
+        in_k = ~k_on | (cnt < k)
+        # top-p with top-k: S_k >= mass{z >= zv} >= m_gt + ev decides acceptance, S_k <= tot
+        # rejection; otherwise S_k exactly (33 passes, once per row).
+        sure_acc = m_gt < p * (m_gt + ev)
+        sure_rej = m_gt >= p * tot
+        need_sk = ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
+
+        def exact_sk():
+            K_k, n = topk_key(need_sk)
+            return mass_from(jnp.where(K_k == _INT_MIN, -jnp.inf, _key_to_float(K_k)), need_sk), n + 1
+
+        S_new, n_sk = jax.lax.cond(jnp.any(need_sk), exact_sk, lambda: (ones, jnp.int32(0)))
+        S_k = jnp.where(need_sk, S_new, S_k)
+        have_sk = jnp.where(need_sk, 1, have_sk)
+        S_p = jnp.where(have_sk > 0, S_k, tot)
+        acc = active & ok_m & in_k & (~p_on | (m_gt < p * S_p))
+        rej = active & ~acc
+        passes = passes + ran.astype(i32) + n_sk * need_sk.astype(i32)
+        # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
+        return (i + 1, done | acc, jnp.where(acc, v, tok), jnp.where(rej, zv, P), jnp.where(rej, tau_m, zfl),
+                jnp.where(rej[:, None], Wn, W), have_sk, S_k, passes, nr + active.astype(i32))
+
+    def more(c):
+        return (c[0] < max_rounds) & jnp.any(rej_rows & ~c[1])
+
+    init = (jnp.int32(0), ~rej_rows, argmax, neg_inf, neg_inf, W0, izeros, ones, izeros, izeros)
+    _, done, tok_r, P, _, _, _, _, passes_r, rounds = jax.lax.while_loop(more, round_, init)
+    fell = rej_rows & ~done
+    tok_s, tau_s, qthr_s, S_s, passes_s = run_slow(fell)
+    # accepted: kept requires z > P (tau = the next float above P; P < 0) and z >= log(min_p)
+    above = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(P, i32) - 1, f32)
+    tau_r = jnp.where(P > -jnp.inf, above, -jnp.inf)
+
+    path = jnp.where(sampled, jnp.where(filtered, jnp.where(fell, PATH_SLOW, PATH_REJECT), PATH_TEMPERATURE),
+                     PATH_NONE)
+    token = jnp.where(valid, argmax, INVALID_TOKEN)
+    token = jnp.where(temp_rows, tok_t, token)
+    token = jnp.where(rej_rows, jnp.where(fell, tok_s, tok_r), token)
+    tau = jnp.where(fell, tau_s, jnp.where(rej_rows, tau_r, -jnp.inf))
+    q_thr = jnp.where(fell, qthr_s, jnp.where(rej_rows, minp, 0.0))
+    norm = jnp.where(fell, S_s, jnp.where(rej_rows, 1.0, jnp.where(temp_rows, S_t, 0.0)))
+    passes = jnp.where(rej_rows, passes_r + jnp.where(fell, passes_s, 0), 0)
+    out = dict(token=token.astype(i32), tau=tau, q_thr=q_thr, norm=norm, path=path.astype(i32), passes=passes,
+               rounds=jnp.where(rej_rows, rounds, 0))
+    return {name: a[:R] for name, a in out.items()}
+
+
+def fused_sample(logits, temperature, top_k, top_p, min_p, seeds, *, interpret: bool = False,
+                 tile: int | None = None, **tuning) -> jax.Array:
+    """One exact draw per row of ``logits [R, V]`` under per-row (temperature, top_k, top_p,
+    min_p), seeds ``u32 [R, 2]``; ``INVALID_TOKEN`` for NaN/+inf/all--inf rows. i32 ``[R]``."""
+    return fused_sample_debug(logits, temperature, top_k, top_p, min_p, seeds, interpret=interpret, tile=tile,
+                              **tuning)["token"]
