@@ -81,8 +81,7 @@ def test_kept_sets_and_greedy(max_rounds):
     (outside a 1e-5 relative band at the min-p boundary); on the rejection path the thresholds
     describe a superset (checked: no kept token outside it) and the draw is in the kept set."""
     x, pb = _inputs()
-    out = _run(x, pb, _seeds(R, 0), tile=TILE, block_rows=R,
-               **({} if max_rounds == tpu_sample.MAX_ROUNDS else dict(max_rounds=max_rounds)))
+    out = _run(x, pb, _seeds(R, 0), tile=TILE, block_rows=R, max_rounds=max_rounds)  # (traced: one compile)
     ref_keep = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0] > -np.inf
     T, k, p, m = CFG.T
     filtered = (k > 0) | (p < 1) | (m > 0)
@@ -194,7 +193,7 @@ def test_chi_square_law():
 
 def test_dispatch():
     """impl strings and Backend instances pick the family; "pallas" keeps meaning the Triton
-    kernels interpreted on a CPU; greedy draws through sample_tree_nodes equal the reference."""
+    kernels interpreted on a CPU. (The public functions' use of it: the generate test below.)"""
     assert resolve_backend(TPU) == Backend(kernels=True, interpret=True, family="mosaic_tpu")
     assert resolve_backend("pallas") == Backend(kernels=True, interpret=True, family="triton")
     assert resolve_backend("pallas:triton") == Backend(kernels=True, interpret=True, family="triton")
@@ -203,15 +202,6 @@ def test_dispatch():
         Backend(kernels=True, family="cuda")
     with pytest.raises(ValueError, match="impl"):
         resolve_backend("pallas:cuda")
-    x, _ = _inputs()
-    logits = jnp.asarray(x).reshape(2, 16, V)
-    sp = [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.8, top_k=7, seed=5)]
-    key = jax.random.key(0)
-    ker = np.asarray(dt.sample_tree_nodes(logits, sp, key, impl=TPU))
-    ref = np.asarray(dt.sample_tree_nodes(logits, sp, key, impl="reference"))
-    np.testing.assert_array_equal(ker[0], ref[0])
-    lp = np.asarray(target_logprobs(logits, dt.batch_sampling(sp, 2)))
-    assert (np.take_along_axis(lp, ker[..., None], -1) > -np.inf).all()
 
 
 # ----------------------------------------------------------------------------- tree and walk
@@ -228,8 +218,10 @@ def _tree_inputs():
     return np.concatenate([rand, random_draft_logits(2, B, L, Vt, mask_frac=0.9), np.round(rand), ties])
 
 
-@pytest.mark.parametrize("budget", [21, 150])  # 150 > K = V: a frontier that fills up
-def test_tree_builder_matches_reference(budget):
+def test_tree_builder_matches_reference():
+    """Budget 40 > V = 37 (K = V, a frontier that fills up on the masked rows) on random, masked,
+    tied and NaN inputs: every field equal to the reference build."""
+    budget = 40
     logits = jnp.asarray(_tree_inputs())
     ker, ref = dt.build_draft_tree(logits, budget, impl=TPU), dt.build_draft_tree(logits, budget, impl="reference")
     for f in FIELDS:
@@ -238,7 +230,7 @@ def test_tree_builder_matches_reference(budget):
 
 def test_accept_walk_matches_reference():
     rng = np.random.default_rng(0)
-    tree = dt.build_draft_tree(jnp.asarray(_tree_inputs()), 21, impl="reference")
+    tree = dt.build_draft_tree(jnp.asarray(_tree_inputs()), 40, impl="reference")
     tree = tree.with_root_tokens(jnp.asarray(rng.integers(0, 37, 8)))
     tk, fc, ns = (np.asarray(a) for a in (tree.tokens, tree.first_child, tree.next_sibling))
     follow = np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 0)
@@ -255,12 +247,37 @@ def test_accept_walk_matches_reference():
 
 
 def test_generate_with_the_tpu_kernels_equals_the_reference():
-    """A short greedy DDTree generation on the tiny model: the TPU kernels (interpreted) build,
-    sample and walk exactly as the references."""
+    """A short greedy DDTree generation on the tiny model with the TPU kernels (interpreted) for
+    tree, sampler and walk gives exactly the reference decoding: plain-JAX autoregressive greedy
+    (cheaper to compile than a reference DDTree run, and the same tokens: tests/test_generate.py)."""
     target = tiny_kimi(0)
     drafter = tiny_dflash(target, 1)
-    kw = dict(method="ddtree", budget=6, max_new_tokens=6, max_len=32)
+    kw = dict(max_new_tokens=6, max_len=32)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
-    ker = dt.generate(target, drafter, prompts, impl=TPU, **kw)
-    ref = dt.generate(target, drafter, prompts, impl="reference", **kw)
+    ker = dt.generate(target, drafter, prompts, method="ddtree", budget=6, impl=TPU, **kw)
+    ref = dt.generate(target, None, prompts, method="ar", impl="reference", **kw)
     assert ker.tokens == ref.tokens
+    assert max(max(r.acceptance_lengths) for r in ker.requests) >= 1
+
+
+def test_kernels_lower_for_tpu():
+    """Interpret mode does not check Mosaic's rules, so each kernel is also lowered for a TPU
+    (``jax.export`` with ``platforms=["tpu"]`` runs Pallas' Mosaic TPU lowering on the CPU) at the
+    target's sizes: 64 rows of 163,840 bf16 logits, budget 256 at L = 15. This checks block shapes,
+    grid specs and that every primitive has a Mosaic lowering; the Mosaic compiler's own passes
+    (layouts, VMEM limits) run only on a TPU and are not checked here."""
+    from jax import export
+
+    from pallas_kernels.mosaic_tpu import accept_walk, tree_builder
+
+    rows, vocab, sd = 64, 163_840, jax.ShapeDtypeStruct
+    vec = lambda dtype: sd((rows,), dtype)  # noqa: E731
+    export.export(jax.jit(tpu_sample.fused_sample), platforms=["tpu"])(
+        sd((rows, vocab), jnp.bfloat16), vec(jnp.float32), vec(jnp.int32), vec(jnp.float32), vec(jnp.float32),
+        sd((rows, 2), jnp.uint32))
+    table = lambda dtype: sd((4, 15, 256), dtype)  # noqa: E731
+    export.export(jax.jit(lambda a, b: tree_builder.build_tree(a, b, budget=256)), platforms=["tpu"])(
+        table(jnp.float32), table(jnp.int32))
+    nodes = lambda dtype: sd((4, 257), dtype)  # noqa: E731
+    export.export(jax.jit(lambda *a: accept_walk.accept_walk(*a, draft_len=15)), platforms=["tpu"])(
+        nodes(jnp.int32), nodes(jnp.int32), nodes(jnp.bool_), nodes(jnp.int32))
