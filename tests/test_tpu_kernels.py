@@ -3,7 +3,8 @@ plain-JAX references (and, for the random stream, the Triton sampler's contract)
 
 TPU interpret mode simulates every grid step and DMA and compiles each kernel per input shape,
 so the tests share a few shapes: (32 rows, V=300, tile 128: one row block, three vocabulary tiles)
-for the sampler's thresholds, invalid rows and the random stream; one stacked batch of
+for the sampler's thresholds, invalid rows and the random stream (max_rounds is traced: one
+compile); one stacked batch of
 5 x 2048 rows (V=40) for the chi-square law tests; B=8 / L=4 / V=37 for the tree and the walk.
 No TPU timing exists for these kernels: this file checks what they compute, not how fast.
 """
@@ -54,6 +55,11 @@ CFG = np.array([
 ] * 2, np.float32)
 
 
+# row -> (columns, value): greedy, temperature, top-p, min-p, top-k + top-p, all filters
+INVALID = {16: (17, np.nan), 17: (250, np.inf), 20: (299, np.nan), 22: (slice(None), -np.inf), 25: (0, np.inf),
+           28: (140, np.nan)}
+
+
 def _inputs():
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((R, V)) * rng.uniform(0.5, 3, (R, 1))).astype(np.float32)
@@ -61,6 +67,8 @@ def _inputs():
     x[13] = np.round(x[13])  # greedy on ties: the lowest index
     x[16:20] = np.round(x[16:20] * 2) / 2  # tie groups at the top-p / min-p boundaries
     x[5, : V // 3] = -np.inf  # masked vocabulary
+    for r, (col, v) in INVALID.items():  # rows with no law: NaN / +inf anywhere, or all -inf
+        x[r, col] = v
     return x, _batch(*CFG.T)
 
 
@@ -75,7 +83,8 @@ def _kept_from_thresholds(x_row, T, out, r):
 
 @pytest.mark.parametrize("max_rounds", [tpu_sample.MAX_ROUNDS, 0])
 def test_kept_sets_and_greedy(max_rounds):
-    """Greedy rows: the reference's argmax (lowest index on ties), bit for bit. Sampled rows: with
+    """Rows with NaN / +inf / all -inf logits: -1 on every path. Greedy rows: the reference's
+    argmax (lowest index on ties), bit for bit. Sampled rows: with
     ``max_rounds=0`` every filtered row takes the full-row threshold searches, and the kept set
     rebuilt from the returned thresholds equals the reference's for each filter and combination
     (outside a 1e-5 relative band at the min-p boundary); on the rejection path the thresholds
@@ -87,8 +96,13 @@ def test_kept_sets_and_greedy(max_rounds):
     filtered = (k > 0) | (p < 1) | (m > 0)
     want_path = np.where(T == 0, PATH_NONE, np.where(filtered, PATH_REJECT if max_rounds else PATH_SLOW,
                                                      PATH_TEMPERATURE))
+    bad = sorted(INVALID)
+    want_path[bad] = PATH_NONE
     np.testing.assert_array_equal(out["path"], want_path)
+    assert out["token"][bad].tolist() == [-1] * len(bad)
     for r in range(R):
+        if r in INVALID:
+            continue
         if T[r] == 0:
             assert out["token"][r] == np.argmax(x[r]), r
             continue
@@ -104,21 +118,6 @@ def test_kept_sets_and_greedy(max_rounds):
         assert (out["rounds"][rej] > 1).any()  # some first draws are rejected
 
 
-def test_invalid_rows_give_minus_one():
-    """NaN / +inf / all -inf rows give -1 on every path (same shape as above: no new compile)."""
-    x, pb = _inputs()
-    bad = {0: np.nan, 1: np.inf, 4: np.nan, 6: -np.inf, 9: np.inf, 13: np.nan}  # greedy, temperature, filters
-    for r, v in bad.items():
-        if v == -np.inf:
-            x[r] = v
-        else:
-            x[r, 250 if r % 2 else 17] = v  # in the last tile or the first
-    out = _run(x, pb, _seeds(R, 1), tile=TILE, block_rows=R)
-    rows = sorted(bad)
-    assert out["token"][rows].tolist() == [-1] * len(rows)
-    assert (out["path"][rows] == PATH_NONE).all()
-
-
 def test_random_stream_is_the_triton_contract():
     """The uniforms are the Triton sampler's (same hash, same streams), and the draws follow its
     contract: a temperature-only row picks its tile with stream 0 over the per-tile masses and the
@@ -132,7 +131,7 @@ def test_random_stream_is_the_triton_contract():
                                       np.asarray(triton_uniform(s[:, 0], s[:, 1], stream)))
     x, pb = _inputs()
     seeds = _seeds(R, 0)
-    out = _run(x, pb, seeds, tile=TILE, block_rows=R)
+    out = _run(x, pb, seeds, tile=TILE, block_rows=R, max_rounds=tpu_sample.MAX_ROUNDS)  # the compile above
     u = [np.asarray(tpu_sample._uniform(seeds[:, 0], seeds[:, 1], i)) for i in (0, 1)]
     for r in np.flatnonzero(out["path"] == PATH_TEMPERATURE):
         z = ((x[r] - x[r].max()) / CFG[r, 0]).astype(np.float64)

@@ -563,9 +563,9 @@ def fused_sample_debug(
         ok = tok >= 0  # (j < 0 cannot happen when W_t > 0; the argmax is kept anyway)
         return jnp.where(ok, tok, argmax), jnp.where(ok, zv, 0.0), jnp.where(ok, ev, 1.0)
 
-    # --- path 1: temperature only
+    # --- path 1: temperature only: round 0 of the loop below with streams 0, 1 (no filter can
+    # reject the draw, so it is accepted without a pass; one draw-pass call site for both paths)
     temp_rows = sampled & ~filtered
-    tok_t, _, _ = draw(temp_rows, W0, u1, u2, neg_inf, neg_inf, ones, zeros)
     S_t = jnp.sum(W0, axis=1)
 
     # --- full-row bisections (PATH_SLOW and the exact S_k of the rejection path)
@@ -614,8 +614,10 @@ def fused_sample_debug(
 
     def round_(c):
         i, done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
-        active = rej_rows & ~done
-        v, zv, ev = draw(active, W, _uniform(s0, s1, 2 * i + 2), _uniform(s0, s1, 2 * i + 3), P, zfl, ones, zeros)
+        active = (temp_rows | (rej_rows & (i < max_rounds))) & ~done
+        u_t = jnp.where(temp_rows, u1, _uniform(s0, s1, 2 * i + 2))
+        u_e = jnp.where(temp_rows, u2, _uniform(s0, s1, 2 * i + 3))
+        v, zv, ev = draw(active, W, u_t, u_e, P, zfl, ones, zeros)
         ok_m = zv >= tau_m
         # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
         ran = active & (need_pass_kp | ~ok_m)
@@ -652,9 +654,9 @@ def fused_sample_debug(
                 jnp.where(rej[:, None], Wn, W), have_sk, S_k, passes, nr + active.astype(i32))
 
     def more(c):
-        return (c[0] < max_rounds) & jnp.any(rej_rows & ~c[1])
+        return ((c[0] < max_rounds) & jnp.any(rej_rows & ~c[1])) | ((c[0] == 0) & jnp.any(temp_rows))
 
-    init = (jnp.int32(0), ~rej_rows, argmax, neg_inf, neg_inf, W0, izeros, ones, izeros, izeros)
+    init = (jnp.int32(0), ~sampled, argmax, neg_inf, neg_inf, W0, izeros, ones, izeros, izeros)
     _, done, tok_r, P, _, _, _, _, passes_r, rounds = jax.lax.while_loop(more, round_, init)
     fell = rej_rows & ~done
     tok_s, tau_s, qthr_s, S_s, passes_s = run_slow(fell)
@@ -665,7 +667,7 @@ def fused_sample_debug(
     path = jnp.where(sampled, jnp.where(filtered, jnp.where(fell, PATH_SLOW, PATH_REJECT), PATH_TEMPERATURE),
                      PATH_NONE)
     token = jnp.where(valid, argmax, INVALID_TOKEN)
-    token = jnp.where(temp_rows, tok_t, token)
+    token = jnp.where(temp_rows, tok_r, token)
     token = jnp.where(rej_rows, jnp.where(fell, tok_s, tok_r), token)
     tau = jnp.where(fell, tau_s, jnp.where(rej_rows, tau_r, -jnp.inf))
     q_thr = jnp.where(fell, qthr_s, jnp.where(rej_rows, minp, 0.0))
