@@ -162,18 +162,25 @@ LAW_CFG = [(1.0, 0, 1.0, 0.0), (0.8, 6, 0.85, 0.02), (0.6, 0, 0.95, 0.0), (1.0, 
 LAW_N = 2048
 
 
-def test_chi_square_law():
-    """n = 2048 draws of one V=40 row (Gaussian logits x 1.5, fixed seeds) per setting, all five
-    settings in ONE batch of 10,240 rows (one compile): temperature only; top-k + top-p + min-p;
-    top-p alone; min-p alone; top-k + top-p. Pass: no draw outside the reference's support, every
-    token expected >= 10 times drawn, chi-square p > 1e-3 (bins with expected count < 5 pooled).
-    Negative control: the same counts against the law at 1.5 x the temperature must give
-    p < 1e-6 (or put mass outside its support)."""
+@pytest.mark.parametrize("max_rounds", [tpu_sample.MAX_ROUNDS, 1])
+def test_chi_square_law(max_rounds):
+    """n = 2048 draws of one V=40 bf16 row (Gaussian logits x 1.5, fixed seeds) per setting, all five
+    settings in ONE batch of 10,240 rows (one compile; max_rounds is traced): temperature only;
+    top-k + top-p + min-p; top-p alone; min-p alone; top-k + top-p. With max_rounds = 1 a row whose
+    first draw is rejected falls back to the exact threshold searches: the mixture must still be
+    the exact law. Pass: no draw outside the reference's support, every token expected >= 10 times
+    drawn, chi-square p > 1e-3 (bins with expected count < 5 pooled). Negative control: the same
+    counts against the law at 1.5 x the temperature must give p < 1e-6 (or put mass outside its
+    support)."""
     n, Vs = LAW_N, 40
-    base = np.random.default_rng(7).standard_normal(Vs).astype(np.float32) * 1.5
+    base = jnp.asarray(np.random.default_rng(7).standard_normal(Vs).astype(np.float32) * 1.5, jnp.bfloat16)
     cfg = np.repeat(np.array(LAW_CFG, np.float32), n, axis=0)
-    x = np.broadcast_to(base, (len(cfg), Vs))
-    out = _run(x, _batch(*cfg.T), _seeds(len(cfg), 3), tile=TILE, block_rows=1024)
+    x = jnp.broadcast_to(base, (len(cfg), Vs))  # bf16 logits, as a target emits them
+    base = np.asarray(base.astype(jnp.float32))
+    out = _run(x, _batch(*cfg.T), _seeds(len(cfg), 3), tile=TILE, block_rows=2048, max_rounds=max_rounds)
+    paths = set(out["path"].tolist())
+    assert paths == ({PATH_TEMPERATURE, PATH_REJECT, PATH_SLOW} if max_rounds == 1 else {PATH_TEMPERATURE,
+                                                                                        PATH_REJECT})
     for i, (T, k, p, m) in enumerate(LAW_CFG):
         tok = out["token"][i * n:(i + 1) * n]
         counts = np.bincount(tok, minlength=Vs)
