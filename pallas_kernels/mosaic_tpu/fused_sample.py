@@ -517,8 +517,9 @@ def fused_sample_debug(
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays as the Triton
     version's ``fused_sample_debug``: ``token``, ``tau`` (kept requires ``z >= tau``), ``q_thr``
     (kept requires ``exp(z)/norm >= q_thr``), ``norm``, ``path`` (0 greedy/invalid, 1 temperature,
-    3 full-row bisections, 4 pivot rejection; 2 is never taken here), ``passes`` (full-row passes
-    after the stats pass, tile re-reads not counted) and ``rounds``. On path 4 ``tau``/``q_thr``
+    3 full-row threshold searches, 4 pivot rejection; 2, the Triton version's candidate path, is
+    never taken here), ``passes`` (full-row passes after the stats pass, draw passes not counted)
+    and ``rounds`` (pivot-rejection rounds). On path 4 ``tau``/``q_thr``
     (``norm`` = 1) describe a superset of the kept set, as in the Triton version.
 
     ``interpret``: run in Pallas' TPU interpret mode (off a TPU). ``tile``: vocabulary columns per
@@ -568,7 +569,7 @@ def fused_sample_debug(
     temp_rows = sampled & ~filtered
     S_t = jnp.sum(W0, axis=1)
 
-    # --- full-row bisections (PATH_SLOW and the exact S_k of the rejection path)
+    # --- exact threshold searches (PATH_SLOW and the exact S_k of the rejection path)
     def pivots(a):
         return jnp.broadcast_to(a[:, None], (Rp, PIVOTS))
 
@@ -628,7 +629,7 @@ def fused_sample_debug(
         m_gt = jnp.sum(Wn, axis=1)  # = mass{z > zv} whenever v passes min-p
         in_k = ~k_on | (cnt < k)
         # top-p with top-k: S_k >= mass{z >= zv} >= m_gt + ev decides acceptance, S_k <= tot
-        # rejection; otherwise S_k exactly (33 passes, once per row).
+        # rejection; otherwise S_k exactly (a radix-16 search, once per row).
         sure_acc = m_gt < p * (m_gt + ev)
         sure_rej = m_gt >= p * tot
         need_sk = ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
