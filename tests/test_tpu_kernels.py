@@ -197,9 +197,11 @@ def test_chi_square_law(max_rounds):
             assert pw < 1e-6, f"negative control p = {pw:.3g} for {(T, k, p, m)}"
 
 
-def test_dispatch():
+def test_dispatch(monkeypatch):
     """impl strings and Backend instances pick the family; "pallas" keeps meaning the Triton
-    kernels interpreted on a CPU. (The public functions' use of it: the generate test below.)"""
+    kernels interpreted on a CPU; on a TPU (platform name patched) "auto" and "pallas" pick the
+    compiled TPU kernels, on a GPU the Triton ones. (The public functions' use of it: the generate
+    test below.)"""
     assert resolve_backend(TPU) == Backend(kernels=True, interpret=True, family="mosaic_tpu")
     assert resolve_backend("pallas") == Backend(kernels=True, interpret=True, family="triton")
     assert resolve_backend("pallas:triton") == Backend(kernels=True, interpret=True, family="triton")
@@ -208,6 +210,14 @@ def test_dispatch():
         Backend(kernels=True, family="cuda")
     with pytest.raises(ValueError, match="impl"):
         resolve_backend("pallas:cuda")
+    import ddtree_jax.backend as backend_module
+
+    for platform, family in (("tpu", "mosaic_tpu"), ("gpu", "triton")):
+        monkeypatch.setattr(backend_module.jax, "default_backend", lambda p=platform: p)
+        native = Backend(kernels=True, interpret=False, family=family)
+        assert resolve_backend("auto") == native and resolve_backend("pallas") == native
+        other = "triton" if family == "mosaic_tpu" else "mosaic_tpu"
+        assert resolve_backend(f"pallas:{other}") == Backend(kernels=True, interpret=True, family=other)
 
 
 # ----------------------------------------------------------------------------- tree and walk
