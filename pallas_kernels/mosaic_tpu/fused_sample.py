@@ -461,35 +461,6 @@ def _bisect_pass(x, active, M, Ts, K, tau0, S, tau, qthr, *, tile, rows, interpr
     return out[:, :PIVOTS].astype(jnp.int32), out[:, 2 * PIVOTS], out[:, PIVOTS:2 * PIVOTS], W
 
 
-def _search_rows(pred_below, lo, hi, active):
-    """Per row: the smallest int32 K in (lo, hi] with ``pred_below(K)`` true, given it false at lo,
-    true at hi and monotone: a radix-16 search, ``PIVOTS`` keys per pass (each pass cuts the interval
-    16-fold: 8 passes for 2**31 keys where a bisection takes 31). ``pred_below(K [Rp, PIVOTS],
-    active [Rp]) -> bool [Rp, PIVOTS]`` runs one pass; rows not active keep ``hi``.
-    -> (K, passes run)."""
-    b = jnp.arange(1, PIVOTS + 1, dtype=jnp.uint32)[None, :]
-
-    def live(c):
-        lo, hi = c[0], c[1]
-        return active & (hi > lo + 1)  # (hi - lo could overflow int32)
-
-    def body(c):
-        lo, hi, n = c
-        on = live(c)
-        d = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)  # exact mod 2**32
-        q, r = (d >> 4)[:, None], (d & 15)[:, None]
-        off = q * b + ((r * b) >> 4)  # floor(d * b / 16) <= d, no overflow
-        piv = (lo.astype(jnp.uint32)[:, None] + off).astype(jnp.int32)  # in (lo, hi]; == lo where off = 0
-        fresh = piv > lo[:, None]  # pred is known false at lo and true at hi
-        ok = fresh & (pred_below(piv, on) | (piv >= hi[:, None]))
-        nlo = jnp.max(jnp.where(fresh & ~ok, piv, lo[:, None]), axis=1)
-        nhi = jnp.min(jnp.where(ok, piv, hi[:, None]), axis=1)
-        return jnp.where(on, nlo, lo), jnp.where(on, nhi, hi), n + 1
-
-    lo, hi, n = jax.lax.while_loop(lambda c: jnp.any(live(c)), body, (lo, hi, jnp.int32(0)))
-    return hi, n
-
-
 # ----------------------------------------------------------------------------- wrapper
 
 
@@ -570,40 +541,83 @@ def fused_sample_debug(
     S_t = jnp.sum(W0, axis=1)
 
     # --- exact threshold searches (PATH_SLOW and the exact S_k of the rejection path)
-    def pivots(a):
-        return jnp.broadcast_to(a[:, None], (Rp, PIVOTS))
+    # One loop of full-row passes (one call site of the pass: interpret mode compiles each site),
+    # through phases every row goes through in step (a row sits out a phase it does not need):
+    # 0 the key of z_(k) (radix search on #{key > K} < k), 1 S = mass{z >= z_(k)},
+    # 2 whether top-p cuts at all (mass above the lowest key >= p), 3 the top-p key (radix search
+    # on mass{key > K} / S < p), 4 the per-tile masses of the kept set. ``last`` = 2 stops after S.
+    int_min = jnp.full((Rp,), _INT_MIN, i32)
+    b16 = jnp.arange(1, PIVOTS + 1, dtype=jnp.uint32)[None, :]
 
-    def topk_key(act):
-        """Key of z_(k): the smallest K with #{key(z) > K} < k (radix-16 search, ~8 passes)."""
-        return _search_rows(
-            lambda K, a: _bisect_pass(x, a, M, Ts, K, neg_inf, ones, neg_inf, zeros, **opts)[0] < k[:, None],
-            jnp.full((Rp,), _INT_MIN, i32), izeros, act)
+    def radix_pivots(lo, hi):
+        d = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)  # exact mod 2**32
+        off = (d >> 4)[:, None] * b16 + (((d & 15)[:, None] * b16) >> 4)  # floor(d * b / 16), no overflow
+        return (lo.astype(jnp.uint32)[:, None] + off).astype(jnp.int32)  # in (lo, hi]; == lo where off = 0
 
-    def mass_from(tau0, act):
-        return _bisect_pass(x, act, M, Ts, pivots(izeros), tau0, ones, neg_inf, zeros, **opts)[1]
+    def radix_update(lo, hi, piv, pred, live):
+        fresh = piv > lo[:, None]  # pred is known false at lo and true at hi
+        ok = fresh & (pred | (piv >= hi[:, None]))
+        nlo = jnp.max(jnp.where(fresh & ~ok, piv, lo[:, None]), axis=1)
+        nhi = jnp.min(jnp.where(ok, piv, hi[:, None]), axis=1)
+        return jnp.where(live, nlo, lo), jnp.where(live, nhi, hi)
+
+    def thresholds(rows, last):
+        """-> dict(K_k, tau0, S, K_p, tau, qthr, W, passes) for ``rows`` (phases 0 .. last - 1)."""
+
+        def act_of(c):
+            ph, lo, hi = c["phase"], c["lo"], c["hi"]
+            return jnp.select(
+                [ph == 0, ph == 1, ph == 2, ph == 3],
+                [rows & k_on & (hi > lo + 1), rows, rows & p_on, c["need"] & (hi > lo + 1)], rows)
+
+        def body(c):
+            ph = c["phase"]
+            act = act_of(c)
+            any_act = jnp.any(act)
+            tau0 = jnp.where(c["K_k"] == _INT_MIN, -jnp.inf, _key_to_float(c["K_k"]))
+            K_t = jnp.maximum(c["K_k"], c["K_p"])
+            tau = jnp.where(K_t == _INT_MIN, -jnp.inf, _key_to_float(K_t))
+            qthr = minp * (1.0 / c["S"])
+            piv = radix_pivots(c["lo"], c["hi"])
+            K = jnp.where((ph == 0) | (ph == 3), piv, jnp.where(ph == 2, _INT_MIN, 0))
+            t0 = jnp.where(ph == 0, -jnp.inf, jnp.where(ph == 4, -jnp.inf, tau0))
+            S = jnp.where(ph <= 1, 1.0, c["S"])
+            tt, qq = jnp.where(ph == 4, tau, -jnp.inf), jnp.where(ph == 4, qthr, 0.0)
+            cnt, mass, above, W = jax.lax.cond(
+                any_act, lambda: _bisect_pass(x, act, M, Ts, K, t0, S, tt, qq, **opts),
+                lambda: (jnp.zeros((Rp, PIVOTS), i32), zeros, jnp.zeros((Rp, PIVOTS), f32), c["W"]))
+            c = dict(c, passes=c["passes"] + act.astype(i32))
+            # phase 0 / 3: one radix step; the phase ends when no row is left in it
+            pred = jnp.where(ph == 0, cnt < k[:, None], above < p[:, None])
+            lo, hi = radix_update(c["lo"], c["hi"], piv, pred, act & ((ph == 0) | (ph == 3)))
+            c = dict(c, lo=lo, hi=hi)
+            searching = ((ph == 0) | (ph == 3)) & jnp.any(act_of(c))
+            done0 = (ph == 0) & ~searching
+            done3 = (ph == 3) & ~searching
+            c["K_k"] = jnp.where(done0, jnp.where(rows & k_on, c["hi"], _INT_MIN), c["K_k"])
+            c["S"] = jnp.where(ph == 1, jnp.where(rows, mass, 1.0), c["S"])
+            need = rows & p_on & (above[:, 0] >= p)
+            c["need"] = jnp.where(ph == 2, need, c["need"])
+            c["K_p"] = jnp.where(done3, jnp.where(c["need"], c["hi"], _INT_MIN), c["K_p"])
+            c["W"] = jnp.where(ph == 4, W, c["W"])
+            # entering phase 3: a fresh search interval
+            c["lo"] = jnp.where(done0 | (ph == 2), int_min, c["lo"])
+            c["hi"] = jnp.where(done0 | (ph == 2), izeros, c["hi"])
+            c["phase"] = jnp.where(searching, ph, ph + 1)
+            return c
+
+        init = dict(phase=jnp.int32(0), lo=int_min, hi=izeros, K_k=int_min, K_p=int_min, S=ones,
+                    need=jnp.zeros((Rp,), bool), W=jnp.zeros_like(W0), passes=izeros)
+        c = jax.lax.while_loop(lambda c: c["phase"] < last, body, init)
+        tau0 = jnp.where(c["K_k"] == _INT_MIN, -jnp.inf, _key_to_float(c["K_k"]))
+        K_t = jnp.maximum(c["K_k"], c["K_p"])
+        tau = jnp.where(K_t == _INT_MIN, -jnp.inf, _key_to_float(K_t))
+        return dict(c, tau0=tau0, tau=tau, qthr=minp * (1.0 / c["S"]))
 
     def p_slow(rows):
-        K_k, nk = topk_key(rows & k_on)
-        K_k = jnp.where(rows & k_on, K_k, _INT_MIN)
-        tau0 = jnp.where(K_k == _INT_MIN, -jnp.inf, _key_to_float(K_k))
-        S = jnp.where(rows, mass_from(tau0, rows), 1.0)
-
-        # Top-p in the z domain: the smallest z-key K with mass{z > K} < top_p (see the Triton version).
-        def mass_above(K, act):
-            return _bisect_pass(x, act, M, Ts, K, tau0, S, neg_inf, zeros, **opts)[2]
-
-        prow = rows & p_on
-        need = prow & (mass_above(pivots(jnp.full((Rp,), _INT_MIN, i32)), prow)[:, 0] >= p)
-        K_p, np_ = _search_rows(lambda K, a: mass_above(K, a) < p[:, None], jnp.full((Rp,), _INT_MIN, i32),
-                                izeros, need)
-        K_p = jnp.where(need, K_p, _INT_MIN)
-        K_t = jnp.maximum(K_k, K_p)
-        tau = jnp.where(K_t == _INT_MIN, -jnp.inf, _key_to_float(K_t))
-        qthr = minp * (1.0 / S)
-        w = _bisect_pass(x, rows, M, Ts, pivots(izeros), neg_inf, S, tau, qthr, **opts)[3]
-        tok, _, _ = draw(rows, w, u1, u2, neg_inf, tau, S, qthr)
-        passes = jnp.where(k_on, nk, 0) + 2 + jnp.where(prow, jnp.where(need, np_ + 1, 1), 0)
-        return tok, tau, qthr, S, passes
+        th = thresholds(rows, 5)
+        tok, _, _ = draw(rows, th["W"], u1, u2, neg_inf, th["tau"], th["S"], th["qthr"])
+        return tok, th["tau"], th["qthr"], th["S"], th["passes"]
 
     def run_slow(rows):
         return jax.lax.cond(jnp.any(rows), p_slow, lambda r: (argmax, neg_inf, zeros, ones, izeros), rows)
@@ -639,17 +653,17 @@ def fused_sample_debug(
         sk_rows = need_sk | (active & k_on & p_on & (have_sk == 0))
 
         def exact_sk():
-            K_k, n = topk_key(sk_rows)
-            return mass_from(jnp.where(K_k == _INT_MIN, -jnp.inf, _key_to_float(K_k)), sk_rows), n + 1
+            th = thresholds(sk_rows, 2)
+            return th["S"], th["passes"]
 
-        S_new, n_sk = jax.lax.cond(jnp.any(need_sk), exact_sk, lambda: (ones, jnp.int32(0)))
+        S_new, n_sk = jax.lax.cond(jnp.any(need_sk), exact_sk, lambda: (ones, izeros))
         got = sk_rows & jnp.any(need_sk)
         S_k = jnp.where(got, S_new, S_k)
         have_sk = jnp.where(got, 1, have_sk)
         S_p = jnp.where(have_sk > 0, S_k, tot)
         acc = active & ok_m & in_k & (~p_on | (m_gt < p * S_p))
         rej = active & ~acc
-        passes = passes + ran.astype(i32) + n_sk * got.astype(i32)
+        passes = passes + ran.astype(i32) + jnp.where(got, n_sk, 0)
         # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
         return (i + 1, done | acc, jnp.where(acc, v, tok), jnp.where(rej, zv, P), jnp.where(rej, tau_m, zfl),
                 jnp.where(rej[:, None], Wn, W), have_sk, S_k, passes, nr + active.astype(i32))
