@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 
 import jax
 
-__all__ = ["FAMILIES", "IMPLS", "Backend", "kernel_module", "resolve_backend"]
+__all__ = ["FAMILIES", "IMPLS", "Backend", "has_kernel", "kernel_module", "resolve_backend"]
 
 # Kernel backends: folder under ``pallas_kernels`` -> the ``jax.default_backend()`` it compiles for.
 FAMILIES = {"triton": "gpu", "mosaic_tpu": "tpu"}
@@ -67,3 +68,10 @@ def resolve_backend(impl: str | Backend) -> Backend:
 def kernel_module(backend: Backend, name: str):
     """The module ``pallas_kernels.<backend.family>.<name>`` (imported on first use)."""
     return importlib.import_module(f"pallas_kernels.{backend.family}.{name}")
+
+
+def has_kernel(backend: Backend, name: str) -> bool:
+    """Whether ``backend`` runs kernels and its family has ``pallas_kernels/<family>/<name>.py``.
+    A caller whose kernel exists for one family only (say, a Triton-only model kernel) checks this
+    instead of ``backend.kernels`` and runs its reference on the other families."""
+    return backend.kernels and importlib.util.find_spec(f"pallas_kernels.{backend.family}.{name}") is not None

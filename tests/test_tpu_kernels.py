@@ -212,6 +212,11 @@ def test_dispatch(monkeypatch):
         resolve_backend("pallas:cuda")
     import ddtree_jax.backend as backend_module
 
+    tpu, gpu = Backend(kernels=True, family="mosaic_tpu"), Backend(kernels=True)
+    assert backend_module.has_kernel(tpu, "fused_sample") and backend_module.has_kernel(gpu, "fused_sample")
+    assert not backend_module.has_kernel(tpu, "no_such_kernel") and not backend_module.has_kernel(
+        Backend(kernels=False), "fused_sample")
+
     for platform, family in (("tpu", "mosaic_tpu"), ("gpu", "triton")):
         monkeypatch.setattr(backend_module.jax, "default_backend", lambda p=platform: p)
         native = Backend(kernels=True, interpret=False, family=family)
