@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.backend import Backend, kernel_module, resolve_backend
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["AcceptResult", "accept_path"]
@@ -56,9 +56,10 @@ def accept_path(tree: DraftTree, node_samples: jax.Array, *, impl: str | Backend
     Args:
       tree: ``DraftTree`` with M node slots.
       node_samples: i32 ``[B, M]``, the target's draw at every node (``sample_tree_nodes``).
-      impl: "auto" (the Pallas walk kernel on GPU, the plain-JAX walk elsewhere), "pallas" (the
-        kernel; interpret mode off GPU), "reference", or a resolved ``Backend``. Both give
-        identical results.
+      impl: "auto" (the Pallas walk kernel on GPU and TPU, the plain-JAX walk elsewhere),
+        "pallas" (the platform's kernel; the Triton one in interpret mode off GPU/TPU),
+        "pallas:triton" / "pallas:mosaic_tpu", "reference", or a resolved ``Backend``
+        (``ddtree_jax.backend``). All give identical results.
 
     Returns:
       ``AcceptResult``.
@@ -79,8 +80,7 @@ def accept_path(tree: DraftTree, node_samples: jax.Array, *, impl: str | Backend
 def _accept_path(tree: DraftTree, node_samples: jax.Array, backend: Backend) -> AcceptResult:
     """``accept_path`` on validated inputs (traceable: the decode round calls it)."""
     if backend.kernels:
-        from pallas_kernels.triton.accept_walk import accept_walk
-
+        accept_walk = kernel_module(backend, "accept_walk").accept_walk
         path, num_accepted, bonus, committed = accept_walk(
             tree.tokens, tree.parents, tree.valid, node_samples, draft_len=tree.draft_len, interpret=backend.interpret
         )

@@ -231,8 +231,10 @@ def generate(
       sync_every: rounds run on the device between host checks for completion.
       profile: time each stage separately (see ``GenerateOutput.time_split``).
       compact: re-pack the running requests into a smaller batch once at most half are running.
-      impl: tree builder, sampler and walk: ``"auto"`` (Pallas kernels on GPU, plain-JAX
-        references elsewhere), ``"pallas"``, ``"reference"`` or a resolved ``Backend``.
+      impl: tree builder, sampler and walk: ``"auto"`` (Pallas kernels on GPU and TPU, plain-JAX
+        references elsewhere), ``"pallas"``, ``"pallas:triton"``, ``"pallas:mosaic_tpu"`` (that
+        backend's kernels, interpreted off its platform), ``"reference"`` or a resolved
+        ``Backend`` (``ddtree_jax.backend``).
       on_progress: called after each host sync with ``(tokens [B, max_new], generated [B])``.
 
     Returns:

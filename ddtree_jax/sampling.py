@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.backend import Backend, kernel_module, resolve_backend
 from ddtree_jax.rng import node_seed_words, request_keys
 
 INVALID_TOKEN = -1
@@ -263,11 +263,13 @@ def sample_tree_nodes(
       sampling: one ``SamplingParams`` for all, one per request, or a ``SamplingBatch``.
         Greedy and sampled requests can share a batch.
       key: one PRNG key (split per request by ``ddtree_jax.rng.request_keys``) or ``[B]`` keys.
-      impl: "auto" (the fused Pallas kernel on GPU, the reference elsewhere), "pallas" (the
-        kernel; interpret mode off GPU), "reference", or a resolved ``Backend``. The kernel draws
-        from the same law with its own random stream (``ddtree_jax.rng.node_seed_words``); either
-        way a request's draws depend only on its own key (seed), never on its batch position or
-        neighbours.
+      impl: "auto" (the fused Pallas kernel on GPU and TPU, the reference elsewhere), "pallas"
+        (the platform's kernel; the Triton one in interpret mode off GPU/TPU), "pallas:triton" /
+        "pallas:mosaic_tpu" (that backend's kernel, interpreted off its platform), "reference",
+        or a resolved ``Backend`` (``ddtree_jax.backend``). The kernels draw from the same law
+        with their own random stream (``ddtree_jax.rng.node_seed_words``; the Triton and TPU
+        kernels hash the same seed words the same way); either way a request's draws depend only
+        on its own key (seed), never on its batch position or neighbours.
 
     Returns:
       ``[B, M]`` int32 tokens; ``INVALID_TOKEN`` (-1) for rows with invalid logits.
@@ -285,7 +287,7 @@ def sample_tree_nodes(
 def _sample_tree_nodes(node_logits: jax.Array, params: SamplingBatch, keys: jax.Array, backend: Backend) -> jax.Array:
     """``sample_tree_nodes`` on validated inputs with per-request keys ``[B]`` (traceable)."""
     if backend.kernels:
-        return _sample_with_kernel(node_logits, params, keys, backend.interpret)
+        return _sample_with_kernel(node_logits, params, keys, backend)
     return _sample_reference(node_logits, params, keys)
 
 
@@ -296,10 +298,9 @@ def _sample_reference(node_logits, params: SamplingBatch, keys):
     return sample_with_noise(logp, noise)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _sample_with_kernel(node_logits, params: SamplingBatch, keys, interpret: bool):
-    from pallas_kernels.triton.fused_sample import fused_sample
-
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _sample_with_kernel(node_logits, params: SamplingBatch, keys, backend: Backend):
+    fused_sample = kernel_module(backend, "fused_sample").fused_sample
     B, M, V = node_logits.shape
     rep = lambda a: jnp.repeat(a, M)  # noqa: E731
     tokens = fused_sample(
@@ -309,6 +310,6 @@ def _sample_with_kernel(node_logits, params: SamplingBatch, keys, interpret: boo
         rep(params.top_p),
         rep(params.min_p),
         node_seed_words(keys, M).reshape(B * M, 2),
-        interpret=interpret,
+        interpret=backend.interpret,
     )
     return tokens.reshape(B, M)

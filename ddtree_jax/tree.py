@@ -29,7 +29,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.backend import Backend, kernel_module, resolve_backend
 from ddtree_jax.topk import exact_top_k
 
 __all__ = ["DraftTree", "ancestor_mask_from_parents", "build_draft_tree", "chain_draft_tree", "draft_logprobs",
@@ -101,9 +101,10 @@ def build_draft_tree(draft_logits: jax.Array, budget: int, *, impl: str | Backen
       draft_logits: ``[B, L, V]``, the drafter's logits for depths 1..L.
       budget: number of non-root nodes N (>= 1). Trees with fewer possible nodes than N
         (tiny V and L) fill the rest with invalid slots.
-      impl: "auto" (the Pallas builder on GPU, the plain-JAX loop elsewhere), "pallas" (the
-        kernel; interpret mode off GPU), "reference", or a resolved ``Backend``. Both give
-        identical trees.
+      impl: "auto" (the Pallas builder on GPU and TPU, the plain-JAX loop elsewhere), "pallas"
+        (the platform's kernel; the Triton one in interpret mode off GPU/TPU), "pallas:triton" /
+        "pallas:mosaic_tpu", "reference", or a resolved ``Backend`` (``ddtree_jax.backend``).
+        All give identical trees.
 
     Returns:
       ``DraftTree`` with ``budget + 1`` slots; nodes in creation order, so scores are
@@ -119,22 +120,19 @@ def build_draft_tree(draft_logits: jax.Array, budget: int, *, impl: str | Backen
 def _build_draft_tree(draft_logits: jax.Array, budget: int, backend: Backend) -> DraftTree:
     """``build_draft_tree`` on validated inputs (traceable: the decode round calls it)."""
     if backend.kernels:
-        from pallas_kernels.triton import tree_builder
-
         L, V = draft_logits.shape[1:]
-        if tree_builder.supports(budget, L, min(budget, V)):
-            return _build_with_kernel(draft_logits, budget, backend.interpret)
+        if kernel_module(backend, "tree_builder").supports(budget, L, min(budget, V)):
+            return _build_with_kernel(draft_logits, budget, backend)
     return _build_reference(draft_logits, budget)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "interpret"))
-def _build_with_kernel(draft_logits: jax.Array, budget: int, interpret: bool) -> DraftTree:
-    from pallas_kernels.triton.tree_builder import build_tree
-
+@functools.partial(jax.jit, static_argnames=("budget", "backend"))
+def _build_with_kernel(draft_logits: jax.Array, budget: int, backend: Backend) -> DraftTree:
+    build_tree = kernel_module(backend, "tree_builder").build_tree
     L, V = draft_logits.shape[1:]
     top_lq, top_ids = exact_top_k(draft_logprobs(draft_logits), min(budget, V))
     tok, par, dep, sc, fc, ns, valid = build_tree(top_lq, top_ids.astype(jnp.int32), budget=budget,
-                                                  interpret=interpret)
+                                                  interpret=backend.interpret)
     return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
                      ancestor_mask=ancestor_mask_from_parents(par, valid, L), draft_len=L)
 

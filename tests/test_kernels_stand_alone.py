@@ -9,8 +9,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("module", ["pallas_kernels.triton.fused_sample", "pallas_kernels.triton.tree_builder",
-                                    "pallas_kernels.triton.accept_walk"])
+@pytest.mark.parametrize("module", [f"pallas_kernels.{family}.{kernel}" for family in ("triton", "mosaic_tpu")
+                                    for kernel in ("fused_sample", "tree_builder", "accept_walk")])
 def test_kernel_imports_only_jax(module):
     code = (f"import sys, {module}; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ddtree_jax', 'flax', 'chex', 'torch')); "

@@ -13,7 +13,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.backend import Backend
+from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
@@ -43,7 +43,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     b, t, h, r = q_latent.shape
     s = latent.shape[1]
     chex.assert_shape([q_latent, latent, mask.start], [(b, t, h, r), (b, s, r), (b,)])
-    if not backend.kernels:
+    if not has_kernel(backend, "mla_attention"):  # no kernel for this family (TPU): the reference
         return latent_attention_reference(q_latent, q_rope, latent, k_rope, mask, scale=scale)
     from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 

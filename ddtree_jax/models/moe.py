@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax.backend import Backend
+from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import silu_glu
 
 __all__ = [
@@ -160,9 +160,10 @@ def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: j
     ``expert_mesh = (mesh, axis)``: the weights' expert dim is sharded over ``axis`` of ``mesh``;
     the kernel path then runs ``experts_expert_parallel`` (the ragged_dot path leaves it to GSPMD,
     which partitions ragged_dot by expert without gathering the weights)."""
-    if backend.kernels and expert_mesh is not None and expert_mesh[0].shape[expert_mesh[1]] > 1:
+    kernel = has_kernel(backend, "moe_grouped_matmul")  # Triton only so far: TPUs run ragged_dot
+    if kernel and expert_mesh is not None and expert_mesh[0].shape[expert_mesh[1]] > 1:
         return experts_expert_parallel(x, gate_up, down, weights, ids, valid, *expert_mesh, backend=backend)
-    if backend.kernels:
+    if kernel:
         return _experts_kernel(x, gate_up, down, weights, ids, valid, backend)
     return experts_ragged_dot(x, gate_up, down, route_tokens(weights, ids, gate_up.shape[0], valid=valid))
 

@@ -243,7 +243,8 @@ class Engine:
         the same value gives seeded requests the same tokens.
       stop_token_ids: stop tokens every request gets (e.g. EOS) unless it sets ``ignore_eos``.
       max_stop_ids: stop-token slots per request (the state's stop-id width).
-      impl: kernels (``"auto"``, ``"pallas"``, ``"reference"`` or a ``Backend``).
+      impl: kernels (``"auto"``, ``"pallas"``, ``"pallas:triton"``, ``"pallas:mosaic_tpu"``,
+        ``"reference"`` or a ``Backend``; ``ddtree_jax.backend``).
       shard_state: optional function placing the state (``ddtree_jax.serving.sharding``).
     """
 
