@@ -6,9 +6,10 @@ line's argument checks do not pay for importing JAX.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
+
+from ddtree_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -48,17 +49,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ddtree_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 class _Package(types.ModuleType):

@@ -7,19 +7,11 @@ Names are imported on first use, so the command line's argument parsing does not
 
 from __future__ import annotations
 
-import importlib
+from ddtree_jax._lazy import lazy_exports
 
 _EXPORTS = {name: "ddtree_jax.serving.engine" for name in
             ("Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk")}
 _EXPORTS.update({"make_mesh": "ddtree_jax.serving.sharding", "parse_mesh_spec": "ddtree_jax.serving.sharding"})
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ddtree_jax.serving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
