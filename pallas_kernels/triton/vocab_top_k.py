@@ -6,8 +6,12 @@ Contract (the plain-JAX reference is ``jax.lax.top_k(jax.nn.log_softmax(x.astype
 of ``logits [..., V]`` (bf16 or f32) return the ``k`` largest log-probabilities
 ``z = (x - m) - lse`` (``m`` the row max, ``lse = log(sum(exp(x - m)))``, the expression and
 operation order of ``jax.nn.log_softmax``) in descending order, ties by lower index, and their
-column indices. Rows with a NaN, a +inf or only -inf have an all-NaN log-softmax; for them (as
-``lax.top_k`` does) the values are NaN and the indices ``0 .. k-1``. Requires ``1 <= k <= V``.
+column indices. Rows with a NaN, a +inf or only -inf have an all-NaN log-softmax; for them the
+values are NaN and the indices ``0 .. k-1`` (what ``lax.top_k`` gives when those NaNs are all
+alike; it orders NaNs by sign and payload, which follow the platform's NaN propagation: on the CPU
+an input NaN stays positive while the NaNs log_softmax makes are negative, so there the input
+NaN's index comes first. The tree builder adds no node from a NaN row either way).
+Requires ``1 <= k <= V``.
 
 Where ``lse`` comes from (``lse=``):
 
@@ -49,7 +53,7 @@ Algorithm (four launches; only the first reads the whole row):
 Why this shape on the H200 (B*L = 240 rows x 163,840 bf16 = 78 MB; one read is ~19 us at
 4.2 TB/s): the full-row work is one streaming read with a max per element (plus one ``ex2`` for
 the fused lse), which such passes run near copy bandwidth (docs/kernels.md); everything after it
-touches ``V / 32`` maxima and ``32 K`` candidates per row, 3% and 5% of the row. A histogram/radix
+touches ``V / 32`` float32 maxima and ``32 K`` candidates per row, 6% and 5% of the row. A histogram/radix
 select over the full row would need per-element atomics or ``V x bins`` compares in Triton
 (no shared-memory histogram in the Pallas Triton lowering), and a second full read per digit; the
 chunk maxima bound the threshold with no extra full read. The bisections are 32 dependent
@@ -224,7 +228,8 @@ def _order_kernel(zs_ref, ids_ref, bad_ref, val_ref, idx_ref, *, k, kp, rb):
         zi = plgpu.load(zs_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=-jnp.inf)
         idi = plgpu.load(ids_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=_BIG)
         ki = _zkey(zi)
-        before = okj[None, :] & ((kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (idj[None, :] < idi[:, None])))
+        kj2, ki2 = kj[None, :], ki[:, None]
+        before = okj[None, :] & ((kj2 > ki2) | ((kj2 == ki2) & (idj[None, :] < idi[:, None])))
         rank = jnp.sum(jnp.where(before, 1, 0), axis=1)
         dest = jnp.where(oki & ~bad, rank, i)
         plgpu.store(val_ref.at[r, dest], jnp.where(bad, jnp.nan, zi), mask=oki)
@@ -252,7 +257,7 @@ def vocab_top_k_debug(
     chunk: int = CHUNK,
     tile: int = MAX_TILE,
     num_warps: int = 4,
-    select_warps: int = 4,
+    select_warps: int = 8,
 ) -> dict:
     """``vocab_top_k`` with the row statistics: dict of ``values`` f32 ``[..., k]``, ``indices``
     i32 ``[..., k]``, ``max`` and ``lse`` f32 ``[...]`` (the ``m`` and ``lse`` the values use).
