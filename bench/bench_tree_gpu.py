@@ -159,7 +159,8 @@ def main():
         x = draft_logits(abs(s), b, depth, v)
         if s < 0:  # heavy ties (values on a coarse grid): exercises the tie rules and top-k fallback
             x = (jnp.round(x.astype(jnp.float32) * 2) / 2).astype(jnp.bfloat16)
-        checked(f"build B{b} L{depth} V{v} N{n}", lambda x=x, n=n: tree_diff(x, n))
+        tag = " ties" if s < 0 else ""
+        checked(f"build B{b} L{depth} V{v} N{n}{tag}", lambda x=x, n=n: tree_diff(x, n))
 
         def walk(x=x, b=b, v=v, n=n, s=s):
             tree = dt.build_draft_tree(x, n, impl="reference").with_root_tokens(jnp.zeros((b,), jnp.int32))
@@ -173,7 +174,7 @@ def main():
                   if not np.array_equal(np.asarray(getattr(a_, f)), np.asarray(getattr(r_, f)))]
             return d2 or "equal"
 
-        checked(f"walk B{b} L{depth} N{n}", walk)
+        checked(f"walk B{b} L{depth} N{n}{tag}", walk)
     # the top-k kernel alone at full size, both normalisers, and the build with the fused one
     x0 = draft_logits(7)
     x0t = (jnp.round(x0.astype(jnp.float32) * 2) / 2).astype(jnp.bfloat16)
