@@ -29,7 +29,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.backend import Backend, kernel_module, resolve_backend
+from ddtree_jax.backend import Backend, has_kernel, kernel_module, resolve_backend
 from ddtree_jax.topk import exact_top_k
 
 __all__ = ["DraftTree", "ancestor_mask_from_parents", "build_draft_tree", "chain_draft_tree", "draft_logprobs",
@@ -130,11 +130,27 @@ def _build_draft_tree(draft_logits: jax.Array, budget: int, backend: Backend) ->
 def _build_with_kernel(draft_logits: jax.Array, budget: int, backend: Backend) -> DraftTree:
     build_tree = kernel_module(backend, "tree_builder").build_tree
     L, V = draft_logits.shape[1:]
-    top_lq, top_ids = exact_top_k(draft_logprobs(draft_logits), min(budget, V))
+    top_lq, top_ids = _top_k_tables(draft_logits, min(budget, V), backend)
     tok, par, dep, sc, fc, ns, valid = build_tree(top_lq, top_ids.astype(jnp.int32), budget=budget,
                                                   interpret=backend.interpret)
     return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
                      ancestor_mask=ancestor_mask_from_parents(par, valid, L), draft_len=L)
+
+
+# Where the kernel path's log-softmax normaliser comes from (``pallas_kernels/triton/vocab_top_k.py``):
+# "xla" computes it with the reference's expression (one more read of the logits), so the tables
+# and trees equal the reference build's bit for bit; "kernel" fuses it into the kernel's one
+# pass (faster; scores can then differ from the reference by float32 rounding of the normaliser).
+KERNEL_TOPK_LSE = "xla"
+
+
+def _top_k_tables(draft_logits: jax.Array, k: int, backend: Backend):
+    """Per-depth top-k of the draft log-probabilities, ``lax.top_k``'s order: the family's
+    ``vocab_top_k`` kernel where it has one (Triton), else ``exact_top_k`` in plain JAX."""
+    if has_kernel(backend, "vocab_top_k"):
+        return kernel_module(backend, "vocab_top_k").vocab_top_k(
+            draft_logits, k, lse=KERNEL_TOPK_LSE, interpret=backend.interpret)
+    return exact_top_k(draft_logprobs(draft_logits), k)
 
 
 @functools.partial(jax.jit, static_argnames=("budget",))
@@ -161,6 +177,23 @@ def ancestor_mask_from_parents(parents: jax.Array, valid: jax.Array, draft_len: 
     for _ in range(draft_len):
         cur = jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
         mask = mask | (cur[..., None] == idx)
+    return mask & valid[..., None]
+
+
+def ancestor_mask_doubling(parents: jax.Array, valid: jax.Array, draft_len: int) -> jax.Array:
+    """``ancestor_mask_from_parents`` by pointer doubling: after step s each row holds its
+    ancestors at distances ``< 2**s`` and ``up`` the ``2**s``-th ancestor, so ``ceil(log2(L + 1))``
+    row gathers (4 at L = 15) instead of L pointer steps. Equal to it whenever depths are ``<= L``
+    (every tree the builders make); bench/bench_tree_gpu.py times both."""
+    B, M = parents.shape
+    idx = jnp.arange(M, dtype=jnp.int32)
+    mask = jnp.broadcast_to(idx[:, None] == idx, (B, M, M))
+    up = parents
+    for _ in range(max(0, int(draft_len)).bit_length()):
+        ok = up >= 0
+        safe = jnp.maximum(up, 0)
+        mask = mask | (mask[jnp.arange(B)[:, None], safe] & ok[..., None])
+        up = jnp.where(ok, jnp.take_along_axis(up, safe, axis=1), -1)
     return mask & valid[..., None]
 
 

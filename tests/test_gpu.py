@@ -30,6 +30,28 @@ def test_tree_builder_equals_reference(B, L, V, budget):
             np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
 
 
+@pytest.mark.parametrize("lse", ["xla", "kernel"])
+def test_vocab_top_k_full_vocabulary(lse):
+    """Triton vocab top-k at the tree's real size (B*L = 240 rows of 163,840 bf16), Gaussian and
+    rounded rows: lse="xla" == lax.top_k(log_softmax) bit for bit; lse="kernel" is exact for its own
+    normaliser, which is within 1e-6 of XLA's."""
+    from pallas_kernels.triton.vocab_top_k import vocab_top_k_debug
+
+    raw = random_draft_logits(163_840, 16, 15, 163_840)
+    for logits in (raw, np.round(raw * 2) / 2):
+        x = jnp.asarray(logits).astype(jnp.bfloat16)
+        out = vocab_top_k_debug(x, 256, lse=lse)
+        x32 = x.astype(jnp.float32)
+        if lse == "xla":
+            want = jax.lax.top_k(jax.nn.log_softmax(x32), 256)
+        else:
+            want = jax.lax.top_k((x32 - out["max"][..., None]) - out["lse"][..., None], 256)
+            ref_lse = jnp.log(jnp.sum(jnp.exp(x32 - out["max"][..., None]), -1))
+            np.testing.assert_allclose(np.asarray(out["lse"]), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(out["indices"]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(out["values"]), np.asarray(want[0]))
+
+
 def test_accept_walk_equals_reference():
     rng = np.random.default_rng(0)
     tree = dt.build_draft_tree(jnp.asarray(random_draft_logits(1, 8, 15, 500)), 128, impl="reference")

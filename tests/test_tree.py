@@ -185,3 +185,26 @@ def test_integer_logits_rejected():
         dt.build_draft_tree(jnp.zeros((1, 2, 3), jnp.int32), 2)
     with pytest.raises(ValueError, match="floating point"):
         dt.chain_draft_tree(jnp.zeros((1, 2, 3), jnp.int32))
+
+
+def test_ancestor_mask_doubling_equals_pointer_walk():
+    """Pointer doubling (bench alternative) == following parents L times, on random trees of every
+    depth up to L (a chain among them) with invalid slots."""
+    from ddtree_jax.tree import ancestor_mask_doubling, ancestor_mask_from_parents
+
+    rng = np.random.default_rng(0)
+    B, M, L = 6, 64, 15
+    parents = np.full((B, M), -1, np.int32)
+    depth = np.zeros((B, M), np.int32)
+    for b in range(B):
+        for i in range(1, M):
+            p = i - 1 if b == 0 else int(rng.integers(0, i))  # row 0: a chain, cut at depth L
+            while depth[b, p] >= L:
+                p = parents[b, p]
+            parents[b, i], depth[b, i] = p, depth[b, p] + 1
+    valid = rng.random((B, M)) < 0.9
+    valid[:, 0] = True
+    parents[~valid] = -1
+    args = (jnp.asarray(parents), jnp.asarray(valid))
+    np.testing.assert_array_equal(np.asarray(ancestor_mask_doubling(*args, L)),
+                                  np.asarray(ancestor_mask_from_parents(*args, L)))

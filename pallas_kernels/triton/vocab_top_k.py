@@ -1,0 +1,350 @@
+"""Exact top-K of each row's log-softmax over a large vocabulary, sort-free: the per-depth tables of
+the DDTree builder (``ddtree_jax.tree``) straight from the draft logits.
+
+Contract (the plain-JAX reference is ``jax.lax.top_k(jax.nn.log_softmax(x.astype(f32)), k)``, which
+``ddtree_jax.topk.exact_top_k`` also reproduces; tests/test_vocab_top_k.py compares): for each row
+of ``logits [..., V]`` (bf16 or f32) return the ``k`` largest log-probabilities
+``z = (x - m) - lse`` (``m`` the row max, ``lse = log(sum(exp(x - m)))``, the expression and
+operation order of ``jax.nn.log_softmax``) in descending order, ties by lower index, and their
+column indices. Rows with a NaN, a +inf or only -inf have an all-NaN log-softmax; for them the
+values are NaN and the indices ``0 .. k-1`` (what ``lax.top_k`` gives when those NaNs are all
+alike; it orders NaNs by sign and payload, which follow the platform's NaN propagation: on the CPU
+an input NaN stays positive while the NaNs log_softmax makes are negative, so there the input
+NaN's index comes first. The tree builder adds no node from a NaN row either way).
+Requires ``1 <= k <= V``.
+
+Where ``lse`` comes from (``lse=``):
+
+* ``"kernel"`` (fused): the statistics pass also sums ``exp2((x - tile max) * log2 e)`` per tile,
+  so the row is read once. The value agrees with XLA's to about 1 ulp, not bit for bit: a float32
+  sum in another order, with another ``exp``. The top-K is exact for the kernel's own ``lse`` (the
+  order and tie rule of ``lax.top_k`` on ``(x - m) - lse``), but a tree built from it can differ
+  from the reference build by the rounding of the scores.
+* ``"xla"``: ``lse`` is ``log(sum(exp(x - m)))`` computed by XLA between the launches with the
+  kernel's (exact) row max, the ops ``jax.nn.log_softmax`` runs, so the values are the reference's
+  bit for bit wherever XLA reduces that sum in the same order as inside ``log_softmax`` (it does on
+  the CPU; the GPU test checks it at V = 163,840). Costs one more read of the logits.
+
+Algorithm (four launches; only the first reads the whole row):
+
+1. stats, grid ``(rows, splits)``: each program reads its share of the row in tiles of ``tile``
+   columns and stores the maximum of every chunk of ``chunk`` (32) columns, the tile maxima and
+   (fused lse) the tile sums of exp. Several programs per row: 240 rows alone would fill the 132
+   SMs only 1.8 times.
+2. chunks, grid ``(rows,)``: ``m``, ``lse``; the chunk maxima become log-probabilities (the map
+   ``x -> (x - m) - lse`` is non-decreasing, so the max of a chunk's z is z of its max); the K-th
+   largest chunk maximum ``T0`` by bisection over order-preserving int32 keys (32 count
+   reductions over the row's ``V / chunk`` maxima, no sort). The chunks are then exactly K: every
+   chunk with maximum ``> T0`` (fewer than K) and, in column order, the first chunks with maximum
+   ``== T0`` up to K. They hold the whole top-K set: at least K chunks reach ``T0``, so the K-th
+   value is ``>= T0``; a top-K value ``> T0`` lies in a chunk with maximum ``> T0``, and if the
+   K-th value is ``T0`` the kept elements equal to ``T0`` are the first ones by index, which lie
+   in the first chunks with maximum ``== T0`` (no more of them than there are places). So no
+   fallback is needed for ties (rounded or masked rows). The chosen chunk ids are listed in column
+   order by a cumsum and a scatter (a stable partition).
+3. candidates, grid ``(rows,)``: gathers the K chunks (K * chunk = 8192 values at K = 256, from
+   L2), the exact K-th key by bisection (32 count reductions), keeps ``key > T`` and the first
+   ``key == T`` by index up to K, and compacts the K kept (value, index) pairs in column order
+   (cumsum + scatter).
+4. order, grid ``(rows,)``: the rank of each of the K pairs by counting the pairs before it
+   (larger value, or equal value and lower index: ``lax.top_k``'s order), in blocks of 32 rows of
+   the ``K x K`` comparison; one scatter to the output.
+
+Why this shape on the H200 (B*L = 240 rows x 163,840 bf16 = 78 MB; one read is ~19 us at
+4.2 TB/s): the full-row work is one streaming read with a max per element (plus one ``ex2`` for
+the fused lse), which such passes run near copy bandwidth (docs/kernels.md); everything after it
+touches ``V / 32`` float32 maxima and ``32 K`` candidates per row, 6% and 5% of the row. A histogram/radix
+select over the full row would need per-element atomics or ``V x bins`` compares in Triton
+(no shared-memory histogram in the Pallas Triton lowering), and a second full read per digit; the
+chunk maxima bound the threshold with no extra full read. The bisections are 32 dependent
+reductions each over a few thousand values in one program per row: a few microseconds, paid
+once per row.
+
+Backend: Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``): it has
+the gathers, the scatters and cumsum this needs; Mosaic GPU on our jax versions has no cumsum and
+no integer gathers (docs/kernels.md). Every array in a kernel has a power-of-two shape (padded and
+masked).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
+
+CHUNK = 32  # columns per chunk maximum
+MAX_TILE = 4096  # columns per load in the stats pass
+LSE_MODES = ("kernel", "xla")
+_INT_MIN = np.int32(np.iinfo(np.int32).min)
+_BIG = np.int32(2**30)
+_LOG2E = np.float32(np.log2(np.e))
+# Stats launch: aim for about four programs per SM of the H200 (132 SMs).
+_TARGET_PROGRAMS = 512
+_MAX_SPLITS = 16
+_RANK_BLOCK = 32  # rows of the K x K comparison per step of the order launch
+
+
+def _zkey(z):
+    """Monotone int32 key of a float32 (NaN gets some key: NaN rows are replaced at the end)."""
+    b = jax.lax.bitcast_convert_type(z, jnp.int32)
+    k = jnp.where(b < 0, b ^ np.int32(0x7FFFFFFF), b)
+    return jnp.where(z == 0, 0, k)
+
+
+def _midpoint(lo, hi):
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+def _kth_key(keys, k):
+    """The k-th largest of the int32 ``keys`` (entries ``_INT_MIN`` are padding; at least k real
+    keys, all ``<= 0``): the smallest T in (INT_MIN, 0] with ``#(keys > T) < k``, by bisection."""
+
+    def body(_, c):
+        lo, hi = c
+        done = hi <= lo + 1
+        mid = _midpoint(lo, hi)
+        ok = jnp.sum(jnp.where(keys > mid, 1, 0)) < k
+        return jnp.where(done | ok, lo, mid), jnp.where(done | ~ok, hi, mid)
+
+    _, hi = jax.lax.fori_loop(0, 32, body, (jnp.int32(_INT_MIN), jnp.int32(0)))
+    return hi
+
+
+def _keep_first_k(keys, k, T):
+    """Mask of the k kept entries given the k-th key T: ``key > T``, then ``key == T`` in index order."""
+    gt = keys > T
+    eq = keys == T
+    n_gt = jnp.sum(jnp.where(gt, 1, 0))
+    return gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= k - n_gt))
+
+
+def _partition_dest(sel, iota):
+    """Stable partition: selected entries to 0.., the others after them (a permutation, so a
+    scatter has distinct indices even where interpret mode writes masked-off lanes too)."""
+    pos = jnp.cumsum(sel.astype(jnp.int32)) - 1
+    n = jnp.sum(sel.astype(jnp.int32))
+    return jnp.where(sel, pos, n + iota - pos - 1)
+
+
+# ----------------------------------------------------------------------------- 1: stats
+
+
+def _stats_kernel(x_ref, cm_ref, tm_ref, ts_ref, *, V, tile, nt, tps, chunk, with_sum):
+    r = pl.program_id(0)
+    t0 = pl.program_id(1) * tps
+    cpt = tile // chunk
+    iota = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(i, carry):
+        t = t0 + i
+        cols = t * tile + iota
+        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+        cmax = jnp.max(x.reshape(cpt, chunk), axis=1)
+        plgpu.store(cm_ref.at[r, pl.ds(t * cpt, cpt)], cmax)
+        tmax = jnp.max(cmax)
+        tm_ref[r, t] = tmax
+        if with_sum:
+            # NaN -> the sum is NaN; +inf -> tmax = inf (the row is marked bad from the max).
+            safe = jnp.where(jnp.abs(tmax) < jnp.inf, tmax, 0.0)
+            ts_ref[r, t] = jnp.sum(jnp.exp2((x - safe) * _LOG2E))
+        return carry
+
+    jax.lax.fori_loop(0, jnp.minimum(tps, nt - t0), body, 0)
+
+
+# ----------------------------------------------------------------------------- 2: chunks
+
+
+def _chunks_kernel(cm_ref, tm_ref, ts_ref, lse_in_ref, m_ref, lse_ref, bad_ref, cl_ref, *, k, nt, ntp, nc, ncp,
+                   with_sum):
+    r = pl.program_id(0)
+    iota_t = jnp.arange(ntp, dtype=jnp.int32)
+    tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_t < nt, other=-jnp.inf)
+    m = jnp.max(tm)
+    if with_sum:
+        ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota_t < nt, other=0.0)
+        lse = jnp.log(jnp.sum(ts * jnp.exp(tm - m)))
+    else:
+        lse = lse_in_ref[r]
+    bad = (lse != lse) | (m == jnp.inf) | (m == -jnp.inf)  # NaN, +inf, or all -inf: an all-NaN row
+    m_ref[r] = m
+    lse_ref[r] = lse
+    bad_ref[r] = bad.astype(jnp.int32)
+    iota_c = jnp.arange(ncp, dtype=jnp.int32)
+    real = iota_c < nc
+    if nc > k:
+        cm = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=real, other=-jnp.inf)
+        ck = jnp.where(real, _zkey((cm - m) - lse), _INT_MIN)
+        sel = _keep_first_k(ck, k, _kth_key(ck, k))
+    else:
+        sel = real
+    plgpu.store(cl_ref.at[r, _partition_dest(sel, iota_c)], iota_c, mask=sel)
+
+
+# ----------------------------------------------------------------------------- 3: candidates
+
+
+def _candidates_kernel(x_ref, m_ref, lse_ref, cl_ref, zs_ref, ids_ref, *, V, k, nc, n_sel, width, chunk):
+    r = pl.program_id(0)
+    m = m_ref[r]
+    lse = lse_ref[r]
+    f = jnp.arange(width, dtype=jnp.int32)
+    slot = f // chunk
+    has = slot < n_sel
+    c = plgpu.load(cl_ref.at[r, jnp.where(has, slot, 0)], mask=has, other=0)
+    cols = c * chunk + (f % chunk)
+    live = has & (c >= 0) & (c < nc) & (cols < V)  # (the range test only guards bad rows' lists)
+    x = plgpu.load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=-jnp.inf).astype(jnp.float32)
+    z = (x - m) - lse
+    keys = jnp.where(live, _zkey(z), _INT_MIN)
+    sel = _keep_first_k(keys, k, _kth_key(keys, k)) & live
+    dest = _partition_dest(sel, f)
+    plgpu.store(zs_ref.at[r, dest], z, mask=sel)
+    plgpu.store(ids_ref.at[r, dest], cols, mask=sel)
+
+
+# ----------------------------------------------------------------------------- 4: order
+
+
+def _order_kernel(zs_ref, ids_ref, bad_ref, val_ref, idx_ref, *, k, kp, rb):
+    r = pl.program_id(0)
+    bad = bad_ref[r] != 0
+    j = jnp.arange(kp, dtype=jnp.int32)
+    okj = j < k
+    zj = plgpu.load(zs_ref.at[r, pl.ds(0, kp)], mask=okj, other=-jnp.inf)
+    idj = plgpu.load(ids_ref.at[r, pl.ds(0, kp)], mask=okj, other=_BIG)
+    kj = jnp.where(okj, _zkey(zj), _INT_MIN)
+    ib = jnp.arange(rb, dtype=jnp.int32)
+
+    def block(b, carry):
+        i = b * rb + ib
+        oki = i < k
+        zi = plgpu.load(zs_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=-jnp.inf)
+        idi = plgpu.load(ids_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=_BIG)
+        ki = _zkey(zi)
+        kj2, ki2 = kj[None, :], ki[:, None]
+        before = okj[None, :] & ((kj2 > ki2) | ((kj2 == ki2) & (idj[None, :] < idi[:, None])))
+        rank = jnp.sum(jnp.where(before, 1, 0), axis=1)
+        dest = jnp.where(oki & ~bad, rank, i)
+        plgpu.store(val_ref.at[r, dest], jnp.where(bad, jnp.nan, zi), mask=oki)
+        plgpu.store(idx_ref.at[r, dest], jnp.where(bad, i, idi), mask=oki)
+        return carry
+
+    jax.lax.fori_loop(0, kp // rb, block, 0)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _splits_for(R: int, nt: int) -> int:
+    want = pl.next_power_of_2(max(1, -(-_TARGET_PROGRAMS // R)))
+    return max(1, min(want, _MAX_SPLITS, 1 << (nt.bit_length() - 1)))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "lse", "interpret", "chunk", "tile", "num_warps", "select_warps"))
+def vocab_top_k_debug(
+    logits: jax.Array,
+    k: int,
+    *,
+    lse: str = "kernel",
+    interpret: bool = False,
+    chunk: int = CHUNK,
+    tile: int = MAX_TILE,
+    num_warps: int = 4,
+    select_warps: int = 8,
+) -> dict:
+    """``vocab_top_k`` with the row statistics: dict of ``values`` f32 ``[..., k]``, ``indices``
+    i32 ``[..., k]``, ``max`` and ``lse`` f32 ``[...]`` (the ``m`` and ``lse`` the values use).
+    Tuning knobs (all exact): ``chunk`` (columns per chunk maximum, a power of two), ``tile``
+    (columns per load of the stats pass), ``num_warps`` (stats pass), ``select_warps`` (the rest)."""
+    if lse not in LSE_MODES:
+        raise ValueError(f"lse must be one of {LSE_MODES}, got {lse!r}")
+    *lead, V = logits.shape
+    if not 1 <= k <= V:
+        raise ValueError(f"vocab_top_k needs 1 <= k <= V, got k={k}, V={V}")
+    if chunk & (chunk - 1) or tile & (tile - 1):
+        raise ValueError(f"chunk and tile must be powers of two, got {chunk}, {tile}")
+    x = logits.reshape(-1, V)
+    R = x.shape[0]
+    tile = max(chunk, min(tile, pl.next_power_of_2(V)))
+    nt = pl.cdiv(V, tile)
+    ntp = pl.next_power_of_2(nt)
+    nc = pl.cdiv(V, chunk)
+    ncp = pl.next_power_of_2(nt * (tile // chunk))
+    splits = _splits_for(R, nt)
+    tps = pl.cdiv(nt, splits)
+    n_sel = min(k, nc)
+    width = pl.next_power_of_2(n_sel) * chunk
+    kp = max(pl.next_power_of_2(k), _RANK_BLOCK)
+    f32, i32 = jnp.float32, jnp.int32
+    sd = jax.ShapeDtypeStruct
+    spec = pl.BlockSpec(memory_space=pl.ANY)
+    fused = lse == "kernel"
+
+    cm, tm, ts = pl.pallas_call(
+        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps, chunk=chunk, with_sum=fused),
+        grid=(R, splits),
+        in_specs=[spec],
+        out_specs=[spec] * 3,
+        out_shape=[sd((R, ncp), f32), sd((R, ntp), f32), sd((R, ntp if fused else 1), f32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="ddtree_topk_stats",
+    )(x)
+    if fused:
+        lse_in = jnp.zeros((R,), f32)
+    else:
+        # The reference's expression (jax.nn.log_softmax), with the kernel's row max (exact).
+        m0 = jnp.max(jnp.where(jnp.arange(ntp) < nt, tm, -jnp.inf), axis=-1)
+        x32 = logits.astype(f32)
+        shifted = x32 - m0.reshape(*lead, 1)
+        lse_in = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)).reshape(R)
+    m, lse_r, bad, cl = pl.pallas_call(
+        functools.partial(_chunks_kernel, k=k, nt=nt, ntp=ntp, nc=nc, ncp=ncp, with_sum=fused),
+        grid=(R,),
+        in_specs=[spec] * 4,
+        out_specs=[spec] * 4,
+        out_shape=[sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R, ncp), i32)],
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
+        interpret=interpret,
+        name="ddtree_topk_chunks",
+    )(cm, tm, ts, lse_in)
+    zs, ids = pl.pallas_call(
+        functools.partial(_candidates_kernel, V=V, k=k, nc=nc, n_sel=n_sel, width=width, chunk=chunk),
+        grid=(R,),
+        in_specs=[spec] * 4,
+        out_specs=[spec] * 2,
+        out_shape=[sd((R, max(width, kp)), f32), sd((R, max(width, kp)), i32)],
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
+        interpret=interpret,
+        name="ddtree_topk_candidates",
+    )(x, m, lse_r, cl)
+    vals, idx = pl.pallas_call(
+        functools.partial(_order_kernel, k=k, kp=kp, rb=_RANK_BLOCK),
+        grid=(R,),
+        in_specs=[spec] * 3,
+        out_specs=[spec] * 2,
+        out_shape=[sd((R, kp), f32), sd((R, kp), i32)],
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
+        interpret=interpret,
+        name="ddtree_topk_order",
+    )(zs, ids, bad)
+    return dict(
+        values=vals[:, :k].reshape(*lead, k),
+        indices=idx[:, :k].reshape(*lead, k),
+        max=m.reshape(lead),
+        lse=lse_r.reshape(lead),
+    )
+
+
+def vocab_top_k(logits: jax.Array, k: int, *, lse: str = "kernel", interpret: bool = False, **tuning):
+    """``lax.top_k(log_softmax(logits), k)`` (see the module doc; ``lse`` = "kernel" | "xla").
+    -> ``(values f32 [..., k], indices i32 [..., k])``."""
+    out = vocab_top_k_debug(logits, k, lse=lse, interpret=interpret, **tuning)
+    return out["values"], out["indices"]

@@ -1,0 +1,112 @@
+"""Triton vocab top-k (interpret mode) == ``lax.top_k(log_softmax(x))`` bit for bit: values, order,
+tie rule, -inf masks, fewer finite entries than k, NaN / +inf / all--inf rows, V not a power of
+two, bf16 and f32; and the tree built through it == the reference build (V < chunk * k and
+k == V: tests/test_triton_tree_builder.py, whose kernel builds run through this kernel).
+
+Interpret mode compiles each (shape, k, mode) once and that dominates, so one batch of rows
+carries most cases."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ddtree_jax as dt
+from pallas_kernels.triton.vocab_top_k import vocab_top_k, vocab_top_k_debug
+from tests._random_inputs import random_draft_logits
+
+
+def _mixed_rows(seed, V=3000):
+    """[2, 5, V] f32: Gaussian, rounded (ties), 97% -inf (fewer finite than k), all equal
+    (every entry tied), NaN row, +inf row, all -inf, a -inf run over whole chunks, coarse ties
+    with a few large values, Gaussian with a different scale."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((10, V)).astype(np.float32) * rng.uniform(0.5, 4, (10, 1)).astype(np.float32)
+    x[1] = np.round(x[1] * 2) / 2
+    x[2, rng.random(V) < 0.97] = -np.inf
+    x[3] = 1.5
+    x[4, 7] = np.nan
+    x[5, 11] = np.inf
+    x[6] = -np.inf
+    x[7, 100:2500] = -np.inf
+    x[8] = np.round(x[8])
+    x[8, rng.integers(0, V, 5)] = 9.0
+    return x.reshape(2, 5, V)
+
+
+def _lax(x, k):
+    return jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(x).astype(jnp.float32)), k)
+
+
+def _assert_equal(got, want):
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg="indices")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg="values")
+
+
+BAD = [4, 5, 6]  # rows of _mixed_rows (flattened) whose log-softmax is all NaN
+
+
+def test_xla_lse_equals_lax_top_k_of_log_softmax():
+    """Bit for bit on every row with a law. All-NaN rows: NaN values both, indices 0..k-1 here;
+    lax.top_k orders NaNs by sign and payload, which follow the platform's NaN propagation (on the
+    CPU an input NaN is positive and the NaNs that log_softmax makes are negative, so the input
+    NaN's index comes first), so those indices are not compared (the tree ignores such rows)."""
+    x = _mixed_rows(1)
+    got = [np.asarray(a).reshape(10, -1) for a in vocab_top_k(jnp.asarray(x), 200, lse="xla", interpret=True)]
+    want = [np.asarray(a).reshape(10, -1) for a in _lax(x, 200)]
+    good = np.setdiff1d(np.arange(10), BAD)
+    _assert_equal([a[good] for a in got], [a[good] for a in want])
+    assert np.isnan(got[0][BAD]).all() and np.isnan(want[0][BAD]).all()
+    np.testing.assert_array_equal(got[1][BAD], np.broadcast_to(np.arange(200), (3, 200)))
+
+
+def test_fused_lse_is_exact_for_its_normaliser():
+    """The fused normaliser is within a few ulp of XLA's; the top-k is exactly lax.top_k's on
+    (x - m) - lse with it; bad rows (NaN, +inf, all -inf) are NaN with indices 0..k-1."""
+    x = _mixed_rows(2)
+    out = vocab_top_k_debug(jnp.asarray(x), 200, lse="kernel", interpret=True)
+    m, lse = np.asarray(out["max"]), np.asarray(out["lse"])
+    bad = np.zeros((2, 5), bool)
+    bad.flat[BAD] = True
+    np.testing.assert_array_equal(m[~bad], x.max(-1)[~bad])
+    with np.errstate(invalid="ignore"):
+        ref_lse = np.log(np.exp(x.astype(np.float64) - m[..., None]).sum(-1))
+        z = (x - m[..., None]) - lse[..., None]
+    np.testing.assert_allclose(lse[~bad], ref_lse[~bad], rtol=1e-6, atol=1e-6)
+    want = jax.lax.top_k(jnp.asarray(np.where(bad[..., None], -np.inf, z)), 200)
+    v, i = np.asarray(out["values"]), np.asarray(out["indices"])
+    np.testing.assert_array_equal(i[~bad], np.asarray(want[1])[~bad])
+    np.testing.assert_array_equal(v[~bad], np.asarray(want[0])[~bad])
+    assert np.isnan(v[bad]).all()
+    np.testing.assert_array_equal(i[bad], np.broadcast_to(np.arange(200), (3, 200)))
+
+
+def test_build_draft_tree_through_the_kernel():
+    """impl="pallas" builds with vocab_top_k (the Triton family has it); same tree as the reference.
+    bf16 logits with more chunks (94) than k (64): the chunk bisection runs. (Small V, k == V and
+    V < 32 k run through the same path in tests/test_triton_tree_builder.py.)"""
+    x = random_draft_logits(5, 2, 4, 3000)
+    x[1] = np.round(x[1])  # score ties
+    x[0, 2, 50:] = -np.inf  # fewer tokens than the budget at one depth
+    x = jnp.asarray(x).astype(jnp.bfloat16)
+    _assert_equal(vocab_top_k(x, 64, lse="xla", interpret=True), _lax(x, 64))
+    ref = dt.build_draft_tree(x, 64, impl="reference")
+    ker = dt.build_draft_tree(x, 64, impl="pallas")
+    for f in ("tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
+
+
+def test_lowers_for_cuda():
+    """The Triton lowering rules (interpret mode does not check them), at the tree's real size."""
+    for shape, k, lse in [((16, 15, 163_840), 256, "kernel"), ((16, 15, 163_840), 256, "xla"), ((1, 1, 7), 3, "xla"),
+                          ((2, 5, 37), 37, "kernel")]:
+        f = jax.jit(lambda x, k=k, lse=lse: vocab_top_k(x, k, lse=lse))
+        text = f.trace(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "ddtree_topk_candidates" in text
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="k <= V"):
+        vocab_top_k(jnp.zeros((2, 8)), 9, interpret=True)
+    with pytest.raises(ValueError, match="lse"):
+        vocab_top_k(jnp.zeros((2, 8)), 3, lse="cpu", interpret=True)
