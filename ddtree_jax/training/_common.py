@@ -1,0 +1,102 @@
+"""Pieces both training stages share: mixed precision, the optimiser, the run folder, the clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+__all__ = ["Clock", "RunFolder", "cast_params", "compute_dtype_for", "make_optimizer", "param_count"]
+
+
+def compute_dtype_for(name: str):
+    """``auto``: bfloat16 on an accelerator (float32 master weights), float32 on the CPU."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def _keep_float32(path) -> bool:
+    # The MoE router (``mlp.gate``: weight and correction bias) stays float32, as in the model itself.
+    return "gate" in tuple(str(p) for p in path)
+
+
+def cast_params(model: nnx.Module, dtype) -> nnx.Module:
+    """A copy of ``model`` whose parameters are in ``dtype`` (router excepted). Gradients taken
+    through the copy reach the float32 originals: mixed precision with float32 master weights."""
+    if dtype == jnp.float32:
+        return model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    flat = nnx.to_flat_state(params)
+    cast = [(path, v.replace(v[...] if _keep_float32(path) else v[...].astype(dtype))) for path, v in flat]
+    return nnx.merge(graphdef, nnx.from_flat_state(cast), rest)
+
+
+def make_optimizer(model: nnx.Module, wrt, *, lr: float, total_steps: int, warmup: int, weight_decay: float = 0.1,
+                   clip: float = 1.0) -> nnx.Optimizer:
+    """AdamW (b2 0.95) with linear warm-up then cosine decay to lr/10 over ``total_steps``, global-norm
+    clipping, and weight decay on matrices only (not norms or biases)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(total_steps, warmup + 1), lr * 0.1)
+    decay_mask = lambda params: jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)  # noqa: E731
+    tx = optax.chain(optax.clip_by_global_norm(clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
+    return nnx.Optimizer(model, tx, wrt=wrt)
+
+
+def param_count(model: nnx.Module) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+class Clock:
+    """Wall-clock budget of one command: ``should_stop(next_cost)`` once ``next_cost`` seconds more
+    would pass the limit less a reserve (for the final evaluation and save)."""
+
+    def __init__(self, minutes: float, reserve_s: float):
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + minutes * 60.0 - reserve_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def should_stop(self, next_cost: float = 0.0) -> bool:
+        return time.perf_counter() + next_cost > self.deadline
+
+
+class RunFolder:
+    """The run folder of the stages: data.json, tokenizer.json and token streams from stage 1."""
+
+    def __init__(self, path: str):
+        self.path = path
+        data = os.path.join(path, "data.json")
+        if not os.path.isfile(data):
+            raise SystemExit(f"{path}: no data.json; run `python -m ddtree_jax.training.tokenizer --out {path}` first")
+        with open(data) as f:
+            self.data = json.load(f)
+
+    def file(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts)
+
+    def tokens(self, split: str) -> np.ndarray:
+        return np.load(self.file(f"{split}_tokens.npy")).astype(np.int32)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.data["tokenizer"]["vocab_size"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.data["tokenizer"]["eos_id"]
+
+    @property
+    def mask_id(self) -> int:
+        return self.data["tokenizer"]["mask_id"]
+
+    def log_line(self, name: str, record: dict) -> None:
+        with open(self.file(f"{name}_log.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
