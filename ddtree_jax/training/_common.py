@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -38,15 +39,24 @@ def cast_params(model: nnx.Module, dtype) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(cast), rest)
 
 
+@functools.lru_cache(maxsize=32)
+def _adamw(lr: float, total_steps: int, warmup: int, weight_decay: float, clip: float) -> optax.GradientTransformation:
+    # Cached: the transformation is static in the optimiser's graph, so an equal object lets a new
+    # optimiser (a resumed run, a test) reuse the compiled step instead of compiling it again.
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(total_steps, warmup + 1), lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=_decay_mask))
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
 def make_optimizer(model: nnx.Module, wrt, *, lr: float, total_steps: int, warmup: int, weight_decay: float = 0.1,
                    clip: float = 1.0) -> nnx.Optimizer:
     """AdamW (b2 0.95) with linear warm-up then cosine decay to lr/10 over ``total_steps``, global-norm
     clipping, and weight decay on matrices only (not norms or biases)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, warmup), max(total_steps, warmup + 1), lr * 0.1)
-    decay_mask = lambda params: jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)  # noqa: E731
-    tx = optax.chain(optax.clip_by_global_norm(clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
-    return nnx.Optimizer(model, tx, wrt=wrt)
+    return nnx.Optimizer(model, _adamw(lr, total_steps, warmup, weight_decay, clip), wrt=wrt)
 
 
 def param_count(model: nnx.Module) -> int:

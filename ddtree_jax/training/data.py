@@ -120,5 +120,7 @@ def heldout_windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
     """``int32 [<=count, length]``: the first ``count`` non-overlapping windows of the held-out stream,
     spread evenly over it (a fixed evaluation set)."""
     n = len(stream) // length
+    if n == 0:
+        raise ValueError(f"the held-out stream ({len(stream)} tokens) is shorter than one window of {length}")
     picks = np.unique(np.linspace(0, n - 1, min(count, n)).astype(int))
     return np.stack([stream[i * length : (i + 1) * length] for i in picks]).astype(np.int32)

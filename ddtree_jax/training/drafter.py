@@ -141,7 +141,8 @@ def _save_npz(path: str, data: dict) -> None:
 
 
 def train_drafter_stage(run: str, *, size: str = "h200", minutes: float = 8.0, steps: int = 3000, batch: int = 32,
-                        anchors: int = 32, seq_len: int = 512, prompt_lengths=(32, 128), temperatures=(0.0, 1.0, 0.0, 0.6),
+                        anchors: int = 32, seq_len: int = 512, prompt_lengths=(32, 128),
+                        temperatures=(0.0, 1.0, 0.0, 0.6),
                         sequences: int = 8192, gen_batch: int = 512, heldout_sequences: int = 128, lr: float = 2e-3,
                         warmup: int = 200, weight_decay: float = 0.01, gamma: float = 7.0, eval_every: int = 250,
                         eval_anchors: int = 16, save_every_s: float = 180.0, compute_dtype: str = "auto",

@@ -81,11 +81,13 @@ def export_pair(run: str, dest: str, *, target_only: bool = False, log=print) ->
     write_json(os.path.join(dest, "generation_config.json"), {"eos_token_id": eos})
     write_json(os.path.join(dest, "training.json"), record)
     size = _folder_bytes(dest)
-    weights = sum(_folder_bytes(os.path.join(dest, r)) for r in ("target", "drafter") if os.path.isdir(os.path.join(dest, r)))
+    roles = [os.path.join(dest, r) for r in ("target", "drafter")]
+    weights = sum(_folder_bytes(r) for r in roles if os.path.isdir(r))
     log(f"[export] {dest}: target{'' if target_only else ' + drafter'} in bfloat16, {weights / 1e6:.1f} MB of "
         f"checkpoints ({size / 1e6:.1f} MB with tokenizer and records)")
     if weights > SHIP_LIMIT_BYTES:
-        raise SystemExit(f"[export] the checkpoints take {weights / 1e6:.1f} MB, over the {SHIP_LIMIT_BYTES / 1e6:.0f} MB cap")
+        raise SystemExit(f"[export] the checkpoints take {weights / 1e6:.1f} MB, over the "
+                         f"{SHIP_LIMIT_BYTES / 1e6:.0f} MB cap")
     return dict(dest=dest, bytes=size, checkpoint_bytes=weights)
 
 

@@ -41,7 +41,7 @@ def save_state(folder: str, trees: dict, info: dict, *, max_shard_bytes: int = M
             size = 0
         if a.nbytes > max_shard_bytes:
             raise ValueError(f"{key}: {a.nbytes} bytes, more than max_shard_bytes={max_shard_bytes}")
-        shards[-1][key] = np.ascontiguousarray(a)
+        shards[-1][key] = np.array(a, order="C")  # (np.ascontiguousarray would make scalars 1-d)
         size += a.nbytes
     files = []
     for i, shard in enumerate(shards):

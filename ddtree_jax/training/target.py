@@ -152,7 +152,8 @@ def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, st
         changed = {k: (info["hyper"].get(k), v) for k, v in hyper.items()
                    if k != "compute_dtype" and info["hyper"].get(k) != v}
         if changed:
-            raise SystemExit(f"{state_dir}: saved with different settings {changed}; use another --out or the same flags")
+            raise SystemExit(f"{state_dir}: saved with different settings {changed}; "
+                             "use another --out or the same flags")
         trees, info = load_state(state_dir, {"model": nnx.state(model), "opt": nnx.state(opt)})
         nnx.update(model, trees["model"])
         nnx.update(opt, trees["opt"])
