@@ -230,7 +230,12 @@ def main(argv=None):
     p.add_argument("--tag", default=None, help="results file stem (default e2e_<device>_<date>)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="JAX's on-disk cache of compiled programs (default: $DDTREE_JAX_COMPILATION_CACHE or ~/.cache)")
     args = p.parse_args(argv)
+    from ddtree_jax import compilation_cache
+
+    print(f"[bench] compilation cache: {compilation_cache.enable(compilation_cache.resolve(args.compilation_cache))}")
     t_start = time.perf_counter()
     deadline = t_start + args.minutes * 60
 

@@ -13,7 +13,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-__all__ = ["Clock", "RunFolder", "cast_params", "compute_dtype_for", "make_optimizer", "param_count"]
+__all__ = ["Clock", "RunFolder", "cast_params", "compute_dtype_for", "enable_compilation_cache", "make_optimizer",
+           "param_count"]
+
+
+def enable_compilation_cache(flag: str | None) -> None:
+    """JAX's persistent cache (``ddtree_jax.compilation_cache``): a resumed stage loads its compiled steps."""
+    from ddtree_jax import compilation_cache
+
+    path = compilation_cache.enable(compilation_cache.resolve(flag))
+    print(f"[training] compilation cache: {path or 'off'}")
 
 
 def compute_dtype_for(name: str):

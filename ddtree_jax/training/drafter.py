@@ -37,7 +37,15 @@ import optax
 from flax import nnx
 
 from ddtree_jax.models import DFlashDrafter
-from ddtree_jax.training._common import Clock, RunFolder, cast_params, compute_dtype_for, make_optimizer, param_count
+from ddtree_jax.training._common import (
+    Clock,
+    RunFolder,
+    cast_params,
+    compute_dtype_for,
+    enable_compilation_cache,
+    make_optimizer,
+    param_count,
+)
 from ddtree_jax.training.configs import SIZES, drafter_config
 from ddtree_jax.training.state import MAX_SHARD_BYTES, load_state, read_info, save_state
 
@@ -311,7 +319,10 @@ def main(argv=None) -> None:
     p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--gen-impl", default="auto", help="the generating target's kernels (ddtree_jax.backend)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="JAX's on-disk cache of compiled programs (default: $DDTREE_JAX_COMPILATION_CACHE or ~/.cache)")
     a = p.parse_args(argv)
+    enable_compilation_cache(a.compilation_cache)
     train_drafter_stage(a.out, size=a.size, minutes=a.minutes, steps=a.steps, batch=a.batch, anchors=a.anchors,
                         seq_len=a.seq_len, prompt_lengths=tuple(int(x) for x in a.prompt_lengths.split(",")),
                         temperatures=_floats(a.temperatures), sequences=a.sequences, gen_batch=a.gen_batch,

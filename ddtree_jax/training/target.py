@@ -37,6 +37,7 @@ from ddtree_jax.training._common import (
     RunFolder,
     cast_params,
     compute_dtype_for,
+    enable_compilation_cache,
     make_optimizer,
     param_count,
 )
@@ -246,7 +247,10 @@ def main(argv=None) -> None:
     p.add_argument("--eval-windows", type=int, default=256)
     p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="JAX's on-disk cache of compiled programs (default: $DDTREE_JAX_COMPILATION_CACHE or ~/.cache)")
     a = p.parse_args(argv)
+    enable_compilation_cache(a.compilation_cache)
     train_target_stage(a.out, size=a.size, minutes=a.minutes, steps=a.steps, batch=a.batch, seq_len=a.seq_len, lr=a.lr,
                        warmup=a.warmup, weight_decay=a.weight_decay, bias_rate=a.bias_rate, eval_every=a.eval_every,
                        eval_windows=a.eval_windows, compute_dtype=a.compute_dtype, seed=a.seed)
