@@ -50,7 +50,7 @@ SIZES = {
                  experts_per_token=2, groups=4, topk_groups=2, q_lora_rank=192, kv_lora_rank=128, nope_dim=32,
                  rope_dim=16, v_dim=32, draft_layers=2, draft_heads=6, draft_kv_heads=2, draft_head_dim=64,
                  draft_intermediate=768, max_positions=2048),
-    "tiny": Size(hidden=64, layers=3, heads=2, dense_intermediate=128, experts=8, expert_intermediate=32,
+    "tiny": Size(hidden=64, layers=2, heads=2, dense_intermediate=128, experts=8, expert_intermediate=32,
                  experts_per_token=2, groups=2, topk_groups=1, q_lora_rank=32, kv_lora_rank=16, nope_dim=16,
                  rope_dim=8, v_dim=16, draft_layers=1, draft_heads=2, draft_kv_heads=1, draft_head_dim=32,
                  draft_intermediate=128, max_positions=1024),
