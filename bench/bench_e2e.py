@@ -225,6 +225,8 @@ def main(argv=None):
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="time split of the round at T=0 (a separate, shorter run)")
     p.add_argument("--profile-new", type=int, default=64)
+    p.add_argument("--profile-budgets", type=int, nargs="*", default=[32, 256],
+                   help="DDTree budgets whose round is profiled (ar and dflash always are; each costs compilations)")
     p.add_argument("--minutes", type=float, default=9.0, help="stop (keeping results) before this wall time")
     p.add_argument("--resume", action="store_true", help="continue the JSON of --tag, skipping what it has")
     p.add_argument("--tag", default=None, help="results file stem (default e2e_<device>_<date>)")
@@ -310,7 +312,7 @@ def main(argv=None):
                         ar_tokens[batch] = tokens
                     elif batch in ar_tokens:
                         rec["agreement_with_ar"] = agreement(tokens, ar_tokens[batch])
-                    if args.profile:  # once to compile the stages, once timed
+                    if args.profile and (method != "ddtree" or budget in args.profile_budgets):  # compile, then time
                         for _ in range(2):
                             out = _run(target, drafter, groups[0], method, budget, SETTINGS["T=0"], args.profile_new,
                                        max_len, args.seed, profile=True)

@@ -133,9 +133,9 @@ def _save_best(model, path: str) -> None:
     os.replace(tmp, path)
 
 
-def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, steps: int = 3000, batch: int = 64,
+def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, steps: int = 1500, batch: int = 64,
                        seq_len: int = 512, lr: float = 2e-3, warmup: int = 200, weight_decay: float = 0.1,
-                       bias_rate: float = 1e-3, eval_every: int = 250, eval_windows: int = 256,
+                       bias_rate: float = 1e-3, eval_every: int = 100, eval_windows: int = 256,
                        save_every_s: float = 180.0, compute_dtype: str = "auto", seed: int = 0,
                        max_steps_this_call: int | None = None, log=print) -> dict:
     """Trains (or resumes) the target in ``run`` until ``steps`` or the clock; returns state.json's info."""
@@ -236,14 +236,15 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="the run folder of stage 1 (tokenizer)")
     p.add_argument("--size", choices=sorted(SIZES), default="h200")
     p.add_argument("--minutes", type=float, default=8.0, help="wall-clock limit of this command (stops before it)")
-    p.add_argument("--steps", type=int, default=3000, help="total steps of the run (the schedule's length)")
+    p.add_argument("--steps", type=int, default=1500,
+                   help="total steps of the run (the schedule's length; 1500 x 64 x 512 tokens: ~15 stdlib epochs)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--bias-rate", type=float, default=1e-3, help="router bias balancing step")
-    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=256)
     p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--seed", type=int, default=0)
