@@ -127,3 +127,19 @@ def test_target_resume_equals_uninterrupted_training(run_folder, tmp_path):
     states = [load_state(str(tmp_path / n / "target_state"), {"model": nnx.state(ref), "opt": nnx.state(opt)})[0]
               for n in ("a", "b")]
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7), *states)
+
+
+def test_anchored_blocks_equal_one_block_at_a_time():
+    """Training's many-anchors pass gives each block exactly the logits decoding's cache-free pass gives it."""
+    tcfg = target_config(TINY, 300)
+    target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(3), impl="reference")
+    drafter = DFlashDrafter(drafter_config(TINY, tcfg, mask_token_id=1), rngs=nnx.Rngs(4))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(2, 300, (2, 30)), jnp.int32)
+    hidden = jnp.concatenate(target.forward_uncached(tokens, hidden_layer_ids=drafter.config.target_layer_ids)[1], -1)
+    anchors = jnp.array([[1, 9, 29], [4, 17, 22]])
+    many = drafter.anchored_blocks(target, hidden, tokens, anchors)
+    for b in range(2):
+        for j in range(3):
+            a = int(anchors[b, j])
+            one = drafter(target, hidden[b : b + 1, :a], tokens[b : b + 1, a])
+            np.testing.assert_allclose(np.asarray(many[b, j]), np.asarray(one[0]), atol=2e-5)
