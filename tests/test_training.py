@@ -135,11 +135,13 @@ def test_anchored_blocks_equal_one_block_at_a_time():
     target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(3), impl="reference")
     drafter = DFlashDrafter(drafter_config(TINY, tcfg, mask_token_id=1), rngs=nnx.Rngs(4))
     tokens = jnp.asarray(np.random.default_rng(1).integers(2, 300, (2, 30)), jnp.int32)
-    hidden = jnp.concatenate(target.forward_uncached(tokens, hidden_layer_ids=drafter.config.target_layer_ids)[1], -1)
-    anchors = jnp.array([[1, 9, 29], [4, 17, 22]])
-    many = drafter.anchored_blocks(target, hidden, tokens, anchors)
-    for b in range(2):
-        for j in range(3):
-            a = int(anchors[b, j])
-            one = drafter(target, hidden[b : b + 1, :a], tokens[b : b + 1, a])
-            np.testing.assert_allclose(np.asarray(many[b, j]), np.asarray(one[0]), atol=2e-5)
+    hidden = nnx.jit(lambda t, x: jnp.concatenate(
+        t.forward_uncached(x, hidden_layer_ids=drafter.config.target_layer_ids)[1], -1))(target, tokens)
+    anchors = jnp.array([[9, 22], [22, 9]])  # two anchor positions: two shapes for the one-block calls
+    many = nnx.jit(lambda d, t, h, x, a: d.anchored_blocks(t, h, x, a))(drafter, target, hidden, tokens, anchors)
+    one_block = nnx.jit(lambda d, t, h, last: d(t, h, last))
+    for a in (9, 22):
+        one = one_block(drafter, target, hidden[:, :a], tokens[:, a])  # both rows, anchor a
+        for b in range(2):
+            j = int(np.flatnonzero(np.asarray(anchors[b]) == a)[0])
+            np.testing.assert_allclose(np.asarray(many[b, j]), np.asarray(one[b]), atol=2e-5)
