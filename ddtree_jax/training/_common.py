@@ -34,7 +34,7 @@ def compute_dtype_for(name: str):
 
 def _keep_float32(path) -> bool:
     # The MoE router (``mlp.gate``: weight and correction bias) stays float32, as in the model itself.
-    return "gate" in tuple(str(p) for p in path)
+    return any(getattr(k, "key", getattr(k, "name", None)) == "gate" for k in path)
 
 
 def cast_params(model: nnx.Module, dtype) -> nnx.Module:
@@ -43,9 +43,8 @@ def cast_params(model: nnx.Module, dtype) -> nnx.Module:
     if dtype == jnp.float32:
         return model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    flat = nnx.to_flat_state(params)
-    cast = [(path, v.replace(v[...] if _keep_float32(path) else v[...].astype(dtype))) for path, v in flat]
-    return nnx.merge(graphdef, nnx.from_flat_state(cast), rest)
+    cast = jax.tree_util.tree_map_with_path(lambda path, x: x if _keep_float32(path) else x.astype(dtype), params)
+    return nnx.merge(graphdef, cast, rest)
 
 
 @functools.lru_cache(maxsize=32)
