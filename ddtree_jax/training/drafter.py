@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import json
 import math
 import os
 import time
@@ -47,6 +48,7 @@ from ddtree_jax.training._common import (
     param_count,
 )
 from ddtree_jax.training.configs import SIZES, drafter_config
+from ddtree_jax.training.data import write_json
 from ddtree_jax.training.state import MAX_SHARD_BYTES, load_state, read_info, save_state
 
 __all__ = ["acceptance_by_depth", "drafter_train_step", "main", "make_continuations", "sample_anchors",
@@ -171,6 +173,17 @@ def train_drafter_stage(run: str, *, size: str = "h200", minutes: float = 8.0, s
     cfg = drafter_config(SIZES[size], target.config, folder.mask_id)
     data_dir = folder.file("drafter_data")
     os.makedirs(data_dir, exist_ok=True)
+    # The continuations belong to one target: refuse to mix them with (or train against) another.
+    made_by = {k: v for k, v in (read_info(folder.file("target_state")) or {}).items()
+               if k in ("best_step", "best_heldout")}
+    made_by_path = os.path.join(data_dir, "target.json")
+    if os.path.exists(made_by_path):
+        with open(made_by_path) as f:
+            if json.load(f) != made_by:
+                raise SystemExit(f"{data_dir} was made by another target_best ({made_by_path}); delete {data_dir} and "
+                                 f"{folder.file('drafter_state')} to start the drafter over")
+    else:
+        write_json(made_by_path, made_by)
 
     # -- the target's continuations, chunk by chunk (a stopped command resumes at the next chunk) --
     heldout_path = os.path.join(data_dir, "heldout.npz")
