@@ -201,6 +201,29 @@ class DFlashDrafter(nnx.Module):
         ctx_valid = ctx_pos < cache.lengths[:, None]
         return self._block_logits(target, last_token, block_pos, list(cache.k), list(cache.v), ctx_pos, ctx_valid)
 
+    def anchored_blocks(self, target, target_hidden: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:
+        """Many blocks per sequence in one pass (training, the DFlash recipe's random anchors).
+
+        ``target_hidden [B,S,n*H]``: the target's features of the whole sequence ``tokens [B,S]``;
+        ``anchors [B,A]`` int, each in ``[1, S)``. Block ``(b, a)`` is ``[tokens[b, a], MASK ...]``
+        at positions ``a .. a+block_size-1`` and sees the context strictly before ``a``: the same
+        logits as ``__call__(target, target_hidden[b:b+1, :a], tokens[b:b+1, a])``. Returns logits
+        ``float32 [B, A, block_size-1, V]``.
+        """
+        b, s, _ = target_hidden.shape
+        a = anchors.shape[1]
+        chex.assert_shape([tokens, anchors], [(b, s), (b, a)])
+        ctx_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+        k_ctx, v_ctx = self._context_kv(target_hidden, ctx_pos)
+        rows = lambda x: jnp.repeat(x, a, axis=0)  # noqa: E731  (one row per block)
+        flat_anchor = anchors.reshape(-1)
+        block_pos = flat_anchor[:, None] + jnp.arange(self.config.block_size)[None]
+        last = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
+        ctx_valid = rows(ctx_pos) < flat_anchor[:, None]
+        logits = self._block_logits(target, last, block_pos, [rows(k) for k in k_ctx], [rows(v) for v in v_ctx],
+                                    rows(ctx_pos), ctx_valid)
+        return logits.reshape(b, a, *logits.shape[1:])
+
     def __call__(self, target, target_hidden: jax.Array, last_token: jax.Array) -> jax.Array:
         """Cache-free draft: context ``target_hidden [B,C,n*H]`` at positions ``0..C-1``, block at
         ``C..C+block_size-1``. Returns logits ``float32 [B, block_size-1, V]``."""
