@@ -36,7 +36,7 @@ from ddtree_jax.models._layers import (
     write_rows,
 )
 from ddtree_jax.models.kimi_config import KimiConfig
-from ddtree_jax.models.latent_attention import latent_attention
+from ddtree_jax.models.latent_attention import SEGMENT_KEYS, AttentionMesh, latent_attention
 from ddtree_jax.models.moe import experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
@@ -106,6 +106,10 @@ class MLAttention(nnx.Module):
             dtype=dtype,
         )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
+        # ``AttentionMesh`` when the model knows its mesh (``set_mesh``): the kernel runs per shard
+        self.attention_mesh = None
+        # the kernel's fixed reduction segments (``latent_attention``; 0: layout-dependent splits)
+        self.segment_keys = SEGMENT_KEYS
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
@@ -129,7 +133,8 @@ class MLAttention(nnx.Module):
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
         out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
-                                      backend=backend).astype(x.dtype)
+                                      backend=backend, mesh=self.attention_mesh,
+                                      segment_keys=self.segment_keys).astype(x.dtype)
         out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
         return self.o_proj(out)
 
@@ -266,11 +271,16 @@ class KimiForCausalLM(nnx.Module):
         return self
 
     def set_mesh(self, mesh, mesh_axes: dict[str, str]) -> KimiForCausalLM:
-        """Tell the experts how their weights are placed (``load_target(mesh=...)`` calls this):
-        with the expert dim split over a mesh axis, the kernel path runs expert-parallel
-        (``ddtree_jax.models.moe.experts_expert_parallel``). ``mesh=None`` forgets it."""
+        """Tell the kernels how the model is placed (``load_target(mesh=...)`` and ``init_on_mesh``
+        call this): with the expert dim split over a mesh axis, the MoE kernel path runs
+        expert-parallel (``ddtree_jax.models.moe.experts_expert_parallel``); the attention kernel
+        runs in a ``shard_map`` with batch rows over the mesh's ``data`` axis (the serving
+        state's caches: ``ddtree_jax.serving.sharding.state_sharding``) and heads over the
+        ``tensor`` axis (``latent_attention``). ``mesh=None`` forgets it."""
         axis = mesh_axes.get("expert")
+        attention = AttentionMesh.of(mesh, mesh_axes)
         for layer in self.model.layers:
+            layer.self_attn.attention_mesh = attention
             if isinstance(layer.mlp, MoE):
                 experts = layer.mlp.experts
                 split = (mesh is not None and axis in mesh.axis_names

@@ -89,8 +89,22 @@ def _dot(a, b, trans_b=False):
     return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
+def _merge(carry, part):
+    """Fold one key range's unnormalised ``(o, m, den)`` into a running total (the same expressions
+    in the attention kernel's segment loop and in the merge kernel: same bits either way)."""
+    o, m, den = carry
+    o_s, m_s, den_s = part
+    m_new = jnp.maximum(m, m_s)
+    a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+    return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
+
+
+def _fresh(BM, RP):
+    return jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32)
+
+
 def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
-                 TMP, causal, chunk, scale_log2):
+                 TMP, causal, chunk, seg, scale_log2):
     b, rt, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[b]
     rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start)
@@ -122,12 +136,12 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
         tmp_tok = tok_lo + jnp.arange(TMP, dtype=jnp.int32)
         onehot = None if causal else jnp.where(tok[:, None] == tmp_tok[None, :], 1.0, 0.0).astype(jnp.bfloat16)
 
-        def step(i, carry, masked):
-            """Key tile i of this program's range; ``masked`` for tiles that reach the block."""
+        def step(i, carry, s_lo, s_hi, masked):
+            """Key tile i of the key range ``[s_lo, s_hi)``; ``masked`` for tiles that reach the block."""
             o, m, den = carry
-            k0 = lo + i * BK
+            k0 = s_lo + i * BK
             kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
-            kin = (kpos < hi)[:, None] if masked else None
+            kin = (kpos < s_hi)[:, None] if masked else None
             lat = load(lat_ref.at[b, pl.ds(k0, BK), pl.ds(0, RP)], both(kin, col_ok))
             kr = load(kr_ref.at[b, pl.ds(k0, BK), pl.ds(0, DRP)], both(kin, dcol_ok))
             s = (_dot(qn, lat, trans_b=True) + _dot(qr, kr, trans_b=True)) * scale_log2
@@ -139,7 +153,7 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
                     mt = plgpu.load(bm_ref.at[b, pl.ds(tok_lo, TMP), pl.ds(k0 - start + BK, BK)],
                                     mask=(tmp_tok < T)[:, None], other=0)
                     in_block = _dot(onehot, mt) > 0.5
-                vis = (kpos < hi)[None, :] & ((kpos < start)[None, :] | ((rel >= 0)[None, :] & in_block))
+                vis = (kpos < s_hi)[None, :] & ((kpos < start)[None, :] | ((rel >= 0)[None, :] & in_block))
                 s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
             corr = jnp.exp2(m - m_new)
@@ -148,12 +162,21 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             o = o * corr[:, None] + _dot(p.astype(lat.dtype), lat)
             return o, m_new, den
 
-        # Tiles wholly inside the committed prefix see every key (no mask), then the rest.
-        n_lean = jnp.maximum(jnp.minimum(hi, start) - lo, 0) // BK
-        n_all = pl.cdiv(hi - lo, BK)
-        carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-        carry = jax.lax.fori_loop(0, n_lean, functools.partial(step, masked=False), carry)
-        o, m, den = jax.lax.fori_loop(n_lean, n_all, functools.partial(step, masked=True), carry)
+        def segment(g, total):
+            """Keys ``[lo + g*seg, ...)`` from a fresh state, folded into ``total``: a row's
+            reductions follow the fixed segment boundaries, not the program layout."""
+            s_lo = lo + g * seg if seg else lo
+            s_hi = jnp.minimum(s_lo + seg, hi) if seg else hi
+            # Tiles wholly inside the committed prefix see every key (no mask), then the rest.
+            n_lean = jnp.maximum(jnp.minimum(s_hi, start) - s_lo, 0) // BK
+            n_all = pl.cdiv(s_hi - s_lo, BK)
+            part = jax.lax.fori_loop(0, n_lean, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=False),
+                                     _fresh(BM, RP))
+            part = jax.lax.fori_loop(n_lean, n_all, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=True), part)
+            return _merge(total, part)
+
+        n_seg = pl.cdiv(hi - lo, seg) if seg else 1
+        o, m, den = jax.lax.fori_loop(0, n_seg, segment, _fresh(BM, RP))
         out_mask = both(row_ok[:, None], col_ok)
         if chunk:
             o_ref, m_ref, den_ref = out_refs
@@ -166,8 +189,9 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk):
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk, seg):
     """Merge the splits a row tile's length reached, in split order (the same order for any batch)."""
+    del seg  # the splits are the segments (or segment-free splits)
     b, rt = pl.program_id(0), pl.program_id(1)
     rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
     row0 = rt * BM
@@ -176,16 +200,12 @@ def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, R
     mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
 
     def body(s, carry):
-        o, m, den = carry
         o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(0, RP)], mask=mask2, other=0)
         m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
         den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
-        m_new = jnp.maximum(m, m_s)
-        a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-        return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
+        return _merge(carry, (o_s, m_s, den_s))
 
-    carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-    o, _, den = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, carry)
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, _fresh(BM, RP))
     out = o / jnp.where(den > 0, den, 1.0)[:, None]
     plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
 
@@ -216,12 +236,14 @@ def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, b
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "num_warps", "num_stages", "interpret"),
+    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "segment_keys", "num_warps", "num_stages",
+                     "interpret"),
 )
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, start: jax.Array,
                   block_mask: jax.Array | None = None, *, scale: float, causal: bool = False,
                   block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
-                  num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                  segment_keys: int = 0, num_warps: int | None = None, num_stages: int | None = None,
+                  interpret: bool = False) -> jax.Array:
     """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
 
     Args:
@@ -232,7 +254,12 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
       scale: the softmax scale. causal: the block is causal (prefill, decode).
       block_m / block_k: query rows (of the flattened ``T*H``) and keys per tile (powers of 2,
         >= 16). split_keys: 0, or keys per split (a multiple of ``block_k``; see
-        ``auto_split_keys``). num_warps / num_stages: Triton launch parameters. ``None``:
+        ``auto_split_keys``). segment_keys: 0, or reduce each row's keys in fixed segments of
+        this many positions (a multiple of ``block_k``), each from a fresh softmax state, folded
+        in segment order: a row's result then depends only on its data, ``block_k`` and
+        ``segment_keys``, not on ``B``, ``T`` or ``split_keys``, which must then be 0 (segments
+        run one after another in a program) or ``segment_keys`` (one program per segment, the same
+        folds in the merge kernel). num_warps / num_stages: Triton launch parameters. ``None``:
         ``default_tiles(latent.dtype)``.
 
     Returns:
@@ -250,6 +277,9 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         raise ValueError("mla_attention: pass exactly one of block_mask and causal=True")
     if split_keys and split_keys % block_k:
         raise ValueError(f"mla_attention: split_keys {split_keys} must be a multiple of block_k {block_k}")
+    if segment_keys and (segment_keys % block_k or split_keys not in (0, segment_keys)):
+        raise ValueError(f"mla_attention: segment_keys {segment_keys} must be a multiple of block_k {block_k} and "
+                         f"split_keys ({split_keys}) 0 or equal to it")
     R, BM, BK = T * H, block_m, block_k
     RP, DRP = max(16, pl.next_power_of_2(r)), max(16, pl.next_power_of_2(dr))
     TMP = max(16, pl.next_power_of_2(pl.cdiv(BM, H) + 1))
@@ -268,7 +298,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         out_shape = [sd((B, R, r), q_latent.dtype)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk)
+    seg = segment_keys if segment_keys and segment_keys < S else 0  # one segment: same as none
+    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk, seg=seg)
     outs = pl.pallas_call(
         functools.partial(_attn_kernel, dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E,
                           **static),
