@@ -45,40 +45,59 @@ EXPERT_PARALLEL = textwrap.dedent("""
     import re, sys
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
     import ddtree_jax as dt
     from ddtree_jax.serving.sharding import make_mesh
     from tests._model_fixtures import tiny_kimi
     from tests.test_moe_kernel import _tree_inputs
-    path = sys.argv[1]
+    path, S = sys.argv[1], 40  # S: a cache length no other dim of the tiny model has
     dt.save_checkpoint(tiny_kimi(0), path)
-    mesh = make_mesh("expert=8")
-    sharded = dt.load_target(path, mesh=mesh, dtype=jnp.float32, impl="pallas")
     plain = dt.load_target(path, dtype=jnp.float32, impl="reference")
     tokens, depths, mask, valid = _tree_inputs(2, 8, 3)
     f = nnx.jit(lambda m, *a: m.verify(*a, valid=valid)[0])
     args = (tokens, depths, mask)
-    with jax.set_mesh(mesh):
-        hlo = f.lower(sharded, *args, sharded.init_cache(2, 32)).compile().as_text()
-        got = f(sharded, *args, sharded.init_cache(2, 32))
-    want = f(plain, *args, plain.init_cache(2, 32))
-    gathers = [l for l in hlo.splitlines() if re.search(r"= \\S+ all-gather(-start)?\\(", l)]
-    reduces = [l for l in hlo.splitlines() if re.search(r"= \\S+ all-reduce(-start)?\\(", l)]
-    assert not gathers, gathers
-    assert len(reduces) == 2, reduces  # one psum of [N, H] per MoE layer
+    want = f(plain, *args, plain.init_cache(2, S))
     v = np.asarray(valid)
-    err = np.abs(np.asarray(got) - np.asarray(want))[v].max()
-    assert err <= 2e-5 * np.abs(np.asarray(want)).max(), err
+
+    def lines(hlo, op):
+        return [l for l in hlo.splitlines() if re.search(r"= \\S+ " + op + r"(-start)?\\(", l)]
+
+    for spec in ["expert=8", "data=2,expert=4", "expert=2,tensor=4"]:
+        mesh = make_mesh(spec)
+        sharded = dt.load_target(path, mesh=mesh, dtype=jnp.float32, impl="pallas")
+        cache = sharded.init_cache(2, S)
+        if "data" in mesh.axis_names:  # the serving state's placement: cache rows over data
+            cache = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), cache)
+        with jax.set_mesh(mesh):
+            hlo = f.lower(sharded, *args, cache).compile().as_text()
+            got = f(sharded, *args, cache)
+        gathers, reduces = lines(hlo, "all-gather"), lines(hlo, "all-reduce")
+        if spec == "expert=8":
+            assert not gathers, gathers
+            assert len(reduces) == 2, reduces  # one psum of [N, H] per MoE layer
+        # no cache-sized array (a dim of S) and no heads-split query is gathered for the kernel
+        cache_like = [l for l in gathers if re.search(r"\\[[\\d,]*\\b%d\\b[\\d,]*\\]" % S, l.split("all-gather")[0])]
+        assert not cache_like, (spec, cache_like)
+        heads = [l for l in gathers if re.search(r"f32\\[2,8,4,(16|4)\\]|f32\\[2,32,(16|4)\\]", l)]
+        assert not heads, (spec, heads)
+        err = np.abs(np.asarray(got) - np.asarray(want))[v].max()
+        assert err <= 2e-5 * np.abs(np.asarray(want)).max(), (spec, err)
+        print(spec, "gathers", len(gathers), "reduces", len(reduces), "err", err)
     print("EP_OK")
 """)
 
 
-def test_expert_parallel_kernel_path_on_8_devices(tmp_path):
-    """The MoE kernel path (interpret) on expert=8: verify logits equal one device's reference,
-    no all-gather in the compiled program (GSPMD alone gathers every expert's weights around
-    the pallas_call) and one all-reduce per MoE layer (the shard_map's psum of [N, H])."""
+def test_kernel_paths_on_meshes_of_8_devices(tmp_path):
+    """The kernel paths (impl="pallas", interpret) on meshes of 8 CPU devices: verify logits equal
+    one device's reference (float32) on expert=8, data=2 x expert=4 (cache rows over data) and
+    expert=2 x tensor=4 (heads over tensor). In the compiled program: no all-gather of a
+    cache-sized array or of the heads-split queries (the attention kernel runs in a shard_map:
+    GSPMD alone gathers around the pallas_call), and on expert=8 no all-gather at all and one
+    all-reduce per MoE layer (the expert-parallel shard_map's psum of [N, H]; GSPMD alone gathers
+    every expert's weights)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL, str(tmp_path)], env=env, capture_output=True,
                             text=True, timeout=600, cwd=root)
-    assert "EP_OK" in result.stdout, result.stderr[-3000:]
+    assert "EP_OK" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]

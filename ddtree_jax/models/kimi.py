@@ -175,6 +175,8 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
         # (mesh, mesh axis) when the weights' expert dim is split over a mesh axis (``set_mesh``)
         self.expert_mesh = None
+        # the kernel's ``MoEBlocks`` pinned by ``set_moe_blocks`` (None: chosen by the token count)
+        self.blocks = None
 
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend,
                  valid: jax.Array | None = None) -> jax.Array:
@@ -182,7 +184,7 @@ class Experts(nnx.Module):
         ``backend.kernels``, else ``jax.lax.ragged_dot``. ``x [N,H]``, ``weights/ids [N,k]``,
         ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output)."""
         return routed_experts(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, backend=backend,
-                              valid=valid, expert_mesh=self.expert_mesh)
+                              valid=valid, expert_mesh=self.expert_mesh, blocks=self.blocks)
 
     def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Same result with every expert run densely on every token (the slow, obvious version)."""
@@ -286,6 +288,23 @@ class KimiForCausalLM(nnx.Module):
                 split = (mesh is not None and axis in mesh.axis_names
                          and experts.gate_up_proj.shape[0] % mesh.shape[axis] == 0)
                 experts.expert_mesh = (mesh, axis) if split else None
+        return self
+
+    def set_moe_blocks(self, blocks) -> KimiForCausalLM:
+        """Pin the MoE kernel's blocks (``pallas_kernels.triton.moe_grouped_matmul.MoEBlocks``) for
+        every call, whatever the number of tokens: a row's routed-expert arithmetic then does not
+        depend on the batch or the block length (batch invariance; ``None``: back to
+        ``choose_blocks``, which changes ``block_m``/``block_k`` above ``16 * E / k`` tokens)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.blocks = blocks
+        return self
+
+    def set_attention_segments(self, segment_keys: int) -> KimiForCausalLM:
+        """The attention kernel's fixed reduction segment (keys; default
+        ``latent_attention.SEGMENT_KEYS``; 0: splits chosen by the shapes, not batch-invariant)."""
+        for layer in self.model.layers:
+            layer.self_attn.segment_keys = segment_keys
         return self
 
     # ---- pieces the drafter shares ----
