@@ -34,6 +34,16 @@ range at fixed multiples of ``split_keys`` positions; each split writes its unno
 length reached (in split order). The boundaries depend only on the positions, not on ``B`` or
 ``T``: with the same ``split_keys`` a row's reductions run in the same order whatever the batch.
 
+Fixed segments (batch invariance): with ``segment_keys`` the reduction itself is cut at fixed
+multiples of ``segment_keys`` positions whether or not the key range is split over programs:
+each segment runs from a fresh ``(o, m, den)`` and is folded into the running total in segment
+order with the same expressions (``_merge``) as the merge kernel. Running the segments one after
+another in one program or one per program (``split_keys == segment_keys``) then gives the same
+bits, so whether to split is a pure speed choice made from ``B`` and ``T`` and a row's result
+does not depend on them (a decode step and a verify block reduce a row's keys alike). Caveat:
+this relies on the GPU compiler contracting the same expressions the same way in both kernels
+(float32 multiply-adds); bench/bench_batch_invariance.py checks it on the device.
+
 Backend: the Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``),
 like the other kernels here: it has dynamic-trip-count loops, masked 2-D loads with dynamic
 offsets and ``dot`` on tensor cores, which is all this kernel needs. Not measured against a
