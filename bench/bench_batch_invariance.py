@@ -238,11 +238,14 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--drafters", nargs="+", default=["oracle", "random"], choices=("oracle", "random"))
     ap.add_argument("--impls", nargs="+", default=None, help="default: auto reference (smoke: pallas reference)")
-    ap.add_argument("--deadline", type=float, default=0.0, help="seconds; later configurations are skipped")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds; later configurations are skipped (default 500 on a GPU, none on a CPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     if args.smoke:
         args.layers, args.batches, args.prompt, args.new, args.budget = 2, [1, 2], 8, 8, 6
+    if args.deadline is None:
+        args.deadline = 500.0 if jax.default_backend() == "gpu" else 0.0
     args.impls = args.impls or (["pallas", "reference"] if args.smoke else ["auto", "reference"])
     dtype = jnp.bfloat16
     tcfg = target_config(args)

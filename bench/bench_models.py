@@ -22,8 +22,8 @@ out of memory say, is reported and the run goes on):
 * ``attention``: one layer's MLA attention alone (``latent_attention``, the model's dispatch) at
   contexts ``--contexts`` (committed prefix before the block) for a decode step and verify blocks,
   B = 1 and 16. Floor: the larger of the cache-read time (latent + rope key up to the row's
-  length, bf16) and the FLOP time. Variants: the kernel with the model's fixed 512-key segments
-  (batch-invariant), the kernel with the older shape-dependent split, the dense reference (reads
+  length, bf16) and the FLOP time. Variants: the kernel with the model's fixed 512-key segments in
+  groups of 4 (batch-invariant), the kernel with the older shape-dependent split, the dense reference (reads
   the whole ``max_len`` cache).
 
 Variants of the model passes: ``kernels`` (the Pallas MoE grouped matmul and MLA attention;
@@ -67,7 +67,7 @@ from bench._common import (  # noqa: E402
     weight_read_bytes,
 )
 from ddtree_jax.backend import resolve_backend  # noqa: E402
-from ddtree_jax.models.latent_attention import SEGMENT_KEYS, latent_attention  # noqa: E402
+from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, latent_attention  # noqa: E402
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
 
 VARIANTS = ("kernels", "ragged_dot", "dense")
@@ -188,8 +188,8 @@ def part_attention(args, report, cfg, bw, rate):
     h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     scale = cfg.softmax_scale()
     kernels = resolve_backend(impl_of("kernels", args.smoke))
-    variants = [(f"kernel, {SEGMENT_KEYS}-key segments", kernels, SEGMENT_KEYS), ("kernel, shape-dependent split",
-                kernels, 0), ("dense reference", resolve_backend("reference"), 0)]
+    variants = [(f"kernel, {SEGMENT_KEYS}-key segments x{SEGMENT_GROUP}", kernels, SEGMENT_KEYS),
+                ("kernel, shape-dependent split", kernels, 0), ("dense reference", resolve_backend("reference"), 0)]
     for context in args.contexts:
         for b, t in args.attention_cases:
             max_len = context + max(t for _, t in args.attention_cases)

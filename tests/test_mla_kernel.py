@@ -69,6 +69,7 @@ def test_kernel_wide_tiles_k2_heads():
 @pytest.mark.parametrize("shape,causal,split_keys,segment_keys", [
     ((2, 17, 64, 512, 64, 1000), False, 512, 512),  # K2 shapes, tree, one program per segment
     ((2, 1, 64, 512, 64, 1000), True, 0, 512),  # K2 decode step, the segments in turn
+    ((2, 1, 64, 512, 64, 3000), True, 2048, 512),  # one program per group of 4 segments
     ((3, 5, 3, 24, 6, 40), False, 32, 0),  # ranks that are not powers of two (masked columns)
     ((3, 5, 3, 24, 6, 40), True, 0, 0),
 ])
@@ -81,7 +82,8 @@ def test_kernel_lowers_to_triton(shape, causal, split_keys, segment_keys, dtype)
             sd((b,), jnp.int32), None if causal else sd((b, t, t), jnp.bool_))
 
     def attend(*a):
-        return mla_attention(*a, scale=0.1, causal=causal, split_keys=split_keys, segment_keys=segment_keys)
+        return mla_attention(*a, scale=0.1, causal=causal, split_keys=split_keys, segment_keys=segment_keys,
+                             segment_group=4 if segment_keys else 1)
 
     text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_attention" in text
@@ -148,14 +150,15 @@ def test_segments_make_rows_batch_invariant():
     segments in turn) == the same row alone as a one-token decode step, and so do the rows of a
     chain block (its tokens in consecutive slots); all near the reference."""
     rng = np.random.default_rng(11)
-    b, t, h, r, dr, s, seg = 3, 5, 16, 32, 8, 100, 32
+    b, t, h, r, dr, s, seg = 3, 5, 16, 32, 8, 100, 16
     ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, jnp.float32)
     start = jnp.asarray([0, 40, 90], jnp.int32)
     within = _random_tree_masks(rng, b, t)
-    kw = dict(scale=0.3, block_m=16, block_k=16, segment_keys=seg, interpret=True)
-    split = mla_attention(ql, qr, lat, kr, start, within, split_keys=seg, **kw)
+    kw = dict(scale=0.3, block_m=16, block_k=16, segment_keys=seg, segment_group=3, interpret=True)
     whole = mla_attention(ql, qr, lat, kr, start, within, **kw)
-    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    for split in (seg, 3 * seg):  # a program per segment, per group of 3 segments
+        got = mla_attention(ql, qr, lat, kr, start, within, split_keys=split, **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(whole))
     chain = mla_attention(ql, qr, lat, kr, start, jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
                           **kw)
     for row in range(b):
@@ -165,12 +168,12 @@ def test_segments_make_rows_batch_invariant():
         for d in range(1, t):  # a chain's rows (consecutive slots) == decode steps at start + d
             if start[row] + d < s:
                 one = mla_attention(ql[sl, d:d + 1], qr[sl, d:d + 1], lat[sl], kr[sl], start[sl] + d, causal=True,
-                                    **kw)
+                                    split_keys=seg, **kw)
                 np.testing.assert_array_equal(np.asarray(one[0, 0]), np.asarray(chain[row, d]))
     ref = latent_attention_reference(ql, qr, lat, kr, BlockMask(start, within), scale=0.3)
     np.testing.assert_allclose(np.asarray(whole), np.asarray(ref), atol=2e-6, rtol=0)
     with pytest.raises(ValueError, match="segment_keys"):
-        mla_attention(ql, qr, lat, kr, start, within, split_keys=64, **kw)
+        mla_attention(ql, qr, lat, kr, start, within, split_keys=2 * seg, **kw)
 
 
 @pytest.mark.gpu
@@ -183,11 +186,12 @@ def test_compiled_segments_bitwise_k2_shapes(dtype):
     rng = np.random.default_rng(1)
     ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
     start = jnp.asarray([0, 700, 2047, s - t], jnp.int32)
-    kw = dict(scale=0.13, segment_keys=seg)
+    kw = dict(scale=0.13, segment_keys=seg, segment_group=4)
     chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    split = mla_attention(ql, qr, lat, kr, start, chain, split_keys=seg, **kw)
     whole = mla_attention(ql, qr, lat, kr, start, chain, **kw)
-    np.testing.assert_array_equal(np.asarray(split, np.float32), np.asarray(whole, np.float32))
+    for split in (seg, 4 * seg):
+        got = mla_attention(ql, qr, lat, kr, start, chain, split_keys=split, **kw)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(whole, np.float32))
     for row in range(b):
         sl = slice(row, row + 1)
         for d in (0, 5, t - 1):

@@ -36,7 +36,7 @@ from ddtree_jax.models._layers import (
     write_rows,
 )
 from ddtree_jax.models.kimi_config import KimiConfig
-from ddtree_jax.models.latent_attention import SEGMENT_KEYS, AttentionMesh, latent_attention
+from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, AttentionMesh, latent_attention
 from ddtree_jax.models.moe import experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
@@ -108,8 +108,9 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
         # ``AttentionMesh`` when the model knows its mesh (``set_mesh``): the kernel runs per shard
         self.attention_mesh = None
-        # the kernel's fixed reduction segments (``latent_attention``; 0: layout-dependent splits)
-        self.segment_keys = SEGMENT_KEYS
+        # the kernel's fixed reduction segments and their groups (``latent_attention``; 0:
+        # layout-dependent splits)
+        self.segment_keys, self.segment_group = SEGMENT_KEYS, SEGMENT_GROUP
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
@@ -134,7 +135,8 @@ class MLAttention(nnx.Module):
         q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
         out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
                                       backend=backend, mesh=self.attention_mesh,
-                                      segment_keys=self.segment_keys).astype(x.dtype)
+                                      segment_keys=self.segment_keys,
+                                      segment_group=self.segment_group).astype(x.dtype)
         out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
         return self.o_proj(out)
 
@@ -300,11 +302,12 @@ class KimiForCausalLM(nnx.Module):
                 layer.mlp.experts.blocks = blocks
         return self
 
-    def set_attention_segments(self, segment_keys: int) -> KimiForCausalLM:
-        """The attention kernel's fixed reduction segment (keys; default
-        ``latent_attention.SEGMENT_KEYS``; 0: splits chosen by the shapes, not batch-invariant)."""
+    def set_attention_segments(self, segment_keys: int, segment_group: int = SEGMENT_GROUP) -> KimiForCausalLM:
+        """The attention kernel's fixed reduction segments (keys; default
+        ``latent_attention.SEGMENT_KEYS``, folded in groups of ``segment_group``; 0: splits chosen
+        by the shapes, not batch-invariant)."""
         for layer in self.model.layers:
-            layer.self_attn.segment_keys = segment_keys
+            layer.self_attn.segment_keys, layer.self_attn.segment_group = segment_keys, segment_group
         return self
 
     # ---- pieces the drafter shares ----

@@ -22,7 +22,7 @@ from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
-__all__ = ["SEGMENT_KEYS", "AttentionMesh", "latent_attention", "latent_attention_reference"]
+__all__ = ["SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "latent_attention", "latent_attention_reference"]
 
 
 def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
@@ -42,8 +42,11 @@ def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: j
 # Keys per segment of the kernel's reduction (``mla_attention(segment_keys=...)``): fixed, so that a
 # row's attention has the same bits whatever the batch, the block length or the program layout
 # (a decode step and a tree verify reduce a row's keys alike: the batch-invariance groundwork).
-# 512 is also what ``auto_split_keys`` picks for a decode step at B=1 over any cache up to 128k.
+# Segments of 512 keys are folded into fixed groups of 4 (2048 keys), the groups into the total,
+# so the kernel may run one program per segment (what ``auto_split_keys`` picks for a decode step
+# at B=1 over caches up to 128k), per group (B=16 decode at 32k) or none, with the same bits.
 SEGMENT_KEYS = 512
+SEGMENT_GROUP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +72,15 @@ class AttentionMesh:
 
 def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: BlockMask,
                      *, scale: float, backend: Backend, mesh: AttentionMesh | None = None,
-                     segment_keys: int | None = SEGMENT_KEYS) -> jax.Array:
+                     segment_keys: int | None = SEGMENT_KEYS, segment_group: int = SEGMENT_GROUP) -> jax.Array:
     """Absorbed MLA attention (see ``latent_attention_reference`` for the shapes), by ``backend``.
 
     The block's own latents must already be in ``latent``/``k_rope`` at ``[start, start+T)``.
     ``mesh``: the kernel runs in a ``shard_map``, batch rows split over ``mesh.data`` (when it
     divides B) and heads over ``mesh.tensor`` (when it divides H), so that GSPMD never gathers
     the caches or the heads around the kernel; the reference is left to GSPMD.
-    ``segment_keys``: the kernel's fixed reduction segments (``None``/0: the older layout-dependent
-    splits, ``auto_split_keys`` alone).
+    ``segment_keys``, ``segment_group``: the kernel's fixed reduction segments and their groups
+    (``None``/0: the older layout-dependent splits, ``auto_split_keys`` alone).
     """
     b, t, h, r = q_latent.shape
     s = latent.shape[1]
@@ -85,7 +88,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     if not has_kernel(backend, "mla_attention"):  # no kernel for this family (TPU): the reference
         return latent_attention_reference(q_latent, q_rope, latent, k_rope, mask, scale=scale)
     kernel = functools.partial(_kernel, scale=float(scale), causal=mask.causal, interpret=backend.interpret,
-                               segment_keys=segment_keys or 0)
+                               segment_keys=segment_keys or 0, segment_group=segment_group)
     data = mesh.data if mesh is not None and mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
     tensor = mesh.tensor if mesh is not None and mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
     args = (q_latent, q_rope, latent, k_rope, mask.start) + (() if mask.causal else (mask.within,))
@@ -96,7 +99,8 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     return jax.shard_map(kernel, mesh=mesh.mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
 
 
-def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, causal, interpret, segment_keys):
+def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, causal, interpret, segment_keys,
+            segment_group):
     """The Pallas kernel on (local) arrays; the parallel split follows the local shapes."""
     from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 
@@ -106,7 +110,9 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
     split = auto_split_keys(b, t * h, s, block_m=tiles["block_m"], block_k=tiles["block_k"])
     if segment_keys:
         segment_keys = -(-segment_keys // tiles["block_k"]) * tiles["block_k"]
-        split = segment_keys if split else 0  # one program per segment, or the segments in turn
+        group = segment_keys * segment_group
+        # a program per group or per segment where the heuristic wants a split, else one program
+        split = 0 if not split else group if split >= group else segment_keys
     out = mla_attention(
         q_latent.astype(latent.dtype),
         q_rope.astype(k_rope.dtype),
@@ -118,6 +124,7 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
         causal=causal,
         split_keys=split,
         segment_keys=segment_keys,
+        segment_group=segment_group,
         interpret=interpret,
     )
     return out.astype(q_latent.dtype)

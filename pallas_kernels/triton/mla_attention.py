@@ -114,7 +114,7 @@ def _fresh(BM, RP):
 
 
 def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
-                 TMP, causal, chunk, seg, scale_log2):
+                 TMP, causal, chunk, seg, grp, scale_log2):
     b, rt, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[b]
     rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start)
@@ -172,21 +172,32 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             o = o * corr[:, None] + _dot(p.astype(lat.dtype), lat)
             return o, m_new, den
 
-        def segment(g, total):
-            """Keys ``[lo + g*seg, ...)`` from a fresh state, folded into ``total``: a row's
-            reductions follow the fixed segment boundaries, not the program layout."""
-            s_lo = lo + g * seg if seg else lo
-            s_hi = jnp.minimum(s_lo + seg, hi) if seg else hi
-            # Tiles wholly inside the committed prefix see every key (no mask), then the rest.
+        def segment(s_lo, s_hi):
+            """Keys ``[s_lo, s_hi)`` from a fresh state. Tiles wholly inside the committed prefix
+            see every key (no mask), then the rest."""
             n_lean = jnp.maximum(jnp.minimum(s_hi, start) - s_lo, 0) // BK
             n_all = pl.cdiv(s_hi - s_lo, BK)
             part = jax.lax.fori_loop(0, n_lean, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=False),
                                      _fresh(BM, RP))
-            part = jax.lax.fori_loop(n_lean, n_all, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=True), part)
-            return _merge(total, part)
+            return jax.lax.fori_loop(n_lean, n_all, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=True), part)
 
-        n_seg = pl.cdiv(hi - lo, seg) if seg else 1
-        o, m, den = jax.lax.fori_loop(0, n_seg, segment, _fresh(BM, RP))
+        if seg:
+            # Fixed two-level segmentation: segments of ``seg`` keys folded in order into their
+            # group of ``grp`` keys, groups folded in order into the total (a program's range
+            # starts on a segment or group boundary: folding into a fresh state is exact).
+            def group(gi, total):
+                g_lo = lo + gi * grp
+                g_hi = jnp.minimum(g_lo + grp, hi)
+
+                def one(si, gtot):
+                    s_lo = g_lo + si * seg
+                    return _merge(gtot, segment(s_lo, jnp.minimum(s_lo + seg, g_hi)))
+
+                return _merge(total, jax.lax.fori_loop(0, pl.cdiv(g_hi - g_lo, seg), one, _fresh(BM, RP)))
+
+            o, m, den = jax.lax.fori_loop(0, pl.cdiv(hi - lo, grp), group, _fresh(BM, RP))
+        else:
+            o, m, den = _merge(_fresh(BM, RP), segment(lo, hi))
         out_mask = both(row_ok[:, None], col_ok)
         if chunk:
             o_ref, m_ref, den_ref = out_refs
@@ -199,23 +210,31 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk, seg):
-    """Merge the splits a row tile's length reached, in split order (the same order for any batch)."""
-    del seg  # the splits are the segments (or segment-free splits)
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk, seg, grp):
+    """Merge the splits a row tile's length reached, in split order (the same order for any
+    batch); splits of one segment each are first folded into their groups (``grp`` keys), as the
+    attention kernel folds them when it runs the segments itself."""
     b, rt = pl.program_id(0), pl.program_id(1)
     rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
     row0 = rt * BM
     row_ok = rows < R
     col_ok = None if RP == r else (jnp.arange(RP, dtype=jnp.int32) < r)[None, :]
     mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
+    n_parts = pl.cdiv(kv_end, chunk)
+    per_group = max(1, grp // chunk) if seg else 1
 
-    def body(s, carry):
+    def fold(s, carry):
         o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(0, RP)], mask=mask2, other=0)
         m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
         den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
         return _merge(carry, (o_s, m_s, den_s))
 
-    o, _, den = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, _fresh(BM, RP))
+    def group(gi, total):
+        first = gi * per_group
+        n = jnp.minimum(per_group, n_parts - first)
+        return _merge(total, jax.lax.fori_loop(first, first + n, fold, _fresh(BM, RP)))
+
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(n_parts, per_group), group, _fresh(BM, RP))
     out = o / jnp.where(den > 0, den, 1.0)[:, None]
     plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
 
@@ -246,14 +265,14 @@ def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, b
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "segment_keys", "num_warps", "num_stages",
-                     "interpret"),
+    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "segment_keys", "segment_group",
+                     "num_warps", "num_stages", "interpret"),
 )
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, start: jax.Array,
                   block_mask: jax.Array | None = None, *, scale: float, causal: bool = False,
                   block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
-                  segment_keys: int = 0, num_warps: int | None = None, num_stages: int | None = None,
-                  interpret: bool = False) -> jax.Array:
+                  segment_keys: int = 0, segment_group: int = 1, num_warps: int | None = None,
+                  num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
 
     Args:
@@ -266,11 +285,12 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         >= 16). split_keys: 0, or keys per split (a multiple of ``block_k``; see
         ``auto_split_keys``). segment_keys: 0, or reduce each row's keys in fixed segments of
         this many positions (a multiple of ``block_k``), each from a fresh softmax state, folded
-        in segment order: a row's result then depends only on its data, ``block_k`` and
-        ``segment_keys``, not on ``B``, ``T`` or ``split_keys``, which must then be 0 (segments
-        run one after another in a program) or ``segment_keys`` (one program per segment, the same
-        folds in the merge kernel). num_warps / num_stages: Triton launch parameters. ``None``:
-        ``default_tiles(latent.dtype)``.
+        in order into fixed groups of ``segment_group`` segments, the groups folded in order: a
+        row's result then depends only on its data, ``block_k``, ``segment_keys`` and
+        ``segment_group``, not on ``B``, ``T`` or ``split_keys``, which must then be 0 (all in
+        one program), ``segment_keys`` (one program per segment) or ``segment_keys *
+        segment_group`` (one program per group); the merge kernel repeats the same folds.
+        num_warps / num_stages: Triton launch parameters. ``None``: ``default_tiles(latent.dtype)``.
 
     Returns:
       ``[B,T,H,r]`` in ``q_latent``'s dtype.
@@ -287,9 +307,11 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         raise ValueError("mla_attention: pass exactly one of block_mask and causal=True")
     if split_keys and split_keys % block_k:
         raise ValueError(f"mla_attention: split_keys {split_keys} must be a multiple of block_k {block_k}")
-    if segment_keys and (segment_keys % block_k or split_keys not in (0, segment_keys)):
-        raise ValueError(f"mla_attention: segment_keys {segment_keys} must be a multiple of block_k {block_k} and "
-                         f"split_keys ({split_keys}) 0 or equal to it")
+    if segment_keys and (segment_keys % block_k or segment_group < 1
+                         or split_keys not in (0, segment_keys, segment_keys * segment_group)):
+        raise ValueError(f"mla_attention: segment_keys {segment_keys} must be a multiple of block_k {block_k}, "
+                         f"segment_group ({segment_group}) >= 1 and split_keys ({split_keys}) 0, segment_keys or "
+                         "segment_keys * segment_group")
     R, BM, BK = T * H, block_m, block_k
     RP, DRP = max(16, pl.next_power_of_2(r)), max(16, pl.next_power_of_2(dr))
     TMP = max(16, pl.next_power_of_2(pl.cdiv(BM, H) + 1))
@@ -309,7 +331,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     seg = segment_keys if segment_keys and segment_keys < S else 0  # one segment: same as none
-    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk, seg=seg)
+    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk, seg=seg, grp=seg * segment_group)
     outs = pl.pallas_call(
         functools.partial(_attn_kernel, dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E,
                           **static),
