@@ -1,236 +1,284 @@
-"""Kimi-style target on one GPU: prefill and tree-verify throughput and MoE layer time, grouped
-matmuls (``jax.lax.ragged_dot``) against dense per-expert matmuls, in one run.
+"""The Kimi K2-shaped target on one GPU, in one run: decode step, tree verify, prefill and attention
+against their floors, the Pallas kernels beside the older plain-JAX paths.
 
-Reduced Kimi K2 shape: real hidden 7168, MLA ranks and head dims, expert shape 7168 x 2048, top-8
-routing with a shared expert, vocabulary 163840, bf16 weights; 2 layers (1 dense + 1 MoE) and 64
-routed experts by default so that it fits one GPU. Random weights (timing only). Expert variants:
-``ragged_dot`` with the default lowering, on GPU also with jax's Pallas Triton grouped-matmul
-lowering (``jax_ragged_dot_use_gpu_pallas_triton_lowering``), and dense per-expert matmuls (every
-expert on every token, ``Experts.reference``). Prefill includes the LM head on every position.
+Model: ``dt.KimiConfig.kimi_k2`` shapes (hidden 7168, MLA q_lora 1536 / kv_lora 512 / 64 heads,
+384 routed experts x 2048, top-8 + 1 shared, vocabulary 163,840), bf16, random weights made by
+``dt.init_on_mesh``; ``--layers`` layers (default 2: 1 dense + 1 MoE, about 40 GB; the floors
+are those of the slice that runs, so a ratio carries over to more layers).
 
-    PYTHONUNBUFFERED=1 python bench/bench_models.py                 # H200
-    python bench/bench_models.py --smoke --out /tmp/bench           # tiny config, CPU check
+Parts (``--parts``, in this order; each variant of each case in its own try/except: a failure,
+out of memory say, is reported and the run goes on):
 
-Writes ``models_<device>_<date>.json`` and ``.md`` to ``--out`` (default bench/results).
+* ``passes``: after a prefill of ``--prompt`` tokens per row, at each of ``--batches`` rows: the
+  decode step (a verify of the root alone: what autoregressive decoding runs) and tree verifies of
+  ``--budgets`` non-root nodes (random trees), logits included. Floor: the weight bytes the pass
+  must read (every dense weight, the embedding rows it gathers, the routed experts a uniform
+  routing of its tokens is expected to touch: ``bench._common.weight_read_bytes``) at the copy
+  bandwidth measured in the same run.
+* ``prefill``: one row of each of ``--prefill`` tokens into an empty cache, returning the cache
+  (as ``generate``'s prefill: the LM head is not computed). Floor: the larger of the weight-read
+  time and the FLOPs (2 x tokens x active weights, without the LM head; causal MLA attention in
+  the absorbed form: T(T+1)/2 x 2H(2r+dr) per layer) at the bf16 matmul rate measured in the run.
+* ``attention``: one layer's MLA attention alone (``latent_attention``, the model's dispatch) at
+  contexts ``--contexts`` (committed prefix before the block) for a decode step and verify blocks,
+  B = 1 and 16. Floor: the larger of the cache-read time (latent + rope key up to the row's
+  length, bf16) and the FLOP time. Variants: the kernel with the model's fixed 512-key segments in
+  groups of 4 (batch-invariant), the kernel with the older shape-dependent split, the dense reference (reads
+  the whole ``max_len`` cache).
+
+Variants of the model passes: ``kernels`` (the Pallas MoE grouped matmul and MLA attention;
+``impl="auto"``), ``ragged_dot`` (``impl="reference"``: ``jax.lax.ragged_dot`` experts and the
+dense attention reference) and ``dense`` (``impl="reference"`` with every expert run densely).
+Each configuration is compiled by a warm-up call; times exclude compilation (median of 3 repeats).
+
+    PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python bench/bench_models.py  # H200, ~7 min
+    python bench/bench_models.py --smoke --out /tmp/bench                                # CPU, tiny
+
+Writes ``models_<device>_<date>.{json,md}`` to ``--out`` (default bench/results) after every row.
+``--deadline`` (seconds, default 450 on a GPU) skips what would start after it.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
+import gc
 import os
-import platform
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if "--smoke" in sys.argv:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ddtree_jax.models import KimiConfig, KimiForCausalLM, YarnScaling  # noqa: E402
-
-FULL = dict(
-    vocab_size=163840,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=2,
-    num_attention_heads=64,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=64,
-    num_experts_per_tok=8,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.827,
-    rope_theta=50000.0,
-    max_position_embeddings=131072,
-    model_type="kimi_k2",
-    rope_scaling=YarnScaling(
-        factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
-    ),
+import ddtree_jax as dt  # noqa: E402
+from bench._common import (  # noqa: E402
+    Report,
+    copy_bandwidth,
+    log,
+    matmul_rate,
+    past_deadline,
+    random_tree,
+    time_call,
+    weight_read_bytes,
 )
-SMOKE = dict(
-    FULL,
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-)
+from ddtree_jax.backend import resolve_backend  # noqa: E402
+from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, latent_attention  # noqa: E402
+from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
+
+VARIANTS = ("kernels", "ragged_dot", "dense")
 
 
-def log(*a):
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+def target_config(args) -> dt.KimiConfig:
+    if args.smoke:
+        return dt.KimiConfig.kimi_k2(
+            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=args.layers, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4,
+            max_position_embeddings=4096,
+        )
+    return dt.KimiConfig.kimi_k2(num_hidden_layers=args.layers, n_routed_experts=args.experts)
 
 
-def time_it(fn, *args, iters: int, repeats: int = 3) -> float:
-    """Median seconds per call after one warm-up (compilation) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+def impl_of(variant: str, smoke: bool) -> str:
+    if variant == "kernels":
+        return "pallas" if smoke else "auto"
+    return "reference"
 
 
-def chain_of_branches(rng, batch: int, size: int):
-    """Random trees (parents before children): ``(depths [B,T], ancestor_mask [B,T,T])``."""
-    depths = np.zeros((batch, size), np.int32)
-    mask = np.zeros((batch, size, size), bool)
-    for b in range(batch):
-        parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, size)]
-        for i in range(size):
-            mask[b, i, i] = True
-            if i:
-                depths[b, i] = depths[b, parents[i]] + 1
-                mask[b, i] |= mask[b, parents[i]]
-    return jnp.asarray(depths), jnp.asarray(mask)
+def active_weights(model, cfg) -> tuple[float, float]:
+    """(weights a prefill token multiplies: every dense weight but the embedding and the LM head,
+    k of E routed experts; the bytes of the same weights read once) -- for the prefill floor."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    params = nbytes = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if "embed_tokens" in path or "lm_head" in path:
+            continue
+        n = float(np.prod(var.shape))
+        is_expert = "experts" in path and "shared_experts" not in path
+        params += n * (k / e if is_expert else 1.0)
+        nbytes += n * var[...].dtype.itemsize
+    return params, nbytes
+
+
+def attention_flops(cfg, b: int, t: int, context: int, causal_block: bool) -> float:
+    """Absorbed-form MLA attention FLOPs of one layer: ``2H(2r+dr)`` per (query, visible key)."""
+    per = 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    keys = t * context + (t * (t + 1) / 2 if causal_block else t)  # a tree node sees at least itself
+    return b * per * keys
+
+
+def variant_call(fn, args, row, floor_s, report, section):
+    try:
+        sec = time_call(fn, *args, target_s=0.3)
+        row.update(ms=sec * 1e3, floor_ms=floor_s * 1e3, x_floor=sec / floor_s)
+        log(f"  {row.get('pass', row.get('case'))} B={row['B']} [{row['variant']}]: {sec * 1e3:.3f} ms, "
+            f"floor {floor_s * 1e3:.3f} ms ({sec / floor_s:.2f}x)")
+    except Exception as e:  # noqa: BLE001 - out of memory or a lowering problem: report, go on
+        msg = str(e).splitlines()[0] if str(e) else ""
+        row["error"] = ("OOM: " if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else "") + \
+            f"{type(e).__name__}: {msg[:140]}"
+        log(f"  {row.get('pass', row.get('case'))} B={row['B']} [{row['variant']}] failed: {row['error']}")
+    report.add(section, row)
+    gc.collect()
+
+
+def part_passes(args, report, model, cfg, bw):
+    rng = np.random.default_rng(3)
+    max_len = args.prompt + max(args.budgets) + 8
+    prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
+    verify = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
+    verify_dense = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0])
+    for b in args.batches:
+        if past_deadline(args):
+            return
+        model.set_impl(impl_of("kernels", args.smoke))
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, args.prompt)), jnp.int32)
+        try:
+            cache = prefill(model, ids, jnp.full((b,), args.prompt, jnp.int32), model.init_cache(b, max_len))
+        except Exception as e:  # noqa: BLE001
+            log(f"  B={b} prefill failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        cases = [("decode step", 0)] + [(f"verify {budget}", budget) for budget in args.budgets]
+        for name, budget in cases:
+            depths, anc = random_tree(rng, b, budget)
+            tok = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, budget + 1)), jnp.int32)
+            tokens = b * (budget + 1)
+            floor = weight_read_bytes(model, cfg, tokens, embedding="rows") / bw
+            for variant in args.variants:
+                if past_deadline(args):
+                    return
+                model.set_impl(impl_of(variant, args.smoke))
+                fn = verify_dense if variant == "dense" else verify
+                row = {"pass": name, "B": b, "tokens": tokens, "variant": variant}
+                variant_call(fn, (model, tok, depths, anc, cache), row, floor, report, "passes")
+        del cache
+        gc.collect()
+
+
+def part_prefill(args, report, model, cfg, bw, rate):
+    rng = np.random.default_rng(4)
+    params, nbytes = active_weights(model, cfg)
+    layers = cfg.num_hidden_layers
+    prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
+    prefill_dense = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c, dense_experts=True)[2])
+    for t in args.prefill:
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (1, t)), jnp.int32)
+        flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True)
+        floor = max(flops / rate, nbytes / bw)
+        for variant in args.variants:
+            if past_deadline(args):
+                return
+            model.set_impl(impl_of(variant, args.smoke))
+            fn = prefill_dense if variant == "dense" else prefill
+            row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": variant, "tflop": flops / 1e12}
+            variant_call(fn, (model, ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
+                         "prefill")
+            if "ms" in row:
+                row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
+                report.write()
+
+
+def part_attention(args, report, cfg, bw, rate):
+    rng = np.random.default_rng(5)
+    h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    scale = cfg.softmax_scale()
+    kernels = resolve_backend(impl_of("kernels", args.smoke))
+    variants = [(f"kernel, {SEGMENT_KEYS}-key segments x{SEGMENT_GROUP}", kernels, SEGMENT_KEYS),
+                ("kernel, shape-dependent split", kernels, 0), ("dense reference", resolve_backend("reference"), 0)]
+    for context in args.contexts:
+        for b, t in args.attention_cases:
+            max_len = context + max(t for _, t in args.attention_cases)
+            ql = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.bfloat16)
+            qr = jnp.asarray(rng.standard_normal((b, t, h, dr)), jnp.bfloat16)
+            lat = jnp.asarray(rng.standard_normal((b, max_len, r)), jnp.bfloat16)
+            kr = jnp.asarray(rng.standard_normal((b, max_len, dr)), jnp.bfloat16)
+            start = jnp.full((b,), context, jnp.int32)
+            anc = np.zeros((b, t, t), bool)
+            for row_ in range(b):
+                for i in range(1, t):
+                    p = rng.integers(0, i)
+                    anc[row_, i] = anc[row_, p]
+                    anc[row_, i, p] = True
+            within = tree_block_mask(jnp.asarray(anc))
+            read = b * (context + t) * (r + dr) * 2
+            floor = max(read / bw, attention_flops(cfg, b, t, context, False) / rate)
+            case = "decode step" if t == 1 else f"verify T={t}"
+            for name, backend, seg in variants:
+                if past_deadline(args):
+                    return
+                fn = jax.jit(lambda *a, backend=backend, seg=seg: latent_attention(
+                    *a[:4], BlockMask(a[4], a[5]), scale=scale, backend=backend, segment_keys=seg))
+                row = {"case": case, "context": context, "B": b, "T": t, "variant": name}
+                variant_call(fn, (ql, qr, lat, kr, start, within), row, floor, report, "attention")
+            del ql, qr, lat, kr
+            gc.collect()
+
+
+def summary(report):
+    """One line per case: each variant's ms and ratio to the floor side by side."""
+    for section in ("passes", "prefill", "attention"):
+        cases: dict[tuple, dict] = {}
+        for row in report.sections[section]:
+            key = tuple(row.get(k) for k in ("pass", "case", "context", "B", "T") if k in row)
+            line = cases.setdefault(key, {k: row[k] for k in ("pass", "case", "context", "B", "T", "tokens")
+                                          if k in row})
+            line.setdefault("floor_ms", row.get("floor_ms"))
+            line[row["variant"]] = (f"{row['ms']:.3f} ms ({row['x_floor']:.2f}x)" if "ms" in row
+                                    else row.get("error", "")[:40])
+        report.sections[f"summary: {section}"] = list(cases.values())
+    report.write()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny config, few iterations (CPU check)")
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt", type=int, default=2048, help="prefill tokens per row")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256], help="tree nodes (excl. root)")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = parser.parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret mode)")
+    ap.add_argument("--parts", nargs="+", default=["passes", "prefill", "attention"],
+                    choices=("passes", "prefill", "attention"))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[15, 64, 256])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--prefill", type=int, nargs="+", default=[2048, 16384])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--deadline", type=float, default=None, help="seconds (default 450 on a GPU, none on a CPU)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    args.attention_cases = [(1, 1), (16, 1), (1, 65), (16, 16)]
     if args.smoke:
-        args.prompt, args.budgets, args.iters, args.batch = 32, [8], 2, 2
-    cfg = KimiConfig(**(SMOKE if args.smoke else dict(FULL, n_routed_experts=args.experts)))
-    dev = jax.devices()[0]
-    meta = dict(
-        device=getattr(dev, "device_kind", str(dev)),
-        platform=dev.platform,
-        jax=jax.__version__,
-        python=platform.python_version(),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "rope_scaling"},
-        batch=args.batch,
-        prompt=args.prompt,
-        iters=args.iters,
-    )
-    log(f"device {meta['device']}, jax {jax.__version__}; building the model (bf16, {cfg.n_routed_experts} experts)")
-    model = nnx.jit(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))()
-    n_params = sum(int(np.prod(v.shape)) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
-    log(f"{n_params / 1e6:,.1f}M parameters")
-    rng = np.random.default_rng(0)
-    b, t = args.batch, args.prompt
-    max_len = t + max(args.budgets) + 1
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)))
-    lengths = jnp.full((b,), t, jnp.int32)
-    results = []
-    variants = [("ragged_dot", False, False), ("dense per-expert", True, False)]
-    if dev.platform == "gpu" and hasattr(jax.config, "jax_ragged_dot_use_gpu_pallas_triton_lowering"):
-        variants.append(("ragged_dot (Pallas Triton lowering)", False, True))
-
-    def run_variant(name, dense, pallas):
-        if dev.platform == "gpu" and hasattr(jax.config, "jax_ragged_dot_use_gpu_pallas_triton_lowering"):
-            jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", pallas)  # part of the jit key
-
-        @nnx.jit
-        def prefill(m, ids, lengths):
-            logits, _, cache = m.prefill(ids, lengths, m.init_cache(ids.shape[0], max_len), dense_experts=dense)
-            return logits[:, -1], cache
-
-        log(f"prefill [{name}] B={b} T={t}")
-        sec = time_it(prefill, model, ids, lengths, iters=args.iters)
-        results.append(dict(kind="prefill", experts=name, tokens=b * t, ms=sec * 1e3, tokens_per_s=b * t / sec))
-        log(f"  {sec * 1e3:.2f} ms, {b * t / sec:,.0f} tokens/s")
-        _, cache = prefill(model, ids, lengths)
-
-        @nnx.jit
-        def verify(m, tokens, depths, mask, cache):
-            return m.verify(tokens, depths, mask, cache, dense_experts=dense)[0]
-
-        for budget in args.budgets:
-            nodes = budget + 1
-            depths, mask = chain_of_branches(rng, b, nodes)
-            tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, nodes)))
-            log(f"verify [{name}] B={b} nodes={nodes} prefix={t}")
-            sec = time_it(verify, model, tokens, depths, mask, cache, iters=args.iters)
-            results.append(
-                dict(
-                    kind="verify",
-                    experts=name,
-                    budget=budget,
-                    tokens=b * nodes,
-                    ms=sec * 1e3,
-                    tokens_per_s=b * nodes / sec,
-                )
-            )
-            log(f"  {sec * 1e3:.2f} ms, {b * nodes / sec:,.0f} tokens/s")
-
-        moe = model.model.layers[cfg.first_k_dense_replace].mlp
-        moe_call = nnx.jit(lambda layer, x: layer(x, backend=model.backend, dense_experts=dense))
-        for n in sorted({b * (max(args.budgets) + 1), b * t}):
-            x = jnp.asarray(rng.normal(size=(1, n, cfg.hidden_size)), jnp.bfloat16)
-            log(f"MoE layer [{name}] tokens={n}")
-            sec = time_it(moe_call, moe, x, iters=args.iters)
-            results.append(dict(kind="moe_layer", experts=name, tokens=n, ms=sec * 1e3, tokens_per_s=n / sec))
-            log(f"  {sec * 1e3:.3f} ms")
-
-    for name, dense, pallas in variants:
-        try:
-            run_variant(name, dense, pallas)
-        except Exception as e:  # an optional lowering may be missing from this jax build: say so, go on
-            if not pallas:
-                raise
-            log(f"  [{name}] not available here: {type(e).__name__}: {str(e).splitlines()[0]}")
-            results[:] = [r for r in results if r["experts"] != name]
-            jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
-
-    os.makedirs(args.out, exist_ok=True)
-    stem = f"models_{'smoke_' if args.smoke else ''}{dev.platform}_{datetime.date.today():%Y%m%d}"
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=2)
-    lines = [
-        f"# Kimi-style target benchmark ({meta['date']}, {meta['device']})",
-        "",
-        f"`{meta['command']}`, jax {meta['jax']}; hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers "
-        f"({cfg.first_k_dense_replace} dense), {cfg.n_routed_experts} experts x {cfg.moe_intermediate_size}, "
-        f"top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}, bf16; B={b}, prompt {t}; median of 3 x "
-        f"{args.iters} calls.",
-        "",
-        "| pass | experts | tokens | ms | tokens/s | time / ragged_dot time |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        base = next(
-            o for o in results if o["kind"] == r["kind"] and o["tokens"] == r["tokens"] and o["experts"] == "ragged_dot"
-        )
-        ratio = f"{r['ms'] / base['ms']:.2f}x" if r is not base else ""
-        label = r["kind"] + (f" (budget {r['budget']})" if "budget" in r else "")
-        lines.append(
-            f"| {label} | {r['experts']} | {r['tokens']} | {r['ms']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} |"
-        )
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    log(f"wrote {os.path.join(args.out, stem)}.json/.md")
+        args.batches, args.budgets, args.prompt, args.prefill, args.contexts = [1, 2], [3, 8], 16, [32], [40]
+        args.attention_cases = [(1, 1), (2, 5)]
+    if args.deadline is None:
+        args.deadline = 450.0 if jax.default_backend() == "gpu" else 0.0
+    cfg = target_config(args)
+    report = Report(args, name="models", title="Kimi K2-shaped target, one GPU",
+                    sections=("passes", "prefill", "attention"))
+    bw, rate = copy_bandwidth(), matmul_rate()
+    report.meta.update(copy_bandwidth_GBps=round(bw / 1e9, 1), bf16_matmul_TFLOPs=round(rate / 1e12, 1),
+                       layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts)
+    log(f"{report.meta['device']} ({jax.default_backend()}), jax {jax.__version__}, copy {bw / 1e9:,.0f} GB/s, "
+        f"bf16 matmul {rate / 1e12:,.0f} TFLOP/s; {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts")
+    model = None
+    if "passes" in args.parts or "prefill" in args.parts:
+        model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+        report.notes.append(f"Weights: {weight_read_bytes(model, cfg, 0, embedding='rows') / 2**30:.2f} GiB "
+                            "without routed experts and embedding table.")
+    if "passes" in args.parts:
+        part_passes(args, report, model, cfg, bw)
+    if "prefill" in args.parts:
+        part_prefill(args, report, model, cfg, bw, rate)
+    del model
+    gc.collect()
+    if "attention" in args.parts:
+        part_attention(args, report, cfg, bw, rate)
+    summary(report)
+    log(f"wrote {report.stem}.md")
 
 
 if __name__ == "__main__":

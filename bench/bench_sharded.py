@@ -36,17 +36,14 @@ configurations that would start after it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import glob
 import gzip
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,16 +57,20 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
+from bench._common import (  # noqa: E402
+    Report,
+    copy_bandwidth,
+    log,
+    past_deadline,
+    random_tree,
+    time_call,
+    weight_read_bytes,
+)
 from ddtree_jax.serving import Engine  # noqa: E402
 from ddtree_jax.serving.sharding import make_mesh, state_sharding  # noqa: E402
 
-T0 = time.perf_counter()
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
-
-
-def log(*a):
-    print(f"[{time.perf_counter() - T0:7.1f}s]", *a, flush=True)
 
 
 def target_config(args, layers: int) -> dt.KimiConfig:
@@ -110,38 +111,9 @@ def param_bytes(tcfg, dtype) -> dict[str, float]:
 
 
 def per_gpu_floor_bytes(target, tcfg, tokens: int) -> float:
-    """Bytes this pass must read on the busiest GPU: each weight's per-device shard, routed experts
-    scaled by the share a uniform routing of ``tokens`` tokens touches (E * (1 - (1 - k/E)^n))."""
-    e, k = tcfg.n_routed_experts, tcfg.num_experts_per_tok
-    touched = e * (1 - (1 - k / e) ** tokens) / e
-    total = 0.0
-    for path, var in nnx.to_flat_state(nnx.state(target)):
-        value = var[...]
-        shard = value.addressable_shards[0].data if hasattr(value, "addressable_shards") else value
-        nbytes = np.prod(shard.shape) * shard.dtype.itemsize
-        is_expert = "experts" in path and "shared_experts" not in path
-        total += nbytes * (touched if is_expert else 1.0)
-    return float(total)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a read + write of a large array on the default device (the floor's rate)."""
-    n = (1 << 30) if jax.default_backend() == "gpu" else (1 << 22)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1)
-    return 2 * x.nbytes / time_call(f, x, iters=10)
-
-
-def time_call(fn, *args, iters=10, repeats=3) -> float:
-    jax.block_until_ready(fn(*args))
-    best = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best.append((time.perf_counter() - t) / iters)
-    return float(np.median(best))
+    """The per-GPU weight-read bytes of a pass (``bench._common.weight_read_bytes``, whole
+    embedding table counted, as in the results this script has written)."""
+    return weight_read_bytes(target, tcfg, tokens, embedding="table")
 
 
 def hlo_collectives(text: str) -> dict[str, dict[str, float]]:
@@ -178,65 +150,6 @@ def profiled_collective_ms(fn, *args) -> float | None:
     except Exception as e:  # noqa: BLE001 - the profiler is optional; say why it is missing
         log(f"  (no profile: {type(e).__name__}: {str(e)[:120]})")
         return None
-
-
-def random_tree(rng, b: int, budget: int):
-    """``b`` random trees of ``budget`` non-root nodes: tokens, depths, ancestor mask (root = node 0)."""
-    n = budget + 1
-    depths = np.zeros((b, n), np.int32)
-    anc = np.zeros((b, n, n), bool)
-    for r in range(b):
-        anc[r, 0, 0] = True
-        for i in range(1, n):
-            p = rng.integers(0, i)
-            depths[r, i] = depths[r, p] + 1
-            anc[r, i] = anc[r, p]
-            anc[r, i, i] = True
-    return jnp.asarray(depths), jnp.asarray(anc)
-
-
-class Report:
-    def __init__(self, args, n_dev: int):
-        self.args = args
-        dev = jax.devices()[0]
-        self.meta = dict(
-            device=f"{dev.device_kind} x {n_dev}", backend=jax.default_backend(), jax=jax.__version__,
-            date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
-            command="python " + " ".join(sys.argv),
-        )
-        tag = "cpu-smoke" if args.smoke else re.sub(r"[^A-Za-z0-9]+", "_", dev.device_kind).strip("_").lower()
-        day = datetime.date.today().strftime("%Y%m%d")
-        self.stem = os.path.join(args.out, f"sharded_{tag}x{n_dev}_{day}")
-        self.sections: dict[str, list[dict]] = {"equal": [], "scaling": [], "passes": [], "rounds": []}
-
-    def add(self, section: str, row: dict):
-        self.sections[section].append(row)
-        self.write()
-
-    def write(self):
-        os.makedirs(self.args.out, exist_ok=True)
-        with open(self.stem + ".json", "w") as f:
-            json.dump(dict(meta=self.meta, **self.sections), f, indent=1)
-        lines = [f"# Sharded target and drafter: {self.meta['device']}", ""]
-        lines += [f"- {k}: {v}" for k, v in self.meta.items()] + [""]
-        for name, rows in self.sections.items():
-            if not rows:
-                continue
-            cols = list(dict.fromkeys(k for r in rows for k in r))
-            lines += [f"## {name}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            for r in rows:
-                cells = [f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
-                lines.append("| " + " | ".join(cells) + " |")
-            lines.append("")
-        with open(self.stem + ".md", "w") as f:
-            f.write("\n".join(lines))
-
-
-def past_deadline(args) -> bool:
-    if args.deadline and time.perf_counter() - T0 > args.deadline:
-        log("  deadline passed: skipped")
-        return True
-    return False
 
 
 def part_equal(args, report, dtype, n_dev):
@@ -425,7 +338,8 @@ def main():
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     if dtype == jnp.float32:
         jax.config.update("jax_default_matmul_precision", "highest")
-    report = Report(args, n_dev)
+    report = Report(args, name="sharded", title="Sharded target and drafter", n_dev=n_dev, suffix=f"x{n_dev}",
+                    sections=("equal", "scaling", "passes", "rounds"))
     bw = copy_bandwidth()
     report.meta["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
     log(f"{report.meta['device']} ({jax.default_backend()}), jax {jax.__version__}, copy {bw / 1e9:,.0f} GB/s")

@@ -66,13 +66,14 @@ def test_kernel_wide_tiles_k2_heads():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("shape,causal,split_keys", [
-    ((2, 17, 64, 512, 64, 1000), False, 512),  # K2 shapes, tree, split keys, shipped tiles
-    ((2, 1, 64, 512, 64, 1000), True, 0),  # K2 decode step, one pass
-    ((3, 5, 3, 24, 6, 40), False, 32),  # ranks that are not powers of two (masked columns)
-    ((3, 5, 3, 24, 6, 40), True, 0),
+@pytest.mark.parametrize("shape,causal,split_keys,segment_keys", [
+    ((2, 17, 64, 512, 64, 1000), False, 512, 512),  # K2 shapes, tree, one program per segment
+    ((2, 1, 64, 512, 64, 1000), True, 0, 512),  # K2 decode step, the segments in turn
+    ((2, 1, 64, 512, 64, 3000), True, 2048, 512),  # one program per group of 4 segments
+    ((3, 5, 3, 24, 6, 40), False, 32, 0),  # ranks that are not powers of two (masked columns)
+    ((3, 5, 3, 24, 6, 40), True, 0, 0),
 ])
-def test_kernel_lowers_to_triton(shape, causal, split_keys, dtype):
+def test_kernel_lowers_to_triton(shape, causal, split_keys, segment_keys, dtype):
     """Interpret mode skips the Triton lowering rules; lowering for CUDA (no GPU needed) runs them
     (it does not compile to PTX, so shared-memory limits are left to the GPU tests)."""
     b, t, h, r, dr, s = shape
@@ -81,7 +82,8 @@ def test_kernel_lowers_to_triton(shape, causal, split_keys, dtype):
             sd((b,), jnp.int32), None if causal else sd((b, t, t), jnp.bool_))
 
     def attend(*a):
-        return mla_attention(*a, scale=0.1, causal=causal, split_keys=split_keys)
+        return mla_attention(*a, scale=0.1, causal=causal, split_keys=split_keys, segment_keys=segment_keys,
+                             segment_group=4 if segment_keys else 1)
 
     text = jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_attention" in text
@@ -140,3 +142,59 @@ def test_compiled_kernel_k2_shapes(t, split_keys, tree, dtype, tol):
     with jax.default_matmul_precision("highest"):
         ref = latent_attention_reference(*f32, BlockMask(start, within), scale=0.13)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=0)
+
+
+def test_segments_make_rows_batch_invariant():
+    """With fixed ``segment_keys`` a row's bits do not depend on the batch, the block length or the
+    split: the root of a 5-token tree block in a batch of 3 (one program per segment, and the
+    segments in turn) == the same row alone as a one-token decode step, and so do the rows of a
+    chain block (its tokens in consecutive slots); all near the reference."""
+    rng = np.random.default_rng(11)
+    b, t, h, r, dr, s, seg = 3, 5, 16, 32, 8, 100, 16
+    ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, jnp.float32)
+    start = jnp.asarray([0, 40, 90], jnp.int32)
+    within = _random_tree_masks(rng, b, t)
+    kw = dict(scale=0.3, block_m=16, block_k=16, segment_keys=seg, segment_group=3, interpret=True)
+    whole = mla_attention(ql, qr, lat, kr, start, within, **kw)
+    for split in (seg, 3 * seg):  # a program per segment, per group of 3 segments
+        got = mla_attention(ql, qr, lat, kr, start, within, split_keys=split, **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(whole))
+    chain = mla_attention(ql, qr, lat, kr, start, jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)),
+                          **kw)
+    for row in range(b):
+        sl = slice(row, row + 1)
+        one = mla_attention(ql[sl, :1], qr[sl, :1], lat[sl], kr[sl], start[sl], causal=True, **kw)
+        np.testing.assert_array_equal(np.asarray(one[0, 0]), np.asarray(whole[row, 0]))
+        for d in range(1, t):  # a chain's rows (consecutive slots) == decode steps at start + d
+            if start[row] + d < s:
+                one = mla_attention(ql[sl, d:d + 1], qr[sl, d:d + 1], lat[sl], kr[sl], start[sl] + d, causal=True,
+                                    split_keys=seg, **kw)
+                np.testing.assert_array_equal(np.asarray(one[0, 0]), np.asarray(chain[row, d]))
+    ref = latent_attention_reference(ql, qr, lat, kr, BlockMask(start, within), scale=0.3)
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(ref), atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="segment_keys"):
+        mla_attention(ql, qr, lat, kr, start, within, split_keys=2 * seg, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_compiled_segments_bitwise_k2_shapes(dtype):
+    """Compiled, K2 shapes: with 512-key segments, one program per segment == the segments in
+    turn, bit for bit, and a 17-token chain block's rows == 17 decode steps at B=1 over the same
+    cache (the compiler must contract the fold's float32 expressions alike in both kernels)."""
+    b, t, h, r, dr, s, seg = 4, 17, 64, 512, 64, 3000, 512
+    rng = np.random.default_rng(1)
+    ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
+    start = jnp.asarray([0, 700, 2047, s - t], jnp.int32)
+    kw = dict(scale=0.13, segment_keys=seg, segment_group=4)
+    chain = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    whole = mla_attention(ql, qr, lat, kr, start, chain, **kw)
+    for split in (seg, 4 * seg):
+        got = mla_attention(ql, qr, lat, kr, start, chain, split_keys=split, **kw)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(whole, np.float32))
+    for row in range(b):
+        sl = slice(row, row + 1)
+        for d in (0, 5, t - 1):
+            one = mla_attention(ql[sl, d:d + 1], qr[sl, d:d + 1], lat[sl], kr[sl], start[sl] + d, causal=True,
+                                split_keys=seg, **kw)
+            np.testing.assert_array_equal(np.asarray(one[0, 0], np.float32), np.asarray(whole[row, d], np.float32))

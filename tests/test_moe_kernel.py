@@ -147,3 +147,18 @@ def test_model_logits_through_kernel_equal_reference():
     v = np.asarray(valid)
     assert 0 < v.sum() < v.size
     np.testing.assert_allclose(np.asarray(got)[v], np.asarray(want)[v], atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_pinned_blocks_make_rows_batch_invariant():
+    """A row's routed output depends on the blocks, never on the other rows: with the blocks
+    pinned, the first 3 tokens alone == the same tokens among 136 (where ``choose_blocks`` would
+    pick block_m 64 / block_k 64 instead of 16 / 128)."""
+    from pallas_kernels.triton.moe_grouped_matmul import MoEBlocks
+
+    n, e, k, h, i = 136, 8, 2, 256, 32
+    assert choose_blocks(n * k, e) != choose_blocks(3 * k, e)
+    x, gate_up, down, weights, ids, _ = random_moe(3, n, e, k, h, i)
+    pinned = jax.jit(lambda *a: routed_experts(*a, backend=KERNEL, blocks=MoEBlocks(block_m=16)))
+    few = pinned(x[:3], gate_up, down, weights[:3], ids[:3])
+    many = pinned(x, gate_up, down, weights, ids)
+    np.testing.assert_array_equal(np.asarray(few), np.asarray(many)[:3])

@@ -36,7 +36,7 @@ from ddtree_jax.models._layers import (
     write_rows,
 )
 from ddtree_jax.models.kimi_config import KimiConfig
-from ddtree_jax.models.latent_attention import latent_attention
+from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, AttentionMesh, latent_attention
 from ddtree_jax.models.moe import experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
@@ -106,6 +106,11 @@ class MLAttention(nnx.Module):
             dtype=dtype,
         )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
+        # ``AttentionMesh`` when the model knows its mesh (``set_mesh``): the kernel runs per shard
+        self.attention_mesh = None
+        # the kernel's fixed reduction segments and their groups (``latent_attention``; 0:
+        # layout-dependent splits)
+        self.segment_keys, self.segment_group = SEGMENT_KEYS, SEGMENT_GROUP
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
@@ -129,7 +134,9 @@ class MLAttention(nnx.Module):
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
         q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
         out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
-                                      backend=backend).astype(x.dtype)
+                                      backend=backend, mesh=self.attention_mesh,
+                                      segment_keys=self.segment_keys,
+                                      segment_group=self.segment_group).astype(x.dtype)
         out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
         return self.o_proj(out)
 
@@ -170,6 +177,8 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
         # (mesh, mesh axis) when the weights' expert dim is split over a mesh axis (``set_mesh``)
         self.expert_mesh = None
+        # the kernel's ``MoEBlocks`` pinned by ``set_moe_blocks`` (None: chosen by the token count)
+        self.blocks = None
 
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend,
                  valid: jax.Array | None = None) -> jax.Array:
@@ -177,7 +186,7 @@ class Experts(nnx.Module):
         ``backend.kernels``, else ``jax.lax.ragged_dot``. ``x [N,H]``, ``weights/ids [N,k]``,
         ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output)."""
         return routed_experts(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, backend=backend,
-                              valid=valid, expert_mesh=self.expert_mesh)
+                              valid=valid, expert_mesh=self.expert_mesh, blocks=self.blocks)
 
     def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Same result with every expert run densely on every token (the slow, obvious version)."""
@@ -266,16 +275,39 @@ class KimiForCausalLM(nnx.Module):
         return self
 
     def set_mesh(self, mesh, mesh_axes: dict[str, str]) -> KimiForCausalLM:
-        """Tell the experts how their weights are placed (``load_target(mesh=...)`` calls this):
-        with the expert dim split over a mesh axis, the kernel path runs expert-parallel
-        (``ddtree_jax.models.moe.experts_expert_parallel``). ``mesh=None`` forgets it."""
+        """Tell the kernels how the model is placed (``load_target(mesh=...)`` and ``init_on_mesh``
+        call this): with the expert dim split over a mesh axis, the MoE kernel path runs
+        expert-parallel (``ddtree_jax.models.moe.experts_expert_parallel``); the attention kernel
+        runs in a ``shard_map`` with batch rows over the mesh's ``data`` axis (the serving
+        state's caches: ``ddtree_jax.serving.sharding.state_sharding``) and heads over the
+        ``tensor`` axis (``latent_attention``). ``mesh=None`` forgets it."""
         axis = mesh_axes.get("expert")
+        attention = AttentionMesh.of(mesh, mesh_axes)
         for layer in self.model.layers:
+            layer.self_attn.attention_mesh = attention
             if isinstance(layer.mlp, MoE):
                 experts = layer.mlp.experts
                 split = (mesh is not None and axis in mesh.axis_names
                          and experts.gate_up_proj.shape[0] % mesh.shape[axis] == 0)
                 experts.expert_mesh = (mesh, axis) if split else None
+        return self
+
+    def set_moe_blocks(self, blocks) -> KimiForCausalLM:
+        """Pin the MoE kernel's blocks (``pallas_kernels.triton.moe_grouped_matmul.MoEBlocks``) for
+        every call, whatever the number of tokens: a row's routed-expert arithmetic then does not
+        depend on the batch or the block length (batch invariance; ``None``: back to
+        ``choose_blocks``, which changes ``block_m``/``block_k`` above ``16 * E / k`` tokens)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.blocks = blocks
+        return self
+
+    def set_attention_segments(self, segment_keys: int, segment_group: int = SEGMENT_GROUP) -> KimiForCausalLM:
+        """The attention kernel's fixed reduction segments (keys; default
+        ``latent_attention.SEGMENT_KEYS``, folded in groups of ``segment_group``; 0: splits chosen
+        by the shapes, not batch-invariant)."""
+        for layer in self.model.layers:
+            layer.self_attn.segment_keys, layer.self_attn.segment_group = segment_keys, segment_group
         return self
 
     # ---- pieces the drafter shares ----

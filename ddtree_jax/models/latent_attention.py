@@ -9,15 +9,20 @@ by ``ddtree_jax.models.kimi.MLAttention``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
-__all__ = ["latent_attention", "latent_attention_reference"]
+__all__ = ["SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "latent_attention", "latent_attention_reference"]
 
 
 def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
@@ -34,30 +39,92 @@ def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: j
     return jnp.einsum("bnts,bsr->btnr", probs, latent.astype(dtype))
 
 
+# Keys per segment of the kernel's reduction (``mla_attention(segment_keys=...)``): fixed, so that a
+# row's attention has the same bits whatever the batch, the block length or the program layout
+# (a decode step and a tree verify reduce a row's keys alike: the batch-invariance groundwork).
+# Segments of 512 keys are folded into fixed groups of 4 (2048 keys), the groups into the total,
+# so the kernel may run one program per segment (what ``auto_split_keys`` picks for a decode step
+# at B=1 over caches up to 128k), per group (B=16 decode at 32k) or none, with the same bits.
+SEGMENT_KEYS = 512
+SEGMENT_GROUP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMesh:
+    """Where a model's attention inputs live: ``mesh`` with batch rows (caches, ``start``) split
+    over ``data`` and heads over ``tensor`` (either ``None``: not split)."""
+
+    mesh: Mesh
+    data: str | None = None
+    tensor: str | None = None
+
+    @classmethod
+    def of(cls, mesh: Mesh | None, mesh_axes: dict[str, str], data_axis: str = "data") -> AttentionMesh | None:
+        """From a mesh and the checkpoints' logical -> mesh axis map (``None`` without a mesh)."""
+        if mesh is None:
+            return None
+        names = mesh.axis_names
+        data = data_axis if data_axis in names and mesh.shape[data_axis] > 1 else None
+        tensor = mesh_axes.get("tensor")
+        tensor = tensor if tensor in names and mesh.shape[tensor] > 1 else None
+        return cls(mesh, data, tensor) if data or tensor else None
+
+
 def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: BlockMask,
-                     *, scale: float, backend: Backend) -> jax.Array:
+                     *, scale: float, backend: Backend, mesh: AttentionMesh | None = None,
+                     segment_keys: int | None = SEGMENT_KEYS, segment_group: int = SEGMENT_GROUP) -> jax.Array:
     """Absorbed MLA attention (see ``latent_attention_reference`` for the shapes), by ``backend``.
 
     The block's own latents must already be in ``latent``/``k_rope`` at ``[start, start+T)``.
+    ``mesh``: the kernel runs in a ``shard_map``, batch rows split over ``mesh.data`` (when it
+    divides B) and heads over ``mesh.tensor`` (when it divides H), so that GSPMD never gathers
+    the caches or the heads around the kernel; the reference is left to GSPMD.
+    ``segment_keys``, ``segment_group``: the kernel's fixed reduction segments and their groups
+    (``None``/0: the older layout-dependent splits, ``auto_split_keys`` alone).
     """
     b, t, h, r = q_latent.shape
     s = latent.shape[1]
     chex.assert_shape([q_latent, latent, mask.start], [(b, t, h, r), (b, s, r), (b,)])
     if not has_kernel(backend, "mla_attention"):  # no kernel for this family (TPU): the reference
         return latent_attention_reference(q_latent, q_rope, latent, k_rope, mask, scale=scale)
+    kernel = functools.partial(_kernel, scale=float(scale), causal=mask.causal, interpret=backend.interpret,
+                               segment_keys=segment_keys or 0, segment_group=segment_group)
+    data = mesh.data if mesh is not None and mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
+    tensor = mesh.tensor if mesh is not None and mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
+    args = (q_latent, q_rope, latent, k_rope, mask.start) + (() if mask.causal else (mask.within,))
+    if data is None and tensor is None:
+        return kernel(*args)
+    q, rows = P(data, None, tensor, None), P(data)
+    specs = (q, q, rows, rows, rows, rows)[: len(args)]
+    return jax.shard_map(kernel, mesh=mesh.mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
+
+
+def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, causal, interpret, segment_keys,
+            segment_group):
+    """The Pallas kernel on (local) arrays; the parallel split follows the local shapes."""
     from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 
-    dtype, tiles = q_latent.dtype, default_tiles(latent.dtype)
+    b, t, h, _ = q_latent.shape
+    s = latent.shape[1]
+    tiles = default_tiles(latent.dtype)
+    split = auto_split_keys(b, t * h, s, block_m=tiles["block_m"], block_k=tiles["block_k"])
+    if segment_keys:
+        segment_keys = -(-segment_keys // tiles["block_k"]) * tiles["block_k"]
+        group = segment_keys * segment_group
+        # a program per group or per segment where the heuristic wants a split, else one program
+        split = 0 if not split else group if split >= group else segment_keys
     out = mla_attention(
         q_latent.astype(latent.dtype),
         q_rope.astype(k_rope.dtype),
         latent,
         k_rope,
-        mask.start,
-        mask.within,
-        scale=float(scale),
-        causal=mask.causal,
-        split_keys=auto_split_keys(b, t * h, s, block_m=tiles["block_m"], block_k=tiles["block_k"]),
-        interpret=backend.interpret,
+        start,
+        within,
+        scale=scale,
+        causal=causal,
+        split_keys=split,
+        segment_keys=segment_keys,
+        segment_group=segment_group,
+        interpret=interpret,
     )
-    return out.astype(dtype)
+    return out.astype(q_latent.dtype)

@@ -154,33 +154,38 @@ def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, 
 
 def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: jax.Array, ids: jax.Array, *,
                    backend: Backend, valid: jax.Array | None = None,
-                   expert_mesh: tuple[Mesh, str] | None = None) -> jax.Array:
+                   expert_mesh: tuple[Mesh, str] | None = None, blocks=None) -> jax.Array:
     """The routed experts' combined output ``[N, H]`` (``valid [N]`` bool or None: all valid).
 
     ``expert_mesh = (mesh, axis)``: the weights' expert dim is sharded over ``axis`` of ``mesh``;
     the kernel path then runs ``experts_expert_parallel`` (the ragged_dot path leaves it to GSPMD,
-    which partitions ragged_dot by expert without gathering the weights)."""
+    which partitions ragged_dot by expert without gathering the weights).
+    ``blocks``: the kernel's ``MoEBlocks`` pinned (``None``: ``choose_blocks`` by the number of
+    token copies). A row's arithmetic depends on the blocks (the hidden dim's chunking
+    ``block_k`` and the MMA shape ``block_m`` x ``num_warps`` pick), never on the other rows:
+    pinned blocks make the routed experts batch-invariant at any N (see docs/kernels.md)."""
     kernel = has_kernel(backend, "moe_grouped_matmul")  # Triton only so far: TPUs run ragged_dot
     if kernel and expert_mesh is not None and expert_mesh[0].shape[expert_mesh[1]] > 1:
-        return experts_expert_parallel(x, gate_up, down, weights, ids, valid, *expert_mesh, backend=backend)
+        return experts_expert_parallel(x, gate_up, down, weights, ids, valid, *expert_mesh, backend=backend,
+                                       blocks=blocks)
     if kernel:
-        return _experts_kernel(x, gate_up, down, weights, ids, valid, backend)
+        return _experts_kernel(x, gate_up, down, weights, ids, valid, backend, blocks=blocks)
     return experts_ragged_dot(x, gate_up, down, route_tokens(weights, ids, gate_up.shape[0], valid=valid))
 
 
-def _experts_kernel(x, gate_up, down, weights, ids, valid, backend: Backend, out_dtype=None) -> jax.Array:
+def _experts_kernel(x, gate_up, down, weights, ids, valid, backend: Backend, out_dtype=None, blocks=None) -> jax.Array:
     from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
 
     n, k = ids.shape
     e = gate_up.shape[0]
-    blocks = choose_blocks(n * k, e)
+    blocks = blocks or choose_blocks(n * k, e)
     routing = route_tokens(weights, ids, e, valid=valid, block_m=blocks.block_m)
     return experts_grouped_matmul(x, gate_up, down, routing, blocks, interpret=backend.interpret,
                                   out_dtype=out_dtype)
 
 
 def experts_expert_parallel(x, gate_up, down, weights, ids, valid, mesh: Mesh, axis: str, *,
-                            backend: Backend) -> jax.Array:
+                            backend: Backend, blocks=None) -> jax.Array:
     """Expert parallelism without moving weights: each device of ``axis`` runs the kernel for its
     own ``E / devices`` experts on all (its data shard's) tokens, copies routed elsewhere count as
     invalid there, and one float32 ``psum`` over ``axis`` adds the partial outputs.
@@ -203,7 +208,7 @@ def experts_expert_parallel(x, gate_up, down, weights, ids, valid, mesh: Mesh, a
         local_ids = ids - jax.lax.axis_index(axis) * e_local
         mine = valid[:, None] & (local_ids >= 0) & (local_ids < e_local)
         out = _experts_kernel(x, gate_up, down, weights, jnp.where(mine, local_ids, 0), mine, backend,
-                              out_dtype=jnp.float32)
+                              out_dtype=jnp.float32, blocks=blocks)
         return jax.lax.psum(out, axis).astype(x.dtype)
 
     tok = P(data)

@@ -34,6 +34,16 @@ range at fixed multiples of ``split_keys`` positions; each split writes its unno
 length reached (in split order). The boundaries depend only on the positions, not on ``B`` or
 ``T``: with the same ``split_keys`` a row's reductions run in the same order whatever the batch.
 
+Fixed segments (batch invariance): with ``segment_keys`` the reduction itself is cut at fixed
+multiples of ``segment_keys`` positions whether or not the key range is split over programs:
+each segment runs from a fresh ``(o, m, den)`` and is folded into the running total in segment
+order with the same expressions (``_merge``) as the merge kernel. Running the segments one after
+another in one program or one per program (``split_keys == segment_keys``) then gives the same
+bits, so whether to split is a pure speed choice made from ``B`` and ``T`` and a row's result
+does not depend on them (a decode step and a verify block reduce a row's keys alike). Caveat:
+this relies on the GPU compiler contracting the same expressions the same way in both kernels
+(float32 multiply-adds); bench/bench_batch_invariance.py checks it on the device.
+
 Backend: the Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``),
 like the other kernels here: it has dynamic-trip-count loops, masked 2-D loads with dynamic
 offsets and ``dot`` on tensor cores, which is all this kernel needs. Not measured against a
@@ -89,8 +99,22 @@ def _dot(a, b, trans_b=False):
     return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
+def _merge(carry, part):
+    """Fold one key range's unnormalised ``(o, m, den)`` into a running total (the same expressions
+    in the attention kernel's segment loop and in the merge kernel: same bits either way)."""
+    o, m, den = carry
+    o_s, m_s, den_s = part
+    m_new = jnp.maximum(m, m_s)
+    a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+    return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
+
+
+def _fresh(BM, RP):
+    return jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32)
+
+
 def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
-                 TMP, causal, chunk, scale_log2):
+                 TMP, causal, chunk, seg, grp, scale_log2):
     b, rt, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[b]
     rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start)
@@ -122,12 +146,12 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
         tmp_tok = tok_lo + jnp.arange(TMP, dtype=jnp.int32)
         onehot = None if causal else jnp.where(tok[:, None] == tmp_tok[None, :], 1.0, 0.0).astype(jnp.bfloat16)
 
-        def step(i, carry, masked):
-            """Key tile i of this program's range; ``masked`` for tiles that reach the block."""
+        def step(i, carry, s_lo, s_hi, masked):
+            """Key tile i of the key range ``[s_lo, s_hi)``; ``masked`` for tiles that reach the block."""
             o, m, den = carry
-            k0 = lo + i * BK
+            k0 = s_lo + i * BK
             kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
-            kin = (kpos < hi)[:, None] if masked else None
+            kin = (kpos < s_hi)[:, None] if masked else None
             lat = load(lat_ref.at[b, pl.ds(k0, BK), pl.ds(0, RP)], both(kin, col_ok))
             kr = load(kr_ref.at[b, pl.ds(k0, BK), pl.ds(0, DRP)], both(kin, dcol_ok))
             s = (_dot(qn, lat, trans_b=True) + _dot(qr, kr, trans_b=True)) * scale_log2
@@ -139,7 +163,7 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
                     mt = plgpu.load(bm_ref.at[b, pl.ds(tok_lo, TMP), pl.ds(k0 - start + BK, BK)],
                                     mask=(tmp_tok < T)[:, None], other=0)
                     in_block = _dot(onehot, mt) > 0.5
-                vis = (kpos < hi)[None, :] & ((kpos < start)[None, :] | ((rel >= 0)[None, :] & in_block))
+                vis = (kpos < s_hi)[None, :] & ((kpos < start)[None, :] | ((rel >= 0)[None, :] & in_block))
                 s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
             corr = jnp.exp2(m - m_new)
@@ -148,12 +172,32 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             o = o * corr[:, None] + _dot(p.astype(lat.dtype), lat)
             return o, m_new, den
 
-        # Tiles wholly inside the committed prefix see every key (no mask), then the rest.
-        n_lean = jnp.maximum(jnp.minimum(hi, start) - lo, 0) // BK
-        n_all = pl.cdiv(hi - lo, BK)
-        carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-        carry = jax.lax.fori_loop(0, n_lean, functools.partial(step, masked=False), carry)
-        o, m, den = jax.lax.fori_loop(n_lean, n_all, functools.partial(step, masked=True), carry)
+        def segment(s_lo, s_hi):
+            """Keys ``[s_lo, s_hi)`` from a fresh state. Tiles wholly inside the committed prefix
+            see every key (no mask), then the rest."""
+            n_lean = jnp.maximum(jnp.minimum(s_hi, start) - s_lo, 0) // BK
+            n_all = pl.cdiv(s_hi - s_lo, BK)
+            part = jax.lax.fori_loop(0, n_lean, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=False),
+                                     _fresh(BM, RP))
+            return jax.lax.fori_loop(n_lean, n_all, functools.partial(step, s_lo=s_lo, s_hi=s_hi, masked=True), part)
+
+        if seg:
+            # Fixed two-level segmentation: segments of ``seg`` keys folded in order into their
+            # group of ``grp`` keys, groups folded in order into the total (a program's range
+            # starts on a segment or group boundary: folding into a fresh state is exact).
+            def group(gi, total):
+                g_lo = lo + gi * grp
+                g_hi = jnp.minimum(g_lo + grp, hi)
+
+                def one(si, gtot):
+                    s_lo = g_lo + si * seg
+                    return _merge(gtot, segment(s_lo, jnp.minimum(s_lo + seg, g_hi)))
+
+                return _merge(total, jax.lax.fori_loop(0, pl.cdiv(g_hi - g_lo, seg), one, _fresh(BM, RP)))
+
+            o, m, den = jax.lax.fori_loop(0, pl.cdiv(hi - lo, grp), group, _fresh(BM, RP))
+        else:
+            o, m, den = _merge(_fresh(BM, RP), segment(lo, hi))
         out_mask = both(row_ok[:, None], col_ok)
         if chunk:
             o_ref, m_ref, den_ref = out_refs
@@ -166,26 +210,31 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk):
-    """Merge the splits a row tile's length reached, in split order (the same order for any batch)."""
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk, seg, grp):
+    """Merge the splits a row tile's length reached, in split order (the same order for any
+    batch); splits of one segment each are first folded into their groups (``grp`` keys), as the
+    attention kernel folds them when it runs the segments itself."""
     b, rt = pl.program_id(0), pl.program_id(1)
     rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
     row0 = rt * BM
     row_ok = rows < R
     col_ok = None if RP == r else (jnp.arange(RP, dtype=jnp.int32) < r)[None, :]
     mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
+    n_parts = pl.cdiv(kv_end, chunk)
+    per_group = max(1, grp // chunk) if seg else 1
 
-    def body(s, carry):
-        o, m, den = carry
+    def fold(s, carry):
         o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(0, RP)], mask=mask2, other=0)
         m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
         den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
-        m_new = jnp.maximum(m, m_s)
-        a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-        return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
+        return _merge(carry, (o_s, m_s, den_s))
 
-    carry = (jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-    o, _, den = jax.lax.fori_loop(0, pl.cdiv(kv_end, chunk), body, carry)
+    def group(gi, total):
+        first = gi * per_group
+        n = jnp.minimum(per_group, n_parts - first)
+        return _merge(total, jax.lax.fori_loop(first, first + n, fold, _fresh(BM, RP)))
+
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(n_parts, per_group), group, _fresh(BM, RP))
     out = o / jnp.where(den > 0, den, 1.0)[:, None]
     plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
 
@@ -216,12 +265,14 @@ def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, b
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "num_warps", "num_stages", "interpret"),
+    static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "segment_keys", "segment_group",
+                     "num_warps", "num_stages", "interpret"),
 )
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, start: jax.Array,
                   block_mask: jax.Array | None = None, *, scale: float, causal: bool = False,
                   block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
-                  num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                  segment_keys: int = 0, segment_group: int = 1, num_warps: int | None = None,
+                  num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
 
     Args:
@@ -232,8 +283,14 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
       scale: the softmax scale. causal: the block is causal (prefill, decode).
       block_m / block_k: query rows (of the flattened ``T*H``) and keys per tile (powers of 2,
         >= 16). split_keys: 0, or keys per split (a multiple of ``block_k``; see
-        ``auto_split_keys``). num_warps / num_stages: Triton launch parameters. ``None``:
-        ``default_tiles(latent.dtype)``.
+        ``auto_split_keys``). segment_keys: 0, or reduce each row's keys in fixed segments of
+        this many positions (a multiple of ``block_k``), each from a fresh softmax state, folded
+        in order into fixed groups of ``segment_group`` segments, the groups folded in order: a
+        row's result then depends only on its data, ``block_k``, ``segment_keys`` and
+        ``segment_group``, not on ``B``, ``T`` or ``split_keys``, which must then be 0 (all in
+        one program), ``segment_keys`` (one program per segment) or ``segment_keys *
+        segment_group`` (one program per group); the merge kernel repeats the same folds.
+        num_warps / num_stages: Triton launch parameters. ``None``: ``default_tiles(latent.dtype)``.
 
     Returns:
       ``[B,T,H,r]`` in ``q_latent``'s dtype.
@@ -250,6 +307,11 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         raise ValueError("mla_attention: pass exactly one of block_mask and causal=True")
     if split_keys and split_keys % block_k:
         raise ValueError(f"mla_attention: split_keys {split_keys} must be a multiple of block_k {block_k}")
+    if segment_keys and (segment_keys % block_k or segment_group < 1
+                         or split_keys not in (0, segment_keys, segment_keys * segment_group)):
+        raise ValueError(f"mla_attention: segment_keys {segment_keys} must be a multiple of block_k {block_k}, "
+                         f"segment_group ({segment_group}) >= 1 and split_keys ({split_keys}) 0, segment_keys or "
+                         "segment_keys * segment_group")
     R, BM, BK = T * H, block_m, block_k
     RP, DRP = max(16, pl.next_power_of_2(r)), max(16, pl.next_power_of_2(dr))
     TMP = max(16, pl.next_power_of_2(pl.cdiv(BM, H) + 1))
@@ -268,7 +330,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         out_shape = [sd((B, R, r), q_latent.dtype)]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk)
+    seg = segment_keys if segment_keys and segment_keys < S else 0  # one segment: same as none
+    static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk, seg=seg, grp=seg * segment_group)
     outs = pl.pallas_call(
         functools.partial(_attn_kernel, dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E,
                           **static),

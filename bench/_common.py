@@ -1,0 +1,148 @@
+"""Pieces shared by the model benchmarks (bench_sharded.py, bench_models.py,
+bench_batch_invariance.py): progress lines, timing, the copy bandwidth and bf16 matmul rate
+measured in the run, the weight-read floor of a pass, random trees, and a Report that rewrites its
+JSON and Markdown after every row (a run cut short keeps what it measured)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+T0 = time.perf_counter()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *a, flush=True)
+
+
+def past_deadline(args) -> bool:
+    """True (and says so) once ``args.deadline`` seconds have passed since the start (0: never)."""
+    if getattr(args, "deadline", 0) and time.perf_counter() - T0 > args.deadline:
+        log("  deadline passed: skipped")
+        return True
+    return False
+
+
+def time_call(fn, *args, iters=10, repeats=3, target_s: float | None = None) -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, after a warm-up
+    call (compilation). ``target_s``: choose ``iters`` (1..``iters``) so that a repeat lasts about
+    that long (slow passes such as long prefills)."""
+    jax.block_until_ready(fn(*args))
+    if target_s:
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        iters = int(max(1, min(iters, target_s // max(time.perf_counter() - t, 1e-6))))
+    best = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best.append((time.perf_counter() - t) / iters)
+    return float(np.median(best))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a read + write of a large array on the default device (the floor's rate)."""
+    n = (1 << 30) if jax.default_backend() == "gpu" else (1 << 22)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1)
+    return 2 * x.nbytes / time_call(f, x, iters=10)
+
+
+def matmul_rate(dtype=jnp.bfloat16) -> float:
+    """FLOP/s of one large square matmul in ``dtype`` on the default device (the FLOP floor's rate)."""
+    n = 8192 if jax.default_backend() == "gpu" else 256
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n**3 / time_call(f, a, a, iters=10)
+
+
+def weight_read_bytes(model, cfg, tokens: int, *, embedding: str = "table") -> float:
+    """Bytes a pass over ``tokens`` tokens must read from the busiest device: each weight's
+    per-device shard, the routed experts scaled by the share a uniform routing of ``tokens``
+    tokens touches (``1 - (1 - k/E)^tokens``). ``embedding``: ``"table"`` counts the whole
+    embedding (bench_sharded's floor, kept for comparison with its results), ``"rows"`` only the
+    ``tokens`` rows a pass gathers."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = 1 - (1 - k / e) ** tokens
+    total = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var[...]
+        shard = value.addressable_shards[0].data if hasattr(value, "addressable_shards") else value
+        nbytes = np.prod(shard.shape) * shard.dtype.itemsize
+        if "embed_tokens" in path and embedding == "rows":
+            nbytes = min(nbytes, tokens * shard.shape[-1] * shard.dtype.itemsize)
+        is_expert = "experts" in path and "shared_experts" not in path
+        total += nbytes * (touched if is_expert else 1.0)
+    return float(total)
+
+
+def random_tree(rng, b: int, budget: int):
+    """``b`` random trees of ``budget`` non-root nodes: depths, ancestor mask (root = node 0)."""
+    n = budget + 1
+    depths = np.zeros((b, n), np.int32)
+    anc = np.zeros((b, n, n), bool)
+    for r in range(b):
+        anc[r, 0, 0] = True
+        for i in range(1, n):
+            p = rng.integers(0, i)
+            depths[r, i] = depths[r, p] + 1
+            anc[r, i] = anc[r, p]
+            anc[r, i, i] = True
+    return jnp.asarray(depths), jnp.asarray(anc)
+
+
+def device_tag(smoke: bool) -> str:
+    dev = jax.devices()[0]
+    return "cpu-smoke" if smoke else re.sub(r"[^A-Za-z0-9]+", "_", dev.device_kind).strip("_").lower()
+
+
+class Report:
+    """Rows by section, written to ``<out>/<name>_<device><suffix>_<date>.{json,md}`` after each row."""
+
+    def __init__(self, args, *, name: str, title: str, sections, n_dev: int = 1, suffix: str = ""):
+        self.args, self.title = args, title
+        dev = jax.devices()[0]
+        self.meta = dict(
+            device=f"{dev.device_kind} x {n_dev}", backend=jax.default_backend(), jax=jax.__version__,
+            date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), host=platform.node(),
+            command="python " + " ".join(sys.argv),
+        )
+        day = datetime.date.today().strftime("%Y%m%d")
+        self.stem = os.path.join(args.out, f"{name}_{device_tag(args.smoke)}{suffix}_{day}")
+        self.sections: dict[str, list[dict]] = {s: [] for s in sections}
+        self.notes: list[str] = []
+
+    def add(self, section: str, row: dict):
+        self.sections[section].append(row)
+        self.write()
+
+    def write(self):
+        os.makedirs(self.args.out, exist_ok=True)
+        with open(self.stem + ".json", "w") as f:
+            json.dump(dict(meta=self.meta, notes=self.notes, **self.sections), f, indent=1)
+        lines = [f"# {self.title}: {self.meta['device']}", ""]
+        lines += [f"- {k}: {v}" for k, v in self.meta.items()] + [""]
+        lines += [f"{n}" for n in self.notes] + ([""] if self.notes else [])
+        for name, rows in self.sections.items():
+            if not rows:
+                continue
+            cols = list(dict.fromkeys(k for r in rows for k in r))
+            lines += [f"## {name}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            for r in rows:
+                cells = [f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+        with open(self.stem + ".md", "w") as f:
+            f.write("\n".join(lines))
