@@ -180,16 +180,18 @@ def _check_inputs(target, drafter, prompts, method, budget, max_new_tokens, stop
     else:
         budget = L
     context = cfg.max_position_embeddings
+    # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
+    # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
+    scratch = max(budget, L) + 1
     needed = 0
     for i, (p, m) in enumerate(zip(checked, limits, strict=False)):
         if len(p) + m > context:
             raise ValueError(f"prompts[{i}] ({len(p)} tokens) + max_new_tokens ({m}) exceeds the target's context "
                              f"of {context} positions (max_position_embeddings)")
-        needed = max(needed, len(p) + m + budget + 1)
-    # The cache must hold each prompt, its new tokens, and one verify block of scratch.
+        needed = max(needed, len(p) + m + scratch)
     if max_len is not None and needed > max_len:
-        raise ValueError(f"budget={budget}: the verify block ({budget + 1} tokens) does not fit the cache: a prompt "
-                         f"+ its max_new_tokens + {budget + 1} = {needed} > max_len={max_len}")
+        raise ValueError(f"budget={budget}: the verify block and commit ({scratch} tokens) do not fit the cache: a "
+                         f"prompt + its max_new_tokens + {scratch} = {needed} > max_len={max_len}")
     return _Checked(prompts=checked, max_new_tokens=np.array(limits, np.int32),
                     stop_ids=np.array([stop or [NO_STOP]] * B, np.int32), budget=budget, max_len=max_len or needed)
 

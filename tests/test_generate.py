@@ -42,6 +42,15 @@ def test_greedy_equals_autoregressive(models, greedy_ar, method, budget):
         assert sum(r.acceptance_lengths[:-1]) < 12 <= sum(r.acceptance_lengths)
 
 
+def test_budget_below_the_draft_depth_with_the_default_cache(models, greedy_ar):
+    """A tree smaller than the drafter's block still commits a path of draft_len + 1 positions:
+    the default cache must leave room for it (it left only budget + 1, and the last rounds'
+    writes were clamped onto earlier positions)."""
+    drafter = tiny_dflash(models[0], 1, block_size=16)
+    out = generate(models[0], drafter, PROMPTS, method="ddtree", budget=1, max_new_tokens=12)
+    assert out.tokens == greedy_ar.tokens
+
+
 def test_profiled_run_gives_same_tokens_and_a_time_split(models, greedy_ar):
     out = generate(*models, PROMPTS, method="ddtree", budget=6, profile=True, **SHAPES)
     assert out.tokens == greedy_ar.tokens

@@ -296,7 +296,8 @@ class Engine:
         self._models = Models(tgraph, dgraph)
         self._target, self._drafter = target, drafter
         # The cache holds a prompt + its tokens, and one verify block (or one prompt chunk) of scratch.
-        self.cache_len = self.max_model_len + max(budget + 1, prefill_chunk)
+        # (a commit writes depth + 1 positions: more than the verify block when budget < depth)
+        self.cache_len = self.max_model_len + max(budget + 1, depth + 1, prefill_chunk)
         self.tokens_per_round = depth + 1
         self._shard_state = shard_state
         self._state = self._empty_state()
