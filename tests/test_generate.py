@@ -252,7 +252,7 @@ def test_non_finite_logits_fail_only_that_request():
         (dict(max_new_tokens=[0]), r"max_new_tokens\[0\] must be an integer >= 1"),
         (dict(method="beam"), "method must be one of"),
         (dict(budget=0), "budget must be an integer >= 1"),
-        (dict(budget=60, max_len=64), r"budget=60: the verify block \(61 tokens\) does not fit the cache"),
+        (dict(budget=60, max_len=64), r"budget=60: the verify block and commit \(61 tokens\) do not fit the cache"),
         (dict(stop_tokens=[500]), "stop_tokens: 500 is outside the vocabulary"),
         (dict(sampling=[dt.SamplingParams()] * 2), "2 SamplingParams for a batch of 1"),
         (dict(drafter=None), "method='ddtree' needs a drafter"),
