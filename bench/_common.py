@@ -21,6 +21,23 @@ from flax import nnx
 T0 = time.perf_counter()
 
 
+SMOKE_K2 = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=16,
+    num_experts_per_tok=4, max_position_embeddings=4096,
+)
+
+
+def k2_slice(layers: int, experts: int, *, smoke: bool, **smoke_overrides):
+    """A Kimi K2-shaped target config of ``layers`` layers and ``experts`` routed experts, or with
+    ``smoke`` the tiny CPU shapes (``SMOKE_K2`` with ``smoke_overrides``)."""
+    import ddtree_jax as dt
+
+    if smoke:
+        return dt.KimiConfig.kimi_k2(**{**SMOKE_K2, **smoke_overrides}, num_hidden_layers=layers)
+    return dt.KimiConfig.kimi_k2(num_hidden_layers=layers, n_routed_experts=experts)
+
+
 def log(*a):
     print(f"[{time.perf_counter() - T0:7.1f}s]", *a, flush=True)
 

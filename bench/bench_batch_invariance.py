@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
-from bench._common import Report, log, past_deadline  # noqa: E402
+from bench._common import Report, k2_slice, log, past_deadline  # noqa: E402
 from ddtree_jax.backend import resolve_backend  # noqa: E402
 from ddtree_jax.models.latent_attention import latent_attention  # noqa: E402
 from ddtree_jax.models.moe import experts_ragged_dot, route_tokens, routed_experts  # noqa: E402
@@ -57,14 +57,7 @@ from pallas_kernels.triton.moe_grouped_matmul import MoEBlocks  # noqa: E402
 
 
 def target_config(args) -> dt.KimiConfig:
-    if args.smoke:
-        return dt.KimiConfig.kimi_k2(
-            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=args.layers, num_attention_heads=16, q_lora_rank=32, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4,
-            max_position_embeddings=4096,
-        )
-    return dt.KimiConfig.kimi_k2(num_hidden_layers=args.layers, n_routed_experts=args.experts)
+    return k2_slice(args.layers, args.experts, smoke=args.smoke, num_attention_heads=16, qk_rope_head_dim=16)
 
 
 def random_drafter(tcfg: dt.KimiConfig, dtype) -> dt.DFlashDrafter:

@@ -59,6 +59,7 @@ import ddtree_jax as dt  # noqa: E402
 from bench._common import (  # noqa: E402
     Report,
     copy_bandwidth,
+    k2_slice,
     log,
     matmul_rate,
     past_deadline,
@@ -74,14 +75,7 @@ VARIANTS = ("kernels", "ragged_dot", "dense")
 
 
 def target_config(args) -> dt.KimiConfig:
-    if args.smoke:
-        return dt.KimiConfig.kimi_k2(
-            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=args.layers, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4,
-            max_position_embeddings=4096,
-        )
-    return dt.KimiConfig.kimi_k2(num_hidden_layers=args.layers, n_routed_experts=args.experts)
+    return k2_slice(args.layers, args.experts, smoke=args.smoke)
 
 
 def impl_of(variant: str, smoke: bool) -> str:

@@ -60,6 +60,7 @@ import ddtree_jax as dt  # noqa: E402
 from bench._common import (  # noqa: E402
     Report,
     copy_bandwidth,
+    k2_slice,
     log,
     past_deadline,
     random_tree,
@@ -74,13 +75,7 @@ DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8
 
 
 def target_config(args, layers: int) -> dt.KimiConfig:
-    if args.smoke:
-        return dt.KimiConfig.kimi_k2(
-            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
-            num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-            v_head_dim=8, n_routed_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
-        )
-    return dt.KimiConfig.kimi_k2(num_hidden_layers=layers, n_routed_experts=args.experts)
+    return k2_slice(layers, args.experts, smoke=args.smoke)
 
 
 def drafter_config(tcfg: dt.KimiConfig) -> dt.DFlashConfig:
