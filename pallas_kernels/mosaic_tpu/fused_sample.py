@@ -85,6 +85,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels._shared import _key_to_float, _uniform, _zkey
+
 __all__ = ["INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
 
 INVALID_TOKEN = -1
@@ -99,42 +101,6 @@ _LOG2E = np.float32(np.log2(np.e))
 
 
 # ----------------------------------------------------------------------------- shared helpers
-
-
-def _u32(x):
-    return jnp.asarray(x, jnp.uint32)
-
-
-def _fmix32(h):
-    h = h ^ (h >> 16)
-    h = h * _u32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * _u32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _uniform(s0, s1, stream):
-    """Uniform in [0, 1) with 24 bits from (seed words, stream index): bit for bit the Triton
-    version's ``_uniform`` (``stream`` a Python int or a traced int32)."""
-    if isinstance(stream, int):
-        salt = _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF)
-    else:
-        salt = _u32(0x9E3779B9) * (stream + 1).astype(jnp.uint32)
-    h = _fmix32(s1 + salt)
-    h = _fmix32(s0 ^ h)
-    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
-
-
-def _zkey(z):
-    """Monotone int32 key of a float32 (no NaN); -0.0 and +0.0 share key 0."""
-    b = jax.lax.bitcast_convert_type(z, jnp.int32)
-    k = jnp.where(b < 0, b ^ np.int32(0x7FFFFFFF), b)
-    return jnp.where(z == 0, 0, k)
-
-
-def _key_to_float(k):
-    b = jnp.where(k < 0, k ^ np.int32(0x7FFFFFFF), k)
-    return jax.lax.bitcast_convert_type(b, jnp.float32)
 
 
 def _zof(x, M, Ts, barrier: bool):

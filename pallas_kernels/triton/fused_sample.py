@@ -96,6 +96,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._shared import _key_to_float, _uniform, _zkey
+
 __all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
 
 INVALID_TOKEN = -1  # the token of a row with no law (NaN, +inf, or all -inf logits)
@@ -117,30 +119,6 @@ MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (P
 # ----------------------------------------------------------------------------- helpers
 
 
-def _u32(x):
-    return jnp.asarray(x, jnp.uint32)
-
-
-def _fmix32(h):
-    h = h ^ (h >> 16)
-    h = h * _u32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * _u32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _uniform(s0, s1, stream):
-    """Uniform in [0, 1) with 24 bits from (seed words, stream index). ``stream`` is a Python int
-    or a traced int32 scalar (the same index gives the same value either way: uint32 products wrap)."""
-    if isinstance(stream, int):
-        salt = _u32((0x9E3779B9 * (stream + 1)) & 0xFFFFFFFF)
-    else:
-        salt = _u32(0x9E3779B9) * (stream + 1).astype(jnp.uint32)
-    h = _fmix32(s1 + salt)
-    h = _fmix32(s0 ^ h)
-    return (h >> 8).astype(jnp.int32).astype(jnp.float32) * np.float32(2.0**-24)
-
-
 def _div(a, b, exact_asm: bool):
     """IEEE round-to-nearest division (Triton's '/' on f32 is div.full, ~2 ulp)."""
     if not exact_asm:
@@ -157,18 +135,6 @@ def _div(a, b, exact_asm: bool):
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
     )[0]
-
-
-def _zkey(z):
-    """Monotone int32 key of a float32 (no NaN); -0.0 and +0.0 share key 0."""
-    b = jax.lax.bitcast_convert_type(z, jnp.int32)
-    k = jnp.where(b < 0, b ^ np.int32(0x7FFFFFFF), b)
-    return jnp.where(z == 0, 0, k)
-
-
-def _key_to_float(k):
-    b = jnp.where(k < 0, k ^ np.int32(0x7FFFFFFF), k)
-    return jax.lax.bitcast_convert_type(b, jnp.float32)
 
 
 def _midpoint(lo, hi):
