@@ -346,3 +346,26 @@ def test_int4_tensor_errors_name_the_tensor(ct_checkpoints, tmp_path, edit, mess
     (tmp_path / "config.json").write_text((root / "int4" / "config.json").read_text())
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_target(str(tmp_path), dtype=jnp.float32)
+
+
+def test_packed_experts_shard_like_dense_experts():
+    """On an expert=4 x tensor=2 mesh (abstract: no devices needed) every packed array takes its
+    dense weight's placement: the expert dim over ``expert``, gate_up's output columns and down's
+    (packed) input rows over ``tensor``. (The placement itself is ``_sharding``'s, which
+    tests/test_checkpoints.py checks on 8 CPU devices for the dense model.)"""
+    from jax.sharding import AbstractMesh, AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from ddtree_jax.checkpoints import DEFAULT_MESH_AXES, _sharding
+    from ddtree_jax.models import KimiForCausalLM
+    from tests._model_fixtures import tiny_kimi_config
+
+    mesh = AbstractMesh((4, 2), ("expert", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    cfg = tiny_kimi_config(num_hidden_layers=2)
+    dense = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    int4 = nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0), experts_int4=Int4Format(16, False)))
+    d, q = dense.model.layers[1].mlp.experts, int4.model.layers[1].mlp.experts
+    for name, spec in (("gate_up_proj", P("expert", None, "tensor")), ("down_proj", P("expert", "tensor", None))):
+        assert _sharding(getattr(d, name), mesh, DEFAULT_MESH_AXES).spec == spec
+        for part in ("packed", "scale", "zero_point"):
+            assert _sharding(getattr(q, f"{name}_{part}"), mesh, DEFAULT_MESH_AXES).spec == spec, (name, part)
