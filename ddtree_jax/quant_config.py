@@ -58,11 +58,14 @@ def _matches(module: str, linear: bool, entry: str, field: str) -> bool:
     return entry == module or (entry == "Linear" and linear)
 
 
-def _check_entries(entries, field: str, modules: dict[str, str]) -> list[str]:
+def _check_entries(entries, field: str, modules: dict[str, str], *, known: bool = True) -> list[str]:
+    """``entries`` (targets or ignore) as a list; with ``known``, each must be ``"Linear"``, a
+    ``"re:"`` pattern or a module name of the model (an ignore entry may name a module the model
+    does not have: it ignores nothing)."""
     if not isinstance(entries, list) or not all(isinstance(t, str) for t in entries):
         raise _field(field, f"expected a list of strings, got {entries!r}")
     for t in entries:
-        if t != "Linear" and not t.startswith("re:") and t not in modules:
+        if known and t != "Linear" and not t.startswith("re:") and t not in modules:
             raise _field(field, f"{t!r} is neither 'Linear', a 're:' pattern nor a module of this model "
                          "(other module classes are not supported)")
     return entries
@@ -118,7 +121,7 @@ def int4_experts_format(qc: dict[str, Any], modules: dict[str, str]) -> Int4Form
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _field("config_groups", f"expected a non-empty mapping of schemes, got {groups!r}")
-    ignore = _check_entries(qc.get("ignore") or [], "ignore", modules)
+    ignore = _check_entries(qc.get("ignore") or [], "ignore", modules, known=False)
 
     chosen: dict[str, str] = {}  # module -> config group
     formats: dict[str, Int4Format] = {}

@@ -369,3 +369,29 @@ def test_packed_experts_shard_like_dense_experts():
         assert _sharding(getattr(d, name), mesh, DEFAULT_MESH_AXES).spec == spec
         for part in ("packed", "scale", "zero_point"):
             assert _sharding(getattr(q, f"{name}_{part}"), mesh, DEFAULT_MESH_AXES).spec == spec, (name, part)
+
+
+def test_kimi_k2_thinking_quantization_config_is_understood():
+    """The quantization_config as published with Kimi K2 Thinking (fields and values as in its
+    config.json) selects exactly the routed experts: group 32, symmetric. An ignore entry naming
+    a module the model lacks (here an MTP layer's) ignores nothing and is accepted."""
+    from ddtree_jax.checkpoints import _modules
+    from ddtree_jax.models import KimiForCausalLM
+    from ddtree_jax.quant_config import int4_experts_format
+    from tests._model_fixtures import tiny_kimi_config
+
+    published = {
+        "config_groups": {"group_0": {
+            "input_activations": None, "output_activations": None, "targets": ["Linear"],
+            "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                        "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                        "type": "int"}}},
+        "format": "pack-quantized",
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    }
+    modules = _modules(nnx.eval_shape(lambda: KimiForCausalLM(tiny_kimi_config(), rngs=nnx.Rngs(0))))
+    assert sum(kind == "expert" for kind in modules.values()) == 2 * 8 * 3
+    assert int4_experts_format(published, modules) == Int4Format(32, True)
+    published["ignore"].append("model.layers.3.mlp.experts.0.gate_proj")
+    assert int4_experts_format(published, modules) == Int4Format(32, True)

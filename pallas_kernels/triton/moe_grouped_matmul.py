@@ -38,6 +38,17 @@ per touched expert). The grid is static: ``min(E, R) + R // block_m`` row tiles 
 count ``sum_e ceil(count_e / block_m)``; programs past the real count exit at once. Nothing of
 size ``[E, R, ...]`` is materialised; the intermediates are ``h [R, I]`` and ``y [R, H]``.
 
+INT4 weights (``moe_grouped_matmul_int4``, W4A16): the same launches, grid and tiles; only the
+product of one K-chunk differs (``_chunk_cols`` / ``_chunk_weights``). Weights packed eight
+4-bit values to an int32 along the contraction dim (``[E, K/8, N]``; word row j of a chunk holds
+inputs ``k0 + 8j .. k0 + 8j + 7``, nibble p = input ``k0 + 8j + p``, offset 8) with one scale (and
+optionally a zero point) per group of G inputs (``[E, K/G, N]``). A chunk loads one
+``[block_k/8, bn]`` tile of words and one gathered row of scales per word row, dequantises nibble
+p in registers (``((w >> 4p) & 0xF) - 8 - zero) * scale`` in float32, rounded to x's dtype) and
+multiplies it with the x columns ``k0 + 8j + p`` (a stride-8 gather): eight dots of K =
+``block_k / 8`` per chunk, no interleaving of the unpacked values, and a memory layout that does
+not depend on the block sizes. ``block_k`` is at least 128 there (K >= 16 per dot on the GPU).
+
 Block sizes (``choose_blocks``): ``block_m`` follows the expected copies per expert
 (``R / E``): 16 (Triton's smallest MMA tile) for decode and tree verify, where a touched expert
 gets about one token and the pass is bound by reading the weights; up to 128 for prefill, where
