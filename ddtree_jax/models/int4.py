@@ -49,6 +49,7 @@ __all__ = [
     "quantize_int4",
     "random_packed_weight",
     "unpack_int4",
+    "unpack_int4_np",
 ]
 
 _OFFSET = 8  # nibble u stands for u - 8
