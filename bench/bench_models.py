@@ -1,5 +1,5 @@
 """The Kimi K2-shaped target on one GPU, in one run: decode step, tree verify, prefill and attention
-against their floors, the Pallas kernels beside the older plain-JAX paths.
+against their floors, the Pallas kernels beside the older plain-JAX paths, and INT4 routed experts.
 
 Model: ``dt.KimiConfig.kimi_k2`` shapes (hidden 7168, MLA q_lora 1536 / kv_lora 512 / 64 heads,
 384 routed experts x 2048, top-8 + 1 shared, vocabulary 163,840), bf16, random weights made by
@@ -19,6 +19,12 @@ out of memory say, is reported and the run goes on):
   (as ``generate``'s prefill: the LM head is not computed). Floor: the larger of the weight-read
   time and the FLOPs (2 x tokens x active weights, without the LM head; causal MLA attention in
   the absorbed form: T(T+1)/2 x 2H(2r+dr) per layer) at the bf16 matmul rate measured in the run.
+* ``int4``: the ``passes`` cases at ``--int4-budgets`` (default 15 and 64) with the routed experts
+  in INT4 (compressed-tensors ``pack-quantized``, group 32, symmetric: Kimi K2 Thinking's scheme;
+  ``experts_int4``), the W4A16 kernel (``impl="auto"``). Floor: the same weight-read floor, now
+  counting the routed experts' packed words and bf16 scales (what the INT4 model holds; the note
+  gives the bytes). Beside it the bf16-expert figures of the ``kernels`` variant: taken from the
+  ``passes`` rows of this run, or timed here when that part or variant did not run.
 * ``attention``: one layer's MLA attention alone (``latent_attention``, the model's dispatch) at
   contexts ``--contexts`` (committed prefix before the block) for a decode step and verify blocks,
   B = 1 and 16. Floor: the larger of the cache-read time (latent + rope key up to the row's
@@ -72,6 +78,8 @@ from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, late
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
 
 VARIANTS = ("kernels", "ragged_dot", "dense")
+PARTS = ("passes", "prefill", "int4", "attention")
+INT4 = dt.Int4Format(group_size=32, symmetric=True)  # Kimi K2 Thinking's routed experts
 
 
 def target_config(args) -> dt.KimiConfig:
@@ -121,9 +129,11 @@ def variant_call(fn, args, row, floor_s, report, section):
     gc.collect()
 
 
-def part_passes(args, report, model, cfg, bw):
+def time_passes(args, report, model, cfg, bw, *, budgets, variants, section, extra=None):
+    """Decode step and tree verifies of ``budgets`` nodes at each of ``--batches`` rows after a
+    prefill of ``--prompt`` tokens: one row per (case, batch, variant) into ``section``."""
     rng = np.random.default_rng(3)
-    max_len = args.prompt + max(args.budgets) + 8
+    max_len = args.prompt + max(budgets) + 8
     prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
     verify = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
     verify_dense = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0])
@@ -137,21 +147,73 @@ def part_passes(args, report, model, cfg, bw):
         except Exception as e:  # noqa: BLE001
             log(f"  B={b} prefill failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        cases = [("decode step", 0)] + [(f"verify {budget}", budget) for budget in args.budgets]
+        cases = [("decode step", 0)] + [(f"verify {budget}", budget) for budget in budgets]
         for name, budget in cases:
             depths, anc = random_tree(rng, b, budget)
             tok = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, budget + 1)), jnp.int32)
             tokens = b * (budget + 1)
             floor = weight_read_bytes(model, cfg, tokens, embedding="rows") / bw
-            for variant in args.variants:
+            for variant in variants:
                 if past_deadline(args):
                     return
                 model.set_impl(impl_of(variant, args.smoke))
                 fn = verify_dense if variant == "dense" else verify
-                row = {"pass": name, "B": b, "tokens": tokens, "variant": variant}
-                variant_call(fn, (model, tok, depths, anc, cache), row, floor, report, "passes")
+                row = {"pass": name, "B": b, "tokens": tokens, "variant": variant, **(extra or {})}
+                variant_call(fn, (model, tok, depths, anc, cache), row, floor, report, section)
         del cache
         gc.collect()
+
+
+def part_passes(args, report, model, cfg, bw):
+    time_passes(args, report, model, cfg, bw, budgets=args.budgets, variants=args.variants, section="passes")
+
+
+def expert_bytes(model) -> float:
+    """Bytes of the routed experts' parameters (packed words, scales and zero points for INT4)."""
+    total = 0.0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if "experts" in path and "shared_experts" not in path:
+            total += float(np.prod(var.shape)) * var[...].dtype.itemsize
+    return total
+
+
+def part_int4(args, report, model, cfg, bw):
+    """The INT4-expert model's decode step and verifies; the bf16 figures beside them."""
+    int4_model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                            experts_int4=INT4))
+    dense_bytes = expert_bytes(model) if model is not None else None
+    report.notes.append(
+        f"INT4 routed experts (group {INT4.group_size}, symmetric): {expert_bytes(int4_model) / 2**30:.3g} GiB "
+        "(packed words + bf16 scales)" + (f" against {dense_bytes / 2**30:.3g} GiB in bf16." if dense_bytes else "."))
+    time_passes(args, report, int4_model, cfg, bw, budgets=args.int4_budgets, variants=("kernels",),
+                section="int4", extra={"experts": "int4"})
+    del int4_model
+    gc.collect()
+    have = {(r["pass"], r["B"]) for r in report.sections["passes"] if r["variant"] == "kernels" and "ms" in r}
+    want = {(f"verify {b}" if b else "decode step", bb) for b in [0, *args.int4_budgets] for bb in args.batches}
+    if model is not None and not want <= have:  # the bf16 figures were not measured by ``passes``
+        time_passes(args, report, model, cfg, bw, budgets=args.int4_budgets, variants=("kernels",),
+                    section="int4", extra={"experts": "bf16"})
+
+
+def int4_summary(report):
+    """Per case: INT4 and bf16 experts (kernels) side by side, each against its own floor."""
+    bf16 = {(r["pass"], r["B"]): r for r in report.sections["passes"] if r["variant"] == "kernels"}
+    bf16.update({(r["pass"], r["B"]): r for r in report.sections["int4"] if r.get("experts") == "bf16"})
+    lines = []
+    for r in report.sections["int4"]:
+        if r.get("experts") != "int4":
+            continue
+        line = {"pass": r["pass"], "B": r["B"], "tokens": r["tokens"]}
+        ref = bf16.get((r["pass"], r["B"]), {})
+        for label, row in (("int4", r), ("bf16", ref)):
+            line[f"{label} floor_ms"] = row.get("floor_ms")
+            line[label] = (f"{row['ms']:.3f} ms ({row['x_floor']:.2f}x)" if "ms" in row
+                           else row.get("error", "not run")[:40])
+        if "ms" in r and "ms" in ref:
+            line["bf16 / int4"] = ref["ms"] / r["ms"]
+        lines.append(line)
+    report.sections["summary: int4"] = lines
 
 
 def part_prefill(args, report, model, cfg, bw, rate):
@@ -225,19 +287,20 @@ def summary(report):
             line[row["variant"]] = (f"{row['ms']:.3f} ms ({row['x_floor']:.2f}x)" if "ms" in row
                                     else row.get("error", "")[:40])
         report.sections[f"summary: {section}"] = list(cases.values())
+    int4_summary(report)
     report.write()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret mode)")
-    ap.add_argument("--parts", nargs="+", default=["passes", "prefill", "attention"],
-                    choices=("passes", "prefill", "attention"))
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--budgets", type=int, nargs="+", default=[15, 64, 256])
+    ap.add_argument("--int4-budgets", type=int, nargs="+", default=[15, 64])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--prefill", type=int, nargs="+", default=[2048, 16384])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
@@ -247,19 +310,20 @@ def main():
     args.attention_cases = [(1, 1), (16, 1), (1, 65), (16, 16)]
     if args.smoke:
         args.batches, args.budgets, args.prompt, args.prefill, args.contexts = [1, 2], [3, 8], 16, [32], [40]
+        args.int4_budgets = [3]
         args.attention_cases = [(1, 1), (2, 5)]
     if args.deadline is None:
         args.deadline = 450.0 if jax.default_backend() == "gpu" else 0.0
     cfg = target_config(args)
     report = Report(args, name="models", title="Kimi K2-shaped target, one GPU",
-                    sections=("passes", "prefill", "attention"))
+                    sections=("passes", "prefill", "int4", "attention"))
     bw, rate = copy_bandwidth(), matmul_rate()
     report.meta.update(copy_bandwidth_GBps=round(bw / 1e9, 1), bf16_matmul_TFLOPs=round(rate / 1e12, 1),
                        layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts)
     log(f"{report.meta['device']} ({jax.default_backend()}), jax {jax.__version__}, copy {bw / 1e9:,.0f} GB/s, "
         f"bf16 matmul {rate / 1e12:,.0f} TFLOP/s; {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts")
     model = None
-    if "passes" in args.parts or "prefill" in args.parts:
+    if {"passes", "prefill", "int4"} & set(args.parts):
         model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
         report.notes.append(f"Weights: {weight_read_bytes(model, cfg, 0, embedding='rows') / 2**30:.2f} GiB "
                             "without routed experts and embedding table.")
@@ -267,6 +331,8 @@ def main():
         part_passes(args, report, model, cfg, bw)
     if "prefill" in args.parts:
         part_prefill(args, report, model, cfg, bw, rate)
+    if "int4" in args.parts:
+        part_int4(args, report, model, cfg, bw)
     del model
     gc.collect()
     if "attention" in args.parts:

@@ -27,6 +27,7 @@ _EXPORTS = {
     "DFlashConfig": "ddtree_jax.models",
     "DFlashDrafter": "ddtree_jax.models",
     "DraftCache": "ddtree_jax.models",
+    "Int4Format": "ddtree_jax.models",
     "KimiConfig": "ddtree_jax.models",
     "KimiForCausalLM": "ddtree_jax.models",
     "KVCache": "ddtree_jax.models",

@@ -8,6 +8,13 @@ drafters (``layers.N.self_attn.q_proj.weight``, ``fc.weight``, ``hidden_norm.wei
 layers (``model.layers.N`` with N >= num_hidden_layers) are skipped. FP8 (e4m3) weights with a
 ``weight_scale_inv`` per 128x128 block (``quantization_config.weight_block_size``) are dequantised.
 
+INT4 routed experts (compressed-tensors ``pack-quantized``, as in Kimi K2 Thinking: per expert
+projection ``weight_packed`` int32 ``[out, in/8]``, ``weight_scale`` ``[out, in/G]``,
+``weight_shape``, and ``weight_zero_point`` when asymmetric; ``ddtree_jax.quant_config`` checks
+the ``quantization_config``): loaded packed, never dequantised (``ddtree_jax.models.int4``: each
+expert's words and scales transposed to the model's ``[in, out]`` orientation and stacked), with
+the shardings of the dense expert weights; ``save_checkpoint`` writes them back in that format.
+
 Loading streams tensor by tensor from memory-mapped files: each parameter is assembled on the host
 (routed experts: one stacked ``[E, ...]`` parameter at a time) and placed at once with its
 sharding. Sharding: every parameter declares logical axes next to its definition
@@ -33,7 +40,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ddtree_jax.models.int4 import Int4Format, pack_int4, unpack_int4_np
 from ddtree_jax.models.registry import lookup_architecture
+from ddtree_jax.quant_config import QuantConfigError, int4_experts_format, int4_quantization_config
 
 DEFAULT_MESH_AXES = {"expert": "expert", "tensor": "tensor"}
 
@@ -100,24 +109,70 @@ class _Dest:
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """Checkpoint tensor ``[hf_shape]`` -> ``dest.buffer[index] = transpose(tensor)``."""
+    """Checkpoint tensor ``[hf_shape]`` -> ``dest.buffer[index] = transpose(decode(tensor))``.
 
-    dest: _Dest
+    ``dest`` None: a tensor that only describes others (INT4 ``weight_shape``): on load it must
+    equal ``value``, on save it is ``value``. ``file_dtype``: the tensor's dtype when it is not
+    the parameter's (int32 words)."""
+
+    dest: _Dest | None
     hf_shape: tuple[int, ...]
     index: tuple[Any, ...]
     axes: tuple[int, ...]
     covers: tuple[str, ...]
+    decode: Callable[[np.ndarray], np.ndarray] | None = None
+    encode: Callable[[np.ndarray], np.ndarray] | None = None
+    file_dtype: Any = None
+    value: tuple[int, ...] | None = None
+
+    def nbytes(self) -> int:
+        dtype = np.dtype(self.file_dtype or self.dest.var.dtype)
+        return int(np.prod(self.hf_shape)) * dtype.itemsize
+
+
+_INT4_LEAVES = {f"{w}_{kind}": (w, kind) for w in ("gate_up_proj", "down_proj")
+                for kind in ("packed", "scale", "zero_point")}
+
+
+def _int4_expert_parts(parts: dict[str, _Part], name: str, leaf: str, var: nnx.Variable,
+                       dests: dict[str, _Dest]) -> None:
+    """Per-expert checkpoint names of one packed expert parameter (``Experts`` with ``int4``):
+    ``{name}.{i}.{proj}.weight_packed`` ``[out, in/8]`` / ``weight_scale`` ``[out, in/G]`` /
+    ``weight_zero_point`` ``[ceil(out/8), in/G]`` (packed along ``out``), and ``weight_shape``."""
+    weight, kind = _INT4_LEAVES[leaf]
+    e, rows, d_out = var.shape  # rows: in/8 or in/G
+    projs = ("gate", "up") if weight == "gate_up_proj" else ("down",)
+    out = d_out // len(projs)
+    per = {}
+    for i in range(e):
+        for j, proj in enumerate(projs):
+            module = f"{name}.{i}.{proj}_proj"
+            per[f"{module}.weight_{kind}"] = (i, slice(None), slice(j * out, (j + 1) * out))
+            if kind == "packed":
+                parts[f"{module}.weight_shape"] = _Part(None, (2,), (), (0,), (), value=(out, rows * 8),
+                                                        file_dtype=np.int64)
+    dest = dests.setdefault(f"{name}.{leaf}", _Dest(var, set(per)))
+    for n, idx in per.items():
+        if kind == "zero_point":
+            parts[n] = _Part(dest, (-(-out // 8), rows), idx, (1, 0), (n,), file_dtype=np.int32,
+                             decode=lambda t, out=out: unpack_int4_np(t.T, out).T,
+                             encode=lambda v: np.ascontiguousarray(pack_int4(v.T).T))
+        else:
+            parts[n] = _Part(dest, (out, rows), idx, (1, 0), (n,), file_dtype=np.int32 if kind == "packed" else None)
 
 
 def _hf_parts(model: nnx.Module) -> dict[str, _Part]:
     """Every checkpoint tensor name the model reads, derived from its parameter paths."""
     parts: dict[str, _Part] = {}
+    dests: dict[str, _Dest] = {}
     for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Param):
             continue
         name, leaf = ".".join(map(str, path[:-1])), path[-1]
         shape = tuple(var.shape)
-        if leaf in ("gate_up_proj", "down_proj") and len(shape) == 3:  # stacked routed experts
+        if leaf in _INT4_LEAVES and len(shape) == 3:  # stacked INT4 routed experts
+            _int4_expert_parts(parts, name, leaf, var, dests)
+        elif leaf in ("gate_up_proj", "down_proj") and len(shape) == 3:  # stacked routed experts
             e, d_in, d_out = shape
             if leaf == "gate_up_proj":
                 half = d_out // 2
@@ -141,6 +196,42 @@ def _hf_parts(model: nnx.Module) -> dict[str, _Part]:
             n = f"{name}.{leaf}"
             parts[n] = _Part(_Dest(var, {n}), shape, (), tuple(range(len(shape))), (n,))
     return parts
+
+
+def _modules(model: nnx.Module) -> dict[str, str]:
+    """Every module name of ``model`` (HF naming) -> ``"expert"`` (a routed expert's projection),
+    ``"linear"`` (another torch ``Linear`` in HF's model) or ``"other"``: what compressed-tensors'
+    targets match."""
+    modules = {}
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param):
+            continue
+        name, leaf = ".".join(map(str, path[:-1])), path[-1]
+        if leaf in ("gate_up_proj", "down_proj") or leaf in _INT4_LEAVES:
+            projs = ("gate", "up") if leaf.startswith("gate_up_proj") else ("down",)
+            modules.update({f"{name}.{i}.{p}_proj": "expert" for i in range(var.shape[0]) for p in projs})
+        else:
+            modules[name] = "linear" if leaf == "kernel" else "other"
+    return modules
+
+
+def _int4_format(raw: dict[str, Any], model: nnx.Module, path: str) -> Int4Format | None:
+    """The INT4 format of the routed experts that config.json's compressed-tensors
+    ``quantization_config`` gives (None: no such config, or it quantizes nothing)."""
+    qc = raw.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    try:
+        fmt = int4_experts_format(qc, _modules(model))
+        if fmt is not None:
+            cfg = model.config
+            try:
+                fmt.check(cfg.hidden_size, cfg.moe_intermediate_size)
+            except ValueError as e:
+                raise QuantConfigError(f"quantization_config.config_groups.*.weights.group_size: {e}") from None
+    except QuantConfigError as e:
+        raise CheckpointError(f"{path}: config.json {e}") from None
+    return fmt
 
 
 def _dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -210,11 +301,17 @@ def _load_into(
             continue
         part = parts.get(name)
         if part is None:
-            raise CheckpointError(f"unexpected tensor {name!r} in {path}: the model has no such parameter")
+            raise CheckpointError(f"unexpected tensor {name!r} in {path}: {_why_unexpected(name, parts)}")
         dest = part.dest
+        tensor = read(name)
+        if dest is None:  # INT4 weight_shape: must describe the tensors the model expects
+            if tensor.shape != part.hf_shape or tuple(int(v) for v in tensor) != part.value:
+                raise CheckpointError(f"tensor {name!r} is {tensor.tolist()}, expected {list(part.value)}")
+            continue
         if not dest.pending.issuperset(part.covers):
             raise CheckpointError(f"tensor {name!r} supplies values already loaded (duplicate tensor?)")
-        tensor = read(name)
+        if part.file_dtype is not None and tensor.dtype != np.dtype(part.file_dtype):
+            raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, expected {np.dtype(part.file_dtype)}")
         if tensor.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
             scale_name = name + "_scale_inv"
             if scale_name not in files:
@@ -229,6 +326,8 @@ def _load_into(
             tensor = _dequantize_fp8(tensor, scale, fp8_block)
         if tuple(tensor.shape) != part.hf_shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {part.hf_shape}")
+        if part.decode is not None:
+            tensor = part.decode(tensor)
         value = np.transpose(tensor, part.axes).astype(dest.var.dtype)
         if dest.buffer is None and len(dest.pending) == len(part.covers):
             dest.buffer = value  # the whole parameter in one tensor
@@ -241,10 +340,21 @@ def _load_into(
             sharding = _sharding(dest.var, mesh, mesh_axes)
             dest.var.set_value(jax.device_put(dest.buffer, sharding) if sharding else jnp.asarray(dest.buffer))
             dest.buffer = None
-    missing = sorted({n for part in parts.values() for n in part.dest.pending})
+    missing = sorted({n for part in parts.values() if part.dest is not None for n in part.dest.pending})
     if missing:
         shown = ", ".join(repr(n) for n in missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise CheckpointError(f"{len(missing)} tensor(s) missing from {path}: {shown}")
+
+
+def _why_unexpected(name: str, parts: dict[str, _Part]) -> str:
+    module, _, tensor = name.rpartition(".")
+    if tensor == "weight" and f"{module}.weight_packed" in parts:
+        return ("config.json's quantization_config makes this module INT4 (weight_packed, weight_scale expected), "
+                "but the checkpoint holds a dense weight")
+    if tensor.startswith("weight_") and f"{module}.weight" in parts:
+        return (f"a quantized tensor ({tensor}) of a module that config.json's quantization_config leaves dense "
+                "(only routed experts can be INT4, with a compressed-tensors pack-quantized quantization_config)")
+    return "the model has no such parameter"
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -296,15 +406,21 @@ def load_target(
     or ``kimi_k2``).
 
     ``dtype``: ``"auto"`` (the checkpoint's own, see ``_resolve_dtype``) or a JAX dtype; router
-    weights stay float32. With ``mesh``, weights are placed with the shardings their logical
-    axes give under ``mesh_axes``. ``impl`` picks the model's kernels or references
-    (``ddtree_jax.backend``; ``"auto"``: the kernels on a GPU).
+    weights stay float32. A compressed-tensors ``quantization_config`` with INT4 routed experts
+    (the module docstring) gives a model whose experts stay packed (``experts_int4``; their scales
+    in ``dtype``); anything it names that is not supported raises ``CheckpointError``. With
+    ``mesh``, weights are placed with the shardings their logical axes give under ``mesh_axes``.
+    ``impl`` picks the model's kernels or references (``ddtree_jax.backend``; ``"auto"``: the
+    kernels on a GPU).
     """
     raw = _read_config(path)
     arch = lookup_architecture(raw, "target", path)
     cfg = arch.config_class.from_hf_dict(raw)
     dtype = _resolve_dtype(dtype, raw, path)
     model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    int4 = _int4_format(raw, model, path)
+    if int4 is not None:  # the same model with its routed experts packed
+        model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype, experts_int4=int4))
     mtp = re.compile(r"model\.layers\.(\d+)\.")
 
     def is_mtp(name):  # Multi-token-prediction layers follow the decoder layers; we do not run them.
@@ -347,21 +463,27 @@ def load_drafter(
 def save_checkpoint(model, path: str, *, max_shard_bytes: int | None = None) -> None:
     """Write ``model`` as an HF checkpoint directory: ``config.json`` + safetensors, per-expert
     names as published checkpoints use, sharded with ``model.safetensors.index.json`` when the
-    tensors exceed ``max_shard_bytes``. Arrays are written in their current dtype."""
+    tensors exceed ``max_shard_bytes``. Arrays are written in their current dtype; INT4 routed
+    experts (``experts_int4``) as compressed-tensors ``pack-quantized`` tensors with their
+    ``quantization_config``."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
     parts = _hf_parts(model)
     float_dtypes = {
-        np.dtype(p.dest.var.dtype) for p in parts.values() if jnp.issubdtype(p.dest.var.dtype, jnp.floating)
+        np.dtype(p.dest.var.dtype) for p in parts.values()
+        if p.dest is not None and jnp.issubdtype(p.dest.var.dtype, jnp.floating)
     }
     # The checkpoint's dtype (what ``dtype="auto"`` loads): the weights' dtype; router weights stay
     # float32 in a bfloat16 model, so a mix means the narrower one.
     main_dtype = min(float_dtypes, key=lambda d: d.itemsize) if float_dtypes else np.dtype(np.float32)
+    config = {**model.config.to_hf_dict(), "torch_dtype": main_dtype.name}
+    if getattr(model, "experts_int4", None) is not None:
+        config["quantization_config"] = int4_quantization_config(model.experts_int4)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**model.config.to_hf_dict(), "torch_dtype": main_dtype.name}, f, indent=2)
-    names = [n for n, part in parts.items() if len(part.covers) == 1]  # per-expert names, not fused aliases
-    sizes = {n: int(np.prod(parts[n].hf_shape)) * parts[n].dest.var.dtype.itemsize for n in names}
+        json.dump(config, f, indent=2)
+    names = [n for n, part in parts.items() if len(part.covers) <= 1]  # per-expert names, not fused aliases
+    sizes = {n: parts[n].nbytes() for n in names}
     groups: list[list[str]] = [[]]
     group_bytes = 0
     for n in names:
@@ -375,11 +497,13 @@ def save_checkpoint(model, path: str, *, max_shard_bytes: int | None = None) -> 
 
     def tensor(n):
         part = parts[n]
+        if part.dest is None:
+            return np.asarray(part.value, part.file_dtype)
         if id(part.dest) not in host:
             host.clear()
             host[id(part.dest)] = np.asarray(part.dest.var[...])
-        value = host[id(part.dest)][part.index]
-        return np.ascontiguousarray(np.transpose(value, np.argsort(part.axes)))
+        value = np.ascontiguousarray(np.transpose(host[id(part.dest)][part.index], np.argsort(part.axes)))
+        return value if part.encode is None else part.encode(value)
 
     if len(groups) == 1:
         save_file({n: tensor(n) for n in names}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

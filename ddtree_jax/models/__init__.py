@@ -3,6 +3,7 @@ interface the decode loop relies on, and the architecture registry."""
 
 from ddtree_jax.models.dflash import DFlashDrafter, DraftCache
 from ddtree_jax.models.dflash_config import DFlashConfig, default_target_layer_ids
+from ddtree_jax.models.int4 import Int4Format
 from ddtree_jax.models.interface import DraftModel, RowCache, TargetModel
 from ddtree_jax.models.kimi import KimiForCausalLM, KVCache
 from ddtree_jax.models.kimi_config import KimiConfig
@@ -16,6 +17,7 @@ __all__ = [
     "DFlashDrafter",
     "DraftCache",
     "DraftModel",
+    "Int4Format",
     "KVCache",
     "KimiConfig",
     "KimiForCausalLM",

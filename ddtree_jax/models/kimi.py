@@ -35,6 +35,7 @@ from ddtree_jax.models._layers import (
     normal_init,
     write_rows,
 )
+from ddtree_jax.models.int4 import Int4Format, PackedWeight, random_packed_weight
 from ddtree_jax.models.kimi_config import KimiConfig
 from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, AttentionMesh, latent_attention
 from ddtree_jax.models.moe import experts_reference, routed_experts
@@ -169,36 +170,67 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts, stacked: ``gate_up_proj [E, H, 2I]`` (gate then up), ``down_proj [E, I, H]``."""
+    """Routed experts, stacked: ``gate_up_proj [E, H, 2I]`` (gate then up), ``down_proj [E, I, H]``.
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+    With ``int4`` (an ``Int4Format``) they are stored packed instead (``ddtree_jax.models.int4``):
+    ``<name>_packed`` int32 ``[E, K/8, N]``, ``<name>_scale`` ``[E, K/G, N]`` in ``dtype`` and, for
+    an asymmetric format, ``<name>_zero_point`` int8 ``[E, K/G, N]``, for ``<name>`` in
+    ``gate_up_proj`` / ``down_proj``; each with the logical axes of the dense weight it stands for
+    (so they shard alike). No dense copy is kept: the kernel path dequantises in registers, the
+    plain-JAX paths per call."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype, int4: Int4Format | None = None):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nnx.Param(normal_init(rngs, (e, h, 2 * i), h, dtype), axes=("expert", None, "tensor"))
-        self.down_proj = nnx.Param(normal_init(rngs, (e, i, h), i, dtype), axes=("expert", "tensor", None))
+        self.num_experts = e
+        self.int4 = int4
+        shapes = {"gate_up_proj": ((e, h, 2 * i), ("expert", None, "tensor")),
+                  "down_proj": ((e, i, h), ("expert", "tensor", None))}
+        for name, (shape, axes) in shapes.items():
+            if int4 is None:
+                setattr(self, name, nnx.Param(normal_init(rngs, shape, shape[1], dtype), axes=axes))
+                continue
+            w = random_packed_weight(rngs, shape, int4, dtype)
+            setattr(self, f"{name}_packed", nnx.Param(w.packed, axes=axes))
+            setattr(self, f"{name}_scale", nnx.Param(w.scale, axes=axes))
+            if w.zero is not None:
+                setattr(self, f"{name}_zero_point", nnx.Param(w.zero, axes=axes))
         # (mesh, mesh axis) when the weights' expert dim is split over a mesh axis (``set_mesh``)
         self.expert_mesh = None
         # the kernel's ``MoEBlocks`` pinned by ``set_moe_blocks`` (None: chosen by the token count)
         self.blocks = None
+
+    def weights(self) -> tuple[jax.Array | PackedWeight, jax.Array | PackedWeight]:
+        """``(gate_up, down)``: dense arrays, or ``PackedWeight`` for INT4 experts."""
+        if self.int4 is None:
+            return self.gate_up_proj[...], self.down_proj[...]
+
+        def packed(name):
+            zero = getattr(self, f"{name}_zero_point", None)
+            return PackedWeight(getattr(self, f"{name}_packed")[...], getattr(self, f"{name}_scale")[...],
+                                None if zero is None else zero[...])
+
+        return packed("gate_up_proj"), packed("down_proj")
 
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend,
                  valid: jax.Array | None = None) -> jax.Array:
         """Grouped matmuls over token copies sorted by expert: the Pallas kernel where
         ``backend.kernels``, else ``jax.lax.ragged_dot``. ``x [N,H]``, ``weights/ids [N,k]``,
         ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output)."""
-        return routed_experts(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, backend=backend,
-                              valid=valid, expert_mesh=self.expert_mesh, blocks=self.blocks)
+        gate_up, down = self.weights()
+        return routed_experts(x, gate_up, down, weights, ids, backend=backend, valid=valid,
+                              expert_mesh=self.expert_mesh, blocks=self.blocks)
 
     def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Same result with every expert run densely on every token (the slow, obvious version)."""
-        return experts_reference(x, self.gate_up_proj[...], self.down_proj[...], weights, ids, valid)
+        return experts_reference(x, *self.weights(), weights, ids, valid)
 
 
 class MoE(nnx.Module):
     """Routed experts plus always-on shared experts (HF ``DeepseekV3MoE``)."""
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype, int4: Int4Format | None = None):
         self.gate = Router(cfg, rngs=rngs)
-        self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+        self.experts = Experts(cfg, rngs=rngs, dtype=dtype, int4=int4)
         self.shared_experts = GatedMLP(
             cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, dtype=dtype
         )
@@ -218,10 +250,10 @@ class MoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: KimiConfig, layer: int, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: KimiConfig, layer: int, *, rngs: nnx.Rngs, dtype, int4: Int4Format | None = None):
         self.self_attn = MLAttention(cfg, rngs=rngs, dtype=dtype)
         self.mlp = (
-            MoE(cfg, rngs=rngs, dtype=dtype)
+            MoE(cfg, rngs=rngs, dtype=dtype, int4=int4)
             if cfg.is_moe_layer(layer)
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype)
         )
@@ -249,9 +281,10 @@ class DecoderLayer(nnx.Module):
 
 
 class DeepseekV3Model(nnx.Module):
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype, int4: Int4Format | None = None):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, int4=int4)
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
 
@@ -261,12 +294,19 @@ class KimiForCausalLM(nnx.Module):
     ``dtype`` is the weights' and activations' dtype; norms, softmax and the router run in float32.
     ``impl`` picks the attention and expert implementations (``ddtree_jax.backend``: ``"auto"``
     runs the Pallas kernels on a GPU, the plain-JAX references elsewhere); ``set_impl`` changes it.
+    ``experts_int4`` (an ``Int4Format``): every MoE layer's routed experts are stored as packed
+    INT4 with group scales (``Experts``; random values here, a checkpoint's through
+    ``load_target``), everything else stays in ``dtype``.
     """
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, impl: str | Backend = "auto"):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, impl: str | Backend = "auto",
+                 experts_int4: Int4Format | None = None):
+        if experts_int4 is not None:
+            experts_int4.check(cfg.hidden_size, cfg.moe_intermediate_size)
         self.config = cfg
+        self.experts_int4 = experts_int4
         self.backend = resolve_backend(impl)
-        self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype)
+        self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype, int4=experts_int4)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
 
     def set_impl(self, impl: str | Backend) -> KimiForCausalLM:
@@ -288,7 +328,7 @@ class KimiForCausalLM(nnx.Module):
             if isinstance(layer.mlp, MoE):
                 experts = layer.mlp.experts
                 split = (mesh is not None and axis in mesh.axis_names
-                         and experts.gate_up_proj.shape[0] % mesh.shape[axis] == 0)
+                         and experts.num_experts % mesh.shape[axis] == 0)
                 experts.expert_mesh = (mesh, axis) if split else None
         return self
 

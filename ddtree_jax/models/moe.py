@@ -11,6 +11,12 @@ intermediate size; ``gate_up [E, H, 2I]`` (gate columns, then up), ``down [E, I,
 * ``experts_grouped_matmul``: ``pallas_kernels.triton.moe_grouped_matmul`` over the same sorted
   copies, then a fixed-order sum of each token's k outputs.
 
+INT4 experts (``gate_up`` and ``down`` given as ``ddtree_jax.models.int4.PackedWeight``): the
+kernel path runs ``moe_grouped_matmul_int4`` (dequantisation in registers); the two plain-JAX
+paths dequantise the layer's experts in plain JAX on every call (``int4.dequantize``: a transient
+dense copy of one layer's experts) and run as above. The kernel's reference is therefore the
+dense path on the dequantised weights.
+
 Tokens with ``valid == False`` (unused tree slots) route to no expert: their copies sort last, no
 path computes them, and their routed output is zero.
 """
@@ -27,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import silu_glu
+from ddtree_jax.models.int4 import PackedWeight, dequantize
 
 __all__ = [
     "ExpertRouting",
@@ -35,6 +42,7 @@ __all__ = [
     "experts_ragged_dot",
     "experts_reference",
     "route_tokens",
+    "dense_weights",
     "routed_experts",
 ]
 
@@ -105,8 +113,16 @@ def route_tokens(weights: jax.Array, ids: jax.Array, num_experts: int, *, valid:
     )
 
 
+def dense_weights(w, dtype):
+    """``w`` as a dense ``[E, K, N]`` array: a ``PackedWeight`` dequantised to ``dtype`` (plain JAX),
+    an array as it is."""
+    return dequantize(w, dtype) if isinstance(w, PackedWeight) else w
+
+
 def experts_reference(x, gate_up, down, weights, ids, valid=None) -> jax.Array:
-    """Every expert run densely on every token: ``x [N,H]``, ``weights/ids [N,k]`` -> ``[N,H]``."""
+    """Every expert run densely on every token: ``x [N,H]``, ``weights/ids [N,k]`` -> ``[N,H]``
+    (INT4 weights dequantised to x's dtype first)."""
+    gate_up, down = dense_weights(gate_up, x.dtype), dense_weights(down, x.dtype)
     n = x.shape[0]
     if valid is not None:
         weights = jnp.where(valid[:, None], weights, 0.0)
@@ -119,7 +135,8 @@ def experts_reference(x, gate_up, down, weights, ids, valid=None) -> jax.Array:
 def experts_ragged_dot(x, gate_up, down, routing: ExpertRouting) -> jax.Array:
     """``jax.lax.ragged_dot`` over the sorted copies, then each token's k rows summed in float32 in
     copy order (a gather, not a scatter-add: a GPU scatter-add adds with atomics in no fixed order,
-    so replicas of one computation could disagree)."""
+    so replicas of one computation could disagree). INT4 weights are dequantised to x's dtype first."""
+    gate_up, down = dense_weights(gate_up, x.dtype), dense_weights(down, x.dtype)
     n, k = routing.slot_row.shape
     token = routing.sorted_token[: n * k]
     gate_up_rows = jax.lax.ragged_dot(x[token], gate_up, routing.group_sizes)
@@ -141,14 +158,20 @@ def combine_copies(rows: jax.Array, routing: ExpertRouting, out_dtype) -> jax.Ar
 
 def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, interpret: bool = False,
                            out_dtype=None) -> jax.Array:
-    """The Pallas grouped-matmul kernel over the sorted copies, then each token's k rows summed
-    (in float32, in copy order; cast to ``out_dtype``, default x's)."""
-    from pallas_kernels.triton.moe_grouped_matmul import moe_grouped_matmul
+    """The Pallas grouped-matmul kernel over the sorted copies (``moe_grouped_matmul_int4`` for
+    ``PackedWeight`` experts), then each token's k rows summed (in float32, in copy order; cast to
+    ``out_dtype``, default x's)."""
+    from pallas_kernels.triton.moe_grouped_matmul import moe_grouped_matmul, moe_grouped_matmul_int4
 
-    y = moe_grouped_matmul(
-        x, gate_up, down, routing.sorted_token, routing.sorted_weight,
-        routing.tile_expert, routing.tile_start, routing.tile_end, blocks=blocks, interpret=interpret,
-    )
+    meta = (routing.sorted_token, routing.sorted_weight, routing.tile_expert, routing.tile_start, routing.tile_end)
+    if isinstance(gate_up, PackedWeight) != isinstance(down, PackedWeight):
+        raise ValueError("experts_grouped_matmul: gate_up and down must both be INT4 (PackedWeight) or both dense")
+    if isinstance(gate_up, PackedWeight):
+        y = moe_grouped_matmul_int4(x, gate_up.packed, gate_up.scale, down.packed, down.scale, *meta,
+                                    gate_up_zero=gate_up.zero, down_zero=down.zero, blocks=blocks,
+                                    interpret=interpret)
+    else:
+        y = moe_grouped_matmul(x, gate_up, down, *meta, blocks=blocks, interpret=interpret)
     return combine_copies(y, routing, out_dtype or x.dtype)
 
 
@@ -156,6 +179,7 @@ def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: j
                    backend: Backend, valid: jax.Array | None = None,
                    expert_mesh: tuple[Mesh, str] | None = None, blocks=None) -> jax.Array:
     """The routed experts' combined output ``[N, H]`` (``valid [N]`` bool or None: all valid).
+    ``gate_up`` / ``down``: dense arrays or INT4 ``PackedWeight`` (see the module docstring).
 
     ``expert_mesh = (mesh, axis)``: the weights' expert dim is sharded over ``axis`` of ``mesh``;
     the kernel path then runs ``experts_expert_parallel`` (the ragged_dot path leaves it to GSPMD,
@@ -190,7 +214,8 @@ def experts_expert_parallel(x, gate_up, down, weights, ids, valid, mesh: Mesh, a
     own ``E / devices`` experts on all (its data shard's) tokens, copies routed elsewhere count as
     invalid there, and one float32 ``psum`` over ``axis`` adds the partial outputs.
 
-    The weights enter the ``shard_map`` split over ``axis`` only: a weight also split over
+    The weights (each array of a ``PackedWeight`` alike) enter the ``shard_map`` split over
+    ``axis`` only: a weight also split over
     another axis (``tensor``) is gathered over it first, because ``gate_up``'s gate and up
     halves would land on different tensor shards (a limitation of the stacked layout).
     Tokens stay split over ``data`` when the mesh has it and it divides N; else replicated.

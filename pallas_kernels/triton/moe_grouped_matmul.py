@@ -38,6 +38,17 @@ per touched expert). The grid is static: ``min(E, R) + R // block_m`` row tiles 
 count ``sum_e ceil(count_e / block_m)``; programs past the real count exit at once. Nothing of
 size ``[E, R, ...]`` is materialised; the intermediates are ``h [R, I]`` and ``y [R, H]``.
 
+INT4 weights (``moe_grouped_matmul_int4``, W4A16): the same launches, grid and tiles; only the
+product of one K-chunk differs (``_chunk_cols`` / ``_chunk_weights``). Weights packed eight
+4-bit values to an int32 along the contraction dim (``[E, K/8, N]``; word row j of a chunk holds
+inputs ``k0 + 8j .. k0 + 8j + 7``, nibble p = input ``k0 + 8j + p``, offset 8) with one scale (and
+optionally a zero point) per group of G inputs (``[E, K/G, N]``). A chunk loads one
+``[block_k/8, bn]`` tile of words and one gathered row of scales per word row, dequantises nibble
+p in registers (``((w >> 4p) & 0xF) - 8 - zero) * scale`` in float32, rounded to x's dtype) and
+multiplies it with the x columns ``k0 + 8j + p`` (a stride-8 gather): eight dots of K =
+``block_k / 8`` per chunk, no interleaving of the unpacked values, and a memory layout that does
+not depend on the block sizes. ``block_k`` is at least 128 there (K >= 16 per dot on the GPU).
+
 Block sizes (``choose_blocks``): ``block_m`` follows the expected copies per expert
 (``R / E``): 16 (Triton's smallest MMA tile) for decode and tree verify, where a touched expert
 gets about one token and the pass is bound by reading the weights; up to 128 for prefill, where
@@ -56,11 +67,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["MoEBlocks", "choose_blocks", "max_row_tiles", "moe_grouped_matmul"]
+__all__ = ["MoEBlocks", "choose_blocks", "max_row_tiles", "moe_grouped_matmul", "moe_grouped_matmul_int4"]
 
 # float32 operands multiply in IEEE float32 (the Triton lowering's DEFAULT precision is tf32, about
 # 1e-3 relative); bf16 operands are unaffected (bf16 MMA, float32 accumulation).
 _IEEE = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+_INT4_OFFSET = 8  # a packed nibble u stands for the integer u - 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +119,40 @@ def _tile_rows(ts_ref, te_ref, t, bm):
     return start, end, rows < end
 
 
-def _gate_up_kernel(x_ref, w_ref, tok_ref, ex_ref, ts_ref, te_ref, h_ref, *, H, inter, bm, bn, bk):
+def _chunk_cols(k0, bk, group):
+    """The input columns of one K-chunk, one index vector per dot: the ``bk`` columns in order
+    (dense weights), or for packed weights eight vectors: nibble p's inputs ``k0 + 8j + p``."""
+    if group is None:
+        return [k0 + jnp.arange(bk, dtype=jnp.int32)]
+    first = k0 + 8 * jnp.arange(bk // 8, dtype=jnp.int32)
+    return [first + p for p in range(8)]
+
+
+def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype):
+    """The weight tiles that go with ``_chunk_cols``: the dense ``[bk, bn]`` slab of expert e, or
+    eight ``[bk/8, bn]`` tiles dequantised in registers from one ``[bk/8, bn]`` tile of words
+    (``(nibble_p - 8 - zero) * scale`` in float32, rounded to ``dtype``). Every input of word row j
+    lies in group ``(k0 + 8j) // group`` (group sizes are multiples of 8), so one gathered row of
+    scales (and zero points) serves all eight nibbles of that row."""
+    if group is None:
+        (w_ref,) = w_refs
+        return [w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]]
+    packed_ref, scale_ref, *zero_ref = w_refs
+    words = bk // 8
+    wp = packed_ref[e, pl.ds(pl.multiple_of(k0 // 8, words), words), pl.ds(n0, bn)]
+    rows = e * (K // group) + (k0 + 8 * jnp.arange(words, dtype=jnp.int32)) // group  # [E*K/G, N] rows
+    cols = n0 + jnp.arange(bn, dtype=jnp.int32)
+    scale = plgpu.load(scale_ref.at[rows[:, None], cols[None, :]]).astype(jnp.float32)
+    offset = _INT4_OFFSET
+    if zero_ref:
+        offset = offset + plgpu.load(zero_ref[0].at[rows[:, None], cols[None, :]]).astype(jnp.int32)
+    # int32 >> is arithmetic (the top nibble comes sign-extended); the mask keeps its 4 bits
+    return [(((jnp.right_shift(wp, 4 * p) & 0xF) - offset).astype(jnp.float32) * scale).astype(dtype)
+            for p in range(8)]
+
+
+def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group):
+    w_refs, (tok_ref, ex_ref, ts_ref, te_ref, h_ref) = refs[:nw], refs[nw:]
     t = pl.program_id(0)
     j = pl.program_id(1)
     start, end, live = _tile_rows(ts_ref, te_ref, t, bm)
@@ -117,17 +162,16 @@ def _gate_up_kernel(x_ref, w_ref, tok_ref, ex_ref, ts_ref, te_ref, h_ref, *, H, 
         e = ex_ref[t]
         tok = plgpu.load(tok_ref.at[pl.ds(start, bm)], mask=live, other=0)
         n0 = j * bn
+        tiles = functools.partial(_chunk_weights, w_refs, e, K=H, bk=bk, bn=bn, group=group, dtype=x_ref.dtype)
 
         def body(kk, acc):
             g, u = acc
             k0 = pl.multiple_of(kk * bk, bk)
-            cols = k0 + jnp.arange(bk, dtype=jnp.int32)
-            # a row gather: two index arrays (interpret mode cannot mix an index array and a slice)
-            xb = plgpu.load(x_ref.at[tok[:, None], cols[None, :]], mask=live[:, None], other=0)
-            wg = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
-            wu = w_ref[e, pl.ds(k0, bk), pl.ds(inter + n0, bn)]
-            g = g + jnp.dot(xb, wg, preferred_element_type=jnp.float32, precision=_IEEE)
-            u = u + jnp.dot(xb, wu, preferred_element_type=jnp.float32, precision=_IEEE)
+            for cols, wg, wu in zip(_chunk_cols(k0, bk, group), tiles(k0, n0), tiles(k0, inter + n0), strict=True):
+                # a row gather: two index arrays (interpret mode cannot mix an index array and a slice)
+                xb = plgpu.load(x_ref.at[tok[:, None], cols[None, :]], mask=live[:, None], other=0)
+                g = g + jnp.dot(xb, wg, preferred_element_type=jnp.float32, precision=_IEEE)
+                u = u + jnp.dot(xb, wu, preferred_element_type=jnp.float32, precision=_IEEE)
             return g, u
 
         zero = jnp.zeros((bm, bn), jnp.float32)
@@ -136,7 +180,8 @@ def _gate_up_kernel(x_ref, w_ref, tok_ref, ex_ref, ts_ref, te_ref, h_ref, *, H, 
         plgpu.store(h_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], h.astype(h_ref.dtype), mask=live[:, None])
 
 
-def _down_kernel(h_ref, w_ref, wt_ref, ex_ref, ts_ref, te_ref, y_ref, *, inter, bm, bn, bk):
+def _down_kernel(h_ref, *refs, nw, inter, bm, bn, bk, group):
+    w_refs, (wt_ref, ex_ref, ts_ref, te_ref, y_ref) = refs[:nw], refs[nw:]
     t = pl.program_id(0)
     j = pl.program_id(1)
     start, end, live = _tile_rows(ts_ref, te_ref, t, bm)
@@ -145,16 +190,60 @@ def _down_kernel(h_ref, w_ref, wt_ref, ex_ref, ts_ref, te_ref, y_ref, *, inter, 
     def _():
         e = ex_ref[t]
         n0 = j * bn
+        rows = start + jnp.arange(bm, dtype=jnp.int32)
 
         def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            hb = plgpu.load(h_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], mask=live[:, None], other=0)
-            wd = w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]
-            return acc + jnp.dot(hb, wd, preferred_element_type=jnp.float32, precision=_IEEE)
+            tiles = _chunk_weights(w_refs, e, k0, n0, K=inter, bk=bk, bn=bn, group=group, dtype=h_ref.dtype)
+            for cols, wd in zip(_chunk_cols(k0, bk, group), tiles, strict=True):
+                if group is None:  # a contiguous block of h
+                    hb = plgpu.load(h_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], mask=live[:, None], other=0)
+                else:  # every 8th column of h
+                    hb = plgpu.load(h_ref.at[rows[:, None], cols[None, :]], mask=live[:, None], other=0)
+                acc = acc + jnp.dot(hb, wd, preferred_element_type=jnp.float32, precision=_IEEE)
+            return acc
 
         acc = jax.lax.fori_loop(0, inter // bk, body, jnp.zeros((bm, bn), jnp.float32))
         wt = plgpu.load(wt_ref.at[pl.ds(start, bm)], mask=live, other=0.0)
         plgpu.store(y_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], acc * wt[:, None], mask=live[:, None])
+
+
+def _launch(x, gate_up_refs, down_refs, sorted_token, sorted_weight, meta, *, inter, groups, blocks, interpret,
+            min_block_k=16):
+    """Both launches; ``*_refs``: the dense weight, or (packed words, scales as ``[E*K/G, N]``[,
+    zero points likewise]) with ``groups`` their group sizes (None: dense)."""
+    (R,) = sorted_token.shape
+    (T,) = meta[0].shape
+    H = x.shape[1]
+    bm = blocks.block_m
+    bn1, bn2 = _block(inter, blocks.block_n_gate_up), _block(H, blocks.block_n_down)
+    bk1, bk2 = _block(H, max(blocks.block_k, min_block_k)), _block(inter, max(blocks.block_k, min_block_k))
+    if not interpret and min(bk1, bk2) < min_block_k:
+        raise ValueError(f"moe_grouped_matmul: hidden ({H}) and intermediate ({inter}) sizes must be multiples of "
+                         f"{min_block_k} on the GPU")
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, nw=len(gate_up_refs), H=H, inter=inter, bm=bm, bn=bn1, bk=bk1,
+                          group=groups[0]),
+        grid=(T, inter // bn1),
+        in_specs=[any_spec] * (5 + len(gate_up_refs)),
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((R, inter), x.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="ddtree_moe_gate_up" if groups[0] is None else "ddtree_moe_gate_up_int4",
+    )(x, *gate_up_refs, sorted_token.astype(jnp.int32), *meta)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, nw=len(down_refs), inter=inter, bm=bm, bn=bn2, bk=bk2, group=groups[1]),
+        grid=(T, H // bn2),
+        in_specs=[any_spec] * (5 + len(down_refs)),
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((R, H), jnp.float32),
+        compiler_params=params,
+        interpret=interpret,
+        name="ddtree_moe_down" if groups[1] is None else "ddtree_moe_down_int4",
+    )(h, *down_refs, sorted_weight.astype(jnp.float32), *meta)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -194,30 +283,63 @@ def moe_grouped_matmul(
         raise ValueError(f"moe_grouped_matmul: hidden ({H}) and intermediate ({inter}) sizes must be multiples of 16")
     if gate_up.shape != (E, H, 2 * inter) or down.shape != (E, inter, H):
         raise ValueError(f"moe_grouped_matmul: gate_up {gate_up.shape} / down {down.shape} do not match x {x.shape}")
-    bm = blocks.block_m
-    bn1, bn2 = _block(inter, blocks.block_n_gate_up), _block(H, blocks.block_n_down)
-    bk1, bk2 = _block(H, blocks.block_k), _block(inter, blocks.block_k)
-    i32 = jnp.int32
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    meta = (tile_expert.astype(i32), tile_start.astype(i32), tile_end.astype(i32))
-    h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, H=H, inter=inter, bm=bm, bn=bn1, bk=bk1),
-        grid=(T, inter // bn1),
-        in_specs=[any_spec] * 6,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((R, inter), x.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="ddtree_moe_gate_up",
-    )(x, gate_up, sorted_token.astype(i32), *meta)
-    return pl.pallas_call(
-        functools.partial(_down_kernel, inter=inter, bm=bm, bn=bn2, bk=bk2),
-        grid=(T, H // bn2),
-        in_specs=[any_spec] * 6,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((R, H), jnp.float32),
-        compiler_params=params,
-        interpret=interpret,
-        name="ddtree_moe_down",
-    )(h, down, sorted_weight.astype(jnp.float32), *meta)
+    meta = (tile_expert.astype(jnp.int32), tile_start.astype(jnp.int32), tile_end.astype(jnp.int32))
+    return _launch(x, (gate_up,), (down,), sorted_token, sorted_weight, meta, inter=inter, groups=(None, None),
+                   blocks=blocks, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def moe_grouped_matmul_int4(
+    x: jax.Array,
+    gate_up_packed: jax.Array,
+    gate_up_scale: jax.Array,
+    down_packed: jax.Array,
+    down_scale: jax.Array,
+    sorted_token: jax.Array,
+    sorted_weight: jax.Array,
+    tile_expert: jax.Array,
+    tile_start: jax.Array,
+    tile_end: jax.Array,
+    *,
+    gate_up_zero: jax.Array | None = None,
+    down_zero: jax.Array | None = None,
+    blocks: MoEBlocks,
+    interpret: bool = False,
+) -> jax.Array:
+    """``moe_grouped_matmul`` with INT4 weights dequantised in registers (W4A16): the same
+    routing arguments, result and rows; the weights packed along their contraction dim.
+
+    Args:
+      gate_up_packed: int32 ``[E, H/8, 2I]``: word ``[e, j, n]`` holds inputs ``8j .. 8j+7`` of
+        column n, input ``8j + p`` in bits ``4p .. 4p+3`` as the unsigned nibble ``q + 8``;
+        ``down_packed``: int32 ``[E, I/8, H]`` likewise.
+      gate_up_scale: ``[E, H/G, 2I]``, one scale per group of G inputs (G a multiple of 8 that
+        divides H); ``down_scale``: ``[E, I/G', H]``. Any float dtype (used in float32).
+      gate_up_zero, down_zero: int8 zero points shaped like the scales, or None (symmetric).
+      The weight is ``((q - zero) * scale)`` rounded to x's dtype, then multiplied as in
+      ``moe_grouped_matmul``. Each K-chunk of ``block_k`` (at least 128) inputs is eight dots of
+      K = ``block_k / 8`` (nibble p against the x columns ``8j + p``): on the GPU H and I must be
+      multiples of 128, so that each dot has K >= 16.
+    """
+    N, H = x.shape
+    E, inter = down_packed.shape[0], 8 * down_packed.shape[1]
+    if gate_up_packed.shape != (E, H // 8, 2 * inter) or down_packed.shape != (E, inter // 8, H) or H % 16 \
+            or inter % 16:
+        raise ValueError(f"moe_grouped_matmul_int4: packed gate_up {gate_up_packed.shape} / down {down_packed.shape} "
+                         f"do not match x {x.shape}")
+    groups = []
+    flat = []
+    for name, scale, zero, k, n in (("gate_up", gate_up_scale, gate_up_zero, H, 2 * inter),
+                                    ("down", down_scale, down_zero, inter, H)):
+        if scale.ndim != 3 or scale.shape[0] != E or scale.shape[2] != n or k % scale.shape[1] or (
+                k // scale.shape[1]) % 8:
+            raise ValueError(f"moe_grouped_matmul_int4: {name} scales {scale.shape} do not fit [{E}, {k}/G, {n}] "
+                             f"with G a multiple of 8")
+        if zero is not None and zero.shape != scale.shape:
+            raise ValueError(f"moe_grouped_matmul_int4: {name} zero points {zero.shape} differ from its scales "
+                             f"{scale.shape}")
+        groups.append(k // scale.shape[1])
+        flat.append((scale.reshape(-1, n),) + (() if zero is None else (zero.reshape(-1, n),)))
+    meta = (tile_expert.astype(jnp.int32), tile_start.astype(jnp.int32), tile_end.astype(jnp.int32))
+    return _launch(x, (gate_up_packed, *flat[0]), (down_packed, *flat[1]), sorted_token, sorted_weight, meta,
+                   inter=inter, groups=tuple(groups), blocks=blocks, interpret=interpret, min_block_k=128)
