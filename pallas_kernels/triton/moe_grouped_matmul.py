@@ -112,11 +112,18 @@ def _block(dim: int, want: int) -> int:
     return b
 
 
-def _tile_rows(ts_ref, te_ref, t, bm):
-    start = ts_ref[t]
-    end = te_ref[t]
+def _on_live_tile(ex_ref, ts_ref, te_ref, *, bm, bn, body):
+    """The common prologue of both kernels: program (t, j) runs ``body(e, start, rows, live, n0)``
+    for row tile t (expert ``e``, sorted rows ``rows = start + [0, bm)``, ``live`` those inside the
+    tile) and output columns ``[n0, n0 + bn)``, ``n0 = j * bn``; programs past the real tiles exit."""
+    t = pl.program_id(0)
+    n0 = pl.program_id(1) * bn  # read outside pl.when: interpret mode has no program_id inside a branch
+    start, end = ts_ref[t], te_ref[t]
     rows = start + jnp.arange(bm, dtype=jnp.int32)
-    return start, end, rows < end
+
+    @pl.when(start < end)
+    def _():
+        body(ex_ref[t], start, rows, rows < end, n0)
 
 
 def _chunk_cols(k0, bk, group):
@@ -153,15 +160,9 @@ def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype):
 
 def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group):
     w_refs, (tok_ref, ex_ref, ts_ref, te_ref, h_ref) = refs[:nw], refs[nw:]
-    t = pl.program_id(0)
-    j = pl.program_id(1)
-    start, end, live = _tile_rows(ts_ref, te_ref, t, bm)
 
-    @pl.when(start < end)
-    def _():
-        e = ex_ref[t]
+    def tile(e, start, rows, live, n0):
         tok = plgpu.load(tok_ref.at[pl.ds(start, bm)], mask=live, other=0)
-        n0 = j * bn
         tiles = functools.partial(_chunk_weights, w_refs, e, K=H, bk=bk, bn=bn, group=group, dtype=x_ref.dtype)
 
         def body(kk, acc):
@@ -179,19 +180,13 @@ def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group):
         h = g / (1.0 + jnp.exp(-g)) * u
         plgpu.store(h_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], h.astype(h_ref.dtype), mask=live[:, None])
 
+    _on_live_tile(ex_ref, ts_ref, te_ref, bm=bm, bn=bn, body=tile)
+
 
 def _down_kernel(h_ref, *refs, nw, inter, bm, bn, bk, group):
     w_refs, (wt_ref, ex_ref, ts_ref, te_ref, y_ref) = refs[:nw], refs[nw:]
-    t = pl.program_id(0)
-    j = pl.program_id(1)
-    start, end, live = _tile_rows(ts_ref, te_ref, t, bm)
 
-    @pl.when(start < end)
-    def _():
-        e = ex_ref[t]
-        n0 = j * bn
-        rows = start + jnp.arange(bm, dtype=jnp.int32)
-
+    def tile(e, start, rows, live, n0):
         def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
             tiles = _chunk_weights(w_refs, e, k0, n0, K=inter, bk=bk, bn=bn, group=group, dtype=h_ref.dtype)
@@ -206,6 +201,8 @@ def _down_kernel(h_ref, *refs, nw, inter, bm, bn, bk, group):
         acc = jax.lax.fori_loop(0, inter // bk, body, jnp.zeros((bm, bn), jnp.float32))
         wt = plgpu.load(wt_ref.at[pl.ds(start, bm)], mask=live, other=0.0)
         plgpu.store(y_ref.at[pl.ds(start, bm), pl.ds(n0, bn)], acc * wt[:, None], mask=live[:, None])
+
+    _on_live_tile(ex_ref, ts_ref, te_ref, bm=bm, bn=bn, body=tile)
 
 
 def _launch(x, gate_up_refs, down_refs, sorted_token, sorted_weight, meta, *, inter, groups, blocks, interpret,
