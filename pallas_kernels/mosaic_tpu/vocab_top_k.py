@@ -8,7 +8,8 @@ for each row of ``logits [..., V]`` (bf16 or f32) the ``k`` largest log-probabil
 with a NaN, a +inf or only -inf have an all-NaN log-softmax: their values are NaN and their
 indices ``0 .. k-1``. Requires ``1 <= k <= V``.
 
-``lse`` (where the normaliser comes from), both modes ported, as they cost the same here as there:
+``lse`` (where the normaliser comes from): both modes are ported, for the same reasons as there:
+``"xla"`` is bit-exact, ``"kernel"`` saves XLA's read of the logits (one of three here).
 
 * ``"xla"`` (the tree's mode): ``log(sum(exp(x - m)))`` by XLA between the launches with the
   kernel's exact row max, ``jax.nn.log_softmax``'s operations (``pallas_kernels._shared``), so the
@@ -31,38 +32,38 @@ is G lane-dense ``(block_rows, 128)`` vreg columns. A *chunk* is one lane of one
 per-chunk arrays are ``(tiles, rows, 128)``: the tile on the leading axis, so a kernel indexes it
 dynamically (a leading index) and never slices lanes at a dynamic offset.
 
-Algorithm (three launches; the first and the third stream the row):
+Algorithm (two launches, each streaming the row once through VMEM, grid ``(row blocks, tiles)``):
 
-1. stats, grid ``(row blocks, tiles)``: the maximum of every chunk (G - 1 elementwise maxima of
-   vreg columns per tile: no cross-lane work) and, fused lse, its sum of exp.
-2. select, grid ``(row blocks,)``: ``m`` (the max of the chunk maxima), ``lse``; the chunk maxima
-   become log-probabilities (``x -> (x - m) - lse`` is non-decreasing, so a chunk's max z is z of
-   its max x); the K-th largest chunk key ``T0`` by bisection over order-preserving int32 keys
-   (32 count reductions over the ``V / G`` maxima, no sort). The chosen chunks: every chunk with
-   key ``> T0`` (fewer than K), and the chunks with key ``== T0`` in the tiles up to ``t*``, the
-   first tile at which there are enough of them (K minus the first count; another bisection).
-   They hold the top-K set: a top-K value above T0 lies in a chunk above T0; if the K-th value is
-   T0 the kept T0-values are the lowest-index ones, and a T0-value in a later tile has at least
-   that many T0-values before it (one in each T0-chunk of the tiles up to ``t*``). Tiles, not
-   chunks, break the ties because a tile's chunks interleave by column (the Triton version's
-   contiguous chunks can be ordered by column, these cannot without z, which stats cannot compute
-   before ``lse``). So at most ``K + 127`` chunks, ``K`` plus one tile's chunks; exact with ties,
-   no fallback.
-3. gather, grid ``(row blocks, tiles)``, the tile axis a reduction: the chosen chunks of each
-   tile move into a per-row-block VMEM buffer of ``K + 127`` chunk slots, in chunk order. A tile's
-   chosen lanes get consecutive slots after the ones before (an inclusive lane prefix count: 7
-   rotate-and-add steps, ``pltpu.roll``); each slot finds its source lane by halving over that
-   count (7 steps, each a lane gather ``take_along_axis``, Mosaic's ``tpu.dynamic_gather`` within
-   a vreg), and the G vreg columns are gathered with that lane map. Only the slot windows the
-   block's rows reach in this tile are visited. Row blocks skip the tiles where none of their rows
-   chose a chunk: the list of tiles to fetch is scalar-prefetched into SMEM and read by the index
-   map (a skipped step repeats the last tile, so nothing is copied; at the target's size every tile
-   is needed, at small K many are not). At the last tile, on the ``G (K + 127)`` candidates in
-   VMEM: the exact K-th key T (bisection, 32 counts), the index cut among values equal to T (a
-   bisection over column indices: the lowest-index ones, ``lax.top_k``'s tie rule), the K kept
-   compacted by the same prefix-count-and-gather step, and the output order by counting: each
-   kept pair's rank is the number of kept pairs before it (larger value, or equal value and lower
-   index), placed with a one-hot select (K steps over K lanes).
+1. stats: the maximum of every chunk (G - 1 elementwise maxima of vreg columns per tile: no
+   cross-lane work) and, fused lse, its sum of exp. Both grid axes parallel.
+2. top-k, the tile axis a reduction; per row block:
+
+   * at the first tile, select: ``m`` (the max of the chunk maxima) and ``lse``; the chunk maxima
+     become log-probabilities (``x -> (x - m) - lse`` is non-decreasing, so a chunk's max z is z
+     of its max x); the K-th largest chunk key ``T0`` by bisection over order-preserving int32
+     keys (32 count reductions over the ``V / G`` maxima, no sort). The chosen chunks: every chunk
+     with key ``> T0`` (fewer than K), and the chunks with key ``== T0`` in the tiles up to ``t*``,
+     the first tile by which there are enough of them (K minus the first count; a bisection over
+     tiles). They hold the top-K set: a top-K value above T0 lies in a chunk above T0; if the K-th
+     value is T0 the kept T0-values are the lowest-index ones, and a T0-value in a later tile has
+     at least that many T0-values before it (one in each T0-chunk of the tiles up to ``t*``).
+     Tiles, not chunks, break the ties because a tile's chunks interleave by column (the Triton
+     version's contiguous chunks can be ordered by column; these could only be ordered by the
+     column of their first T0-value, which needs z, which the stats pass cannot compute before
+     ``lse``). So at most ``K + 127`` chunks (``K`` plus one tile's); exact with ties, no fallback.
+   * every tile: the chosen chunks move into a VMEM buffer of ``K + 127`` chunk slots, in chunk
+     order. The tile's chosen lanes get consecutive slots after the ones before (an inclusive
+     lane prefix count: 7 rotate-and-add steps, ``pltpu.roll``); each slot finds its source lane
+     by halving over that count (7 steps, each a lane gather ``take_along_axis``, Mosaic's
+     ``tpu.dynamic_gather`` within a vreg), and all G vreg columns are gathered with that lane
+     map at once. Only the slot windows the block's rows reach in this tile are visited, and a
+     tile none of the block's rows chose a chunk from is not computed on.
+   * at the last tile, on the ``G (K + 127)`` candidates in VMEM: the exact K-th key T (bisection,
+     32 counts), the column cut among values equal to T (a bisection over columns: the
+     lowest-index ones, ``lax.top_k``'s tie rule), the K kept pairs compacted by the same
+     prefix-count-and-gather step, and the order by counting: each kept pair's rank is the number
+     of kept pairs before it (larger value, or equal value and lower column), placed with a
+     one-hot select (K steps over K lanes).
 
 What differs from the Triton version and why (TPU):
 
@@ -70,22 +71,26 @@ What differs from the Triton version and why (TPU):
   elementwise maxima of vreg columns; contiguous chunks would need segmented cross-lane
   reductions. Their column ranges interleave, hence the tie rule by tile above and up to 127
   more chunk slots than K.
-* A second streaming pass instead of gathering K chunks of 32 from L2: Mosaic gathers only within
+* A second streaming read instead of gathering K chunks of 32 from L2: Mosaic gathers only within
   a vreg (``take_along_axis`` along lanes or sublanes), and a DMA per strided chunk would be 32
-  single-element copies. The gather pass reads each tile once per row block (minus the skipped
-  tiles), moves the chosen lanes with in-vreg gathers and keeps the candidates in VMEM, so the
-  selection, compaction and ordering of step 3 never go back to HBM.
+  single-element copies. The second launch reads each tile once per row block, moves the chosen
+  lanes with in-vreg gathers and keeps the candidates in VMEM, so the selection, compaction and
+  ordering never go back to HBM.
 * No cumsum or scatter (Mosaic has neither): stable compaction is an inclusive prefix count by
   ``pltpu.roll`` and an inverse map by halving with lane gathers; the final placement is a one-hot
   select per kept pair.
-* Per-row values (``m``, ``lse``, a bad-row flag) travel packed, one column each, in one
-  ``(block_rows, 128)`` VMEM block, as in the sampler: vector code needs them as ``(rows, 1)``
-  columns. Scalar prefetch carries what the index maps need: each row block's tiles to fetch.
+* No scalar prefetch. The per-row values (``m``, ``lse``, a bad-row flag) are vector operands
+  (``(rows, 1)`` columns of a packed ``(block_rows, 128)`` block, as in the sampler), and no index
+  map depends on data: a scalar-prefetched list of the tiles a row block needs would let the
+  second read skip tiles, but it needs the selection finished in a launch of its own, and it
+  would rarely skip anything: a row block's 16 rows choose 16 K chunks spread over the tiles (at
+  K = 8 and 163,840 columns, 128 chunks over 40 tiles miss a given tile with probability ~4%).
+  The selection runs at the first step of the second launch instead.
 
-Reads at the target's size (B*L = 240 rows x 163,840 bf16 = 78 MB): stats 1, gather 1 (nearly every
-tile is needed at K = 256), plus XLA's 1 for ``lse="xla"``; the Triton version reads 1 plus 5% (and
-XLA's 1). Everything else works on the ``V / 32`` chunk maxima and the ``32 (K + 127)`` candidates
-of a row block in VMEM.
+Reads at the target's size (B*L = 240 rows x 163,840 bf16 = 78 MB): the row twice (stats, top-k),
+plus XLA's read for ``lse="xla"``; the Triton version reads it once plus 5% (plus XLA's).
+Everything else works on the ``V / 32`` chunk maxima and the ``32 (K + 127)`` candidates of a row
+block in VMEM (VMEM need grows with K: past ~12 MiB the scoped limit is raised).
 """
 
 from __future__ import annotations
@@ -149,11 +154,6 @@ def _source_lane(P, r):
     return jax.lax.fori_loop(0, 7, step, (jnp.full(r.shape, -1, jnp.int32), jnp.full(r.shape, LANES - 1, jnp.int32)))[1]
 
 
-def _c(ref, j):
-    """Column j of a packed ``(rows, 128)`` block -> ``(rows, 1)``."""
-    return ref[:, j : j + 1]
-
-
 def _packed(cols, n_rows):
     """List of ``(rows, 1)`` values -> ``(rows, 128)`` float32 (column j = cols[j])."""
     lane = _lane_iota((n_rows, LANES))
@@ -169,7 +169,8 @@ def _packed(cols, n_rows):
 def _stats_kernel(x_ref, cm_ref, *cs_ref, G):
     """Chunk maxima of one ``(rows, tile)`` block (and, fused lse, the chunks' sums of
     ``exp(x - chunk max)``), ``(rows, 128)`` each."""
-    cols = [x_ref[:, j * LANES : (j + 1) * LANES].astype(jnp.float32) for j in range(G)]
+    x = x_ref[...].astype(jnp.float32)
+    cols = [x[:, j * LANES : (j + 1) * LANES] for j in range(G)]
     mx = cols[0]
     for c in cols[1:]:
         mx = jnp.maximum(mx, c)
@@ -183,18 +184,19 @@ def _stats_kernel(x_ref, cm_ref, *cs_ref, G):
         cs_ref[0][...] = s
 
 
-# ----------------------------------------------------------------------------- 2: select
+# ----------------------------------------------------------------------------- 2: top-k (select at its first step)
 
 
-def _select_kernel(cm_ref, aux_ref, prm_ref, sel_ref, *, K, V, tile, nt, fused, select_all):
-    """aux: the chunk sums (fused) or a packed block with lse in column 0. prm out: [m, lse, bad];
-    sel out: 1 for the chosen chunks (none for a bad row)."""
-    cm = cm_ref[...]  # (nt, rows, 128)
+def _select(cm, aux, *, K, V, tile, fused, select_all):
+    """From a row block's chunk maxima ``cm (nt, rows, 128)`` and ``aux`` (the chunk sums when
+    fused, else a packed block with lse in column 0): the chosen chunks ``(nt, rows, 128)`` i32
+    (1 = chosen; none for a bad row) and the packed ``[m, lse, bad]``."""
+    nt = cm.shape[0]
     m = jnp.max(jnp.max(cm, axis=0), axis=1, keepdims=True)  # (rows, 1)
     if fused:
-        lse = jnp.log(jnp.sum(jnp.sum(aux_ref[...] * jnp.exp(cm - m), axis=0), axis=1, keepdims=True))
+        lse = jnp.log(jnp.sum(jnp.sum(aux * jnp.exp(cm - m), axis=0), axis=1, keepdims=True))
     else:
-        lse = _c(aux_ref, 0)
+        lse = aux[:, 0:1]
     bad = (lse != lse) | (m == jnp.inf) | (m == -jnp.inf)  # NaN, +inf, or all -inf: an all-NaN row
     tix = jax.lax.broadcasted_iota(jnp.int32, cm.shape, 0)
     real = tix * tile + _lane_iota(cm.shape) < V
@@ -209,11 +211,7 @@ def _select_kernel(cm_ref, aux_ref, prm_ref, sel_ref, *, K, V, tile, nt, fused, 
         t_star = _bisect(lambda w: _count(eq & (tix <= w)) >= q, jnp.full(rows, -1), jnp.full(rows, nt - 1),
                          int(nt).bit_length())
         sel = (ck > T0) | (eq & (tix <= t_star))
-    sel_ref[...] = (sel & ~bad).astype(jnp.int32)
-    prm_ref[...] = _packed([m, lse, bad], cm.shape[1])
-
-
-# ----------------------------------------------------------------------------- 3: gather, then the top-K
+    return (sel & ~bad).astype(jnp.int32), _packed([m, lse, bad], cm.shape[1])
 
 
 def _compact_into(P, s, off, n_windows, move, carry):
@@ -234,33 +232,40 @@ def _compact_into(P, s, off, n_windows, move, carry):
     return jax.lax.fori_loop(w_lo, w_hi + 1, body, carry)
 
 
-def _gather_kernel(fetch_ref, need_ref, x_ref, sel_ref, prm_ref, val_ref, idx_ref, cx_ref, cc_ref, ck_ref, off_ref,
-                   *, K, V, Vp, tile, G, nt, Kw, Kwo):
-    """cx / cc: candidate values (x as f32) and columns, window ``j * Kw + w`` = vreg column j of
-    slot window w (columns < 0: empty slot); ck: their keys; off: slots filled so far."""
-    del fetch_ref  # (read by the index maps)
-    rb, t = pl.program_id(0), pl.program_id(1)
+def _topk_kernel(x_ref, cm_ref, aux_ref, val_ref, idx_ref, prm_ref, sel_ref, cx_ref, cc_ref, ck_ref, off_ref,
+                 *, K, V, Vp, tile, G, nt, Kw, Kwo, fused, select_all):
+    """Outputs: values, indices, packed [m, lse, bad] (written at the first step). Scratch: sel,
+    the chosen chunks; cx / cc, candidate values (x as f32) and columns, window ``w * G + j`` = vreg
+    column j of slot window w (columns < 0: empty slot); ck, their keys; off, slots filled so far."""
+    t = pl.program_id(1)
     rows = x_ref.shape[0]
 
     @pl.when(t == 0)
     def _():
+        sel_ref[...], prm_ref[...] = _select(cm_ref[...], aux_ref[...], K=K, V=V, tile=tile, fused=fused,
+                                             select_all=select_all)
         cx_ref[...] = jnp.full(cx_ref.shape, -jnp.inf, jnp.float32)
         cc_ref[...] = jnp.full(cc_ref.shape, -1, jnp.int32)
         off_ref[...] = jnp.zeros(off_ref.shape, jnp.int32)
 
-    @pl.when(need_ref[rb * nt + t] != 0)
+    S = sel_ref[t]
+
+    @pl.when(jnp.max(S) > 0)  # some row of the block chose a chunk of this tile
     def _():
-        P = _lane_prefix(sel_ref[...])
+        P = _lane_prefix(S)
         s = jnp.max(P, axis=1, keepdims=True)
         off = off_ref[:, 0:1]
         x = x_ref[...].astype(jnp.float32)
+        x3 = jnp.stack([x[:, j * LANES : (j + 1) * LANES] for j in range(G)])  # (G, rows, 128): the vreg columns
+        col0 = t * tile + jax.lax.broadcasted_iota(jnp.int32, x3.shape, 0) * LANES
 
         def move(w, ok, src, carry):
-            for j in range(G):
-                u = j * Kw + w
-                g = jnp.take_along_axis(x[:, j * LANES : (j + 1) * LANES], src, axis=1, mode="promise_in_bounds")
-                cx_ref[u] = jnp.where(ok, g, cx_ref[u])
-                cc_ref[u] = jnp.where(ok, t * tile + j * LANES + src, cc_ref[u])
+            # one lane map for all G vreg columns: the chosen chunks' G values each
+            src3 = jnp.broadcast_to(src[None], x3.shape)
+            blk = pl.ds(w * G, G)
+            g = jnp.take_along_axis(x3, src3, axis=2, mode="promise_in_bounds")
+            cx_ref[blk] = jnp.where(ok[None], g, cx_ref[blk])
+            cc_ref[blk] = jnp.where(ok[None], col0 + src3, cc_ref[blk])
             return carry
 
         _compact_into(P, s, off, Kw, move, 0)
@@ -268,7 +273,8 @@ def _gather_kernel(fetch_ref, need_ref, x_ref, sel_ref, prm_ref, val_ref, idx_re
 
     @pl.when(t == nt - 1)
     def _():
-        m, lse, bad = _c(prm_ref, 0), _c(prm_ref, 1), _c(prm_ref, 2) > 0
+        prm = prm_ref[...]
+        m, lse, bad = prm[:, 0:1], prm[:, 1:2], prm[:, 2:3] > 0
         col = cc_ref[...]
         ck_ref[...] = jnp.where((col >= 0) & (col < V), _zkey((cx_ref[...] - m) - lse), _INT_MIN)
         r1 = (rows, 1)
@@ -305,10 +311,10 @@ def _gather_kernel(fetch_ref, need_ref, x_ref, sel_ref, prm_ref, val_ref, idx_re
 
         def place(i, c):
             at = pos == i
-            kq = jnp.max(jnp.max(jnp.where(at, kk, _INT_MIN), axis=0), axis=1, keepdims=True)[None]
-            cq = jnp.max(jnp.max(jnp.where(at, oc, -1), axis=0), axis=1, keepdims=True)
             zq = jnp.max(jnp.max(jnp.where(at, oz, -jnp.inf), axis=0), axis=1, keepdims=True)
-            hit = out_lane == _count(kk > kq) + _count((kk == kq) & (oc < cq[None]))
+            cq = jnp.max(jnp.max(jnp.where(at, oc, -1), axis=0), axis=1, keepdims=True)
+            kq = _zkey(zq)[None]
+            hit = out_lane == _count((kk > kq) | ((kk == kq) & (oc < cq[None])))
             return jnp.where(hit, zq, c[0]), jnp.where(hit, cq, c[1])
 
         vals, idx = jax.lax.fori_loop(0, K, place, (jnp.full(out_lane.shape, jnp.nan), out_lane))
@@ -317,9 +323,9 @@ def _gather_kernel(fetch_ref, need_ref, x_ref, sel_ref, prm_ref, val_ref, idx_re
 
 
 # ----------------------------------------------------------------------------- pass launchers
-# Each pass is its own jitted function, and the wrapper is not jitted: called on its own, a pass
-# that does not depend on K (stats) or on the lse mode (gather) compiles once for all of them
-# (interpret mode's cost is mostly compilation); inside a caller's jit they are one program.
+# Each launch is its own jitted function, and the wrapper is not jitted: called on its own, the
+# stats pass (independent of K) compiles once for all K (interpret mode's cost is mostly
+# compilation); inside a caller's jit they are one program.
 
 _interp = lambda interpret: pltpu.InterpretParams() if interpret else False  # noqa: E731
 
@@ -343,61 +349,36 @@ def _stats_pass(x, *, tile, rows, fused, interpret):
     return res[0], (res[1] if fused else None)
 
 
-@functools.partial(jax.jit, static_argnames=("K", "V", "tile", "rows", "select_all", "interpret"))
-def _select_pass(cm, aux, *, K, V, tile, rows, select_all, interpret):
-    nt, Rp, _ = cm.shape
-    fused = aux.ndim == 3
-    tiles = pl.BlockSpec((nt, rows, LANES), lambda rb: (0, rb, 0))
-    packed = pl.BlockSpec((rows, LANES), lambda rb: (rb, 0))
-    prm, sel = pl.pallas_call(
-        functools.partial(_select_kernel, K=K, V=V, tile=tile, nt=nt, fused=fused, select_all=select_all),
-        grid=(Rp // rows,),
-        in_specs=[tiles, tiles if fused else packed],
-        out_specs=[packed, tiles],
-        out_shape=[jax.ShapeDtypeStruct((Rp, LANES), jnp.float32), jax.ShapeDtypeStruct(cm.shape, jnp.int32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=_interp(interpret),
-        name="ddtree_tpu_topk_select",
-    )(cm, aux)
-    return prm, sel
-
-
-@functools.partial(jax.jit, static_argnames=("K", "V", "tile", "rows", "Kw", "interpret"))
-def _gather_pass(x, sel, prm, *, K, V, tile, rows, Kw, interpret):
+@functools.partial(jax.jit, static_argnames=("K", "V", "tile", "rows", "Kw", "select_all", "interpret"))
+def _topk_pass(x, cm, aux, *, K, V, tile, rows, Kw, select_all, interpret):
     Rp, Vp = x.shape
     nt, G, nb = Vp // tile, tile // LANES, Rp // rows
     Kwo = pl.cdiv(K, LANES)
-    # Tiles a row block needs (some row chose a chunk there); a step that needs none repeats the
-    # last fetched tile (or the first needed one), so the pipeline copies nothing for it.
-    need = jnp.any(sel.reshape(nt, nb, rows * LANES) != 0, axis=2).T  # (nb, nt)
-    tt = jnp.arange(nt, dtype=jnp.int32)
-    last = jax.lax.cummax(jnp.where(need, tt, -1), axis=1)
-    first = jnp.min(jnp.where(need, tt, nt - 1), axis=1, keepdims=True)
-    fetch = jnp.where(last >= 0, last, first).astype(jnp.int32).reshape(-1)
+    fused = aux.ndim == 3
     f32, i32 = jnp.float32, jnp.int32
-    gs = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(nb, nt),
-        in_specs=[pl.BlockSpec((rows, tile), lambda rb, t, f, n: (rb, f[rb * nt + t])),
-                  pl.BlockSpec((None, rows, LANES), lambda rb, t, f, n: (f[rb * nt + t], rb, 0)),
-                  pl.BlockSpec((rows, LANES), lambda rb, t, f, n: (rb, 0))],
-        out_specs=[pl.BlockSpec((rows, Kwo * LANES), lambda rb, t, f, n: (rb, 0))] * 2,
-        scratch_shapes=[pltpu.VMEM((G * Kw, rows, LANES), f32), pltpu.VMEM((G * Kw, rows, LANES), i32),
-                        pltpu.VMEM((G * Kw, rows, LANES), i32), pltpu.VMEM((rows, LANES), i32)],
-    )
-    # VMEM: the candidate buffers (3 x 4 bytes per slot and vreg column), x double-buffered, the
-    # outputs. Past 12 MiB (K > ~900 at 16 rows) raise the scoped limit (the default is 16 or 32 MiB
-    # by TPU generation); block_rows = 8 halves the need.
-    vmem = 12 * G * Kw * rows * LANES + 2 * rows * tile * x.dtype.itemsize + 16 * rows * Kwo * LANES
+    tiles = pl.BlockSpec((nt, rows, LANES), lambda rb, t: (0, rb, 0))
+    packed = pl.BlockSpec((rows, LANES), lambda rb, t: (rb, 0))
+    out = pl.BlockSpec((rows, Kwo * LANES), lambda rb, t: (rb, 0))
+    # VMEM: the candidate buffers (3 x 4 bytes per slot and vreg column), the chunk statistics and
+    # choices, x; double buffers. Past 12 MiB (K > ~800 at 16 rows of 163,840) raise the scoped
+    # limit (the default is 16 or 32 MiB by TPU generation); block_rows = 8 halves the need.
+    vmem = 4 * rows * LANES * (3 * G * Kw + 5 * nt + 4 * Kwo) + 2 * rows * tile * x.dtype.itemsize
     limit = vmem + 4 * 2**20 if vmem > 12 * 2**20 else None
     return pl.pallas_call(
-        functools.partial(_gather_kernel, K=K, V=V, Vp=Vp, tile=tile, G=G, nt=nt, Kw=Kw, Kwo=Kwo),
-        grid_spec=gs,
-        out_shape=[jax.ShapeDtypeStruct((Rp, Kwo * LANES), f32), jax.ShapeDtypeStruct((Rp, Kwo * LANES), i32)],
+        functools.partial(_topk_kernel, K=K, V=V, Vp=Vp, tile=tile, G=G, nt=nt, Kw=Kw, Kwo=Kwo, fused=fused,
+                          select_all=select_all),
+        grid=(nb, nt),
+        in_specs=[pl.BlockSpec((rows, tile), lambda rb, t: (rb, t)), tiles, tiles if fused else packed],
+        out_specs=[out, out, packed],
+        out_shape=[jax.ShapeDtypeStruct((Rp, Kwo * LANES), f32), jax.ShapeDtypeStruct((Rp, Kwo * LANES), i32),
+                   jax.ShapeDtypeStruct((Rp, LANES), f32)],
+        scratch_shapes=[pltpu.VMEM((nt, rows, LANES), i32), pltpu.VMEM((G * Kw, rows, LANES), f32),
+                        pltpu.VMEM((G * Kw, rows, LANES), i32), pltpu.VMEM((G * Kw, rows, LANES), i32),
+                        pltpu.VMEM((rows, LANES), i32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=limit),
         interpret=_interp(interpret),
-        name="ddtree_tpu_topk_gather",
-    )(fetch, need.astype(i32).reshape(-1), x, sel, prm)
+        name="ddtree_tpu_topk",
+    )(x, cm, aux)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -417,6 +398,21 @@ def _xla_lse(logits, cm, *, rows):
     R = logits.size // logits.shape[-1]
     lse = xla_log_sum_exp(logits, jnp.max(cm[:, :R], axis=(0, 2)))
     return jnp.pad(lse[:, None], ((0, cm.shape[1] - R), (0, LANES - 1)))
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "rows"))
+def _padded(logits, *, tile, rows):
+    """``[..., V]`` -> ``[Rp, nt * tile]``, padded with -inf (a padded row is a bad row)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    R, V = x.shape
+    return jnp.pad(x, ((0, pl.cdiv(R, rows) * rows - R), (0, pl.cdiv(V, tile) * tile - V)), constant_values=-jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "lead"))
+def _results(vals, idx, prm, *, k, lead):
+    R = int(np.prod(lead))
+    return dict(values=vals[:R, :k].reshape(*lead, k), indices=idx[:R, :k].reshape(*lead, k),
+                max=prm[:R, 0].reshape(lead), lse=prm[:R, 1].reshape(lead))
 
 
 def vocab_top_k_debug(
@@ -439,10 +435,7 @@ def vocab_top_k_debug(
     *lead, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
-    x = logits.reshape(-1, V)
-    R = x.shape[0]
-    Rp = pl.cdiv(R, block_rows) * block_rows
-    x = jnp.pad(x, ((0, Rp - R), (0, nt * tile - V)), constant_values=-jnp.inf)  # padded rows: bad
+    x = _padded(logits, tile=tile, rows=block_rows)
     n_real = (nt - 1) * LANES + min(LANES, V - (nt - 1) * tile)  # chunks holding a real column
     select_all = n_real <= k
     Kw = pl.cdiv(n_real if select_all else min(k + LANES - 1, n_real), LANES)  # chunk slot windows
@@ -450,14 +443,8 @@ def vocab_top_k_debug(
     fused = lse == "kernel"
     cm, cs = _stats_pass(x, fused=fused, **opts)
     aux = cs if fused else _xla_lse(logits, cm, rows=block_rows)
-    prm, sel = _select_pass(cm, aux, K=k, V=V, select_all=select_all, **opts)
-    vals, idx = _gather_pass(x, sel, prm, K=k, V=V, Kw=Kw, **opts)
-    return dict(
-        values=vals[:R, :k].reshape(*lead, k),
-        indices=idx[:R, :k].reshape(*lead, k),
-        max=prm[:R, 0].reshape(lead),
-        lse=prm[:R, 1].reshape(lead),
-    )
+    vals, idx, prm = _topk_pass(x, cm, aux, K=k, V=V, Kw=Kw, select_all=select_all, **opts)
+    return _results(vals, idx, prm, k=k, lead=tuple(lead))
 
 
 def vocab_top_k(logits: jax.Array, k: int, *, lse: str = "kernel", interpret: bool = False, **tuning):
