@@ -360,7 +360,7 @@ def _topk_pass(x, cm, aux, *, K, V, tile, rows, Kw, select_all, interpret):
     packed = pl.BlockSpec((rows, LANES), lambda rb, t: (rb, 0))
     out = pl.BlockSpec((rows, Kwo * LANES), lambda rb, t: (rb, 0))
     # VMEM: the candidate buffers (3 x 4 bytes per slot and vreg column), the chunk statistics and
-    # choices, x; double buffers. Past 12 MiB (K > ~800 at 16 rows of 163,840) raise the scoped
+    # choices, x; double buffers. Past 12 MiB (K > ~1,500 at 16 rows of 163,840) raise the scoped
     # limit (the default is 16 or 32 MiB by TPU generation); block_rows = 8 halves the need.
     vmem = 4 * rows * LANES * (3 * G * Kw + 5 * nt + 4 * Kwo) + 2 * rows * tile * x.dtype.itemsize
     limit = vmem + 4 * 2**20 if vmem > 12 * 2**20 else None
