@@ -137,7 +137,7 @@ def _build_with_kernel(draft_logits: jax.Array, budget: int, backend: Backend) -
                      ancestor_mask=ancestor_mask_from_parents(par, valid, L), draft_len=L)
 
 
-# Where the kernel path's log-softmax normaliser comes from (``pallas_kernels/triton/vocab_top_k.py``):
+# Where the kernel path's log-softmax normaliser comes from (``vocab_top_k`` of either family):
 # "xla" computes it with the reference's expression (one more read of the logits), so the tables
 # and trees equal the reference build's bit for bit; "kernel" fuses it into the kernel's one
 # pass (faster; scores can then differ from the reference by float32 rounding of the normaliser).
@@ -146,7 +146,8 @@ KERNEL_TOPK_LSE = "xla"
 
 def _top_k_tables(draft_logits: jax.Array, k: int, backend: Backend):
     """Per-depth top-k of the draft log-probabilities, ``lax.top_k``'s order: the family's
-    ``vocab_top_k`` kernel where it has one (Triton), else ``exact_top_k`` in plain JAX."""
+    ``vocab_top_k`` kernel where it has one (Triton and Mosaic TPU both do), else ``exact_top_k`` in
+    plain JAX."""
     if has_kernel(backend, "vocab_top_k"):
         return kernel_module(backend, "vocab_top_k").vocab_top_k(
             draft_logits, k, lse=KERNEL_TOPK_LSE, interpret=backend.interpret)

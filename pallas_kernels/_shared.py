@@ -1,6 +1,8 @@
-"""Backend-neutral pieces both kernel families use inside their kernels (plain jnp on scalars and
-vectors; imports only JAX and numpy): the per-row random stream, one contract bit for bit for the
-Triton and the Mosaic TPU sampler, and the order-preserving int32 keys of float32 values."""
+"""Backend-neutral pieces both kernel families use (plain jnp on scalars and vectors; imports only
+JAX and numpy). Inside kernels: the per-row random stream, one contract bit for bit for the Triton
+and the Mosaic TPU sampler, the order-preserving int32 keys of float32 values and the bisection
+the top-k kernels search thresholds with. Host-side: the vocabulary top-k's argument checks and
+its XLA normaliser (``lse="xla"``), the same for both families."""
 
 from __future__ import annotations
 
@@ -43,3 +45,48 @@ def _zkey(z):
 def _key_to_float(k):
     b = jnp.where(k < 0, k ^ np.int32(0x7FFFFFFF), k)
     return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _midpoint(lo, hi):
+    """``floor((lo + hi) / 2)`` of int32 values without overflow."""
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+def _bisect(pred, lo, hi, steps: int):
+    """The smallest int32 ``v`` in ``(lo, hi]`` with ``pred(v)``, for ``pred`` monotone (false, then
+    true) and true at ``hi``; ``lo``, ``hi`` scalars or arrays (elementwise: ``pred`` maps an array of
+    midpoints to an array of the same shape). ``steps`` >= ``ceil(log2(hi - lo))`` halvings (more
+    are no-ops), each one evaluation of ``pred``."""
+
+    def body(_, c):
+        lo, hi = c
+        done = hi <= lo + 1
+        mid = _midpoint(lo, hi)
+        ok = pred(mid)
+        return jnp.where(done | ok, lo, mid), jnp.where(done | ~ok, hi, mid)
+
+    return jax.lax.fori_loop(0, steps, body, (lo, hi))[1]
+
+
+# ----------------------------------------------------------------------------- vocabulary top-k (host side)
+
+LSE_MODES = ("kernel", "xla")  # where the top-k kernels' log-softmax normaliser comes from
+
+
+def check_top_k_args(shape, k: int, lse: str) -> None:
+    """The vocabulary top-k's argument checks (``ValueError`` naming the argument)."""
+    if lse not in LSE_MODES:
+        raise ValueError(f"lse must be one of {LSE_MODES}, got {lse!r}")
+    V = shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"vocab_top_k needs 1 <= k <= V, got k={k}, V={V}")
+
+
+def xla_log_sum_exp(logits, m):
+    """``lse="xla"``: ``log(sum(exp(x - m)))`` per row of ``logits [..., V]`` given the exact row max
+    ``m [R]`` (R = the product of the leading dims), by XLA with the operations ``jax.nn.log_softmax``
+    runs on the same shape, so ``(x - m) - lse`` is its result bit for bit wherever XLA reduces the
+    sum in the same order there. -> f32 ``[R]``."""
+    *lead, _ = logits.shape
+    shifted = logits.astype(jnp.float32) - m.reshape(*lead, 1)
+    return jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)).reshape(-1)

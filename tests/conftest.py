@@ -7,12 +7,18 @@
   CPU compiler late in the run, in a test that passes alone (tests/test_vocab_top_k.py); the
   cause was not pinned down, and with the caches dropped and the files split over two workers
   (the README's ``-n 2 --dist loadfile``) it has not recurred.
+* ``default_dir``: the small default model, trained once per run for every test that needs it
+  (tests/test_cli.py, tests/test_tpu_kernels.py), whichever pytest-xdist worker asks first.
 """
 
+import fcntl
 import gc
+import os
 
 import jax
 import pytest
+
+from ddtree_jax.default_model import make_default
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,3 +35,19 @@ def _drop_compiled_programs_after_the_module():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def default_dir(tmp_path_factory):
+    """The built-in default pair and tokenizer (``ddtree_jax.default_model``) with short training
+    (the demo trains longer): enough that both losses fall (tests/test_cli.py checks) and that the
+    drafter's trees get tokens accepted. ~1 min on 2 CPU cores, once per run: under pytest-xdist
+    the workers share this run's base directory, and the first to lock it trains while the others
+    wait, then load what it wrote (``make_default`` returns a finished folder as it is)."""
+    kw = dict(vocab_size=300, target_steps=30, drafter_steps=30, drafter_contexts=(8,), log=lambda msg: None)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make_default(str(tmp_path_factory.mktemp("default")), **kw)
+    shared = tmp_path_factory.getbasetemp().parent  # this run's directory, common to its workers
+    with open(shared / "default.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return make_default(str(shared / "default"), **kw)

@@ -1,5 +1,6 @@
 """The command line: checks before anything loads (as a subprocess, no model loaded), the made
-default model, generation and statistics, the compilation cache."""
+default model (``default_dir``: tests/conftest.py, shared with the TPU kernel tests), generation and
+statistics, the compilation cache."""
 
 import argparse
 import json
@@ -16,13 +17,6 @@ from ddtree_jax.default_model import default_configs, make_default
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m ddtree_jax"
-
-
-@pytest.fixture(scope="module")
-def default_dir(tmp_path_factory):
-    # Short training (the demo trains longer): enough to check that both losses fall.
-    return make_default(str(tmp_path_factory.mktemp("default")), vocab_size=300, target_steps=30, drafter_steps=30,
-                        drafter_contexts=(8,), log=lambda msg: None)
 
 
 def test_default_artifacts_are_real_checkpoints(default_dir):

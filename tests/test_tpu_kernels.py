@@ -5,9 +5,13 @@ TPU interpret mode simulates every grid step and DMA and compiles each kernel pe
 so the tests share a few shapes: (32 rows, V=300, tile 128: one row block, three vocabulary tiles)
 for the sampler's thresholds, invalid rows and the random stream (max_rounds is traced: one
 compile); one stacked batch of
-5 x 2048 rows (V=40) for the chi-square law tests; B=8 / L=4 / V=37 for the tree and the walk.
+5 x 2048 rows (V=40) for the chi-square law tests; B=8 / L=4 / V=37 for the tree and the walk;
+12 rows of V=3000 in 512-column tiles for the vocabulary top-k (k = 200, V, and 1; its launches are
+jitted apart, so the stats pass compiles once per dtype and lse mode, the top-k pass once per k).
 No TPU timing exists for these kernels: this file checks what they compute, not how fast.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +20,12 @@ import pytest
 from scipy import stats
 
 import ddtree_jax as dt
-from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.backend import Backend, has_kernel, resolve_backend
 from ddtree_jax.sampling import SamplingBatch, target_logprobs
 from pallas_kernels.mosaic_tpu import fused_sample as tpu_sample
+from pallas_kernels.mosaic_tpu import vocab_top_k as tpu_topk
 from pallas_kernels.mosaic_tpu.fused_sample import PATH_NONE, PATH_REJECT, PATH_SLOW, PATH_TEMPERATURE
-from tests._model_fixtures import tiny_dflash, tiny_kimi
-from tests._random_inputs import random_draft_logits
+from tests._random_inputs import MIXED_BAD_ROWS, mixed_top_k_rows, random_draft_logits
 
 TPU = "pallas:mosaic_tpu"
 R, V, TILE = 32, 300, 128
@@ -60,6 +64,14 @@ INVALID = {16: (17, np.nan), 17: (250, np.inf), 20: (299, np.nan), 22: (slice(No
            28: (140, np.nan)}
 
 
+@functools.cache
+def _fixed_run(max_rounds):
+    """The sampler on ``_inputs()`` with seeds ``_seeds(R, 0)``: one run per ``max_rounds`` for
+    the tests that read it (interpret mode executes slowly; the inputs are fixed)."""
+    x, pb = _inputs()
+    return _run(x, pb, _seeds(R, 0), tile=TILE, block_rows=R, max_rounds=max_rounds)  # (max_rounds traced: one compile)
+
+
 def _inputs():
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((R, V)) * rng.uniform(0.5, 3, (R, 1))).astype(np.float32)
@@ -90,7 +102,7 @@ def test_kept_sets_and_greedy(max_rounds):
     (outside a 1e-5 relative band at the min-p boundary); on the rejection path the thresholds
     describe a superset (checked: no kept token outside it) and the draw is in the kept set."""
     x, pb = _inputs()
-    out = _run(x, pb, _seeds(R, 0), tile=TILE, block_rows=R, max_rounds=max_rounds)  # (traced: one compile)
+    out = _fixed_run(max_rounds)
     ref_keep = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0] > -np.inf
     T, k, p, m = CFG.T
     filtered = (k > 0) | (p < 1) | (m > 0)
@@ -131,7 +143,7 @@ def test_random_stream_is_the_triton_contract():
                                       np.asarray(triton_uniform(s[:, 0], s[:, 1], stream)))
     x, pb = _inputs()
     seeds = _seeds(R, 0)
-    out = _run(x, pb, seeds, tile=TILE, block_rows=R, max_rounds=tpu_sample.MAX_ROUNDS)  # the compile above
+    out = _fixed_run(tpu_sample.MAX_ROUNDS)  # test_kept_sets_and_greedy's run
     u = [np.asarray(tpu_sample._uniform(seeds[:, 0], seeds[:, 1], i)) for i in (0, 1)]
     for r in np.flatnonzero(out["path"] == PATH_TEMPERATURE):
         z = ((x[r] - x[r].max()) / CFG[r, 0]).astype(np.float64)
@@ -213,7 +225,8 @@ def test_dispatch(monkeypatch):
     import ddtree_jax.backend as backend_module
 
     tpu, gpu = Backend(kernels=True, family="mosaic_tpu"), Backend(kernels=True)
-    assert backend_module.has_kernel(tpu, "fused_sample") and backend_module.has_kernel(gpu, "fused_sample")
+    for name in ("fused_sample", "tree_builder", "accept_walk", "vocab_top_k"):
+        assert backend_module.has_kernel(tpu, name) and backend_module.has_kernel(gpu, name), name
     assert not backend_module.has_kernel(tpu, "no_such_kernel") and not backend_module.has_kernel(
         Backend(kernels=False), "fused_sample")
 
@@ -241,7 +254,9 @@ def _tree_inputs():
 
 def test_tree_builder_matches_reference():
     """Budget 40 > V = 37 (K = V, a frontier that fills up on the masked rows) on random, masked,
-    tied and NaN inputs: every field equal to the reference build."""
+    tied and NaN inputs: every field equal to the reference build. The per-depth tables come from
+    the TPU ``vocab_top_k`` (k = V = 37: one tile of one-element chunks, all kept)."""
+    assert has_kernel(resolve_backend(TPU), "vocab_top_k")
     budget = 40
     logits = jnp.asarray(_tree_inputs())
     ker, ref = dt.build_draft_tree(logits, budget, impl=TPU), dt.build_draft_tree(logits, budget, impl="reference")
@@ -267,24 +282,101 @@ def test_accept_walk_matches_reference():
         np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
 
 
-def test_generate_with_the_tpu_kernels_equals_the_reference():
-    """A short greedy DDTree generation on the tiny model with the TPU kernels (interpreted) for
-    tree, sampler and walk gives exactly the reference decoding: plain-JAX autoregressive greedy
-    (cheaper to compile than a reference DDTree run, and the same tokens: tests/test_generate.py)."""
-    target = tiny_kimi(0)
-    drafter = tiny_dflash(target, 1)
-    kw = dict(max_new_tokens=6, max_len=32)
-    prompts = [[1, 2, 3, 4, 5], [7, 8]]
-    ker = dt.generate(target, drafter, prompts, method="ddtree", budget=6, impl=TPU, **kw)
+# ----------------------------------------------------------------------------- vocabulary top-k
+
+
+def _lax_top_k(x, k, lse=None, m=None):
+    """``lax.top_k(log_softmax(x), k)``, or with a given normaliser: ``lax.top_k((x - m) - lse, k)``."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    z = jax.nn.log_softmax(x) if lse is None else (x - jnp.asarray(m)[:, None]) - jnp.asarray(lse)[:, None]
+    return [np.asarray(a) for a in jax.lax.top_k(z, k)]
+
+
+def _topk_rows():
+    """[12, 3000] f32: ``mixed_top_k_rows`` (every tie, mask and bad-row case) and two rows of
+    distinct logits whose log-probabilities tie (|x| < 1e-6 around lse ~ 8: a few float32 values of
+    z): equal values, not equal logits, decide which chunks hold the top-k."""
+    rng = np.random.default_rng(11)
+    near = -rng.uniform(0, 1e-6, (2, 3000)).astype(np.float32)
+    near[1, ::7] = -5.0
+    return np.concatenate([mixed_top_k_rows(4), near])
+
+
+def _check_top_k(out, x, k, ref=None):
+    """Rows with a law: ``out`` (values, indices) equal ``ref`` (default ``lax.top_k(log_softmax(x))``)
+    bit for bit; NaN / +inf / all -inf rows (``MIXED_BAD_ROWS``): NaN values and indices 0..k-1
+    (lax.top_k's order of NaNs follows their signs: not compared, as in tests/test_vocab_top_k.py)."""
+    bad = MIXED_BAD_ROWS
+    good = np.setdiff1d(np.arange(x.shape[0]), bad)
+    vals, idx = (np.asarray(a) for a in out)
+    ref = ref or [a[good] for a in _lax_top_k(x, k)]
+    np.testing.assert_array_equal(idx[good], ref[1], err_msg="indices")
+    np.testing.assert_array_equal(vals[good], ref[0], err_msg="values")
+    assert np.isnan(vals[bad]).all() and (idx[bad] == np.arange(k)).all()
+
+
+@pytest.mark.parametrize("k", [200, 3000])
+def test_vocab_top_k_equals_lax_top_k(k):
+    """``lse="xla"`` == ``lax.top_k(log_softmax(x))`` bit for bit, on 12 rows of V = 3000 (f32) in
+    512-column tiles (6 tiles, the last one part padding; 768 chunks of 4): k = 200 (the chunk
+    bisection, ties at it broken by tile, candidates of 3 slot windows) and k = V (every chunk
+    kept, whole rows ordered). The stats pass compiles once for both."""
+    x = jnp.asarray(_topk_rows())
+    _check_top_k(tpu_topk.vocab_top_k(x, k, lse="xla", interpret=True, tile=512), x, k)
+
+
+def test_vocab_top_k_fused_lse_and_k_1():
+    """``lse="kernel"`` at k = 1 on the rows above as bf16: the fused normaliser is within about 4
+    ulp of the exact one (float64), and the result is exactly ``lax.top_k`` of ``(x - m) - lse`` with
+    the kernel's own ``m`` and ``lse``."""
+    x = jnp.asarray(_topk_rows(), jnp.bfloat16)
+    out = jax.tree.map(np.asarray, tpu_topk.vocab_top_k_debug(x, 1, lse="kernel", interpret=True, tile=512))
+    good = np.setdiff1d(np.arange(x.shape[0]), MIXED_BAD_ROWS)
+    xg = np.asarray(x[good].astype(jnp.float32), np.float64)
+    lse64 = np.log(np.sum(np.exp(xg - xg.max(1, keepdims=True)), axis=1))
+    np.testing.assert_allclose(out["lse"][good], lse64, rtol=4 * 2.0**-23, atol=4 * 2.0**-24)
+    ref = _lax_top_k(x[good], 1, out["lse"][good], out["max"][good])
+    _check_top_k((out["values"], out["indices"]), x, 1, ref)
+
+
+def test_vocab_top_k_bad_arguments():
+    x = jnp.zeros((2, 300))
+    for k in (0, 301):
+        with pytest.raises(ValueError, match="k <= V"):
+            tpu_topk.vocab_top_k(x, k, interpret=True)
+    with pytest.raises(ValueError, match="lse"):
+        tpu_topk.vocab_top_k(x, 3, lse="cpu", interpret=True)
+    with pytest.raises(ValueError, match="tile"):
+        tpu_topk.vocab_top_k(x, 3, tile=100, interpret=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        tpu_topk.vocab_top_k(x, 3, block_rows=12, interpret=True)
+
+
+def test_generate_with_the_tpu_kernels_equals_the_reference(default_dir):
+    """The issue's "done when": greedy DDTree generation on the small default model (``default_dir``,
+    tests/conftest.py: trained once per session, shared with tests/test_cli.py) with every TPU kernel
+    interpreted (the tree's top-k and pop loop, the sampler, the walk) gives exactly the reference
+    decoding: plain-JAX autoregressive greedy (cheaper to compile than a reference DDTree run, and
+    the same tokens: tests/test_generate.py). Corpus prompts, so the trained drafter's trees get
+    draft tokens accepted (checked: a round commits more than its bonus token)."""
+    from tokenizers import Tokenizer
+
+    target = dt.load_target(f"{default_dir}/target")
+    drafter = dt.load_drafter(f"{default_dir}/drafter", target)
+    tok = Tokenizer.from_file(f"{default_dir}/tokenizer.json")
+    prompts = [tok.encode(p).ids for p in ("A small drafter proposes a block of tokens; the", "The quick brown")]
+    kw = dict(max_new_tokens=8, max_len=64)
+    ker = dt.generate(target, drafter, prompts, method="ddtree", budget=8, impl=TPU, **kw)
     ref = dt.generate(target, None, prompts, method="ar", impl="reference", **kw)
     assert ker.tokens == ref.tokens
-    assert max(max(r.acceptance_lengths) for r in ker.requests) >= 1
+    assert max(max(r.acceptance_lengths) for r in ker.requests) >= 2
 
 
 def test_kernels_lower_for_tpu():
     """Interpret mode does not check Mosaic's rules, so each kernel is also lowered for a TPU
     (``jax.export`` with ``platforms=["tpu"]`` runs Pallas' Mosaic TPU lowering on the CPU) at the
-    target's sizes: 64 rows of 163,840 bf16 logits, budget 256 at L = 15. This checks block shapes,
+    target's sizes: 64 rows of 163,840 bf16 logits, budget 256 at L = 15, and the tree's top-k over
+    B x L = 16 x 15 rows of 163,840 bf16 draft logits, k = 256 (both lse modes). This checks block shapes,
     grid specs and that every primitive has a Mosaic lowering; the Mosaic compiler's own passes
     (layouts, VMEM limits) run only on a TPU and are not checked here."""
     from jax import export
@@ -302,3 +394,7 @@ def test_kernels_lower_for_tpu():
     nodes = lambda dtype: sd((4, 257), dtype)  # noqa: E731
     export.export(jax.jit(lambda *a: accept_walk.accept_walk(*a, draft_len=15)), platforms=["tpu"])(
         nodes(jnp.int32), nodes(jnp.int32), nodes(jnp.bool_), nodes(jnp.int32))
+    for lse in tpu_topk.LSE_MODES:
+        exp = export.export(jax.jit(lambda x, lse=lse: tpu_topk.vocab_top_k(x, 256, lse=lse)), platforms=["tpu"])(
+            sd((16, 15, vocab), jnp.bfloat16))
+        assert exp.mlir_module().count("tpu_custom_call") == 2, lse  # stats, top-k: both Mosaic

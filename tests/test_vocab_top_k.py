@@ -13,25 +13,8 @@ import pytest
 
 import ddtree_jax as dt
 from pallas_kernels.triton.vocab_top_k import vocab_top_k
-from tests._random_inputs import random_draft_logits
-
-
-def _mixed_rows(seed, V=3000):
-    """[2, 5, V] f32: Gaussian, rounded (ties), 97% -inf (fewer finite than k), all equal
-    (every entry tied), NaN row, +inf row, all -inf, a -inf run over whole chunks, coarse ties
-    with a few large values, Gaussian with a different scale."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((10, V)).astype(np.float32) * rng.uniform(0.5, 4, (10, 1)).astype(np.float32)
-    x[1] = np.round(x[1] * 2) / 2
-    x[2, rng.random(V) < 0.97] = -np.inf
-    x[3] = 1.5
-    x[4, 7] = np.nan
-    x[5, 11] = np.inf
-    x[6] = -np.inf
-    x[7, 100:2500] = -np.inf
-    x[8] = np.round(x[8])
-    x[8, rng.integers(0, V, 5)] = 9.0
-    return x.reshape(2, 5, V)
+from tests._random_inputs import MIXED_BAD_ROWS as BAD
+from tests._random_inputs import mixed_top_k_rows, random_draft_logits
 
 
 def _lax(x, k):
@@ -43,15 +26,12 @@ def _assert_equal(got, want):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg="values")
 
 
-BAD = [4, 5, 6]  # rows of _mixed_rows (flattened) whose log-softmax is all NaN
-
-
 def test_xla_lse_equals_lax_top_k_of_log_softmax():
     """Bit for bit on every row with a law. All-NaN rows: NaN values both, indices 0..k-1 here;
     lax.top_k orders NaNs by sign and payload, which follow the platform's NaN propagation (on the
     CPU an input NaN is positive and the NaNs that log_softmax makes are negative, so the input
     NaN's index comes first), so those indices are not compared (the tree ignores such rows)."""
-    x = _mixed_rows(1)
+    x = mixed_top_k_rows(1).reshape(2, 5, -1)
     got = [np.asarray(a).reshape(10, -1) for a in vocab_top_k(jnp.asarray(x), 200, lse="xla", interpret=True)]
     want = [np.asarray(a).reshape(10, -1) for a in _lax(x, 200)]
     good = np.setdiff1d(np.arange(10), BAD)

@@ -76,11 +76,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._shared import LSE_MODES, _bisect, _zkey, check_top_k_args, xla_log_sum_exp
+
 __all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
 
 CHUNK = 32  # columns per chunk maximum
 MAX_TILE = 4096  # columns per load in the stats pass
-LSE_MODES = ("kernel", "xla")
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
 _LOG2E = np.float32(np.log2(np.e))
@@ -90,30 +91,11 @@ _MAX_SPLITS = 16
 _RANK_BLOCK = 32  # rows of the K x K comparison per step of the order launch
 
 
-def _zkey(z):
-    """Monotone int32 key of a float32 (NaN gets some key: NaN rows are replaced at the end)."""
-    b = jax.lax.bitcast_convert_type(z, jnp.int32)
-    k = jnp.where(b < 0, b ^ np.int32(0x7FFFFFFF), b)
-    return jnp.where(z == 0, 0, k)
-
-
-def _midpoint(lo, hi):
-    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-
-
 def _kth_key(keys, k):
-    """The k-th largest of the int32 ``keys`` (entries ``_INT_MIN`` are padding; at least k real
-    keys, all ``<= 0``): the smallest T in (INT_MIN, 0] with ``#(keys > T) < k``, by bisection."""
-
-    def body(_, c):
-        lo, hi = c
-        done = hi <= lo + 1
-        mid = _midpoint(lo, hi)
-        ok = jnp.sum(jnp.where(keys > mid, 1, 0)) < k
-        return jnp.where(done | ok, lo, mid), jnp.where(done | ~ok, hi, mid)
-
-    _, hi = jax.lax.fori_loop(0, 32, body, (jnp.int32(_INT_MIN), jnp.int32(0)))
-    return hi
+    """The k-th largest of the int32 ``keys`` (``_zkey``; a NaN gets some key, and NaN rows are
+    replaced at the end; entries ``_INT_MIN`` are padding; at least k real keys, all ``<= 0``): the
+    smallest T in (INT_MIN, 0] with ``#(keys > T) < k``, by bisection."""
+    return _bisect(lambda mid: jnp.sum(jnp.where(keys > mid, 1, 0)) < k, jnp.int32(_INT_MIN), jnp.int32(0), 32)
 
 
 def _keep_first_k(keys, k, T):
@@ -263,11 +245,8 @@ def vocab_top_k_debug(
     i32 ``[..., k]``, ``max`` and ``lse`` f32 ``[...]`` (the ``m`` and ``lse`` the values use).
     Tuning knobs (all exact): ``chunk`` (columns per chunk maximum, a power of two), ``tile``
     (columns per load of the stats pass), ``num_warps`` (stats pass), ``select_warps`` (the rest)."""
-    if lse not in LSE_MODES:
-        raise ValueError(f"lse must be one of {LSE_MODES}, got {lse!r}")
+    check_top_k_args(logits.shape, k, lse)
     *lead, V = logits.shape
-    if not 1 <= k <= V:
-        raise ValueError(f"vocab_top_k needs 1 <= k <= V, got k={k}, V={V}")
     if chunk & (chunk - 1) or tile & (tile - 1):
         raise ValueError(f"chunk and tile must be powers of two, got {chunk}, {tile}")
     x = logits.reshape(-1, V)
@@ -301,10 +280,7 @@ def vocab_top_k_debug(
         lse_in = jnp.zeros((R,), f32)
     else:
         # The reference's expression (jax.nn.log_softmax), with the kernel's row max (exact).
-        m0 = jnp.max(jnp.where(jnp.arange(ntp) < nt, tm, -jnp.inf), axis=-1)
-        x32 = logits.astype(f32)
-        shifted = x32 - m0.reshape(*lead, 1)
-        lse_in = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)).reshape(R)
+        lse_in = xla_log_sum_exp(logits, jnp.max(jnp.where(jnp.arange(ntp) < nt, tm, -jnp.inf), axis=-1))
     m, lse_r, bad, cl = pl.pallas_call(
         functools.partial(_chunks_kernel, k=k, nt=nt, ntp=ntp, nc=nc, ncp=ncp, with_sum=fused),
         grid=(R,),
