@@ -391,8 +391,8 @@ def _tile_for(V: int, tile: int | None) -> int:
     return min(t, pl.cdiv(V, LANES) * LANES)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _xla_lse(logits, cm, *, rows):
+@jax.jit
+def _xla_lse(logits, cm):
     """``lse="xla"``: the reference's expression (``jax.nn.log_softmax``) with the kernel's row max
     (exact: the max of the chunk maxima), packed in column 0 of ``(Rp, 128)``."""
     R = logits.size // logits.shape[-1]
@@ -442,7 +442,7 @@ def vocab_top_k_debug(
     opts = dict(tile=tile, rows=block_rows, interpret=interpret)
     fused = lse == "kernel"
     cm, cs = _stats_pass(x, fused=fused, **opts)
-    aux = cs if fused else _xla_lse(logits, cm, rows=block_rows)
+    aux = cs if fused else _xla_lse(logits, cm)
     vals, idx, prm = _topk_pass(x, cm, aux, K=k, V=V, Kw=Kw, select_all=select_all, **opts)
     return _results(vals, idx, prm, k=k, lead=tuple(lead))
 
