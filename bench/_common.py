@@ -38,6 +38,21 @@ def k2_slice(layers: int, experts: int, *, smoke: bool, **smoke_overrides):
     return dt.KimiConfig.kimi_k2(num_hidden_layers=layers, n_routed_experts=experts)
 
 
+def one_layer_drafter_config(tcfg):
+    """A one-layer DFlash drafter (block 16) for the target ``tcfg``: random weights make it a
+    real drafter's compute with about one accepted token per round."""
+    import ddtree_jax as dt
+
+    heads = max(4, tcfg.hidden_size // 256)
+    return dt.DFlashConfig(
+        hidden_size=tcfg.hidden_size, intermediate_size=2 * tcfg.hidden_size, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=tcfg.hidden_size // heads,
+        num_target_layers=tcfg.num_hidden_layers, block_size=16, mask_token_id=tcfg.vocab_size - 1,
+        target_layer_ids=dt.default_target_layer_ids(tcfg.num_hidden_layers, 1), layer_types=("full_attention",),
+        vocab_size=tcfg.vocab_size,
+    )
+
+
 def log(*a):
     print(f"[{time.perf_counter() - T0:7.1f}s]", *a, flush=True)
 

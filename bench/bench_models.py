@@ -19,6 +19,10 @@ out of memory say, is reported and the run goes on):
   (as ``generate``'s prefill: the LM head is not computed). Floor: the larger of the weight-read
   time and the FLOPs (2 x tokens x active weights, without the LM head; causal MLA attention in
   the absorbed form: T(T+1)/2 x 2H(2r+dr) per layer) at the bf16 matmul rate measured in the run.
+* ``round``: the compiled DDTree round (``generate``, kernels, a random one-layer DFlash
+  drafter: about one token per round) at ``--batches`` rows and ``--round-budgets``, its stages
+  timed apart (``profile=True``), and its overhead: the compiled round less the drafter's and the
+  target's passes (tree, sampling, walk, commit and whatever glue the round adds).
 * ``int4``: the ``passes`` cases at ``--int4-budgets`` (default 15 and 64) with the routed experts
   in INT4 (compressed-tensors ``pack-quantized``, group 32, symmetric: Kimi K2 Thinking's scheme;
   ``experts_int4``), the W4A16 kernel (``impl="auto"``). Floor: the same weight-read floor, now
@@ -68,6 +72,7 @@ from bench._common import (  # noqa: E402
     k2_slice,
     log,
     matmul_rate,
+    one_layer_drafter_config,
     past_deadline,
     random_tree,
     time_call,
@@ -78,7 +83,7 @@ from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, late
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
 
 VARIANTS = ("kernels", "ragged_dot", "dense")
-PARTS = ("passes", "prefill", "int4", "attention")
+PARTS = ("passes", "round", "prefill", "int4", "attention")
 INT4 = dt.Int4Format(group_size=32, symmetric=True)  # Kimi K2 Thinking's routed experts
 
 
@@ -175,6 +180,54 @@ def expert_bytes(model) -> float:
         if "experts" in path and "shared_experts" not in path:
             total += float(np.prod(var.shape)) * var[...].dtype.itemsize
     return total
+
+
+def part_round(args, report, model, cfg):
+    """The compiled DDTree round against the two model passes in it.
+
+    ``generate`` (kernels, a random one-layer DFlash drafter: about one token per round, so every
+    round runs) gives the compiled round's ms; ``profile=True`` times the stages apart (draft,
+    tree, verify, sample, commit). The round's overhead is the compiled round less the drafter's
+    and the target's passes: everything the round adds to the two model calls.
+    """
+    impl = impl_of("kernels", args.smoke)
+    model.set_impl(impl)
+    dcfg = one_layer_drafter_config(cfg)
+    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16))
+    rng = np.random.default_rng(6)
+    verify_ms = {(r["pass"], r["B"]): r["ms"] for r in report.sections["passes"]
+                 if r["variant"] == "kernels" and "ms" in r}
+    for b in args.batches:
+        prompts = rng.integers(0, cfg.vocab_size - 1, (b, args.prompt)).tolist()
+        for budget in args.round_budgets:
+            if past_deadline(args):
+                return
+            kw = dict(method="ddtree", budget=budget, max_new_tokens=args.round_new, impl=impl)
+            row = {"B": b, "budget": budget}
+            try:
+                dt.generate(model, drafter, prompts, **kw)  # compiles
+                out = dt.generate(model, drafter, prompts, **kw)
+                for _ in range(2):  # the second call runs compiled
+                    prof = dt.generate(model, drafter, prompts, profile=True, **kw)
+                round_ms = 1e3 * out.seconds / out.rounds
+                split = {k: 1e3 * v / prof.rounds for k, v in prof.time_split.items()}
+                overhead = round_ms - split["draft"] - split["verify"]
+                row.update(round_ms=round_ms, rounds=out.rounds, tau=out.mean_tau,
+                           **{f"{k}_ms": v for k, v in split.items()},
+                           overhead_ms=overhead, overhead_share=overhead / round_ms)
+                timed = verify_ms.get((f"verify {budget}", b))
+                if timed is not None:  # the verify timed back to back by ``passes``: no launch gaps
+                    row["overhead_ms (passes' verify)"] = round_ms - split["draft"] - timed
+                log(f"  round B={b} budget={budget}: {round_ms:.3f} ms compiled; apart (ms): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in split.items())
+                    + f"; overhead {overhead:.3f} ms ({100 * overhead / round_ms:.1f}% of the round)")
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                log(f"  round B={b} budget={budget} failed: {row['error']}")
+            report.add("round", row)
+            report.write()
+    del drafter
+    gc.collect()
 
 
 def part_int4(args, report, model, cfg, bw):
@@ -301,6 +354,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--budgets", type=int, nargs="+", default=[15, 64, 256])
     ap.add_argument("--int4-budgets", type=int, nargs="+", default=[15, 64])
+    ap.add_argument("--round-budgets", type=int, nargs="+", default=[15, 64])
+    ap.add_argument("--round-new", type=int, default=32, help="new tokens per request in the round part")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--prefill", type=int, nargs="+", default=[2048, 16384])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
@@ -310,25 +365,27 @@ def main():
     args.attention_cases = [(1, 1), (16, 1), (1, 65), (16, 16)]
     if args.smoke:
         args.batches, args.budgets, args.prompt, args.prefill, args.contexts = [1, 2], [3, 8], 16, [32], [40]
-        args.int4_budgets = [3]
+        args.int4_budgets, args.round_budgets, args.round_new = [3], [3], 4
         args.attention_cases = [(1, 1), (2, 5)]
     if args.deadline is None:
         args.deadline = 450.0 if jax.default_backend() == "gpu" else 0.0
     cfg = target_config(args)
     report = Report(args, name="models", title="Kimi K2-shaped target, one GPU",
-                    sections=("passes", "prefill", "int4", "attention"))
+                    sections=("passes", "round", "prefill", "int4", "attention"))
     bw, rate = copy_bandwidth(), matmul_rate()
     report.meta.update(copy_bandwidth_GBps=round(bw / 1e9, 1), bf16_matmul_TFLOPs=round(rate / 1e12, 1),
                        layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts)
     log(f"{report.meta['device']} ({jax.default_backend()}), jax {jax.__version__}, copy {bw / 1e9:,.0f} GB/s, "
         f"bf16 matmul {rate / 1e12:,.0f} TFLOP/s; {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts")
     model = None
-    if {"passes", "prefill", "int4"} & set(args.parts):
+    if {"passes", "round", "prefill", "int4"} & set(args.parts):
         model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
         report.notes.append(f"Weights: {weight_read_bytes(model, cfg, 0, embedding='rows') / 2**30:.2f} GiB "
                             "without routed experts and embedding table.")
     if "passes" in args.parts:
         part_passes(args, report, model, cfg, bw)
+    if "round" in args.parts:
+        part_round(args, report, model, cfg)
     if "prefill" in args.parts:
         part_prefill(args, report, model, cfg, bw, rate)
     if "int4" in args.parts:

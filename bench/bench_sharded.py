@@ -62,6 +62,7 @@ from bench._common import (  # noqa: E402
     copy_bandwidth,
     k2_slice,
     log,
+    one_layer_drafter_config,
     past_deadline,
     random_tree,
     time_call,
@@ -78,20 +79,10 @@ def target_config(args, layers: int) -> dt.KimiConfig:
     return k2_slice(layers, args.experts, smoke=args.smoke)
 
 
-def drafter_config(tcfg: dt.KimiConfig) -> dt.DFlashConfig:
-    heads = max(4, tcfg.hidden_size // 256)
-    return dt.DFlashConfig(
-        hidden_size=tcfg.hidden_size, intermediate_size=2 * tcfg.hidden_size, num_hidden_layers=1,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=tcfg.hidden_size // heads,
-        num_target_layers=tcfg.num_hidden_layers, block_size=16, mask_token_id=tcfg.vocab_size - 1,
-        target_layer_ids=dt.default_target_layer_ids(tcfg.num_hidden_layers, 1), layer_types=("full_attention",),
-        vocab_size=tcfg.vocab_size,
-    )
-
-
 def make_models(tcfg, mesh, dtype, impl):
     target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(tcfg, rngs=nnx.Rngs(0), dtype=dtype, impl=impl), mesh)
-    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(drafter_config(tcfg), rngs=nnx.Rngs(1), dtype=dtype), mesh)
+    dcfg = one_layer_drafter_config(tcfg)
+    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=dtype), mesh)
     return target, drafter
 
 

@@ -164,3 +164,32 @@ def test_moe_grouped_matmul_int4_equals_reference(n, e, k, h, i, symmetric):
         err = float(jnp.abs(got.astype(jnp.float32) - want).max())
         assert err <= tol * float(jnp.abs(want).max()), (dtype, err)
         assert not np.asarray(got.astype(jnp.float32))[~np.asarray(valid)].any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("b,t,s,starts,tree,segment_keys", [
+    (2, 1, 3000, [0, 2999], False, 512),  # decode steps over contexts of 1 and 3,000 keys
+    (2, 17, 3000, [100, 2983], True, 512),  # tree verifies, the second ending at the cache's end
+    (2, 17, 1000, [0, 500], True, 0),  # the older shape-dependent split
+    (1, 300, 300, [0], False, 512),  # causal prefill of 300 tokens
+])
+def test_mla_attention_equals_reference(b, t, s, starts, tree, segment_keys, dtype):
+    """The compiled MLA kernel (K2 heads and ranks, the model's dispatch and default tiles) against
+    the IEEE float32 dense reference on the same rounded inputs: float32 within 1e-4, bf16 within
+    2e-2 (the kernel rounds probabilities and the output to bf16; outputs are O(1))."""
+    from ddtree_jax.backend import resolve_backend
+    from ddtree_jax.models.latent_attention import latent_attention, latent_attention_reference
+    from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
+    from tests.test_mla_kernel import _inputs, _random_tree_masks
+
+    rng = np.random.default_rng(t * 7 + s)
+    h, r, dr = 64, 512, 64
+    ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
+    mask = BlockMask(jnp.asarray(starts, jnp.int32), tree_block_mask(_random_tree_masks(rng, b, t)) if tree else None)
+    scale = 1.0 / np.sqrt(r + dr)
+    got = jax.jit(lambda *a: latent_attention(*a, mask, scale=scale, backend=resolve_backend("pallas"),
+                                              segment_keys=segment_keys))(ql, qr, lat, kr)
+    with jax.default_matmul_precision("highest"):
+        want = latent_attention_reference(*[x.astype(jnp.float32) for x in (ql, qr, lat, kr)], mask, scale=scale)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol, rtol=0)
