@@ -67,6 +67,7 @@ from flax import nnx  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
 from bench._common import (  # noqa: E402
+    ModuleFn,
     Report,
     copy_bandwidth,
     k2_slice,
@@ -139,16 +140,16 @@ def time_passes(args, report, model, cfg, bw, *, budgets, variants, section, ext
     prefill of ``--prompt`` tokens: one row per (case, batch, variant) into ``section``."""
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(budgets) + 8
-    prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
-    verify = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
-    verify_dense = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0])
+    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
+    verify = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
+    verify_dense = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0])
     for b in args.batches:
         if past_deadline(args):
             return
         model.set_impl(impl_of("kernels", args.smoke))
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, args.prompt)), jnp.int32)
         try:
-            cache = prefill(model, ids, jnp.full((b,), args.prompt, jnp.int32), model.init_cache(b, max_len))
+            cache = prefill.bind(model)(ids, jnp.full((b,), args.prompt, jnp.int32), model.init_cache(b, max_len))
         except Exception as e:  # noqa: BLE001
             log(f"  B={b} prefill failed: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -162,9 +163,9 @@ def time_passes(args, report, model, cfg, bw, *, budgets, variants, section, ext
                 if past_deadline(args):
                     return
                 model.set_impl(impl_of(variant, args.smoke))
-                fn = verify_dense if variant == "dense" else verify
+                fn = (verify_dense if variant == "dense" else verify).bind(model)
                 row = {"pass": name, "B": b, "tokens": tokens, "variant": variant, **(extra or {})}
-                variant_call(fn, (model, tok, depths, anc, cache), row, floor, report, section)
+                variant_call(fn, (tok, depths, anc, cache), row, floor, report, section)
         del cache
         gc.collect()
 
@@ -273,8 +274,8 @@ def part_prefill(args, report, model, cfg, bw, rate):
     rng = np.random.default_rng(4)
     params, nbytes = active_weights(model, cfg)
     layers = cfg.num_hidden_layers
-    prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
-    prefill_dense = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c, dense_experts=True)[2])
+    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
+    prefill_dense = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, dense_experts=True)[2])
     for t in args.prefill:
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (1, t)), jnp.int32)
         flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True)
@@ -283,9 +284,9 @@ def part_prefill(args, report, model, cfg, bw, rate):
             if past_deadline(args):
                 return
             model.set_impl(impl_of(variant, args.smoke))
-            fn = prefill_dense if variant == "dense" else prefill
+            fn = (prefill_dense if variant == "dense" else prefill).bind(model)
             row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": variant, "tflop": flops / 1e12}
-            variant_call(fn, (model, ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
+            variant_call(fn, (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
                          "prefill")
             if "ms" in row:
                 row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)

@@ -58,6 +58,7 @@ from flax import nnx  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
 from bench._common import (  # noqa: E402
+    ModuleFn,
     Report,
     copy_bandwidth,
     k2_slice,
@@ -224,24 +225,24 @@ def part_passes(args, report, dtype, n_dev, bw):
     target, drafter = make_models(tcfg, mesh, dtype, args.impl)
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(args.budgets) + 8
-    prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
-    step = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[0])
-    verify = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
+    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2]).bind(target)
+    step = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[0]).bind(target)
+    verify = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]).bind(target)
     for b in args.batches:
         if past_deadline(args):
             break
         ids = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (b, args.prompt)), jnp.int32)
         try:
-            cache = prefill(target, ids, jnp.full((b,), args.prompt, jnp.int32), target.init_cache(b, max_len))
+            cache = prefill(ids, jnp.full((b,), args.prompt, jnp.int32), target.init_cache(b, max_len))
         except Exception as e:  # noqa: BLE001 - report and go on
             log(f"  B={b} prefill failed: {type(e).__name__}: {str(e)[:200]}")
             report.add("passes", dict(pass_="prefill", B=b, error=f"{type(e).__name__}: {str(e)[:120]}"))
             continue
-        cases = [("decode step", 1, (step, target, ids[:, :1], jnp.ones((b,), jnp.int32), cache))]
+        cases = [("decode step", 1, (step, ids[:, :1], jnp.ones((b,), jnp.int32), cache))]
         for budget in args.budgets:
             depths, anc = random_tree(rng, b, budget)
             tok = jnp.asarray(rng.integers(0, tcfg.vocab_size - 1, (b, budget + 1)), jnp.int32)
-            cases.append((f"verify {budget}", budget + 1, (verify, target, tok, depths, anc, cache)))
+            cases.append((f"verify {budget}", budget + 1, (verify, tok, depths, anc, cache)))
         for name, per_row, (fn, *fargs) in cases:
             if past_deadline(args):
                 break

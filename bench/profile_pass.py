@@ -1,0 +1,110 @@
+"""Where a model pass spends its time on the GPU: the device kernels of a decode step or tree
+verify of the Kimi K2-shaped target, from a JAX profiler trace (``jax.profiler.ProfileData``), and
+the pass timed two ways (``nnx.jit`` on the module, ``jax.jit`` on its split state).
+
+For each ``--cases`` entry ``B:budget`` (budget 0: the decode step): the wall time per call,
+the device time per call (the sum of the kernels on the GPU's streams: less than the wall time
+means the GPU waits for the host), and the kernels that take the most time per call.
+
+    PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python bench/profile_pass.py --out $OUT
+    python bench/profile_pass.py --smoke --out /tmp/bench      # CPU, tiny shapes (no GPU kernels)
+
+Writes ``profile_<device>_<date>.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if "--smoke" in sys.argv:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import ddtree_jax as dt  # noqa: E402
+from bench._common import ModuleFn, Report, k2_slice, log, random_tree, time_call  # noqa: E402
+
+
+def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
+    """Nanoseconds per call by kernel name on the GPU's streams over ``calls`` traced calls, and
+    the trace's streams' total per call."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        data = jax.profiler.ProfileData.from_file(path)
+        per_kernel: dict[str, float] = collections.defaultdict(float)
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                for ev in line.events:
+                    per_kernel[ev.name] += ev.duration_ns / calls
+    return dict(per_kernel), sum(per_kernel.values())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--cases", nargs="+", default=["1:0", "1:64", "16:64"], help="B:budget (0: decode step)")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--calls", type=int, default=5, help="traced calls per case")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    if args.smoke:
+        args.prompt, args.cases = 16, ["1:0", "2:3"]
+    cfg = k2_slice(args.layers, args.experts, smoke=args.smoke)
+    impl = "pallas" if args.smoke and args.impl == "auto" else args.impl
+    report = Report(args, name="profile", title="Kimi K2-shaped target: where a pass spends its time",
+                    sections=("passes", "kernels"))
+    model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, impl=impl))
+    rng = np.random.default_rng(0)
+    verify_nnx = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
+    verify_split = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]).bind(model)
+    prefill = nnx.jit(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
+    for case in args.cases:
+        b, budget = (int(x) for x in case.split(":"))
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, args.prompt)), jnp.int32)
+        empty = model.init_cache(b, args.prompt + budget + 8)
+        cache = prefill(model, ids, jnp.full((b,), args.prompt, jnp.int32), empty)
+        depths, anc = random_tree(rng, b, budget)
+        tok = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, budget + 1)), jnp.int32)
+        name = "decode step" if budget == 0 else f"verify {budget}"
+        row = {"pass": name, "B": b}
+        row["nnx.jit ms"] = 1e3 * time_call(verify_nnx, model, tok, depths, anc, cache)
+        row["jax.jit ms"] = 1e3 * time_call(verify_split, tok, depths, anc, cache)
+        kernels, total_ns = device_kernels(verify_split, (tok, depths, anc, cache), args.calls)
+        row["device ms"] = total_ns / 1e6
+        log(f"{name} B={b}: nnx.jit {row['nnx.jit ms']:.3f} ms, jax.jit {row['jax.jit ms']:.3f} ms, "
+            f"kernels on the GPU {row['device ms']:.3f} ms per call")
+        report.add("passes", row)
+        for kname, ns in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
+            report.add("kernels", {"pass": name, "B": b, "kernel": kname[:90], "us per call": ns / 1e3,
+                                   "share": ns / max(total_ns, 1)})
+            log(f"    {ns / 1e3:10.1f} us  {kname[:110]}")
+        report.write()
+    log(f"wrote {report.stem}.md")
+
+
+if __name__ == "__main__":
+    main()
