@@ -16,7 +16,8 @@ out of memory say, is reported and the run goes on):
   routing of its tokens is expected to touch: ``bench._common.weight_read_bytes``) at the copy
   bandwidth measured in the same run.
 * ``prefill``: one row of each of ``--prefill`` tokens into an empty cache, returning the cache
-  (as ``generate``'s prefill: the LM head is not computed). Floor: the larger of the weight-read
+  and every layer's output (the LM head is not computed; without the outputs XLA would drop the
+  last layer's MoE, which no cache needs). Floor: the larger of the weight-read
   time and the FLOPs (2 x tokens x active weights, without the LM head; causal MLA attention in
   the absorbed form: T(T+1)/2 x 2H(2r+dr) per layer) at the bf16 matmul rate measured in the run.
 * ``round``: the compiled DDTree round (``generate``, kernels, a random one-layer DFlash
@@ -274,8 +275,12 @@ def part_prefill(args, report, model, cfg, bw, rate):
     rng = np.random.default_rng(4)
     params, nbytes = active_weights(model, cfg)
     layers = cfg.num_hidden_layers
-    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
-    prefill_dense = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, dense_experts=True)[2])
+    # Every layer's output is returned: the cache alone would let XLA drop the last layer's MoE
+    # (no cache depends on it), and with 2 layers that is most of the work.
+    every = tuple(range(layers))
+    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, hidden_layer_ids=every)[1:])
+    prefill_dense = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, hidden_layer_ids=every,
+                                                            dense_experts=True)[1:])
     for t in args.prefill:
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (1, t)), jnp.int32)
         flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True)
