@@ -5,12 +5,15 @@ JSON and Markdown after every row (a run cut short keeps what it measured)."""
 
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
 import json
 import os
 import platform
 import re
 import sys
+import tempfile
 import time
 
 import jax
@@ -76,6 +79,30 @@ class _Bound:
 
     def lower(self, *a):
         return self._fn.lower(self._graph, self._state, *a)
+
+
+def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
+    """Nanoseconds per call by kernel name on the GPU's streams over ``calls`` traced calls, and
+    the trace's streams' total per call."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        data = jax.profiler.ProfileData.from_file(path)
+        per_kernel: dict[str, float] = collections.defaultdict(float)
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                for ev in line.events:
+                    per_kernel[ev.name] += ev.duration_ns / calls
+    return dict(per_kernel), sum(per_kernel.values())
 
 
 def log(*a):

@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench._common import device_kernels  # noqa: E402
 from ddtree_jax.models.latent_attention import latent_attention_reference  # noqa: E402
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
 from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention  # noqa: E402
@@ -186,9 +187,16 @@ class Bench:
             variant = f"kernel split={split}" + (f"({sk})" if split == "auto" else "") + (
                 "" if cfg is None else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
             try:
-                us = dev_time(self.kernel_fn(within is None, sk, cfg), ql, self.n_dev, (qr, lat, kr, st, within)) * 1e6
+                fn = self.kernel_fn(within is None, sk, cfg)
+                us = dev_time(fn, ql, self.n_dev, (qr, lat, kr, st, within)) * 1e6
                 row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6,
                            x_floor=us / floor / 1e6)
+                if self.a.split_kernels and ctx >= self.a.split_kernels and not self.interp:
+                    # device time of the attention and merge launches apart (a profiler trace)
+                    per, _ = device_kernels(jax.jit(fn), (ql, qr, lat, kr, st, within), calls=5)
+                    for k in ("mla_attention", "mla_attention_merge"):
+                        row[f"{k}_us"] = sum(ns for n, ns in per.items() if n.startswith(k) and (
+                            k != "mla_attention" or not n.startswith("mla_attention_merge"))) / 1e3
                 if ref_us:
                     row["reference_over_kernel"] = ref_us / us
                 self.rows.append(row)
@@ -207,6 +215,8 @@ def main():
     p.add_argument("--bandwidth", type=float, default=4.2, help="copy bandwidth, TB/s (H200 measured ~4.2)")
     p.add_argument("--ref-max-gb", type=float, default=24.0, help="skip the reference above this score size")
     p.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweeps")
+    p.add_argument("--split-kernels", type=int, default=32768,
+                   help="from this context on, also time the attention and merge launches apart (0: never)")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -240,21 +250,24 @@ def main():
     batches = (1, 2) if small else (1, 16)
     prefill_t = 8 if small else 2048
     sweep = not a.no_sweep
+    # (block_m, block_k, num_warps, num_stages) besides the defaults, at the longest context:
+    # smaller row tiles and more warps hold less of the [block_m, 512] float32 accumulator per thread
+    tiles = ((64, 64, 8, 2), (64, 32, 16, 2), (64, 32, 8, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
+             (16, 64, 4, 2), (16, 32, 4, 3))
+    sweep_cfgs = (None,) if small else (None,) + tuple(
+        dict(block_m=m, block_k=k, num_warps=w, num_stages=s) for m, k, w, s in tiles)
     for ctx in contexts:
         for b in batches:
             big = ctx == contexts[-1] and sweep
             splits = ("auto", 0)
             if sweep and b == 1:
                 splits += (16, 32) if small else (128, 512, 2048)
-            cfgs = (None,)
-            if big and b == 1 and not small:
-                tiles = ((64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 16, 2), (32, 32, 4, 2), (64, 32, 8, 3))
-                cfgs = (None,) + tuple(dict(block_m=m, block_k=k, num_warps=w, num_stages=s) for m, k, w, s in tiles)
-            bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=cfgs)
+            bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=sweep_cfgs if big else (None,))
         for t in verify_ts:
             for b in batches:
                 splits = ("auto", 0) if b == 1 else ("auto",)
-                bench.case("verify", b, t, ctx, max_len, splits=splits)
+                big = ctx == contexts[-1] and sweep and t == verify_ts[0]
+                bench.case("verify", b, t, ctx, max_len, splits=splits, cfgs=sweep_cfgs if big else (None,))
         bench.case("prefill", 1, prefill_t, ctx, max_len)
         log(f"elapsed {time.time() - t_start:.0f} s")
 

@@ -15,48 +15,20 @@ Writes ``profile_<device>_<date>.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if "--smoke" in sys.argv:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
-from bench._common import ModuleFn, Report, k2_slice, log, random_tree, time_call  # noqa: E402
-
-
-def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
-    """Nanoseconds per call by kernel name on the GPU's streams over ``calls`` traced calls, and
-    the trace's streams' total per call."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        jax.profiler.stop_trace()
-        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-        data = jax.profiler.ProfileData.from_file(path)
-        per_kernel: dict[str, float] = collections.defaultdict(float)
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):
-                    continue
-                for ev in line.events:
-                    per_kernel[ev.name] += ev.duration_ns / calls
-    return dict(per_kernel), sum(per_kernel.values())
+from bench._common import ModuleFn, Report, device_kernels, k2_slice, log, random_tree, time_call  # noqa: E402
 
 
 def main():

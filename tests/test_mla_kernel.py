@@ -148,9 +148,10 @@ def test_segments_make_rows_batch_invariant():
     """With fixed ``segment_keys`` a row's bits do not depend on the batch, the block length or the
     split: the root of a 5-token tree block in a batch of 3 (one program per segment, and the
     segments in turn) == the same row alone as a one-token decode step, and so do the rows of a
-    chain block (its tokens in consecutive slots); all near the reference."""
+    chain block (its tokens in consecutive slots); all near the reference. r = 96: the merge runs
+    in two column programs, the second half masked."""
     rng = np.random.default_rng(11)
-    b, t, h, r, dr, s, seg = 3, 5, 16, 32, 8, 100, 16
+    b, t, h, r, dr, s, seg = 3, 5, 16, 96, 8, 100, 16
     ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, jnp.float32)
     start = jnp.asarray([0, 40, 90], jnp.int32)
     within = _random_tree_masks(rng, b, t)

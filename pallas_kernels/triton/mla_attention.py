@@ -75,6 +75,9 @@ __all__ = ["auto_split_keys", "default_tiles", "mla_attention"]
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf.
 _NEG = -1e30
+# Value columns per merge program: a [64, 64] float32 tile is 32 registers a thread at 4 warps
+# (the whole [64, 512] accumulator would be 256 and spill).
+_MERGE_COLS = 64
 # Streaming multiprocessors of an H200 (used only to size the split-keys heuristic).
 _NUM_SMS = 132
 
@@ -210,21 +213,23 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, RP, BM, causal, chunk, seg, grp):
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, MC, BM, causal, chunk, seg, grp):
     """Merge the splits a row tile's length reached, in split order (the same order for any
     batch); splits of one segment each are first folded into their groups (``grp`` keys), as the
-    attention kernel folds them when it runs the segments itself."""
-    b, rt = pl.program_id(0), pl.program_id(1)
+    attention kernel folds them when it runs the segments itself. Each program merges ``MC`` of
+    the value columns (every column's fold is its own: the same bits whatever ``MC``), so a
+    program holds a ``[BM, MC]`` float32 tile, not the whole ``[BM, r]`` accumulator."""
+    b, rt, ct = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
-    row0 = rt * BM
+    row0, col0 = rt * BM, ct * MC
     row_ok = rows < R
-    col_ok = None if RP == r else (jnp.arange(RP, dtype=jnp.int32) < r)[None, :]
+    col_ok = None if r % MC == 0 else (col0 + jnp.arange(MC, dtype=jnp.int32) < r)[None, :]
     mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
     n_parts = pl.cdiv(kv_end, chunk)
     per_group = max(1, grp // chunk) if seg else 1
 
     def fold(s, carry):
-        o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(0, RP)], mask=mask2, other=0)
+        o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(col0, MC)], mask=mask2, other=0)
         m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
         den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
         return _merge(carry, (o_s, m_s, den_s))
@@ -232,11 +237,11 @@ def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, R
     def group(gi, total):
         first = gi * per_group
         n = jnp.minimum(per_group, n_parts - first)
-        return _merge(total, jax.lax.fori_loop(first, first + n, fold, _fresh(BM, RP)))
+        return _merge(total, jax.lax.fori_loop(first, first + n, fold, _fresh(BM, MC)))
 
-    o, _, den = jax.lax.fori_loop(0, pl.cdiv(n_parts, per_group), group, _fresh(BM, RP))
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(n_parts, per_group), group, _fresh(BM, MC))
     out = o / jnp.where(den > 0, den, 1.0)[:, None]
-    plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=mask2)
+    plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(col0, MC)], out.astype(out_ref.dtype), mask=mask2)
 
 
 def default_tiles(dtype) -> dict:
@@ -344,9 +349,10 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         name="mla_attention",
     )(start.astype(jnp.int32), q_latent.reshape(B, R, r), q_rope.reshape(B, R, dr), latent, k_rope, bm)
     if chunk:
+        mc = min(RP, _MERGE_COLS)
         (out,) = pl.pallas_call(
-            functools.partial(_merge_kernel, RP=RP, **static),
-            grid=grid[:2],
+            functools.partial(_merge_kernel, MC=mc, **static),
+            grid=(*grid[:2], pl.cdiv(r, mc)),
             in_specs=[any_spec] * 4,
             out_specs=[any_spec],
             out_shape=[sd((B, R, r), q_latent.dtype)],
