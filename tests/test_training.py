@@ -13,7 +13,7 @@ from flax import nnx
 
 from ddtree_jax.models import DFlashDrafter, KimiForCausalLM
 from ddtree_jax.training import data
-from ddtree_jax.training._common import make_optimizer
+from ddtree_jax.training._common import CompiledStep, make_optimizer
 from ddtree_jax.training.configs import SIZES, drafter_config, target_config
 from ddtree_jax.training.drafter import drafter_train_step, sample_anchors
 from ddtree_jax.training.state import load_state, save_state
@@ -91,9 +91,12 @@ def test_target_step_lowers_the_loss(run_folder):
     opt = make_optimizer(model, TRAINABLE, **TARGET_OPT)  # as in the resume test: one compilation serves both
     ids = jnp.asarray(np.load(os.path.join(run_folder, "train_tokens.npy"))[: 4 * 33].reshape(4, 33).astype(np.int32))
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias[...]
-    losses = _repeat_steps(lambda: target_train_step(model, opt, ids, compute_dtype=jnp.float32, bias_rate=1e-3), 6)
+    step = CompiledStep(target_train_step, (model, opt), compute_dtype=jnp.float32, bias_rate=1e-3)
+    losses = _repeat_steps(lambda: step(ids), 6)
     assert losses[-1] < losses[0] - 0.3
+    step.sync()  # the carried state back into the modules
     assert not np.array_equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias[...])  # balancing moved it
+    assert int(opt.step[...]) == 6
 
 
 def test_drafter_step_lowers_the_loss():
@@ -105,7 +108,8 @@ def test_drafter_step_lowers_the_loss():
     tokens = jnp.asarray(rng.integers(2, 300, (2, 40)), jnp.int32)
     anchors = jnp.asarray(sample_anchors(rng, np.array([8, 20]), 40, 3, 16))
     assert int(anchors.min()) >= 7 and int(anchors.max()) <= 40 - 16
-    losses = _repeat_steps(lambda: drafter_train_step(drafter, opt, target, tokens, anchors), 6)
+    step = CompiledStep(drafter_train_step, (drafter, opt), (target,))
+    losses = _repeat_steps(lambda: step(tokens, anchors), 6)
     assert losses[-1] < losses[0] - 0.3
 
 

@@ -40,6 +40,7 @@ from flax import nnx
 from ddtree_jax.models import DFlashDrafter
 from ddtree_jax.training._common import (
     Clock,
+    CompiledStep,
     RunFolder,
     cast_params,
     compute_dtype_for,
@@ -100,9 +101,9 @@ def _block_loss(drafter, target, tokens, anchors, compute_dtype, gamma):
     return (ce * weights).sum(-1).mean() / weights.sum(), matches
 
 
-@functools.partial(nnx.jit, static_argnames=("compute_dtype", "gamma"))
 def drafter_train_step(drafter, opt, target, tokens, anchors, *, compute_dtype=jnp.float32, gamma: float = 7.0):
-    """One step on ``tokens int32 [B, S]`` with ``anchors int32 [B, A]``; returns the loss (before the step)."""
+    """One step on ``tokens int32 [B, S]`` with ``anchors int32 [B, A]``; returns the loss (before the step).
+    Compiled by ``CompiledStep(drafter_train_step, (drafter, opt), (target,), compute_dtype=..., gamma=...)``."""
     grad_fn = nnx.value_and_grad(lambda d: _block_loss(d, target, tokens, anchors, compute_dtype, gamma)[0])
     loss, grads = grad_fn(drafter)
     opt.update(drafter, grads)
@@ -236,14 +237,18 @@ def train_drafter_stage(run: str, *, size: str = "h200", minutes: float = 8.0, s
             f"block {cfg.block_size}, target layers {cfg.target_layer_ids}); {len(data['tokens'])} sequences of "
             f"{seq_len} tokens; {steps} steps of {batch} sequences x {anchors} anchors")
 
+    step = CompiledStep(drafter_train_step, (drafter, opt), (target,), compute_dtype=dtype, gamma=gamma)
+
     def save(reason: str):
         t = time.perf_counter()
+        step.sync()
         info["data_position"] = dict(step=info["step"], rule="rows and anchors of step s from default_rng([seed, s])")
         save_state(state_dir, {"model": nnx.state(drafter), "opt": nnx.state(opt)}, info)
         log(f"[drafter] saved step {info['step']} ({reason}, {time.perf_counter() - t:.1f}s)")
 
     def evaluate():
         t = time.perf_counter()
+        step.sync()
         res = acceptance_by_depth(drafter, target, heldout, anchors=eval_anchors, batch=batch, compute_dtype=dtype,
                                   gamma=gamma)
         improved = res["tau"] > info["best_tau"]
@@ -280,8 +285,7 @@ def train_drafter_stage(run: str, *, size: str = "h200", minutes: float = 8.0, s
         rows = rng.integers(0, len(tokens_all), batch)
         anc = sample_anchors(rng, plen_all[rows], seq_len, anchors, cfg.block_size)
         t = time.perf_counter()
-        loss = float(drafter_train_step(drafter, opt, target, jnp.asarray(tokens_all[rows]), jnp.asarray(anc),
-                                        compute_dtype=dtype, gamma=gamma))
+        loss = float(step(jnp.asarray(tokens_all[rows]), jnp.asarray(anc)))
         step_s = time.perf_counter() - t if info["step"] > start_step else step_s
         info["step"] += 1
         since.append(loss)

@@ -34,6 +34,7 @@ from ddtree_jax.models import KimiForCausalLM
 from ddtree_jax.models.kimi import MoE, Router
 from ddtree_jax.training._common import (
     Clock,
+    CompiledStep,
     RunFolder,
     cast_params,
     compute_dtype_for,
@@ -89,9 +90,9 @@ def _cross_entropy(model, ids, compute_dtype):
     return loss, [moe.gate.load[...] for moe in _moe_layers(m)]
 
 
-@functools.partial(nnx.jit, static_argnames=("compute_dtype", "bias_rate"))
 def target_train_step(model, opt, ids, *, compute_dtype=jnp.float32, bias_rate: float = 1e-3):
-    """One optimiser step on ``ids int32 [B, T+1]``; returns the batch's loss (before the step)."""
+    """One optimiser step on ``ids int32 [B, T+1]``; returns the batch's loss (before the step).
+    Compiled by ``CompiledStep(target_train_step, (model, opt), compute_dtype=..., bias_rate=...)``."""
     grad_fn = nnx.value_and_grad(lambda m: _cross_entropy(m, ids, compute_dtype), argnums=nnx.DiffState(0, TRAINABLE),
                                  has_aux=True)
     (loss, loads), grads = grad_fn(model)
@@ -171,14 +172,18 @@ def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, st
     log(f"[target] data: {len(windows.stream):,} training tokens ({windows.steps_per_epoch} steps per epoch), "
         f"{len(heldout)} held-out windows")
 
+    step = CompiledStep(target_train_step, (model, opt), compute_dtype=dtype, bias_rate=bias_rate)
+
     def save(reason: str):
         t = time.perf_counter()
+        step.sync()
         info["data_position"] = windows.position(info["step"])
         save_state(state_dir, {"model": nnx.state(model), "opt": nnx.state(opt)}, info)
         log(f"[target] saved step {info['step']} to {state_dir} ({reason}, {time.perf_counter() - t:.1f}s)")
 
     def evaluate():
         t = time.perf_counter()
+        step.sync()
         loss, imbalance = evaluate_target(model, heldout, batch, dtype)
         improved = loss < info["best_heldout"]
         if improved:
@@ -201,8 +206,7 @@ def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, st
                 f"({clock.elapsed():.0f}s); run the same command again to continue")
             break
         t = time.perf_counter()
-        loss = float(target_train_step(model, opt, jnp.asarray(windows.batch_at(info["step"])), compute_dtype=dtype,
-                                       bias_rate=bias_rate))
+        loss = float(step(jnp.asarray(windows.batch_at(info["step"]))))
         step_s = time.perf_counter() - t if info["step"] > start_step else step_s
         info["step"] += 1
         since.append(loss)
