@@ -23,6 +23,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ddtree_jax.training._common import CompiledStep
+
 __all__ = ["train_drafter", "train_target"]
 
 
@@ -43,7 +45,6 @@ def train_target(model, stream: np.ndarray, *, steps: int = 300, batch: int = 16
         raise ValueError(f"the token stream ({len(stream)} tokens) must be longer than seq_len={seq_len}")
     opt = _optimizer(model, lr, steps)
 
-    @nnx.jit
     def step(model, opt, ids):
         def loss_fn(m):
             logits = m(ids[:, :-1])
@@ -54,8 +55,8 @@ def train_target(model, stream: np.ndarray, *, steps: int = 300, batch: int = 16
         return loss
 
     log(f"[train target] {steps} steps, batches of {batch} windows of {seq_len + 1} tokens; step 1 compiles first ...")
-    return _loop("target", step, model, opt, lambda rng: (_windows(rng, stream, batch, seq_len + 1), None), steps, seed,
-                 log, log_every)
+    return _loop("target", CompiledStep(step, (model, opt)),
+                 lambda rng: ((_windows(rng, stream, batch, seq_len + 1),), None), steps, seed, log, log_every)
 
 
 def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batch: int = 16,
@@ -96,7 +97,6 @@ def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batc
     weights = jnp.exp(-(jnp.arange(1, bs) - 1) / gamma)
     opt = _optimizer(drafter, lr, steps)
 
-    @nnx.jit
     def step(drafter, opt, target, hidden, block):
         def loss_fn(d):
             logits = d(target, hidden, block[:, 0])  # [B, bs-1, V]
@@ -115,19 +115,20 @@ def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batc
 
     log(f"[train drafter] {steps} steps, batches of {batch} examples of one context length each; "
         "step 1 compiles first (and each new context length's shapes once) ...")
-    return _loop("drafter", lambda d, o, b: step(d, o, target, *b), drafter, opt, sample, steps, seed, log, log_every,
+    return _loop("drafter", CompiledStep(step, (drafter, opt), (target,)), sample, steps, seed, log, log_every,
                  group_name="context")
 
 
-def _loop(name, step, model, opt, sample, steps, seed, log, log_every, group_name=None):
-    """Runs ``steps`` steps; ``sample(rng)`` gives ``(batch, group)``. Logs, every ``log_every`` steps, the
+def _loop(name, step: CompiledStep, sample, steps, seed, log, log_every, group_name=None):
+    """Runs ``steps`` steps; ``sample(rng)`` gives ``(batch args, group)``. Logs, every ``log_every`` steps, the
     mean loss since the previous log line, and with ``group_name`` that mean per group (the drafter's
-    context lengths differ in difficulty, so one step's loss says little)."""
+    context lengths differ in difficulty, so one step's loss says little). Leaves the trained state
+    in the modules."""
     rng = np.random.default_rng(seed + 1)
     losses, groups, t0, since = [], [], time.perf_counter(), 0
     for i in range(steps):
         batch, group = sample(rng)
-        losses.append(float(step(model, opt, batch)))
+        losses.append(float(step(*batch)))
         groups.append(group)
         if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
             window = losses[since:]
@@ -141,4 +142,5 @@ def _loop(name, step, model, opt, sample, steps, seed, log, log_every, group_nam
                 by = f"; by {group_name} " + ", ".join(f"{g}: {np.mean(per[g]):.2f}" for g in sorted(per))
             log(f"[train {name}] step {i + 1}/{steps} {what}{by}, {time.perf_counter() - t0:.0f}s)")
             since = i + 1
+    step.sync()
     return losses
