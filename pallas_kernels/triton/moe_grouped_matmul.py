@@ -45,9 +45,11 @@ inputs ``k0 + 8j .. k0 + 8j + 7``, nibble p = input ``k0 + 8j + p``, offset 8) w
 optionally a zero point) per group of G inputs (``[E, K/G, N]``). A chunk loads one
 ``[block_k/8, bn]`` tile of words and one gathered row of scales per word row, dequantises nibble
 p in registers (``((w >> 4p) & 0xF) - 8 - zero) * scale`` in float32, rounded to x's dtype) and
-multiplies it with the x columns ``k0 + 8j + p`` (a stride-8 gather): eight dots of K =
-``block_k / 8`` per chunk, no interleaving of the unpacked values, and a memory layout that does
-not depend on the block sizes. ``block_k`` is at least 128 there (K >= 16 per dot on the GPU).
+multiplies it with the x columns ``k0 + 8j + p``: eight dots of K = ``block_k / 8`` per chunk, no
+interleaving of the unpacked values, and a weight layout that does not depend on the block sizes.
+The activations (x before the first launch, h between the two) are reordered once per call in
+XLA (``_nibble_major``) so that nibble p's columns of a chunk are contiguous: plain loads instead
+of stride-8 gathers in the K loop. ``block_k`` is at least 128 there (K >= 16 per dot on the GPU).
 
 Block sizes (``choose_blocks``): ``block_m`` follows the expected copies per expert
 (``R / E``): 16 (Triton's smallest MMA tile) for decode and tree verify, where a touched expert
@@ -127,12 +129,21 @@ def _on_live_tile(ex_ref, ts_ref, te_ref, *, bm, bn, body):
 
 
 def _chunk_cols(k0, bk, group):
-    """The input columns of one K-chunk, one index vector per dot: the ``bk`` columns in order
-    (dense weights), or for packed weights eight vectors: nibble p's inputs ``k0 + 8j + p``."""
+    """The activation columns of one K-chunk, one contiguous ``(first, width)`` range per dot: the
+    ``bk`` columns (dense weights), or for packed weights eight ranges of ``bk / 8``: nibble p's
+    inputs ``k0 + 8j + p``, which ``_nibble_major`` moved to columns ``k0 + p * bk/8 + j``."""
     if group is None:
-        return [k0 + jnp.arange(bk, dtype=jnp.int32)]
-    first = k0 + 8 * jnp.arange(bk // 8, dtype=jnp.int32)
-    return [first + p for p in range(8)]
+        return [(pl.multiple_of(k0, bk), bk)]
+    words = bk // 8
+    return [(pl.multiple_of(k0 + p * words, words), words) for p in range(8)]
+
+
+def _nibble_major(a: jax.Array, bk: int) -> jax.Array:
+    """``a [M, K]`` with the columns of each ``bk``-chunk reordered from ``8j + p`` to
+    ``p * bk/8 + j``: the inputs of packed word row j's nibble p, for all j, become one contiguous
+    run (a plain load in the kernel, where the original order needs a stride-8 gather)."""
+    m, k = a.shape
+    return a.reshape(m, k // bk, bk // 8, 8).swapaxes(-1, -2).reshape(m, k)
 
 
 def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype):
@@ -168,8 +179,10 @@ def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group):
         def body(kk, acc):
             g, u = acc
             k0 = pl.multiple_of(kk * bk, bk)
-            for cols, wg, wu in zip(_chunk_cols(k0, bk, group), tiles(k0, n0), tiles(k0, inter + n0), strict=True):
+            for (c0, width), wg, wu in zip(_chunk_cols(k0, bk, group), tiles(k0, n0), tiles(k0, inter + n0),
+                                           strict=True):
                 # a row gather: two index arrays (interpret mode cannot mix an index array and a slice)
+                cols = c0 + jnp.arange(width, dtype=jnp.int32)
                 xb = plgpu.load(x_ref.at[tok[:, None], cols[None, :]], mask=live[:, None], other=0)
                 g = g + jnp.dot(xb, wg, preferred_element_type=jnp.float32, precision=_IEEE)
                 u = u + jnp.dot(xb, wu, preferred_element_type=jnp.float32, precision=_IEEE)
@@ -190,11 +203,8 @@ def _down_kernel(h_ref, *refs, nw, inter, bm, bn, bk, group):
         def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
             tiles = _chunk_weights(w_refs, e, k0, n0, K=inter, bk=bk, bn=bn, group=group, dtype=h_ref.dtype)
-            for cols, wd in zip(_chunk_cols(k0, bk, group), tiles, strict=True):
-                if group is None:  # a contiguous block of h
-                    hb = plgpu.load(h_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], mask=live[:, None], other=0)
-                else:  # every 8th column of h
-                    hb = plgpu.load(h_ref.at[rows[:, None], cols[None, :]], mask=live[:, None], other=0)
+            for (c0, width), wd in zip(_chunk_cols(k0, bk, group), tiles, strict=True):
+                hb = plgpu.load(h_ref.at[pl.ds(start, bm), pl.ds(c0, width)], mask=live[:, None], other=0)
                 acc = acc + jnp.dot(hb, wd, preferred_element_type=jnp.float32, precision=_IEEE)
             return acc
 
@@ -220,6 +230,8 @@ def _launch(x, gate_up_refs, down_refs, sorted_token, sorted_weight, meta, *, in
                          f"{min_block_k} on the GPU")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    if groups[0] is not None:
+        x = _nibble_major(x, bk1)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, nw=len(gate_up_refs), H=H, inter=inter, bm=bm, bn=bn1, bk=bk1,
                           group=groups[0]),
@@ -231,6 +243,8 @@ def _launch(x, gate_up_refs, down_refs, sorted_token, sorted_weight, meta, *, in
         interpret=interpret,
         name="ddtree_moe_gate_up" if groups[0] is None else "ddtree_moe_gate_up_int4",
     )(x, *gate_up_refs, sorted_token.astype(jnp.int32), *meta)
+    if groups[1] is not None:
+        h = _nibble_major(h, bk2)
     return pl.pallas_call(
         functools.partial(_down_kernel, nw=len(down_refs), inter=inter, bm=bm, bn=bn2, bk=bk2, group=groups[1]),
         grid=(T, H // bn2),
