@@ -136,9 +136,10 @@ def variant_call(fn, args, row, floor_s, report, section):
     gc.collect()
 
 
-def time_passes(args, report, model, cfg, bw, *, budgets, variants, section, extra=None):
+def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, section, extra=None):
     """Decode step and tree verifies of ``budgets`` nodes at each of ``--batches`` rows after a
-    prefill of ``--prompt`` tokens: one row per (case, batch, variant) into ``section``."""
+    prefill of ``--prompt`` tokens: one row per (case, batch, variant) into ``section``; beside the
+    weight-read floor a roofline (the LM head at the larger of its read and FLOP times)."""
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(budgets) + 8
     prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
@@ -160,6 +161,9 @@ def time_passes(args, report, model, cfg, bw, *, budgets, variants, section, ext
             tok = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, budget + 1)), jnp.int32)
             tokens = b * (budget + 1)
             floor = weight_read_bytes(model, cfg, tokens, embedding="rows") / bw
+            # the LM head over many tree tokens is bound by FLOPs, not reads: a roofline floor
+            head_bytes = cfg.hidden_size * cfg.vocab_size * 2
+            roofline = floor + max(0.0, 2 * tokens * cfg.hidden_size * cfg.vocab_size / rate - head_bytes / bw)
             for variant in variants:
                 if past_deadline(args):
                     return
@@ -167,12 +171,14 @@ def time_passes(args, report, model, cfg, bw, *, budgets, variants, section, ext
                 fn = (verify_dense if variant == "dense" else verify).bind(model)
                 row = {"pass": name, "B": b, "tokens": tokens, "variant": variant, **(extra or {})}
                 variant_call(fn, (tok, depths, anc, cache), row, floor, report, section)
+                if "ms" in row:
+                    row["x_roofline"] = row["ms"] / (roofline * 1e3)
         del cache
         gc.collect()
 
 
-def part_passes(args, report, model, cfg, bw):
-    time_passes(args, report, model, cfg, bw, budgets=args.budgets, variants=args.variants, section="passes")
+def part_passes(args, report, model, cfg, bw, rate):
+    time_passes(args, report, model, cfg, bw, rate, budgets=args.budgets, variants=args.variants, section="passes")
 
 
 def expert_bytes(model) -> float:
@@ -232,7 +238,7 @@ def part_round(args, report, model, cfg):
     gc.collect()
 
 
-def part_int4(args, report, model, cfg, bw):
+def part_int4(args, report, model, cfg, bw, rate):
     """The INT4-expert model's decode step and verifies; the bf16 figures beside them."""
     int4_model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
                                                             experts_int4=INT4))
@@ -240,14 +246,14 @@ def part_int4(args, report, model, cfg, bw):
     report.notes.append(
         f"INT4 routed experts (group {INT4.group_size}, symmetric): {expert_bytes(int4_model) / 2**30:.3g} GiB "
         "(packed words + bf16 scales)" + (f" against {dense_bytes / 2**30:.3g} GiB in bf16." if dense_bytes else "."))
-    time_passes(args, report, int4_model, cfg, bw, budgets=args.int4_budgets, variants=("kernels",),
+    time_passes(args, report, int4_model, cfg, bw, rate, budgets=args.int4_budgets, variants=("kernels",),
                 section="int4", extra={"experts": "int4"})
     del int4_model
     gc.collect()
     have = {(r["pass"], r["B"]) for r in report.sections["passes"] if r["variant"] == "kernels" and "ms" in r}
     want = {(f"verify {b}" if b else "decode step", bb) for b in [0, *args.int4_budgets] for bb in args.batches}
     if model is not None and not want <= have:  # the bf16 figures were not measured by ``passes``
-        time_passes(args, report, model, cfg, bw, budgets=args.int4_budgets, variants=("kernels",),
+        time_passes(args, report, model, cfg, bw, rate, budgets=args.int4_budgets, variants=("kernels",),
                     section="int4", extra={"experts": "bf16"})
 
 
@@ -389,13 +395,13 @@ def main():
         report.notes.append(f"Weights: {weight_read_bytes(model, cfg, 0, embedding='rows') / 2**30:.2f} GiB "
                             "without routed experts and embedding table.")
     if "passes" in args.parts:
-        part_passes(args, report, model, cfg, bw)
+        part_passes(args, report, model, cfg, bw, rate)
     if "round" in args.parts:
         part_round(args, report, model, cfg)
     if "prefill" in args.parts:
         part_prefill(args, report, model, cfg, bw, rate)
     if "int4" in args.parts:
-        part_int4(args, report, model, cfg, bw)
+        part_int4(args, report, model, cfg, bw, rate)
     del model
     gc.collect()
     if "attention" in args.parts:

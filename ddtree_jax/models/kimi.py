@@ -357,8 +357,12 @@ class KimiForCausalLM(nnx.Module):
         return self.model.embed_tokens(tokens)
 
     def lm_logits(self, hidden: jax.Array) -> jax.Array:
-        """``[..., H] -> float32 [..., V]``: the LM head alone (no final norm)."""
-        return self.lm_head(hidden).astype(jnp.float32)
+        """``[..., H] -> float32 [..., V]``: the LM head alone (no final norm), its float32
+        accumulation returned as it is (a bf16 result converted afterwards would round every logit
+        to bf16 and cost a pass over the ``[tokens, V]`` logits: 0.24 ms for a 1,040-token verify
+        at K2 shapes on the H200)."""
+        kernel = self.lm_head.kernel[...]
+        return jnp.einsum("...i,io->...o", hidden.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
 
     # ---- forward passes ----
 

@@ -30,9 +30,10 @@ few tiles that touch the block are masked. The tree mask is applied without gath
 Split keys (flash-decoding): with few programs (decode and small verify blocks at small batch)
 one program per row tile cannot pull the cache at HBM speed, so ``split_keys`` cuts the key
 range at fixed multiples of ``split_keys`` positions; each split writes its unnormalised
-``(o, m, den)`` in float32 and a second small kernel merges, per row tile, only the splits its
-length reached (in split order). The boundaries depend only on the positions, not on ``B`` or
-``T``: with the same ``split_keys`` a row's reductions run in the same order whatever the batch.
+``(o, m, den)`` in float32 and a second small kernel merges, per row tile and block of 64 value
+columns, only the splits its length reached (in split order). The boundaries depend only on the
+positions, not on ``B`` or ``T``: with the same ``split_keys`` a row's reductions run in the same
+order whatever the batch.
 
 Fixed segments (batch invariance): with ``segment_keys`` the reduction itself is cut at fixed
 multiples of ``segment_keys`` positions whether or not the key range is split over programs:
