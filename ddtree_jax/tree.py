@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.backend import Backend, has_kernel, kernel_module, resolve_backend
 from ddtree_jax.topk import exact_top_k
+from pallas_kernels._shared import xla_log_sum_exp
 
 __all__ = ["DraftTree", "ancestor_mask_from_parents", "build_draft_tree", "chain_draft_tree", "draft_logprobs",
            "root_only_tree"]
@@ -79,8 +80,13 @@ class DraftTree:
 
 
 def draft_logprobs(draft_logits: jax.Array) -> jax.Array:
-    """``[B, L, V]`` logits -> float32 log-probabilities per depth."""
-    return jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    """``[B, L, V]`` logits -> float32 log-probabilities per depth: ``(x - m) - lse``, as
+    ``jax.nn.log_softmax`` computes it, but with the normaliser summed in a fixed order
+    (``pallas_kernels._shared.xla_log_sum_exp``), so that the kernels' tables reproduce these
+    values bit for bit on any backend (within an ulp of ``jax.nn.log_softmax``)."""
+    x = draft_logits.astype(jnp.float32)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return (x - m) - xla_log_sum_exp(x, m.reshape(-1)).reshape(m.shape)
 
 
 def _check_draft_logits(draft_logits) -> jax.Array:

@@ -82,11 +82,31 @@ def check_top_k_args(shape, k: int, lse: str) -> None:
         raise ValueError(f"vocab_top_k needs 1 <= k <= V, got k={k}, V={V}")
 
 
+def fixed_order_sum(v: jax.Array, width: int = 32) -> jax.Array:
+    """``v [..., n]`` summed over the last axis in one fixed order, whatever the backend or the
+    fusion around it: groups of ``width`` consecutive values (zero-padded; ``+ 0`` is exact) added
+    pairwise by halving, with explicit adds, whose IEEE order XLA keeps (a ``reduce`` leaves the
+    order to the backend: XLA's GPU emitter sums a row differently in and out of a fused
+    ``log_softmax``); then the group sums likewise, until one is left. A barrier after each level
+    keeps XLA from fusing the levels into a few long serial sums. -> ``[...]``."""
+    while v.shape[-1] > 1:
+        n = v.shape[-1]
+        g = width if n > width else 1 << (n - 1).bit_length()
+        if n % g:
+            v = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], g - n % g), v.dtype)], axis=-1)
+        v = v.reshape(*v.shape[:-1], -1, g)
+        while v.shape[-1] > 1:
+            h = v.shape[-1] // 2
+            v = v[..., :h] + v[..., h:]
+        v = jax.lax.optimization_barrier(v[..., 0])
+    return v[..., 0]
+
+
 def xla_log_sum_exp(logits, m):
-    """``lse="xla"``: ``log(sum(exp(x - m)))`` per row of ``logits [..., V]`` given the exact row max
-    ``m [R]`` (R = the product of the leading dims), by XLA with the operations ``jax.nn.log_softmax``
-    runs on the same shape, so ``(x - m) - lse`` is its result bit for bit wherever XLA reduces the
-    sum in the same order there. -> f32 ``[R]``."""
+    """The log-softmax normaliser ``log(sum(exp(x - m)))`` per row of ``logits [..., V]`` given the
+    exact row max ``m [R]`` (R = the product of the leading dims), the sum in ``fixed_order_sum``'s
+    order: the same bits in the reference's ``draft_logprobs`` and between kernel launches
+    (``lse="xla"``). -> f32 ``[R]``."""
     *lead, _ = logits.shape
     shifted = logits.astype(jnp.float32) - m.reshape(*lead, 1)
-    return jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)).reshape(-1)
+    return jnp.log(fixed_order_sum(jnp.exp(shifted))).reshape(-1)

@@ -33,7 +33,7 @@ def test_tree_builder_equals_reference(B, L, V, budget):
 @pytest.mark.parametrize("lse", ["xla", "kernel"])
 def test_vocab_top_k_full_vocabulary(lse):
     """Triton vocab top-k at the tree's real size (B*L = 240 rows of 163,840 bf16), Gaussian and
-    rounded rows: lse="xla" == lax.top_k(log_softmax) bit for bit; lse="kernel" is exact for its own
+    rounded rows: lse="xla" == lax.top_k(draft_logprobs) bit for bit; lse="kernel" is exact for its own
     normaliser, which is within 1e-6 of XLA's."""
     from pallas_kernels.triton.vocab_top_k import vocab_top_k_debug
 
@@ -43,7 +43,7 @@ def test_vocab_top_k_full_vocabulary(lse):
         out = vocab_top_k_debug(x, 256, lse=lse)
         x32 = x.astype(jnp.float32)
         if lse == "xla":
-            want = jax.lax.top_k(jax.nn.log_softmax(x32), 256)
+            want = jax.lax.top_k(dt.draft_logprobs(x32), 256)
         else:
             want = jax.lax.top_k((x32 - out["max"][..., None]) - out["lse"][..., None], 256)
             ref_lse = jnp.log(jnp.sum(jnp.exp(x32 - out["max"][..., None]), -1))

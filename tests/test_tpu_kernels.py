@@ -286,9 +286,9 @@ def test_accept_walk_matches_reference():
 
 
 def _lax_top_k(x, k, lse=None, m=None):
-    """``lax.top_k(log_softmax(x), k)``, or with a given normaliser: ``lax.top_k((x - m) - lse, k)``."""
+    """``lax.top_k(draft_logprobs(x), k)``, or with a given normaliser: ``lax.top_k((x - m) - lse, k)``."""
     x = jnp.asarray(x).astype(jnp.float32)
-    z = jax.nn.log_softmax(x) if lse is None else (x - jnp.asarray(m)[:, None]) - jnp.asarray(lse)[:, None]
+    z = dt.draft_logprobs(x) if lse is None else (x - jnp.asarray(m)[:, None]) - jnp.asarray(lse)[:, None]
     return [np.asarray(a) for a in jax.lax.top_k(z, k)]
 
 
@@ -303,7 +303,7 @@ def _topk_rows():
 
 
 def _check_top_k(out, x, k, ref=None):
-    """Rows with a law: ``out`` (values, indices) equal ``ref`` (default ``lax.top_k(log_softmax(x))``)
+    """Rows with a law: ``out`` (values, indices) equal ``ref`` (default ``lax.top_k(draft_logprobs(x))``)
     bit for bit; NaN / +inf / all -inf rows (``MIXED_BAD_ROWS``): NaN values and indices 0..k-1
     (lax.top_k's order of NaNs follows their signs: not compared, as in tests/test_vocab_top_k.py)."""
     bad = MIXED_BAD_ROWS
@@ -317,7 +317,7 @@ def _check_top_k(out, x, k, ref=None):
 
 @pytest.mark.parametrize("k", [200, 3000])
 def test_vocab_top_k_equals_lax_top_k(k):
-    """``lse="xla"`` == ``lax.top_k(log_softmax(x))`` bit for bit, on 12 rows of V = 3000 (f32) in
+    """``lse="xla"`` == ``lax.top_k(draft_logprobs(x))`` bit for bit, on 12 rows of V = 3000 (f32) in
     512-column tiles (6 tiles, the last one part padding; 768 chunks of 4): k = 200 (the chunk
     bisection, ties at it broken by tile, candidates of 3 slot windows) and k = V (every chunk
     kept, whole rows ordered). The stats pass compiles once for both."""

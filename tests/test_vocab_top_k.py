@@ -1,4 +1,5 @@
-"""Triton vocab top-k (interpret mode) == ``lax.top_k(log_softmax(x))`` bit for bit: values, order,
+"""Triton vocab top-k (interpret mode) == ``lax.top_k(draft_logprobs(x))`` (the log-softmax with its
+normaliser summed in a fixed order) bit for bit: values, order,
 tie rule, -inf masks, fewer finite entries than k, NaN / +inf / all--inf rows, V not a power of
 two, bf16 and f32; and the tree built through it == the reference build (V < chunk * k and
 k == V: tests/test_triton_tree_builder.py, whose kernel builds run through this kernel).
@@ -18,7 +19,7 @@ from tests._random_inputs import mixed_top_k_rows, random_draft_logits
 
 
 def _lax(x, k):
-    return jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(x).astype(jnp.float32)), k)
+    return jax.lax.top_k(dt.draft_logprobs(jnp.asarray(x)), k)
 
 
 def _assert_equal(got, want):
@@ -26,7 +27,7 @@ def _assert_equal(got, want):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg="values")
 
 
-def test_xla_lse_equals_lax_top_k_of_log_softmax():
+def test_xla_lse_equals_lax_top_k_of_draft_logprobs():
     """Bit for bit on every row with a law. All-NaN rows: NaN values both, indices 0..k-1 here;
     lax.top_k orders NaNs by sign and payload, which follow the platform's NaN propagation (on the
     CPU an input NaN is positive and the NaNs that log_softmax makes are negative, so the input

@@ -2,7 +2,7 @@
 tables of the DDTree builder (``ddtree_jax.tree``) straight from the draft logits.
 
 Contract (as the Triton version, ``pallas_kernels.triton.vocab_top_k``; the plain-JAX reference is
-``jax.lax.top_k(jax.nn.log_softmax(x.astype(f32)), k)``, and tests/test_tpu_kernels.py compares):
+``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)``, and tests/test_tpu_kernels.py compares):
 for each row of ``logits [..., V]`` (bf16 or f32) the ``k`` largest log-probabilities
 ``z = (x - m) - lse`` in descending order, ties by lower index, and their column indices. Rows
 with a NaN, a +inf or only -inf have an all-NaN log-softmax: their values are NaN and their
@@ -12,10 +12,9 @@ indices ``0 .. k-1``. Requires ``1 <= k <= V``.
 ``"xla"`` is bit-exact, ``"kernel"`` saves XLA's read of the logits (one of three here).
 
 * ``"xla"`` (the tree's mode): ``log(sum(exp(x - m)))`` by XLA between the launches with the
-  kernel's exact row max, ``jax.nn.log_softmax``'s operations (``pallas_kernels._shared``), so the
-  values are the reference's bit for bit wherever XLA reduces that sum in the same order as inside
-  ``log_softmax`` (it does on the CPU, which the tests check; on a TPU it is unchecked). One more
-  read of the logits.
+  kernel's exact row max and the sum in the fixed order the reference also uses
+  (``pallas_kernels._shared.xla_log_sum_exp``), so the values are the reference's bit for bit on
+  any backend. One more read of the logits.
 * ``"kernel"`` (fused): the stats pass also sums ``exp2((x - chunk max) * log2 e)`` per chunk, so
   XLA does not read the row. The value agrees with XLA's to about an ulp, not bit for bit; the
   top-K is exact for the kernel's own ``lse`` (``vocab_top_k_debug`` returns it).
@@ -393,7 +392,7 @@ def _tile_for(V: int, tile: int | None) -> int:
 
 @jax.jit
 def _xla_lse(logits, cm):
-    """``lse="xla"``: the reference's expression (``jax.nn.log_softmax``) with the kernel's row max
+    """``lse="xla"``: the reference's normaliser (``xla_log_sum_exp``) with the kernel's row max
     (exact: the max of the chunk maxima), packed in column 0 of ``(Rp, 128)``."""
     R = logits.size // logits.shape[-1]
     lse = xla_log_sum_exp(logits, jnp.max(cm[:, :R], axis=(0, 2)))

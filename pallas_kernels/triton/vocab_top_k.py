@@ -1,11 +1,12 @@
 """Exact top-K of each row's log-softmax over a large vocabulary, sort-free: the per-depth tables of
 the DDTree builder (``ddtree_jax.tree``) straight from the draft logits.
 
-Contract (the plain-JAX reference is ``jax.lax.top_k(jax.nn.log_softmax(x.astype(f32)), k)``, which
+Contract (the plain-JAX reference is ``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)``, which
 ``ddtree_jax.topk.exact_top_k`` also reproduces; tests/test_vocab_top_k.py compares): for each row
 of ``logits [..., V]`` (bf16 or f32) return the ``k`` largest log-probabilities
-``z = (x - m) - lse`` (``m`` the row max, ``lse = log(sum(exp(x - m)))``, the expression and
-operation order of ``jax.nn.log_softmax``) in descending order, ties by lower index, and their
+``z = (x - m) - lse`` (``m`` the row max, ``lse = log(sum(exp(x - m)))``, the expression of
+``jax.nn.log_softmax`` with the sum in ``pallas_kernels._shared.fixed_order_sum``'s order) in
+descending order, ties by lower index, and their
 column indices. Rows with a NaN, a +inf or only -inf have an all-NaN log-softmax; for them the
 values are NaN and the indices ``0 .. k-1`` (what ``lax.top_k`` gives when those NaNs are all
 alike; it orders NaNs by sign and payload, which follow the platform's NaN propagation: on the CPU
@@ -21,9 +22,11 @@ Where ``lse`` comes from (``lse=``):
   order and tie rule of ``lax.top_k`` on ``(x - m) - lse``), but a tree built from it can differ
   from the reference build by the rounding of the scores.
 * ``"xla"``: ``lse`` is ``log(sum(exp(x - m)))`` computed by XLA between the launches with the
-  kernel's (exact) row max, the ops ``jax.nn.log_softmax`` runs, so the values are the reference's
-  bit for bit wherever XLA reduces that sum in the same order as inside ``log_softmax`` (it does on
-  the CPU; the GPU test checks it at V = 163,840). Costs one more read of the logits.
+  kernel's (exact) row max, the sum in the fixed order the reference also uses
+  (``xla_log_sum_exp``), so the values are the reference's bit for bit on any backend. (With a plain
+  ``jnp.sum`` this held on the CPU but the first H200 run's equality tests failed, most likely
+  because XLA's GPU emitter sums a row in another order outside the reference's fused
+  ``log_softmax``.) Costs one more read of the logits.
 
 Algorithm (four launches; only the first reads the whole row):
 
@@ -279,7 +282,7 @@ def vocab_top_k_debug(
     if fused:
         lse_in = jnp.zeros((R,), f32)
     else:
-        # The reference's expression (jax.nn.log_softmax), with the kernel's row max (exact).
+        # The reference's normaliser (draft_logprobs), with the kernel's row max (exact).
         lse_in = xla_log_sum_exp(logits, jnp.max(jnp.where(jnp.arange(ntp) < nt, tm, -jnp.inf), axis=-1))
     m, lse_r, bad, cl = pl.pallas_call(
         functools.partial(_chunks_kernel, k=k, nt=nt, ntp=ntp, nc=nc, ncp=ncp, with_sum=fused),
