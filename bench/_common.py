@@ -81,6 +81,14 @@ class _Bound:
         return self._fn.lower(self._graph, self._state, *a)
 
 
+def prefill_every_layer(m, ids, n, c, dense_experts=False):
+    """A prefill (as ``m.prefill``) that returns every layer's output and the cache, for timing:
+    returning the cache alone lets XLA drop the last layer's MoE (no cache needs it), which in a
+    2-layer slice is most of the work."""
+    every = tuple(range(m.config.num_hidden_layers))
+    return m.prefill(ids, n, c, hidden_layer_ids=every, dense_experts=dense_experts)[1:]
+
+
 def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
     """Nanoseconds per call by kernel name on the GPU's streams over ``calls`` traced calls, and
     the trace's streams' total per call."""

@@ -52,6 +52,7 @@ Writes ``models_<device>_<date>.{json,md}`` to ``--out`` (default bench/results)
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -76,6 +77,7 @@ from bench._common import (  # noqa: E402
     matmul_rate,
     one_layer_drafter_config,
     past_deadline,
+    prefill_every_layer,
     random_tree,
     time_call,
     weight_read_bytes,
@@ -142,6 +144,7 @@ def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, sectio
     weight-read floor a roofline (the LM head at the larger of its read and FLOP times)."""
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(budgets) + 8
+    head_bytes = model.lm_head.kernel[...].nbytes
     prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
     verify = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
     verify_dense = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0])
@@ -162,7 +165,6 @@ def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, sectio
             tokens = b * (budget + 1)
             floor = weight_read_bytes(model, cfg, tokens, embedding="rows") / bw
             # the LM head over many tree tokens is bound by FLOPs, not reads: a roofline floor
-            head_bytes = cfg.hidden_size * cfg.vocab_size * 2
             roofline = floor + max(0.0, 2 * tokens * cfg.hidden_size * cfg.vocab_size / rate - head_bytes / bw)
             for variant in variants:
                 if past_deadline(args):
@@ -190,18 +192,22 @@ def expert_bytes(model) -> float:
     return total
 
 
-def part_round(args, report, model, cfg):
+def part_round(args, report, model, cfg, bw):
     """The compiled DDTree round against the two model passes in it.
 
     ``generate`` (kernels, a random one-layer DFlash drafter: about one token per round, so every
     round runs) gives the compiled round's ms; ``profile=True`` times the stages apart (draft,
-    tree, verify, sample, commit). The round's overhead is the compiled round less the drafter's
-    and the target's passes: everything the round adds to the two model calls.
+    tree, verify, sample, commit; each ends in a synchronisation, which overstates short stages).
+    The round's overhead is the compiled round less the drafter's and the target's passes. Its
+    bound: the round less the target's verify timed back to back by ``passes`` and the drafter's
+    read floor (its own weights and the shared LM head at ``bw``): the drafter takes at least that.
     """
     impl = impl_of("kernels", args.smoke)
     model.set_impl(impl)
     dcfg = one_layer_drafter_config(cfg)
     drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16))
+    draft_floor_ms = 1e3 * (sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(drafter)))
+                            + model.lm_head.kernel[...].nbytes) / bw
     rng = np.random.default_rng(6)
     verify_ms = {(r["pass"], r["B"]): r["ms"] for r in report.sections["passes"]
                  if r["variant"] == "kernels" and "ms" in r}
@@ -225,7 +231,9 @@ def part_round(args, report, model, cfg):
                            overhead_ms=overhead, overhead_share=overhead / round_ms)
                 timed = verify_ms.get((f"verify {budget}", b))
                 if timed is not None:  # the verify timed back to back by ``passes``: no launch gaps
-                    row["overhead_ms (passes' verify)"] = round_ms - split["draft"] - timed
+                    bound = round_ms - timed - draft_floor_ms
+                    row.update(draft_floor_ms=draft_floor_ms, overhead_bound_ms=bound,
+                               overhead_bound_share=bound / round_ms)
                 log(f"  round B={b} budget={budget}: {round_ms:.3f} ms compiled; apart (ms): "
                     + ", ".join(f"{k} {v:.3f}" for k, v in split.items())
                     + f"; overhead {overhead:.3f} ms ({100 * overhead / round_ms:.1f}% of the round)")
@@ -281,12 +289,8 @@ def part_prefill(args, report, model, cfg, bw, rate):
     rng = np.random.default_rng(4)
     params, nbytes = active_weights(model, cfg)
     layers = cfg.num_hidden_layers
-    # Every layer's output is returned: the cache alone would let XLA drop the last layer's MoE
-    # (no cache depends on it), and with 2 layers that is most of the work.
-    every = tuple(range(layers))
-    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, hidden_layer_ids=every)[1:])
-    prefill_dense = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, hidden_layer_ids=every,
-                                                            dense_experts=True)[1:])
+    prefill = ModuleFn(prefill_every_layer)
+    prefill_dense = ModuleFn(functools.partial(prefill_every_layer, dense_experts=True))
     for t in args.prefill:
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (1, t)), jnp.int32)
         flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True)
@@ -397,7 +401,7 @@ def main():
     if "passes" in args.parts:
         part_passes(args, report, model, cfg, bw, rate)
     if "round" in args.parts:
-        part_round(args, report, model, cfg)
+        part_round(args, report, model, cfg, bw)
     if "prefill" in args.parts:
         part_prefill(args, report, model, cfg, bw, rate)
     if "int4" in args.parts:

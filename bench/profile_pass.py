@@ -29,7 +29,16 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
-from bench._common import ModuleFn, Report, device_kernels, k2_slice, log, random_tree, time_call  # noqa: E402
+from bench._common import (  # noqa: E402
+    ModuleFn,
+    Report,
+    device_kernels,
+    k2_slice,
+    log,
+    prefill_every_layer,
+    random_tree,
+    time_call,
+)
 
 
 def main():
@@ -55,8 +64,7 @@ def main():
     rng = np.random.default_rng(0)
     verify_nnx = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
     verify_split = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]).bind(model)
-    every = tuple(range(cfg.num_hidden_layers))  # every layer's output: XLA keeps the last MoE
-    prefill_all = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c, hidden_layer_ids=every)[1:]).bind(model)
+    prefill_all = ModuleFn(prefill_every_layer).bind(model)
     prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2]).bind(model)
     for case in args.cases:
         kind, size = case.split(":")

@@ -134,7 +134,7 @@ def _chunk_cols(k0, bk, group):
     ``bk`` columns (dense weights), or for packed weights eight ranges of ``bk / 8``: nibble p's
     inputs ``k0 + 8j + p``, which ``_nibble_major`` moved to columns ``k0 + p * bk/8 + j``."""
     if group is None:
-        return [(pl.multiple_of(k0, bk), bk)]
+        return [(k0, bk)]
     words = bk // 8
     return [(pl.multiple_of(k0 + p * words, words), words) for p in range(8)]
 
