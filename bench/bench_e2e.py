@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 python bench/bench_e2e.py --pair DIR [--minutes 9] [--batches 1 16] [--resume]
     python bench/bench_e2e.py --smoke            # tiny random pair on the CPU, seconds
+    python bench/bench_e2e.py --warm-cache RUN   # compile only, on a random pair shaped like RUN's
 
 ``DIR`` holds ``target/``, ``drafter/``, ``tokenizer.json`` and ``data.json`` (as written by
 ``python -m ddtree_jax.training.export``); ``--target/--drafter/--tokenizer`` name them one by one.
@@ -17,6 +18,12 @@ rounds 2..), speedup over ar at the same batch and setting. At T=0: agreement of
 tokens with ar's (exact-match fraction and mean common prefix), and with ``--profile`` the round
 time split (``generate(profile=True)``: draft, tree, verify, sample, commit) on a shorter run.
 
+``--warm-cache RUN`` compiles every program the table runs (same flags) on a randomly initialised
+pair with the sizes and tokenizer of the training run ``RUN``, written the way the export stage
+writes the trained pair, and fills JAX's persistent compilation cache: on a GPU machine lent in
+10-minute commands, it runs beside the target's training so the table's command spends its
+minutes decoding rather than compiling. Nothing is measured or written to ``--out``.
+
 Results go to ``bench/results/e2e_<device>_<date>.json`` after every configuration, so a run
 stopped by ``--minutes`` keeps what it measured and ``--resume`` continues it; then a markdown
 table and (if matplotlib is installed) ``..._tau.png`` / ``..._speedup.png``: tau and speedup
@@ -30,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 
@@ -71,6 +79,34 @@ def smoke_pair():
     target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(0))
     drafter = DFlashDrafter(drafter_config(SIZES["tiny"], tcfg, mask_token_id=1), rngs=nnx.Rngs(1))
     return target, drafter, None
+
+
+def random_pair_like(run: str, size: str, dest: str) -> None:
+    """A randomly initialised pair of the training stages' ``size`` with the tokenizer of the run
+    folder ``run``, written to ``dest`` by the export stage itself (float32 checkpoints in a scratch
+    run folder, then ``export_pair``): the same configs and dtypes as the trained pair, so the same
+    compiled programs."""
+    from flax import nnx
+
+    from ddtree_jax.checkpoints import save_checkpoint
+    from ddtree_jax.models import DFlashDrafter, KimiForCausalLM
+    from ddtree_jax.training._common import RunFolder
+    from ddtree_jax.training.configs import SIZES, drafter_config, target_config
+    from ddtree_jax.training.export import export_pair
+
+    folder = RunFolder(run)
+    scratch = dest.rstrip("/") + "_run"
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    for name in ("data.json", "tokenizer.json"):
+        shutil.copy(folder.file(name), scratch)
+    tcfg = target_config(SIZES[size], folder.vocab_size)
+    target = KimiForCausalLM(tcfg, rngs=nnx.Rngs(0), dtype=jnp.float32, impl="reference")
+    save_checkpoint(target, os.path.join(scratch, "target_best"))
+    drafter = DFlashDrafter(drafter_config(SIZES[size], tcfg, folder.mask_id), rngs=nnx.Rngs(1), dtype=jnp.float32)
+    save_checkpoint(drafter, os.path.join(scratch, "drafter_best"))
+    export_pair(scratch, dest)
+    shutil.rmtree(scratch)
 
 
 def heldout_prompts(data_json: str | None, tokenizer, count: int, prompt_len: int, new: int, vocab: int, seed: int = 0):
@@ -214,6 +250,8 @@ def main(argv=None):
     p.add_argument("--tokenizer")
     p.add_argument("--data-json", help="data.json naming the held-out files (default: the pair's)")
     p.add_argument("--smoke", action="store_true", help="tiny random pair on the CPU")
+    p.add_argument("--warm-cache", metavar="RUN", help="compile only, on a random pair with RUN's tokenizer")
+    p.add_argument("--size", default="h200", help="the training size of the --warm-cache pair")
     p.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
@@ -248,6 +286,9 @@ def main(argv=None):
         pair = "tiny random pair (--smoke)"
         data_json = None
     else:
+        if args.warm_cache:
+            args.pair = os.path.join(args.warm_cache, "random_pair")
+            random_pair_like(args.warm_cache, args.size, args.pair)
         if args.pair:
             args.target = args.target or os.path.join(args.pair, "target")
             args.drafter = args.drafter or os.path.join(args.pair, "drafter")
@@ -296,9 +337,18 @@ def main(argv=None):
             if time.perf_counter() > deadline:
                 stopped = True
                 break
+            # Compiles the measured program: the state's shapes follow max_new_tokens, so the
+            # warm-up decodes the same count (sampling parameters are data, not shapes).
             t = time.perf_counter()
-            _run(target, drafter, groups[0], method, budget, SETTINGS["T=0"], min(args.new, 2 * bs), max_len, args.seed)
+            _run(target, drafter, groups[0], method, budget, SETTINGS["T=0"], args.new, max_len, args.seed)
             compile_s = time.perf_counter() - t
+            if args.warm_cache:
+                if args.profile and (method != "ddtree" or budget in args.profile_budgets):
+                    _run(target, drafter, groups[0], method, budget, SETTINGS["T=0"], args.profile_new, max_len,
+                         args.seed, profile=True)
+                print(f"[bench] compiled batch {batch} {label} ({time.perf_counter() - t:.0f}s, "
+                      f"{time.perf_counter() - t_start:.0f}s in all)", flush=True)
+                continue
             for setting in todo:
                 if time.perf_counter() > deadline:
                     stopped = True
@@ -328,6 +378,10 @@ def main(argv=None):
                 break
         if stopped:
             break
+    if args.warm_cache:
+        print(f"[bench] {'stopped at the time limit' if stopped else 'compiled every program'} "
+              f"({time.perf_counter() - t_start:.0f}s); the persistent cache now holds them")
+        return
     if stopped:
         print(f"[bench] stopped at the {args.minutes:g}-minute limit; rerun with --resume --tag "
               f"{os.path.basename(stem)} to continue")
