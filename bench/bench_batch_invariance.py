@@ -183,7 +183,8 @@ def part_components(args, report, target, tcfg, dtype):
         attention_case(kernels, 0))
     add("attention reference (dense, bf16)", f"decode step B=1 vs chain verify T={T} B={B}", attention_case(ref, 0))
 
-    # MoE routed experts with the first MoE layer's weights: row 0 alone vs among n tokens.
+    # MoE routed experts with the first MoE layer's weights: row 0 alone vs among n tokens. The
+    # weights go in as arguments: captured by the closures they would be 34 GB of constants.
     layer = next(lyr for lyr in target.model.layers if hasattr(lyr.mlp, "experts"))
     gu, dn = layer.mlp.experts.gate_up_proj[...], layer.mlp.experts.down_proj[...]
     big = 2056 if not args.smoke else 200
@@ -193,8 +194,8 @@ def part_components(args, report, target, tcfg, dtype):
 
     def moe_case(n, blocks, backend=kernels):
         def run():
-            f = jax.jit(lambda x, w, i: routed_experts(x, gu, dn, w, i, backend=backend, blocks=blocks))
-            return compare(f(x[:1], w[:1], ids[:1])[0], f(x[:n], w[:n], ids[:n])[0])
+            f = jax.jit(lambda x, w, i, gu, dn: routed_experts(x, gu, dn, w, i, backend=backend, blocks=blocks))
+            return compare(f(x[:1], w[:1], ids[:1], gu, dn)[0], f(x[:n], w[:n], ids[:n], gu, dn)[0])
         return run
 
     for n in (65, big):
@@ -203,8 +204,8 @@ def part_components(args, report, target, tcfg, dtype):
 
     def ragged(n):
         def run():
-            f = jax.jit(lambda x, w, i: experts_ragged_dot(x, gu, dn, route_tokens(w, i, gu.shape[0])))
-            return compare(f(x[:1], w[:1], ids[:1])[0], f(x[:n], w[:n], ids[:n])[0])
+            f = jax.jit(lambda x, w, i, gu, dn: experts_ragged_dot(x, gu, dn, route_tokens(w, i, gu.shape[0])))
+            return compare(f(x[:1], w[:1], ids[:1], gu, dn)[0], f(x[:n], w[:n], ids[:n], gu, dn)[0])
         return run
 
     add("MoE ragged_dot (XLA)", "row alone vs among 65 tokens", ragged(65))
@@ -214,8 +215,8 @@ def part_components(args, report, target, tcfg, dtype):
 
     def gemm(m):
         def run():
-            f = jax.jit(lambda x: x @ wq)
-            return compare(f(x[:1])[0], f(x[:m])[0])
+            f = jax.jit(lambda x, wq: x @ wq)
+            return compare(f(x[:1], wq)[0], f(x[:m], wq)[0])
         return run
 
     for m in (16, big):

@@ -180,6 +180,8 @@ def summarize(results: dict) -> str:
     lines = [f"# End-to-end decoding, {results['device']}, {results['date']}", "",
              f"Pair: `{results['pair']}`; {results['prompts']} held-out prompts of {results['prompt_len']} tokens, "
              f"{results['new']} new tokens each; dtype {results['dtype']}.", "",
+             f"Command: `{results.get('command', '?')}`; jax {results.get('jax', '?')}." +
+             (f" {results['pair_note']}." if results.get("pair_note") else ""), "",
              "| batch | setting | method | tokens/s | speedup vs ar | tau | tau (published) | T=0 agreement with ar |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -307,6 +309,7 @@ def main(argv=None):
     stem = os.path.join(args.out, args.tag or f"e2e_{'smoke_' if args.smoke else ''}{device}_{date}")
     os.makedirs(args.out, exist_ok=True)
     results = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), date=date, pair=pair,
+                   command=" ".join(["python3", *sys.argv]),
                    jax=jax.__version__, python=platform.python_version(), prompts=len(prompts),
                    prompt_sources=sources, prompt_len=args.prompt_len, new=args.new, dtype=args.dtype,
                    batches=args.batches, budgets=args.budgets, runs=[])

@@ -213,7 +213,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--tokenizer")
-    ap.add_argument("--default", action="store_true", help="the built-in default pair (ddtree_jax.default_model)")
+    ap.add_argument("--default", action="store_true", help="the shipped default pair (ddtree_jax/default_pair)")
     ap.add_argument("--smoke", action="store_true", help="tiny random models, small levels (CPU check)")
     ap.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
     ap.add_argument("--concurrency", type=int, nargs="+")
@@ -244,11 +244,8 @@ def main(argv=None) -> dict:
     if small:
         paths, models = _smoke_checkpoints(workdir), "tiny random target + drafter (smoke)"
     elif args.default:
-        # In a child process: training the default (first use) must not keep accelerator memory here.
-        d = subprocess.run([sys.executable, "-c", "from ddtree_jax.default_model import make_default; "
-                            "print(make_default())"], check=True, capture_output=True, text=True, cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-                           ).stdout.strip().splitlines()[-1]
+        from ddtree_jax.default_model import SHIPPED_DIR as d
+
         paths = dict(target=f"{d}/target", drafter=f"{d}/drafter", tokenizer=f"{d}/tokenizer.json")
         models = f"built-in default ({d})"
     else:

@@ -286,24 +286,33 @@ def _fail(parser, message: str):
 
 # ---- demo ------------------------------------------------------------------------------------
 
-_DEMO_PROMPTS = ["Speculative decoding lets", "A draft tree", "With sampling, every node"]
-# README, "Measured": end to end on one H200, Kimi-style slice, a drafter that always agrees.
-_GPU_FIGURES = "DFlash 3.5x and DDTree (budget 64) 2.0x the autoregressive tokens/s on one H200 (Kimi-style slice, " \
-               "a drafter that always agrees; README, Measured)"
+# bench/results/e2e_h200_20261130.md: the shipped pair end to end on one H200.
+_GPU_FIGURES = "with the shipped pair on one H200, batch 1, greedy, DDTree (budget 128) decodes 3.98x and linear " \
+               "DFlash 2.95x the autoregressive tokens/s (bench/results/e2e_h200_20261130.md)"
 # Measured on 2 CPU cores (README, Set up).
 _MAKE_MINUTES = "4 to 7"
 
 
 def run_demo(args, parser=None) -> None:
-    from ddtree_jax.default_model import is_complete
+    from ddtree_jax.default_model import CODE_PROMPTS, CORPUS_PROMPTS, RECIPE_DIR, SHIPPED_DIR, is_complete
 
+    if args.dir is None:
+        args.dir = RECIPE_DIR if args.retrain else SHIPPED_DIR
+    # What --dir holds: the shipped pair, the CPU recipe (made here, or to make with --retrain), or
+    # any other trained pair (an export's target/, drafter/ and tokenizer.json).
+    shipped = os.path.abspath(args.dir) == SHIPPED_DIR
+    recipe = not shipped and (args.retrain or is_complete(args.dir))
     try:
         if os.path.exists(args.dir) and not os.path.isdir(args.dir):
             raise PreflightError(f"--dir {args.dir}: is a file, expected a folder for the default model")
         for i, p in enumerate(args.prompt or []):
             if not p:
                 raise PreflightError(f"--prompt #{i + 1} is empty")
-        if is_complete(args.dir):
+        if not recipe and not all(os.path.exists(os.path.join(args.dir, f)) for f in ("target", "drafter",
+                                                                                        "tokenizer.json")):
+            raise PreflightError(f"--dir {args.dir}: holds no pair (target/, drafter/, tokenizer.json); pass --retrain "
+                                 "to make the CPU default there")
+        if not recipe or is_complete(args.dir):
             for role in ("target", "drafter"):
                 pf.check_model_dir(os.path.join(args.dir, role), role, option=f"--dir ({role})")
         cache = _enable_cache(args)
@@ -314,15 +323,21 @@ def run_demo(args, parser=None) -> None:
     from ddtree_jax.default_model import make_default
 
     t0 = time.perf_counter()
-    if is_complete(args.dir):
-        _log(f"[ddtree_jax] using the cached default in {args.dir} (target/, drafter/, tokenizer.json)")
+    if shipped:
+        _log(f"[ddtree_jax] using the shipped default in {args.dir}: a Kimi-style MoE target and a DFlash drafter "
+             "trained on the Python standard library (its README.md says how); --retrain makes a small one on this "
+             "CPU instead")
+    elif not recipe:
+        _log(f"[ddtree_jax] using the pair in {args.dir} (target/, drafter/, tokenizer.json)")
+    elif is_complete(args.dir):
+        _log(f"[ddtree_jax] using the default made earlier in {args.dir} (target/, drafter/, tokenizer.json)")
     else:
         _log(f"[ddtree_jax] making the default in {args.dir}: a tokenizer, then training the target and the drafter "
              f"(first run only, about {_MAKE_MINUTES} minutes on 2 CPU cores; later runs reuse it) ...")
         with CompileWatch(log=_log, prefix="[ddtree_jax]   "):
             make_default(args.dir, log=_log)
         _log(f"[ddtree_jax] default ready in {time.perf_counter() - t0:.0f}s: target/, drafter/, tokenizer.json")
-    prompts_text = args.prompt or _DEMO_PROMPTS
+    prompts_text = args.prompt or list(CORPUS_PROMPTS if recipe else CODE_PROMPTS)
     base = dict(
         target=os.path.join(args.dir, "target"), drafter=os.path.join(args.dir, "drafter"),
         tokenizer=os.path.join(args.dir, "tokenizer.json"), prompt=prompts_text, budget=args.budget,
@@ -374,9 +389,9 @@ def _summary(runs: list[_Run], prompts, max_new_tokens: int, same: bool) -> None
                              f"{1 - r.passes / ar.passes:.0%} of the target passes saved")
     lines.append(f"  greedy outputs identical across {' / '.join(r.method for r in runs)}: {same}")
     if backend == "cpu":
-        lines.append("  note: on a CPU, fewer target passes do not mean less time: the tiny target's verify pass costs "
-                     "about as much per token as a decode step, so the speculative methods are not faster here. "
-                     f"Wall-clock speedups need an accelerator: {_GPU_FIGURES}.")
+        lines.append("  note: on a CPU, fewer target passes do not mean less time: a CPU is bound by arithmetic, and a "
+                     "verify pass costs about as much per token as a decode step, so the speculative methods are not "
+                     f"faster here. Wall-clock speedups need an accelerator: {_GPU_FIGURES}.")
     for line in lines:
         _log("[ddtree_jax] " + line)
 
@@ -420,11 +435,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     g.add_argument("--no-stream", action="store_true")
 
     d = sub.add_parser("demo", parents=[common], epilog=_EPILOG,
-                       help="make the built-in default model (once) and run every method on it")
-    from ddtree_jax.default_model import DEFAULT_DIR
+                       help="run every method on the built-in default pair (shipped; or made on the CPU with "
+                            "--retrain)")
+    from ddtree_jax.default_model import RECIPE_DIR, SHIPPED_DIR
 
-    d.add_argument("--dir", default=DEFAULT_DIR, help=f"where the default lives (default {DEFAULT_DIR})")
-    d.add_argument("--prompt", action="append", help="repeat for a batch (default: three corpus-like prompts)")
+    d.add_argument("--retrain", action="store_true",
+                   help="instead of the shipped pair, make a small default on this CPU (once, a few minutes; reused "
+                        "after) and run on it")
+    d.add_argument("--dir", default=None,
+                   help=f"the default's folder (default: the shipped pair, {SHIPPED_DIR}; with --retrain, where the "
+                        f"CPU recipe writes it, default {RECIPE_DIR})")
+    d.add_argument("--prompt", action="append",
+                   help="repeat for a batch (default: three code prompts; with --retrain, three corpus sentences)")
     d.add_argument("--budget", type=pf.positive_int, default=32,
                    help="DDTree node budget, >= 1 (default 32); dflash drafts the chain of the drafter's block, "
                         "ar one token per pass")

@@ -1,15 +1,21 @@
-"""The built-in default: a small Kimi-style target, a DFlash drafter and a tokenizer, made here.
+"""The built-in defaults: the shipped pair, and the CPU recipe that can remake a small one.
 
-``make_default(path)`` writes three real artefacts that the command line loads like any other
-model: an HF ``DeepseekV3ForCausalLM`` checkpoint (``target/``), a DFlash drafter checkpoint
-(``drafter/``) and a byte-level BPE ``tokenizer.json`` trained with the ``tokenizers`` library
-on a small corpus that ships inside this module.
+``SHIPPED_DIR`` (inside the package, ``ddtree_jax/default_pair/``) holds the default that the
+command line, the examples and the serving bench load: a Kimi-style MoE target (16.0M parameters,
+MLA + sigmoid group-routed experts with a shared expert) and a 2-layer DFlash drafter (2.9M),
+trained on one H200 on the Python standard library by ``ddtree_jax.training``, as bfloat16 HF
+checkpoints (37.8 MB together) with their byte-level BPE ``tokenizer.json``, the data record
+(``data.json``) and the training record (``training.json``). Its ``README.md`` says how it was
+made and what it measures. Nothing is trained at first use.
 
-Both models are trained here, on the CPU in a few minutes (``ddtree_jax.train``): the target
-learns the corpus (it is small enough to memorise), then the drafter learns the target's own
-greedy continuations by the DFlash recipe. On corpus-like prompts the drafter therefore agrees
-with the target often and speculative decoding accepts several tokens per round; on other text
-the pair is as weak as its corpus is small. It stands in for the GPU-trained pair to come.
+``make_default(path)`` is the CPU recipe (``python -m ddtree_jax demo --retrain``): it writes
+three real artefacts that load like any other model: a target checkpoint (``target/``), a drafter
+checkpoint (``drafter/``) and a ``tokenizer.json`` trained with the ``tokenizers`` library on a
+small corpus that ships inside this module. Both models are trained on the CPU in a few minutes
+(``ddtree_jax.train``): the target learns the corpus (small enough to memorise), then the drafter
+learns the target's own greedy continuations by the DFlash recipe. On corpus-like prompts the
+pair agrees often; on anything else it is as weak as its corpus is small. The tests use it at a
+few training steps, because it is quick to make.
 """
 
 from __future__ import annotations
@@ -22,10 +28,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # JAX and the models are imported where used, so DEFAULT_DIR and is_complete stay light
     from ddtree_jax.models import DFlashConfig, KimiConfig
 
-__all__ = ["DEFAULT_DIR", "default_configs", "is_complete", "make_default"]
+__all__ = ["CODE_PROMPTS", "CORPUS_PROMPTS", "RECIPE_DIR", "SHIPPED_DIR", "default_configs", "is_complete",
+           "make_default"]
 
-DEFAULT_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                           "ddtree_jax", "default-v2")
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_pair")
+RECIPE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                          "ddtree_jax", "default-v2")
+# Prompts each default knows what to do with: code for the shipped pair (it learned the standard
+# library), the corpus's own sentences for the CPU recipe.
+CODE_PROMPTS = (
+    'def read_config(path):\n    """Read a configuration file and return a dict."""\n',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n",
+)
+CORPUS_PROMPTS = ("Speculative decoding lets", "A draft tree", "With sampling, every node")
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 
 _CORPUS = """\
@@ -96,11 +112,14 @@ def _loss_record(losses: list[float]) -> dict:
 
 
 def is_complete(path: str) -> bool:
-    """Whether ``make_default`` finished writing the default under ``path``."""
+    """Whether ``make_default`` finished writing a default under ``path`` (the shipped pair is
+    complete as it ships)."""
+    if os.path.abspath(path) == SHIPPED_DIR:
+        return True
     return os.path.isfile(os.path.join(path, "COMPLETE"))
 
 
-def make_default(path: str = DEFAULT_DIR, *, seed: int = 0, vocab_size: int = 512, target_steps: int = 200,
+def make_default(path: str = RECIPE_DIR, *, seed: int = 0, vocab_size: int = 512, target_steps: int = 200,
                  drafter_steps: int = 300, drafter_contexts: tuple[int, ...] = (4, 8, 16, 32, 64), log=print) -> str:
     """Makes, trains and writes the default target, drafter and tokenizer under ``path``
     (once; reused after). Steps of 0 leave that model at its random initialisation."""
