@@ -194,7 +194,10 @@ def summarize(results: dict) -> str:
     splits = [r for r in rows if r.get("time_split")]
     if splits:
         stages = list(splits[0]["time_split"])
-        lines += ["", "Round time split (T=0, `generate(profile=True)`, ms per round):", "",
+        lines += ["", "Round time split (T=0, `generate(profile=True)`, ms per round). Each stage runs as its own "
+                  "compiled program, timed to completion, so every stage also pays a dispatch and a host sync: on a "
+                  "launch-bound model the stages add up to several times the real round (tokens/s above is the real "
+                  "speed); read them as where a round's work goes, not as its length.", "",
                   "| batch | method | " + " | ".join(stages) + " |", "|---|---|" + "---|" * len(stages)]
         for r in splits:
             per = r["time_split_rounds"] or 1
