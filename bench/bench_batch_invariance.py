@@ -49,6 +49,7 @@ from flax import nnx  # noqa: E402
 import ddtree_jax as dt  # noqa: E402
 from bench._common import Report, k2_slice, log, past_deadline  # noqa: E402
 from ddtree_jax.backend import resolve_backend  # noqa: E402
+from ddtree_jax.models._layers import Linear  # noqa: E402
 from ddtree_jax.models.latent_attention import latent_attention  # noqa: E402
 from ddtree_jax.models.moe import experts_ragged_dot, route_tokens, routed_experts  # noqa: E402
 from ddtree_jax.models.tree_cache import BlockMask, causal_block_mask  # noqa: E402
@@ -210,17 +211,69 @@ def part_components(args, report, target, tcfg, dtype):
 
     add("MoE ragged_dot (XLA)", "row alone vs among 65 tokens", ragged(65))
 
-    # XLA's dense matmul (every projection, dense MLP, shared expert, router, LM head).
-    wq = layer.self_attn.q_a_proj.kernel[...]
+    # XLA's dense matmuls and the row-wise ops around them, every shape the target runs: each
+    # Linear of the first dense and the first MoE layer, the absorbed attention's per-head
+    # products, the router's float32 product, an RMSNorm and the LM head (float32 accumulation).
+    # Row 0 alone against the same row among 16 and 65 rows (a budget-15 / budget-64 verify at
+    # B=1); q_a_proj also among `big` rows.
+    dense = next(lyr for lyr in target.model.layers if not hasattr(lyr.mlp, "experts"))
+    linears = {}
+    for tag, lyr in (("dense layer", dense), ("MoE layer", layer)):
+        for path, mod in nnx.iter_graph(lyr):
+            if isinstance(mod, Linear):
+                linears[f"{tag} {'.'.join(map(str, path))}"] = mod.kernel[...]
 
-    def gemm(m):
+    def rows_case(fn, operand, m, width=None):
+        """``fn(rows, operand)`` on row 0 alone and among ``m`` rows of ``width`` (default: the
+        operand's first dim), the operand as an argument."""
         def run():
-            f = jax.jit(lambda x, wq: x @ wq)
-            return compare(f(x[:1], wq)[0], f(x[:m], wq)[0])
+            rows = arr(m, width or operand.shape[0])
+            f = jax.jit(fn)
+            return compare(f(rows[:1], operand)[0], f(rows, operand)[0])
         return run
 
-    for m in (16, big):
-        add("XLA dense matmul (q_a_proj)", f"row alone vs among {m} rows", gemm(m))
+    for name, kernel in linears.items():
+        for m in (16, 65) + ((big,) if name.endswith("q_a_proj") else ()):
+            add(f"XLA matmul {name} [{kernel.shape[0]}x{kernel.shape[1]}]", f"row alone vs among {m} rows",
+                rows_case(_linear, kernel, m))
+    nh, dn = tcfg.num_attention_heads, tcfg.qk_nope_head_dim
+    w_kv = layer.self_attn.kv_b_proj.kernel[...].reshape(tcfg.kv_lora_rank, nh, dn + tcfg.v_head_dim)
+    w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
+    for m in (16, 65):
+        add("absorbed q (btnd,rnd->btnr)", f"token alone vs among {m} tokens",
+            _einsum_case(arr, compare, "tnd,rnd->tnr", (m, nh, dn), w_k))
+        add("absorbed out (btnr,rnd->btnd)", f"token alone vs among {m} tokens",
+            _einsum_case(arr, compare, "tnr,rnd->tnd", (m, nh, tcfg.kv_lora_rank), w_v))
+        add("router (float32)", f"row alone vs among {m} rows",
+            rows_case(_router, layer.mlp.gate.weight[...], m, width=tcfg.hidden_size))
+        add("RMSNorm (hidden)", f"row alone vs among {m} rows", rows_case(_rms, dense.input_layernorm.weight[...], m))
+        add("LM head (float32 accumulation)", f"row alone vs among {m} rows",
+            rows_case(_lm_head, target.lm_head.kernel[...], m))
+
+
+def _linear(x, kernel):
+    return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+
+
+def _lm_head(x, kernel):
+    return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+
+
+def _router(x, weight):
+    return x.astype(jnp.float32) @ weight.T
+
+
+def _rms(x, weight):
+    x32 = x.astype(jnp.float32)
+    return weight * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def _einsum_case(arr, compare, spec, shape, w):
+    def run():
+        x = arr(*shape)
+        f = jax.jit(lambda x, w: jnp.einsum(spec, x, w))
+        return compare(f(x[:1], w)[0], f(x, w)[0])
+    return run
 
 
 def main():
