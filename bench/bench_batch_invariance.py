@@ -86,8 +86,10 @@ def agreement(got: list[list[int]], want: list[list[int]]) -> tuple[list[int], l
 def part_agreement(args, report, target, tcfg, dtype):
     rng = np.random.default_rng(0)
     drafter = random_drafter(tcfg, dtype) if "random" in args.drafters else None
-    for impl in args.impls:
-        target.set_impl(impl)
+    for label in args.impls:
+        # "<impl>+fixed": the target's dense products through the fixed-order kernel as well
+        impl = label.removesuffix("+fixed")
+        target.set_impl(impl).set_batch_invariant(label.endswith("+fixed"))
         for b in args.batches:
             if past_deadline(args):
                 return
@@ -99,13 +101,13 @@ def part_agreement(args, report, target, tcfg, dtype):
             try:
                 ar = dt.generate(target, None, prompts, method="ar", **kw).tokens
             except Exception as e:  # noqa: BLE001 - report and go on
-                log(f"  {impl} B={b} AR failed: {type(e).__name__}: {str(e)[:200]}")
-                report.add("agreement", dict(impl=impl, B=b, drafter="-", error=f"{type(e).__name__}: {str(e)[:120]}"))
+                log(f"  {label} B={b} AR failed: {type(e).__name__}: {str(e)[:200]}")
+                report.add("agreement", dict(impl=label, B=b, drafter="-", error=f"{type(e).__name__}: {str(e)[:120]}"))
                 continue
             for name in args.drafters:
                 if past_deadline(args):
                     return
-                row = dict(impl=impl, B=b, drafter=name, budget=args.budget, new=args.new)
+                row = dict(impl=label, B=b, drafter=name, budget=args.budget, new=args.new)
                 try:
                     if name == "oracle":
                         table = np.zeros((b, args.prompt + args.new + 32), np.int32)
@@ -120,11 +122,11 @@ def part_agreement(args, report, target, tcfg, dtype):
                                equal_positions_mean=float(np.mean(same)),
                                rows_all_equal=sum(p == args.new for p in prefix),
                                mean_tau=float(out.mean_tau), prefixes=" ".join(map(str, prefix)))
-                    log(f"  {impl} B={b} {name}: agree {np.mean(prefix):.1f}/{args.new} before the first difference "
+                    log(f"  {label} B={b} {name}: agree {np.mean(prefix):.1f}/{args.new} before the first difference "
                         f"(min {min(prefix)}), tau {out.mean_tau:.2f}")
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-                    log(f"  {impl} B={b} {name} failed: {row['error']}")
+                    log(f"  {label} B={b} {name} failed: {row['error']}")
                     traceback.print_exc()
                 report.add("agreement", row)
 
@@ -287,7 +289,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--drafters", nargs="+", default=["oracle", "random"], choices=("oracle", "random"))
-    ap.add_argument("--impls", nargs="+", default=None, help="default: auto reference (smoke: pallas reference)")
+    ap.add_argument("--impls", nargs="+", default=None,
+                    help="default: auto+fixed auto reference (smoke: pallas+fixed pallas reference); +fixed: the "
+                         "target's dense products through the fixed-order kernel (set_batch_invariant)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds; later configurations are skipped (default 500 on a GPU, none on a CPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -296,7 +300,8 @@ def main():
         args.layers, args.batches, args.prompt, args.new, args.budget = 2, [1, 2], 8, 8, 6
     if args.deadline is None:
         args.deadline = 500.0 if jax.default_backend() == "gpu" else 0.0
-    args.impls = args.impls or (["pallas", "reference"] if args.smoke else ["auto", "reference"])
+    args.impls = args.impls or (["pallas+fixed", "pallas", "reference"] if args.smoke else
+                                ["auto+fixed", "auto", "reference"])
     dtype = jnp.bfloat16
     tcfg = target_config(args)
     report = Report(args, name="batch_invariance", title="Batch invariance: greedy DDTree vs greedy AR",

@@ -193,3 +193,23 @@ def test_mla_attention_equals_reference(b, t, s, starts, tree, segment_keys, dty
         want = latent_attention_reference(*[x.astype(jnp.float32) for x in (ql, qr, lat, kr)], mask, scale=scale)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("k,n,dtype", [(7168, 1536, jnp.bfloat16), (1536, 12288, jnp.bfloat16),
+                                       (7168, 384, jnp.float32)])
+def test_dense_matmul_compiled_equals_reference_and_is_batch_invariant(k, n, dtype):
+    """The fixed-order product at K2 projection / router shapes: within float32 rounding of the
+    IEEE reference, and a row's bits the same alone and among 16, 65 and 1,040 rows (across
+    ``choose_blocks``' row tiles, which the interpret-mode test pins)."""
+    from pallas_kernels.triton.dense_matmul import dense_matmul, dense_matmul_reference
+
+    rng = np.random.default_rng(k + n)
+    x = jnp.asarray(rng.standard_normal((1040, k)), jnp.float32).astype(dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32).astype(dtype)
+    f = jax.jit(lambda x, w: dense_matmul(x, w, out_dtype=jnp.float32))
+    full = f(x, w)
+    with jax.default_matmul_precision("highest"):
+        want = dense_matmul_reference(x, w, out_dtype=jnp.float32)
+    assert float(jnp.abs(full - want).max()) <= 1e-4 * float(jnp.abs(want).max())
+    for m in (1, 16, 65):
+        np.testing.assert_array_equal(np.asarray(f(x[:m], w)), np.asarray(full)[:m], err_msg=f"{m} rows")

@@ -32,17 +32,31 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> j
     return jnp.asarray((rng.standard_normal(shape, np.float32) / math.sqrt(fan_in)).astype(dtype))
 
 
+def dense_product(x: jax.Array, kernel: jax.Array, fixed_order=None, out_dtype=None) -> jax.Array:
+    """``x [..., in] @ kernel [in, out]`` with ``x`` cast to the kernel's dtype, in ``out_dtype``
+    (``None``: the kernel's; float32 keeps the accumulation unrounded). ``fixed_order``: ``None``
+    for XLA's dot, or a ``Backend`` that runs the kernels for the fixed-order Pallas product
+    (``pallas_kernels/triton/dense_matmul.py``: each row computed the same way whatever the row
+    count)."""
+    if fixed_order is None:
+        return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel, preferred_element_type=out_dtype)
+    from pallas_kernels.triton.dense_matmul import dense_matmul
+
+    return dense_matmul(x, kernel, out_dtype=out_dtype or kernel.dtype, interpret=fixed_order.interpret)
+
+
 class Linear(nnx.Module):
-    """``y = x @ kernel`` without bias; ``kernel`` is ``[in, out]`` (HF stores ``weight = kernel.T``)."""
+    """``y = x @ kernel`` without bias; ``kernel`` is ``[in, out]`` (HF stores ``weight = kernel.T``).
+    ``fixed_order`` (static; ``None``: XLA's dot) as in ``dense_product``."""
 
     def __init__(self, d_in: int, d_out: int, *, axes: tuple[str | None, str | None],
                  rngs: nnx.Rngs, dtype=jnp.float32):
         self.kernel = nnx.Param(normal_init(rngs, (d_in, d_out), d_in, dtype), axes=axes)
+        self.fixed_order = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``[..., in] -> [..., out]``."""
-        kernel = self.kernel[...]
-        return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        """``[..., in] -> [..., out]`` (in ``out_dtype``, default the kernel's dtype)."""
+        return dense_product(x, self.kernel[...], self.fixed_order, out_dtype)
 
 
 class RMSNorm(nnx.Module):

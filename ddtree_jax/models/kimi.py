@@ -32,6 +32,7 @@ from ddtree_jax.models._layers import (
     GatedMLP,
     Linear,
     RMSNorm,
+    dense_product,
     normal_init,
     write_rows,
 )
@@ -150,11 +151,15 @@ class Router(nnx.Module):
         e, h = cfg.n_routed_experts, cfg.hidden_size
         self.weight = nnx.Param(normal_init(rngs, (e, h), h, jnp.float32), axes=(None, None))
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=(None,))
+        self.fixed_order = None  # static, as ``Linear.fixed_order``
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [N,H]`` -> ``(weights [N,k] float32, expert ids [N,k] int32)``."""
         cfg = self.cfg
-        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...].T)
+        if self.fixed_order is None:
+            scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...].T)
+        else:
+            scores = jax.nn.sigmoid(dense_product(x.astype(jnp.float32), self.weight[...].T, self.fixed_order))
         choice = scores + self.e_score_correction_bias[...]
         n = x.shape[0]
         grouped = choice.reshape(n, cfg.n_group, -1)
@@ -306,12 +311,37 @@ class KimiForCausalLM(nnx.Module):
         self.config = cfg
         self.experts_int4 = experts_int4
         self.backend = resolve_backend(impl)
+        self.batch_invariant = False  # set_batch_invariant
         self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype, int4=experts_int4)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
 
     def set_impl(self, impl: str | Backend) -> KimiForCausalLM:
         """Use ``impl`` (see the class docstring) for the forward passes from now on; returns self."""
         self.backend = resolve_backend(impl)
+        if self.batch_invariant:
+            self.set_batch_invariant(True)
+        return self
+
+    def set_batch_invariant(self, on: bool = True) -> KimiForCausalLM:
+        """Every dense product of the target (the attention projections, dense MLPs, shared
+        experts, routers and the LM head) through the fixed-order Pallas product
+        (``pallas_kernels/triton/dense_matmul.py``) instead of XLA's dot, whose algorithm depends on
+        the number of rows. With the attention kernel's fixed segments and the MoE kernel (both
+        bitwise batch-invariant on the H200), a row's arithmetic is then meant to be the same in a
+        decode step and in a tree verify, so that greedy DDTree commits greedy autoregressive
+        decoding's tokens in bf16 too (``bench/bench_batch_invariance.py`` measures it). The
+        absorbed attention's per-head products stay XLA's. Needs the Triton kernels (``impl``
+        ``"pallas"``, or ``"auto"`` on a GPU) on one device; ``on=False``: XLA's dot again."""
+        if on and not (self.backend.kernels and self.backend.family == "triton"):
+            raise ValueError("set_batch_invariant needs the Triton kernels: set_impl('pallas') (or 'auto' on an "
+                             f"NVIDIA GPU) first; the model runs {self.backend}")
+        if on and any(layer.self_attn.attention_mesh is not None for layer in self.model.layers):
+            raise ValueError("set_batch_invariant: the fixed-order product runs on one device; this model is placed "
+                             "on a mesh (set_mesh)")
+        self.batch_invariant = on
+        for _, module in nnx.iter_graph(self):
+            if isinstance(module, (Linear, Router)):
+                module.fixed_order = self.backend if on else None
         return self
 
     def set_mesh(self, mesh, mesh_axes: dict[str, str]) -> KimiForCausalLM:
@@ -361,8 +391,7 @@ class KimiForCausalLM(nnx.Module):
         accumulation returned as it is (a bf16 result converted afterwards would round every logit
         to bf16 and cost a pass over the ``[tokens, V]`` logits: 0.24 ms for a 1,040-token verify
         at K2 shapes on the H200)."""
-        kernel = self.lm_head.kernel[...]
-        return jnp.einsum("...i,io->...o", hidden.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden, out_dtype=jnp.float32)
 
     # ---- forward passes ----
 

@@ -1,0 +1,126 @@
+"""A dense product ``y = x @ w`` whose every row is computed the same way whatever the row count.
+
+Why: XLA hands a dense product to cuBLAS (GPU) or Eigen (CPU), which pick an algorithm by shape,
+so a one-row product (a decode step) and the same row among 16 or 65 rows (a tree verify) can sum
+the K products in different orders and round differently. Greedy tree decoding then commits
+tokens other than greedy autoregressive decoding's wherever two logits are that close. Measured
+by ``bench/bench_batch_invariance.py``: on the H200 XLA's bf16 product of a projection agreed at
+16 rows but not at 2,056, and on the CPU the float32 router and the LM head's float32
+accumulation differ between 1 and 16 rows.
+
+The order here: each output element accumulates in float32 over K in chunks of ``block_k``,
+ascending; a chunk is one dot of the row's ``[block_k]`` slice with the weight's
+``[block_k, block_n]`` tile. ``block_k`` is a function of K alone, and a row never meets another
+row's data, so the row count only changes how many row tiles the grid has (the MoE kernel, built
+the same way, measured bitwise batch-invariant across its block sizes on the H200).
+
+Grid ``(M_padded / block_m, N / block_n)``: program ``(i, j)`` writes rows ``[i*bm, (i+1)*bm)``
+and columns ``[j*bn, (j+1)*bn)``. ``x`` is padded with zero rows to a multiple of ``block_m`` (the
+activations are small; the weight is never copied); ``block_n`` and ``block_k`` are powers of two
+that divide N and K, at least 16 on the GPU (the tensor-core dot's smallest K and N). The cost
+is the weight read once per row tile: at the decode and verify sizes (a few row tiles) it is
+memory bound, as the product is.
+
+``dense_matmul_reference`` is the plain product (``jnp.einsum`` with float32 accumulation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["DenseBlocks", "choose_blocks", "dense_matmul", "dense_matmul_reference"]
+
+_IEEE = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseBlocks:
+    """The tiles: ``block_m`` rows per program (the only one that depends on M), ``block_n``
+    columns, ``block_k`` the reduction chunk (a function of K alone: see the module docstring)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_blocks(m: int) -> DenseBlocks:
+    """Row tiles by the row count: 16 rows for a decode step or a small verify, larger tiles
+    (fewer reads of the weight) for long verifies and prefill."""
+    if m <= 16:
+        return DenseBlocks(block_m=16)
+    if m <= 64:
+        return DenseBlocks(block_m=64)
+    return DenseBlocks(block_m=128, block_n=128, num_warps=8)
+
+
+def _pow2_divisor(dim: int, want: int) -> int:
+    """The largest power of two <= ``want`` that divides ``dim``."""
+    b = want
+    while dim % b:
+        b //= 2
+    return b
+
+
+def _kernel(x_ref, w_ref, y_ref, *, bm, bn, bk, k_chunks, precision):
+    r0 = pl.multiple_of(pl.program_id(0) * bm, bm)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+
+    def body(kk, acc):
+        k0 = pl.multiple_of(kk * bk, bk)
+        xb = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+        wb = w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
+        return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32, precision=precision)
+
+    acc = jax.lax.fori_loop(0, k_chunks, body, jnp.zeros((bm, bn), jnp.float32))
+    y_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = acc.astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret"))
+def dense_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, blocks: DenseBlocks | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """``x [..., K] @ w [K, N] -> [..., N]`` in ``out_dtype`` (default ``x``'s), accumulated in
+    float32 in the fixed order of the module docstring. ``x`` is cast to ``w``'s dtype first (as
+    the model's ``Linear`` does); float32 operands multiply in IEEE float32 (no TF32).
+
+    ``blocks``: pinned tiles (``None``: ``choose_blocks`` by the row count). On the GPU, N and K
+    must be multiples of 16 (a ``ValueError`` says which is not)."""
+    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"dense_matmul: x {x.shape} and w {w.shape} do not multiply ([..., K] @ [K, N])")
+    K, N = w.shape
+    if not interpret and (K % 16 or N % 16):
+        raise ValueError(f"dense_matmul: K ({K}) and N ({N}) must be multiples of 16 on the GPU")
+    lead = x.shape[:-1]
+    a = x.reshape(-1, K).astype(w.dtype)
+    m = a.shape[0]
+    blocks = blocks or choose_blocks(m)
+    bm = blocks.block_m
+    bn, bk = _pow2_divisor(N, blocks.block_n), _pow2_divisor(K, blocks.block_k)
+    padded = -(-max(m, 1) // bm) * bm
+    a = jnp.pad(a, ((0, padded - m), (0, 0)))
+    precision = _IEEE if w.dtype == jnp.float32 else None
+    y = pl.pallas_call(
+        functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_chunks=K // bk, precision=precision),
+        grid=(padded // bm, N // bn),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=jax.ShapeDtypeStruct((padded, N), out_dtype or x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="ddtree_dense_matmul",
+    )(a, w)
+    return y[:m].reshape(*lead, N)
+
+
+def dense_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+    """The plain product: ``x`` cast to ``w``'s dtype, float32 accumulation, cast to ``out_dtype``."""
+    y = jnp.einsum("...k,kn->...n", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
+                   precision=_IEEE if w.dtype == jnp.float32 else None)
+    return y.astype(out_dtype or x.dtype)

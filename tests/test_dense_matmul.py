@@ -1,0 +1,81 @@
+"""The fixed-order dense product (``pallas_kernels/triton/dense_matmul.py``, interpret mode) and the
+target's batch-invariant mode built on it (``KimiForCausalLM.set_batch_invariant``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.triton.dense_matmul import DenseBlocks, choose_blocks, dense_matmul, dense_matmul_reference
+from tests._model_fixtures import tiny_kimi
+
+
+def _rand(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (37, 48, 80), (200, 128, 32), (3, 40, 24)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_dense_matmul_equals_reference(m, k, n, dtype):
+    """Leading dims kept; rows not a multiple of the tile; K and N not powers of two; float32
+    output (the LM head's) and the input's dtype."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = _rand(rng, (1, m, k), dtype), _rand(rng, (k, n), dtype)
+    for out_dtype in (None, jnp.float32):
+        got = dense_matmul(x, w, out_dtype=out_dtype, interpret=True)
+        want = dense_matmul_reference(x, w, out_dtype=out_dtype)
+        assert got.shape == (1, m, n) and got.dtype == want.dtype
+        tol = 1e-5 if got.dtype == jnp.float32 else 1e-2  # bf16 output: one rounding apart at most
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol * float(jnp.abs(want.astype(jnp.float32)).max()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_row_is_the_same_bits_alone_and_among_others(dtype):
+    """The batch invariance the kernel exists for: with the tiles fixed, row r's result does not
+    depend on how many rows are in the call (the same holds across ``choose_blocks``' row tiles
+    on the H200: tests/test_gpu.py)."""
+    rng = np.random.default_rng(7)
+    x, w = _rand(rng, (130, 96), dtype), _rand(rng, (96, 160), dtype)
+    blocks = DenseBlocks(block_m=16)
+    full = np.asarray(dense_matmul(x, w, out_dtype=jnp.float32, blocks=blocks, interpret=True))
+    for m in (1, 5, 16, 17, 65):
+        part = np.asarray(dense_matmul(x[:m], w, out_dtype=jnp.float32, blocks=blocks, interpret=True))
+        np.testing.assert_array_equal(part, full[:m], err_msg=f"{m} rows")
+
+
+def test_choose_blocks_grow_with_rows_and_bad_shapes_are_named():
+    assert [choose_blocks(m).block_m for m in (1, 16, 17, 64, 65, 4096)] == [16, 16, 64, 64, 128, 128]
+    with pytest.raises(ValueError, match=r"x \(2, 5\) and w \(4, 8\) do not multiply"):
+        dense_matmul(jnp.zeros((2, 5)), jnp.zeros((4, 8)), interpret=True)
+    with pytest.raises(ValueError, match="multiples of 16 on the GPU"):
+        dense_matmul(jnp.zeros((2, 40)), jnp.zeros((40, 24)), interpret=False)
+
+
+def test_target_batch_invariant_mode():
+    """``set_batch_invariant``: the LM head's float32 logits and the router's scores of a row are
+    the same bits alone and among 16 rows (XLA's dot on the CPU differs there: the row-count
+    dependence the mode removes), and the logits stay those of the plain path (to float32
+    rounding). It needs the kernels, and says so."""
+    target = tiny_kimi(0, hidden_size=128, vocab_size=512)  # smaller: XLA's CPU dot happens to agree across rows
+    with pytest.raises(ValueError, match="needs the Triton kernels"):
+        target.set_impl("reference").set_batch_invariant(True)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, target.config.vocab_size, (2, 8)), jnp.int32)
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((16, target.config.hidden_size)), jnp.float32)
+    router = next(layer.mlp.gate for layer in target.model.layers if hasattr(layer.mlp, "gate"))
+
+    def rows_alone_and_among_16():
+        head, route = jax.jit(target.lm_logits), jax.jit(lambda h: router(h)[0])
+        return [(np.asarray(f(hidden[:1])), np.asarray(f(hidden))[:1]) for f in (head, route)]
+
+    plain = target.set_impl("pallas")(tokens)
+    # the control: XLA's dot gives a row other bits among 16 rows (else this test could not fail)
+    assert not all(np.array_equal(one, many) for one, many in rows_alone_and_among_16())
+    target.set_batch_invariant(True)
+    np.testing.assert_allclose(np.asarray(target(tokens)), np.asarray(plain), rtol=1e-5, atol=1e-5)
+    for one, many in rows_alone_and_among_16():
+        np.testing.assert_array_equal(one, many)
+    target.set_impl("pallas")  # set_impl keeps the mode
+    assert all(m.fixed_order is not None for m in (router, target.lm_head))
+    target.set_batch_invariant(False)
+    assert router.fixed_order is None and target.lm_head.fixed_order is None
