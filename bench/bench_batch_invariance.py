@@ -32,6 +32,7 @@ Writes ``batch_invariance_<device>_<date>.{json,md}`` to ``--out`` (default benc
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -49,7 +50,7 @@ from flax import nnx  # noqa: E402
 import ddtree_jax as dt  # noqa: E402
 from bench._common import Report, k2_slice, log, past_deadline  # noqa: E402
 from ddtree_jax.backend import resolve_backend  # noqa: E402
-from ddtree_jax.models._layers import Linear  # noqa: E402
+from ddtree_jax.models._layers import Linear, dense_product  # noqa: E402
 from ddtree_jax.models.latent_attention import latent_attention  # noqa: E402
 from ddtree_jax.models.moe import experts_ragged_dot, route_tokens, routed_experts  # noqa: E402
 from ddtree_jax.models.tree_cache import BlockMask, causal_block_mask  # noqa: E402
@@ -234,48 +235,36 @@ def part_components(args, report, target, tcfg, dtype):
             return compare(f(rows[:1], operand)[0], f(rows, operand)[0])
         return run
 
+    def einsum_case(spec, shape, w):
+        def run():
+            x = arr(*shape)
+            f = jax.jit(lambda x, w: jnp.einsum(spec, x, w))
+            return compare(f(x[:1], w)[0], f(x, w)[0])
+        return run
+
+    # The model's own functions: its product (``Linear``, the LM head's float32 accumulation, the
+    # router's float32 product) and its RMSNorm module (its small weight captured; the width
+    # comes from the operand).
+    norm = dense.input_layernorm
     for name, kernel in linears.items():
         for m in (16, 65) + ((big,) if name.endswith("q_a_proj") else ()):
             add(f"XLA matmul {name} [{kernel.shape[0]}x{kernel.shape[1]}]", f"row alone vs among {m} rows",
-                rows_case(_linear, kernel, m))
+                rows_case(dense_product, kernel, m))
     nh, dn = tcfg.num_attention_heads, tcfg.qk_nope_head_dim
     w_kv = layer.self_attn.kv_b_proj.kernel[...].reshape(tcfg.kv_lora_rank, nh, dn + tcfg.v_head_dim)
     w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
     for m in (16, 65):
         add("absorbed q (btnd,rnd->btnr)", f"token alone vs among {m} tokens",
-            _einsum_case(arr, compare, "tnd,rnd->tnr", (m, nh, dn), w_k))
+            einsum_case("tnd,rnd->tnr", (m, nh, dn), w_k))
         add("absorbed out (btnr,rnd->btnd)", f"token alone vs among {m} tokens",
-            _einsum_case(arr, compare, "tnr,rnd->tnd", (m, nh, tcfg.kv_lora_rank), w_v))
+            einsum_case("tnr,rnd->tnd", (m, nh, tcfg.kv_lora_rank), w_v))
         add("router (float32)", f"row alone vs among {m} rows",
-            rows_case(_router, layer.mlp.gate.weight[...], m, width=tcfg.hidden_size))
-        add("RMSNorm (hidden)", f"row alone vs among {m} rows", rows_case(_rms, dense.input_layernorm.weight[...], m))
+            rows_case(lambda x, w: dense_product(x.astype(jnp.float32), w.T), layer.mlp.gate.weight[...], m,
+                      width=tcfg.hidden_size))
+        add("RMSNorm (hidden)", f"row alone vs among {m} rows",
+            rows_case(lambda x, _: norm(x), norm.weight[...], m))
         add("LM head (float32 accumulation)", f"row alone vs among {m} rows",
-            rows_case(_lm_head, target.lm_head.kernel[...], m))
-
-
-def _linear(x, kernel):
-    return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
-
-
-def _lm_head(x, kernel):
-    return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
-
-
-def _router(x, weight):
-    return x.astype(jnp.float32) @ weight.T
-
-
-def _rms(x, weight):
-    x32 = x.astype(jnp.float32)
-    return weight * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
-
-
-def _einsum_case(arr, compare, spec, shape, w):
-    def run():
-        x = arr(*shape)
-        f = jax.jit(lambda x, w: jnp.einsum(spec, x, w))
-        return compare(f(x[:1], w)[0], f(x, w)[0])
-    return run
+            rows_case(functools.partial(dense_product, out_dtype=jnp.float32), target.lm_head.kernel[...], m))
 
 
 def main():

@@ -156,10 +156,7 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [N,H]`` -> ``(weights [N,k] float32, expert ids [N,k] int32)``."""
         cfg = self.cfg
-        if self.fixed_order is None:
-            scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...].T)
-        else:
-            scores = jax.nn.sigmoid(dense_product(x.astype(jnp.float32), self.weight[...].T, self.fixed_order))
+        scores = jax.nn.sigmoid(dense_product(x.astype(jnp.float32), self.weight[...].T, self.fixed_order))
         choice = scores + self.e_score_correction_bias[...]
         n = x.shape[0]
         grouped = choice.reshape(n, cfg.n_group, -1)
@@ -311,7 +308,6 @@ class KimiForCausalLM(nnx.Module):
         self.config = cfg
         self.experts_int4 = experts_int4
         self.backend = resolve_backend(impl)
-        self.batch_invariant = False  # set_batch_invariant
         self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype, int4=experts_int4)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
 
@@ -321,6 +317,12 @@ class KimiForCausalLM(nnx.Module):
         if self.batch_invariant:
             self.set_batch_invariant(True)
         return self
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether ``set_batch_invariant`` is on (the LM head, like every dense product, then runs
+        the fixed-order kernel)."""
+        return self.lm_head.fixed_order is not None
 
     def set_batch_invariant(self, on: bool = True) -> KimiForCausalLM:
         """Every dense product of the target (the attention projections, dense MLPs, shared
@@ -338,7 +340,6 @@ class KimiForCausalLM(nnx.Module):
         if on and any(layer.self_attn.attention_mesh is not None for layer in self.model.layers):
             raise ValueError("set_batch_invariant: the fixed-order product runs on one device; this model is placed "
                              "on a mesh (set_mesh)")
-        self.batch_invariant = on
         for _, module in nnx.iter_graph(self):
             if isinstance(module, (Linear, Router)):
                 module.fixed_order = self.backend if on else None
