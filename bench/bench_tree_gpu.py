@@ -93,7 +93,7 @@ def build_with_tables(x, budget, tables):
     tok, par, dep, sc, fc, ns, valid = tree_builder.build_tree(
         top_lq, top_ids.astype(jnp.int32), budget=budget, interpret=INTERPRET)
     return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
-                     ancestor_mask=ancestor_mask_from_parents(par, valid, x.shape[1]), draft_len=x.shape[1])
+                     ancestor_mask=ancestor_mask_doubling(par, valid, x.shape[1]), draft_len=x.shape[1])
 
 
 def kernel_tables(budget, lse, **tuning):
@@ -111,6 +111,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret mode)")
+    p.add_argument("--baseline-builder", metavar="FILE", nargs="*", default=[],
+                   help="previous tree_builder.py files to time beside the current pop loop (same tables, same run)")
     a = p.parse_args()
     if a.smoke:
         B, BUDGET, L, V, INTERPRET, DEV_N = 2, 32, 3, 3000, True, 2
@@ -246,6 +248,21 @@ def main():
             tops, iters=iters))
     timed("pallas_pop_loop_w4_dev", lambda: dev_time(
         lambda a_: tree_builder.build_tree(a_, tops[0][1], budget=BUDGET, interpret=INTERPRET), tops[0][0]))
+    for path in a.baseline_builder:
+        import importlib.util
+
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        checked(f"baseline {name} == current pop loop", lambda base=base: "equal" if all(
+            np.array_equal(np.asarray(u), np.asarray(w)) for u, w in zip(
+                base.build_tree(*tops[0], budget=BUDGET, interpret=INTERPRET),
+                tree_builder.build_tree(*tops[0], budget=BUDGET, interpret=INTERPRET), strict=True)) else "DIFFERENT")
+        timed(f"baseline_{name}_w4", lambda base=base: time_it(
+            lambda a_, i_: base.build_tree(a_, i_, budget=BUDGET, interpret=INTERPRET), tops, iters=iters))
+        timed(f"baseline_{name}_w4_dev", lambda base=base: dev_time(
+            lambda a_: base.build_tree(a_, tops[0][1], budget=BUDGET, interpret=INTERPRET), tops[0][0]))
     tr = dt.build_draft_tree(xs[0], BUDGET, impl="pallas")
     anc = jax.jit(lambda p_, v_: ancestor_mask_from_parents(p_, v_, L))
     timed("ancestor_mask_only", lambda: time_it(anc, [(tr.parents, tr.valid)], iters=iters))
@@ -254,7 +271,6 @@ def main():
         np.asarray(anc2(tr.parents, tr.valid)), np.asarray(tr.ancestor_mask)) else "DIFFERENT")
     timed("ancestor_mask_doubling_only", lambda: time_it(anc2, [(tr.parents, tr.valid)], iters=iters))
     timed("ancestor_mask_only_dev", lambda: dev_time(lambda p_: anc(p_, tr.valid), tr.parents))
-    timed("ancestor_mask_doubling_only_dev", lambda: dev_time(lambda p_: anc2(p_, tr.valid), tr.parents))
     if not a.smoke:
         # where exact_top_k's time goes (device time per call)
         lq0 = jax.jit(draft_logprobs)(xs[0])
@@ -266,6 +282,17 @@ def main():
         cand0 = lq0[..., : kc * 32]
         timed("topk_stage_topk_of_candidates_dev", lambda: dev_time(lambda c: jax.lax.top_k(c, BUDGET), cand0))
         timed("topk_chunked_total_dev", lambda: dev_time(lambda q: exact_top_k(q, BUDGET), lq0))
+    if not a.smoke:
+        try:
+            from bench._common import device_kernels
+
+            per, total = device_kernels(jax.jit(lambda x: dt.build_draft_tree(x, BUDGET, impl="pallas")), (xs[0],), 20)
+            res["profile_us"] = {k: v / 1e3 for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+            t["pallas_total_profiled_kernels_sum"] = total / 1e3
+            log("profile", json.dumps({k: round(v, 1) for k, v in res["profile_us"].items()}))
+        except Exception as e:  # noqa: BLE001
+            res["errors"]["profile"] = f"{type(e).__name__}: {e}"
+            log("profile FAILED", traceback.format_exc())
     tree = tr.with_root_tokens(jnp.zeros((B,), jnp.int32))
     tk, fc = np.asarray(tree.tokens), np.asarray(tree.first_child)
     smp = jnp.asarray(np.where(fc >= 0, np.take_along_axis(tk, np.maximum(fc, 0), 1), 3).astype(np.int32))
@@ -299,8 +326,11 @@ def main():
         f"B={B}, budget={BUDGET}, L={L}, V={V} (bf16 draft logits; top-k included in totals)",
         "",
         f"Host-loop times (one jit dispatch per call) unless the name ends in _dev ({DEV_N} calls inside one jit, "
-        f"lax.fori_loop, time / {DEV_N}: device time without the per-call dispatch). The pop loop does 5 dependent "
-        "reductions + 3 scalar loads per pop; the ancestor mask follows parent pointers L times. "
+        f"lax.fori_loop, time / {DEV_N}: device time without the per-call dispatch). The pop loop does an "
+        "argmax, then 3 independent one-hot gathers, then 4 independent scalar loads per pop, and stores the node "
+        "by scalar stores (baseline_*: the file given by --baseline-builder); the ancestor mask: parent pointers "
+        "followed L times (ancestor_mask_only) or by pointer doubling (ancestor_mask_doubling_only, what the "
+        "build uses), plain JAX. "
         "pallas_total = build_draft_tree(impl='pallas'): vocab_top_k (lse='xla') + pop loop + ancestor mask; "
         "build_* = the same build with the named top-k; topk_* = the top-k alone; "
         "read_floor_copy_bf16 = one read + one write of the logits.",
@@ -310,6 +340,10 @@ def main():
         "| what | us per round |",
         "|---|---|",
     ] + [f"| {k} | {v:.1f} |" for k, v in t.items()]
+    if res.get("profile_us"):
+        md += ["", "The Pallas build's device kernels (profiler trace, us per build):", "",
+               "| kernel | us |", "|---|---|"]
+        md += [f"| {k[:90]} | {v:.1f} |" for k, v in res["profile_us"].items()]
     md += ["", "Equality checks (kernel vs plain JAX):", ""] + [f"- {k}: {v}" for k, v in res["checks"].items()]
     if res["errors"]:
         md += ["", "Errors:", ""] + [f"- {k}: {v}" for k, v in res["errors"].items()]

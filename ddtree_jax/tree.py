@@ -140,7 +140,7 @@ def _build_with_kernel(draft_logits: jax.Array, budget: int, backend: Backend) -
     tok, par, dep, sc, fc, ns, valid = build_tree(top_lq, top_ids.astype(jnp.int32), budget=budget,
                                                   interpret=backend.interpret)
     return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
-                     ancestor_mask=ancestor_mask_from_parents(par, valid, L), draft_len=L)
+                     ancestor_mask=ancestor_mask_doubling(par, valid, L), draft_len=L)
 
 
 # Where the kernel path's log-softmax normaliser comes from (``vocab_top_k`` of either family):

@@ -8,15 +8,26 @@ child, ``-inf``/NaN entries are never pushed, and scores are single float32 addi
 (sibling = score(parent) + lq[d, r+1], child = score(node) + lq[d+1, 0]), so the reference
 reproduces them bit for bit.
 
-How: the kernel keeps the frontier (``budget + 1`` slots) and the node arrays as loop-carried
-register vectors, updated with one-hot ``where`` (no dynamic scatters, no launch per node). The
-loop is a chain of dependent reductions, so their number per pop sets its time; this version
-does 5 per pop (max score; min of ``order * Mp + slot`` among the tied, which gives the FIFO
-tie-break and the slot at once; three one-hot gathers of packed ``parent|depth``,
-``rank|prev+1`` and the parent's score) plus 3 independent scalar loads from the ``[L, K]``
-table (token, sibling and child log-probs), and finds the child's frontier slot without a
-search. An earlier version with ~17 reductions per pop measured 407 us at B=16, N=256, L=15 on
-the H200 (bench/results/tree_gpu_h200_20261129.md).
+How: the kernel keeps the frontier and the node arrays as loop-carried register vectors, updated
+with one-hot ``where`` (no dynamic scatters, no launch per node). The loop is a chain of dependent
+reductions, so their number per pop sets its time. Per pop:
+
+1. one two-operand reduction, ``argmax`` over int32 keys. Frontier entries sit in push order
+   (entry ``j`` is the ``j``-th pushed; a popped slot is never reused), so the lowest index among
+   equal keys is the FIFO tie rule with no separate tie-break pass. The key is the float32 score
+   mapped to an int32 that orders like the float (``-0.0`` folded into ``+0.0``); popped and unused
+   slots hold the smallest int32, which no score maps to.
+2. three independent one-hot gathers of the popped entry's packed ``parent | depth``,
+   ``rank | prev + 1`` and its parent's score (the bits of a float32, summed as int32: exact).
+3. four independent scalar loads from the (L1-resident) ``[L, K]`` tables: the token, the entry's
+   own log-prob (its score is recomputed as ``parent score + log-prob``, the very addition that
+   made it), the next sibling's and the first child's.
+
+The entries that can still be popped are the root and the pushes of pops ``1..N-1``: at most
+``2N - 1`` slots. Slots never decide anything beyond the FIFO order they encode, so the output is
+identical to the reference. Two earlier versions measured on the H200 at B=16, N=256, L=15
+(bench/results/tree_gpu_h200_20261129.md): ~17 reductions per pop, 407 us; 5 dependent
+reductions in 3 stages with reused slots, 186 us.
 
 Backend: Pallas Triton lowering. The loop is a chain of small dependent reductions; Triton gives
 the reductions and dynamic loops directly; Mosaic GPU's warpgroup model has no benefit for
@@ -32,130 +43,99 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["build_tree", "supports"]
+__all__ = ["MAX_BUDGET", "build_tree", "supports"]
 
-_BIG = 2**30
+MAX_BUDGET = 16383  # the frontier is a register vector of next_pow2(2 * budget - 1) lanes
+_DEAD = -(2**31)  # the key of popped and unused frontier slots; no float32 maps to it
+
+
+def _key(s):
+    """float32 -> int32 with the same order (``-0.0`` and ``+0.0`` equal; NaN never reaches here:
+    tables hold log-probabilities, never ``+inf``, so no score is NaN)."""
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    return jnp.where(s == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
 
 
 def _builder_kernel(
-    lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, val_ref, *, L, K, M, Mp, N, pbits, rbits
+    lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, val_ref, *, L, K, M, Mp, F, N, pbits, rbits
 ):
-    """One request's pop loop (see the module doc).
-
-    The frontier entry carries ``ordslot = order * Mp + slot`` (orders are unique among live
-    entries, so one min gives both the FIFO tie-break and the slot), the packed ints
-    ``metaA = parent | depth << pbits`` and ``metaB = rank | (prev + 1) << rbits`` and its parent's
-    score; the popped score is the max itself; token, sibling and child log-probs are scalar loads
-    from the (L1-resident) top-K table; the child's frontier slot needs no search (the popped slot
-    if the sibling is not pushed, else the next never-used slot: at most one new slot per pop, so
-    at most N + 1 = M slots). Slots never decide anything (ties are broken by the unique order),
-    so the output is identical to the reference."""
+    """One request's pop loop (see the module doc). Frontier vectors (``F`` lanes, push order):
+    ``key``, ``metaA = parent | depth << pbits``, ``metaB = rank | (prev + 1) << rbits`` and
+    ``pbits_`` (the parent's score as int32 bits). Node ``i``'s token, parent, depth, score and
+    validity are stored once, by scalar stores, at pop ``i``; only the links (first child, next
+    sibling), which later pops set, are register vectors (``Mp`` lanes, node ``i`` at lane ``i``)
+    stored at the end. No address is written twice, so no ordering between threads is needed."""
     b = pl.program_id(0)
+    it = jnp.arange(F, dtype=jnp.int32)
     iota = jnp.arange(Mp, dtype=jnp.int32)
     zi = b * 0
     neg1 = jnp.full((Mp,), -1, jnp.int32)
     pmask = (1 << pbits) - 1
     rmask = (1 << rbits) - 1
+    f32_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     lq00 = lq_ref[b, 0, 0]
-    root = iota == 0
+    head = it == 0
     f = dict(
-        live=root & (lq00 > -jnp.inf),
-        score=jnp.where(root, lq00, -jnp.inf),
-        ordslot=iota * 0,
-        metaA=jnp.full((Mp,), 1 << pbits, jnp.int32),  # parent 0, depth 1
-        metaB=iota * 0,  # rank 0, prev -1
-        pscore=jnp.zeros((Mp,), jnp.float32),
+        key=jnp.where(head & (lq00 > -jnp.inf), _key(lq00), _DEAD),
+        metaA=jnp.where(head, 1 << pbits, 0),  # parent 0, depth 1
+        metaB=it * 0,  # rank 0, prev -1
+        pbits_=it * 0,  # the root's score, +0.0
     )
-    nd = dict(
-        tokens=neg1,
-        parents=neg1,
-        depth=jnp.zeros((Mp,), jnp.int32),
-        score=jnp.where(root, 0.0, -jnp.inf),
-        first_child=neg1,
-        next_sibling=neg1,
-        valid=root,
-    )
+    links = dict(first_child=neg1, next_sibling=neg1)
+    tok_ref[b, 0] = zi - 1
+    par_ref[b, 0] = zi - 1
+    dep_ref[b, 0] = zi
+    sc_ref[b, 0] = jnp.float32(0.0)
+    val_ref[b, 0] = zi + 1
 
-    def push(f, slot, ok, **row):
-        hit = (iota == slot) & ok
-        out = dict(f, live=f["live"] | hit)
-        for k_, v in row.items():
-            out[k_] = jnp.where(hit, v, f[k_])
+    def push(f, slot, ok, score, **row):
+        hit = (it == slot) & ok
+        out = {k_: jnp.where(hit, v, f[k_]) for k_, v in row.items()}
+        out["key"] = jnp.where(hit, _key(score), f["key"])
         return out
 
     def pop(i, carry):
-        f, nd, counter, fresh = carry
-        best = jnp.max(jnp.where(f["live"], f["score"], -jnp.inf))
-        tied = f["live"] & (f["score"] == best)
-        os_ = jnp.min(jnp.where(tied, f["ordslot"], _BIG))
-        ok = os_ < _BIG
-        slot = jnp.where(ok, os_ & (Mp - 1), 0)
-        onehot = iota == slot
-        A = jnp.sum(jnp.where(onehot, f["metaA"], 0))
-        Bm = jnp.sum(jnp.where(onehot, f["metaB"], 0))
-        score_p = jnp.sum(jnp.where(onehot, f["pscore"], 0.0))
-        s = best
+        f, links, count = carry
+        slot = jnp.argmax(f["key"]).astype(jnp.int32)
+        sel = (it == slot) & (f["key"] > _DEAD)
+        A = jnp.sum(jnp.where(sel, f["metaA"], 0))
+        Bm = jnp.sum(jnp.where(sel, f["metaB"], 0))
+        ps = jax.lax.bitcast_convert_type(jnp.sum(jnp.where(sel, f["pbits_"], 0)), jnp.float32)
+        d = A >> pbits  # 0 iff the frontier is empty (every entry has depth >= 1)
+        ok = d > 0
         p = A & pmask
-        d = jnp.where(ok, A >> pbits, 1)
         r = Bm & rmask
         prev = (Bm >> rbits) - 1
         dm1 = jnp.clip(d - 1, 0, L - 1)
+        rc = jnp.clip(r, 0, K - 1)
         r1 = jnp.minimum(r + 1, K - 1)
-        d1 = jnp.clip(d, 0, L - 1)
-        tok = ids_ref[b, dm1, jnp.clip(r, 0, K - 1)]
+        tok = ids_ref[b, dm1, rc]
+        s = ps + lq_ref[b, dm1, rc]
         sib_lq = lq_ref[b, dm1, r1]
-        child_lq = lq_ref[b, d1, 0]
-        hit = (iota == i) & ok
-        nd = dict(
-            tokens=jnp.where(hit, tok, nd["tokens"]),
-            parents=jnp.where(hit, p, nd["parents"]),
-            depth=jnp.where(hit, d, nd["depth"]),
-            score=jnp.where(hit, s, nd["score"]),
-            first_child=jnp.where((iota == p) & ok & (prev < 0), i, nd["first_child"]),
-            next_sibling=jnp.where((iota == prev) & ok & (prev >= 0), i, nd["next_sibling"]),
-            valid=nd["valid"] | hit,
+        child_lq = lq_ref[b, jnp.clip(d, 0, L - 1), 0]
+        # Node i is written once, here (unused slots get the empty-node values).
+        tok_ref[b, i] = jnp.where(ok, tok, -1)
+        par_ref[b, i] = jnp.where(ok, p, -1)
+        dep_ref[b, i] = jnp.where(ok, d, 0)
+        sc_ref[b, i] = jnp.where(ok, s, -jnp.inf)
+        val_ref[b, i] = ok.astype(jnp.int32)
+        links = dict(
+            first_child=jnp.where((iota == p) & ok & (prev < 0), i, links["first_child"]),
+            next_sibling=jnp.where((iota == prev) & ok & (prev >= 0), i, links["next_sibling"]),
         )
-        f = dict(f, live=f["live"] & ~onehot)
+        f = dict(f, key=jnp.where(it == slot, _DEAD, f["key"]))
         sib_ok = ok & (r + 1 < K) & (sib_lq > -jnp.inf)
-        f = push(
-            f,
-            slot,
-            sib_ok,
-            score=score_p + sib_lq,
-            ordslot=counter * Mp + slot,
-            metaA=A,
-            metaB=r1 | ((i + 1) << rbits),
-            pscore=score_p,
-        )
-        counter = counter + sib_ok.astype(jnp.int32)
+        f = push(f, count, sib_ok, ps + sib_lq, metaA=A, metaB=r1 | ((i + 1) << rbits), pbits_=f32_bits(ps))
+        count = count + sib_ok.astype(jnp.int32)
         child_ok = ok & (d < L) & (child_lq > -jnp.inf)
-        cslot = jnp.where(sib_ok, fresh, slot)
-        f = push(
-            f,
-            cslot,
-            child_ok,
-            score=s + child_lq,
-            ordslot=counter * Mp + cslot,
-            metaA=i | ((d + 1) << pbits),
-            metaB=zi,
-            pscore=s,
-        )
-        counter = counter + child_ok.astype(jnp.int32)
-        fresh = fresh + (sib_ok & child_ok).astype(jnp.int32)
-        return f, nd, counter, fresh
+        f = push(f, count, child_ok, s + child_lq, metaA=i | ((d + 1) << pbits), metaB=zi, pbits_=f32_bits(s))
+        count = count + child_ok.astype(jnp.int32)
+        return f, links, count
 
-    _, nd, _, _ = jax.lax.fori_loop(1, N + 1, pop, (f, nd, zi + 1, zi + 1))
+    _, links, _ = jax.lax.fori_loop(1, N + 1, pop, (f, links, zi + 1))
     inb = iota < M
-    for ref, key in (
-        (tok_ref, "tokens"),
-        (par_ref, "parents"),
-        (dep_ref, "depth"),
-        (sc_ref, "score"),
-        (fc_ref, "first_child"),
-        (ns_ref, "next_sibling"),
-    ):
-        plgpu.store(ref.at[b, pl.ds(0, Mp)], nd[key], mask=inb)
-    plgpu.store(val_ref.at[b, pl.ds(0, Mp)], nd["valid"].astype(jnp.int32), mask=inb)
+    plgpu.store(fc_ref.at[b, pl.ds(0, Mp)], links["first_child"], mask=inb)
+    plgpu.store(ns_ref.at[b, pl.ds(0, Mp)], links["next_sibling"], mask=inb)
 
 
 def _bits(n: int) -> int:
@@ -163,10 +143,10 @@ def _bits(n: int) -> int:
 
 
 def supports(budget: int, draft_len: int, k: int) -> bool:
-    """Whether the packed frontier fields fit int32 for this size (budgets up to 16,383); larger trees
-    fall back to the reference build (``ddtree_jax.tree``)."""
-    M, Mp = budget + 1, pl.next_power_of_2(budget + 1)
-    return _bits(M - 1) + _bits(draft_len) <= 31 and _bits(k - 1) + _bits(M) <= 31 and (2 * budget + 2) * Mp < _BIG
+    """Whether the kernel takes this size: budgets up to ``MAX_BUDGET`` whose packed frontier fields
+    fit int32; larger trees fall back to the reference build (``ddtree_jax.tree``)."""
+    M = budget + 1
+    return budget <= MAX_BUDGET and _bits(M - 1) + _bits(draft_len) <= 31 and _bits(k - 1) + _bits(M) <= 31
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "interpret", "num_warps"))
@@ -174,7 +154,8 @@ def build_tree(top_lq: jax.Array, top_ids: jax.Array, *, budget: int, interpret:
     """Pop ``budget`` nodes best first from per-depth top-K tables.
 
     Args:
-      top_lq: f32 ``[B, L, K]`` draft log-probabilities per depth, sorted descending.
+      top_lq: f32 ``[B, L, K]`` draft log-probabilities per depth, sorted descending (finite,
+        ``-inf`` or NaN; never ``+inf``).
       top_ids: i32 ``[B, L, K]`` their token ids.
       budget: N non-root nodes (``supports(N, L, K)`` must hold).
 
@@ -186,8 +167,9 @@ def build_tree(top_lq: jax.Array, top_ids: jax.Array, *, budget: int, interpret:
     if not supports(budget, L, K):
         raise ValueError(f"build_tree: budget={budget} with L={L}, K={K} overflows the packed int32 frontier")
     M, N = budget + 1, budget
-    Mp = pl.next_power_of_2(M)
-    body = functools.partial(_builder_kernel, L=L, K=K, M=M, Mp=Mp, N=N, pbits=_bits(M - 1), rbits=_bits(K - 1))
+    Mp, F = pl.next_power_of_2(M), pl.next_power_of_2(max(2 * N - 1, 2))
+    body = functools.partial(_builder_kernel, L=L, K=K, M=M, Mp=Mp, F=F, N=N, pbits=_bits(M - 1),
+                             rbits=_bits(K - 1))
     sd = jax.ShapeDtypeStruct
     i32 = jnp.int32
     spec = pl.BlockSpec(memory_space=pl.ANY)
