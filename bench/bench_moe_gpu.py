@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench._timing import time_it  # noqa: E402
 from ddtree_jax.backend import Backend  # noqa: E402
+from ddtree_jax.models.int4 import PackedWeight, dequantize  # noqa: E402
 from ddtree_jax.models.moe import (  # noqa: E402
     experts_grouped_matmul,
     experts_reference,
@@ -97,6 +98,70 @@ def run_variant(results, name, fn, **info):
         traceback.print_exc(limit=3)
 
 
+INT4_GROUP = 32  # Kimi K2 Thinking's routed experts: symmetric, one bf16 scale per 32 inputs
+
+
+def random_packed(key, e, k, n, dtype):
+    """Random INT4 experts ``[e, k, n]`` already packed (uniform nibbles, scales ~ k^-0.5 / 4):
+    quantising 34 GB of bf16 weights on the host would take longer than the whole bench."""
+    kb, ks = jax.random.split(key)
+    packed = jax.lax.bitcast_convert_type(jax.random.bits(kb, (e, k // 8, n), jnp.uint32), jnp.int32)
+    scale = jax.random.uniform(ks, (e, k // INT4_GROUP, n), minval=0.5, maxval=1.5) * (k**-0.5 / 4)
+    return PackedWeight(packed=packed, scale=scale.astype(dtype))
+
+
+def int4_sweep(args, results, kernel, dtype, interpret, rate):
+    """The W4A16 kernel at ``--int4-tokens``: a check against the float32 product with the
+    dequantised slabs of the tokens' own experts, then the default blocks and alternatives against
+    the INT4 weight-read floor (the touched experts' packed words and scales / copy bandwidth)."""
+    e, h, i, k = args.experts, args.hidden, args.inter, args.topk
+    kq = jax.random.PRNGKey(4)
+    gu4, dn4 = random_packed(jax.random.fold_in(kq, 0), e, h, 2 * i, dtype), random_packed(
+        jax.random.fold_in(kq, 1), e, i, h, dtype)
+    expert_bytes = (h * 2 * i + i * h) // 2 + (h * 2 * i + i * h) // INT4_GROUP * jnp.dtype(dtype).itemsize
+    log(f"INT4 experts ready: {e * expert_bytes / 2**30:.2f} GiB (packed words + scales)")
+    label = "int4 bm{0.block_m} bn{0.block_n_gate_up}/{0.block_n_down} bk{0.block_k} w{0.num_warps} s{0.num_stages}"
+    small = interpret  # interpret mode: the default blocks only (block_k must divide the tiny shapes)
+    for n in args.int4_tokens:
+        w, ids = random_routing(jax.random.fold_in(kq, 10 + n), n, e, k)
+        xs = [jax.random.normal(jax.random.fold_in(kq, 1000 * n + j), (n, h), dtype) for j in range(2)]
+        touched = int(jnp.unique(ids).size)
+        floor = max(touched * expert_bytes / COPY_BW, 6 * n * k * h * i / rate)
+        info = dict(tokens=n, touched_experts=touched, read_floor_ms=touched * expert_bytes / COPY_BW * 1e3,
+                    flop_floor_ms=6 * n * k * h * i / rate * 1e3)
+        base = choose_blocks(n * k, e)
+        changes = [] if small else [
+            dict(block_k=256), dict(block_k=512), dict(block_k=256, num_stages=4),
+            dict(block_n_gate_up=128, block_n_down=256), dict(block_n_gate_up=32, block_n_down=64),
+            dict(block_k=256, num_warps=8), dict(block_k=256, block_n_gate_up=128, block_n_down=256, num_warps=8)]
+        for blocks in [base] + [dataclasses.replace(base, **c) for c in changes]:
+            fn = jax.jit(lambda x, w, ids, gu, dn, blocks=blocks: routed_experts(x, gu, dn, w, ids, backend=kernel,
+                                                                                 blocks=blocks))
+            if blocks == base:
+                def check(fn=fn, n=n, w=w, ids=ids, x=xs[0]):
+                    m = min(n, 4)
+                    got = fn(x, w, ids, gu4, dn4)[:m].astype(jnp.float32)
+
+                    def slabs(pw, kk, nn):
+                        return dequantize(PackedWeight(pw.packed[ids[:m]].reshape(m * k, kk // 8, nn),
+                                                       pw.scale[ids[:m]].reshape(m * k, kk // INT4_GROUP, nn)))
+
+                    with jax.default_matmul_precision("highest"):
+                        want = gathered_reference(x[:m].astype(jnp.float32), w[:m], jnp.arange(m * k).reshape(m, k),
+                                                  slabs(gu4, h, 2 * i), slabs(dn4, i, h))
+                    err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+                    assert err < 0.02, f"relative error {err:.3g}"
+                    return dict(rel_err=err)
+
+                run_variant(results, "check_int4", check, tokens=n)
+
+            def timed(fn=fn, floor=floor, w=w, ids=ids, xs=xs):
+                s = time_it(fn, [(x, w, ids, gu4, dn4) for x in xs], iters=args.iters, repeats=3)
+                return dict(ms=s * 1e3, x_floor=s / floor)
+
+            run_variant(results, label.format(blocks) + (" (default)" if blocks == base else ""), timed, **info)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
@@ -107,6 +172,8 @@ def main():
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 16384])
     parser.add_argument("--ragged-max", type=int, default=1024, help="largest token count timed with ragged_dot")
     parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 1024], help="block-size sweep at these")
+    parser.add_argument("--int4-tokens", type=int, nargs="*", default=[1, 16, 65, 1040],
+                        help="INT4 (W4A16) kernel: a check and a block sweep at these token counts (none: skip)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
@@ -115,6 +182,7 @@ def main():
     if args.smoke:
         args.experts, args.hidden, args.inter, args.topk = 8, 64, 32, 2
         args.tokens, args.iters, args.sweep_tokens, args.ragged_max = [1, 16, 64], 2, [16], 64
+        args.int4_tokens = [16] if args.int4_tokens else []
     elif interpret:
         sys.exit("no GPU: run with --smoke for the interpret-mode check")
     e, h, i, k = args.experts, args.hidden, args.inter, args.topk
@@ -212,6 +280,9 @@ def main():
                 fn = jax.jit(lambda x, w, ids, gu, dn, alt=alt: experts_grouped_matmul(
                     x, gu, dn, route_tokens(w, ids, e, block_m=alt.block_m), alt, interpret=interpret))
                 run_variant(results, label.format(alt), lambda fn=fn: timed(fn), **info)
+
+    if args.int4_tokens:
+        int4_sweep(args, results, kernel, dtype, interpret, rate)
 
     os.makedirs(args.out, exist_ok=True)
     stem = f"moe_{'smoke_' if args.smoke else ''}{dev.platform}_{datetime.date.today():%Y%m%d}"
