@@ -129,11 +129,11 @@ def int4_sweep(args, results, kernel, dtype, interpret, rate):
         floor = max(touched * expert_bytes / COPY_BW, 6 * n * k * h * i / rate)
         info = dict(tokens=n, touched_experts=touched, read_floor_ms=touched * expert_bytes / COPY_BW * 1e3,
                     flop_floor_ms=6 * n * k * h * i / rate * 1e3)
-        base = choose_blocks(n * k, e)
+        base = choose_blocks(n * k, e, int4=True)
         changes = [] if small else [
             dict(block_k=256), dict(block_k=512), dict(block_k=256, num_stages=4),
-            dict(block_n_gate_up=128, block_n_down=256), dict(block_n_gate_up=32, block_n_down=64),
-            dict(block_k=256, num_warps=8), dict(block_k=256, block_n_gate_up=128, block_n_down=256, num_warps=8)]
+            dict(block_n_gate_up=64, block_n_down=128), dict(block_n_gate_up=256, block_n_down=512),
+            dict(block_k=256, num_warps=8), dict(block_k=256, num_stages=4, block_n_gate_up=256, block_n_down=512)]
         for blocks in [base] + [dataclasses.replace(base, **c) for c in changes]:
             fn = jax.jit(lambda x, w, ids, gu, dn, blocks=blocks: routed_experts(x, gu, dn, w, ids, backend=kernel,
                                                                                  blocks=blocks))

@@ -90,16 +90,26 @@ class MoEBlocks:
     num_stages: int = 3
 
 
-def choose_blocks(num_rows: int, num_experts: int) -> MoEBlocks:
-    """Blocks for ``num_rows`` token copies (tokens x top-k) over ``num_experts`` experts."""
+def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False) -> MoEBlocks:
+    """Blocks for ``num_rows`` token copies (tokens x top-k) over ``num_experts`` experts.
+    ``int4``: for ``moe_grouped_matmul_int4``, whose column blocks are twice as wide (128 for
+    gate/up, 256 for down): a K-chunk's words then cover as many bytes as a bf16 chunk's. Measured
+    on the H200 at K2 shapes (bench/results/moe_gpu_h200_int4_sweep_20261130.md): 0.41 -> 0.26 ms at 1
+    token, 3.92 -> 3.85 ms at 65 and 6.69 -> 6.48 ms at 1,040. The column blocks never change a
+    row's arithmetic (``block_k`` and ``block_m`` do)."""
     per_expert = num_rows / num_experts
     if per_expert <= 16:
-        return MoEBlocks(block_m=16, num_warps=4)
-    if per_expert <= 32:
-        return MoEBlocks(block_m=32, num_warps=4)
-    if per_expert <= 64:
-        return MoEBlocks(block_m=64, block_k=64, num_warps=4)
-    return MoEBlocks(block_m=128, block_k=64, num_warps=8)
+        blocks = MoEBlocks(block_m=16, num_warps=4)
+    elif per_expert <= 32:
+        blocks = MoEBlocks(block_m=32, num_warps=4)
+    elif per_expert <= 64:
+        blocks = MoEBlocks(block_m=64, block_k=64, num_warps=4)
+    else:
+        blocks = MoEBlocks(block_m=128, block_k=64, num_warps=8)
+    if int4:
+        blocks = dataclasses.replace(blocks, block_n_gate_up=2 * blocks.block_n_gate_up,
+                                     block_n_down=2 * blocks.block_n_down)
+    return blocks
 
 
 def max_row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
