@@ -44,6 +44,28 @@ def test_a_row_is_the_same_bits_alone_and_among_others(dtype):
         np.testing.assert_array_equal(part, full[:m], err_msg=f"{m} rows")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_per_group_weights_equal_reference_and_rows_are_invariant(dtype):
+    """``w [G, K, N]``: group g's rows times ``w[g]`` (the absorbed attention's per-head products,
+    ``btnd,rnd->btnr`` with the weight moved to ``[n, d, r]``), equal to the plain per-group
+    product, and a row's bits the same alone and among others."""
+    rng = np.random.default_rng(11)
+    x, w = _rand(rng, (2, 19, 3, 48), dtype), _rand(rng, (3, 48, 40), dtype)
+    got = dense_matmul(x, w, out_dtype=jnp.float32, interpret=True)
+    want = jnp.einsum("btgk,gkn->btgn", x.astype(jnp.float32), w.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    assert got.shape == (2, 19, 3, 40)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    flat = x.reshape(38, 3, 48)
+    blocks = DenseBlocks(block_m=16)
+    full = np.asarray(dense_matmul(flat, w, out_dtype=jnp.float32, blocks=blocks, interpret=True))
+    for m in (1, 17):
+        part = np.asarray(dense_matmul(flat[:m], w, out_dtype=jnp.float32, blocks=blocks, interpret=True))
+        np.testing.assert_array_equal(part, full[:m], err_msg=f"{m} rows")
+    with pytest.raises(ValueError, match=r"\[\.\.\., G, K\] @ \[G, K, N\]"):
+        dense_matmul(jnp.zeros((4, 2, 48)), jnp.zeros((3, 48, 40)), interpret=True)
+
+
 def test_choose_blocks_grow_with_rows_and_bad_shapes_are_named():
     assert [choose_blocks(m).block_m for m in (1, 16, 17, 64, 65, 4096)] == [16, 16, 64, 64, 128, 128]
     with pytest.raises(ValueError, match=r"x \(2, 5\) and w \(4, 8\) do not multiply"):
@@ -79,3 +101,36 @@ def test_target_batch_invariant_mode():
     assert all(m.fixed_order is not None for m in (router, target.lm_head))
     target.set_batch_invariant(False)
     assert router.fixed_order is None and target.lm_head.fixed_order is None
+
+
+def _xla_dots(jaxpr) -> list[str]:
+    """The ``dot_general`` equations of a jaxpr outside Pallas kernels, sub-jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name == "dot_general":
+            found.append(str(eqn.outvars[0].aval))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _xla_dots(inner)
+    return found
+
+
+def test_batch_invariant_mode_leaves_no_xla_dot_in_the_target():
+    """In the mode, every product of a forward pass (projections, absorbed per-head products,
+    routers, experts, attention, LM head) runs in a Pallas kernel: no XLA ``dot_general`` is left,
+    whose algorithm could depend on the token count. The control: the plain kernel path has them."""
+    target = tiny_kimi(0, hidden_size=128, vocab_size=512).set_impl("pallas")
+    tokens = jnp.zeros((2, 5), jnp.int32)
+
+    def dots():  # a new function each time: jax caches traces by the callable, and the module mutates
+        return _xla_dots(jax.make_jaxpr(lambda t: target(t))(tokens).jaxpr)
+
+    assert len(dots()) > 0
+    target.set_batch_invariant(True)
+    assert dots() == []
+    target.set_batch_invariant(False)
+    assert len(dots()) > 0

@@ -33,7 +33,8 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> j
 
 
 def dense_product(x: jax.Array, kernel: jax.Array, fixed_order=None, out_dtype=None) -> jax.Array:
-    """``x [..., in] @ kernel [in, out]`` with ``x`` cast to the kernel's dtype, in ``out_dtype``
+    """``x [..., in] @ kernel [in, out]`` (or per group: ``x [..., G, in] @ kernel [G, in, out]``,
+    the fixed-order path only) with ``x`` cast to the kernel's dtype, in ``out_dtype``
     (``None``: the kernel's; float32 keeps the accumulation unrounded). ``fixed_order``: ``None``
     for XLA's dot, or a ``Backend`` that runs the kernels for the fixed-order Pallas product
     (``pallas_kernels/triton/dense_matmul.py``: each row computed the same way whatever the row

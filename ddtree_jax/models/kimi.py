@@ -134,13 +134,22 @@ class MLAttention(nnx.Module):
         q_rope = apply_rope(q[..., dn:], cos[:, :, None], sin[:, :, None], interleaved=cfg.rope_interleave)
         w_kv = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, nh, dn + cfg.v_head_dim)
         w_k, w_v = w_kv[..., :dn], w_kv[..., dn:]
-        q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
+        # The absorbed per-head products: XLA's einsum, or in the batch-invariant mode (the
+        # projections' ``fixed_order``) the fixed-order product with the heads as groups.
+        fixed = self.kv_b_proj.fixed_order
+        if fixed is None:
+            q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
+        else:
+            q_latent = dense_product(q_nope, w_k.transpose(1, 2, 0), fixed)
         out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
                                       backend=backend, mesh=self.attention_mesh,
                                       segment_keys=self.segment_keys,
                                       segment_group=self.segment_group).astype(x.dtype)
-        out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v).reshape(b, t, nh * cfg.v_head_dim)
-        return self.o_proj(out)
+        if fixed is None:
+            out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
+        else:
+            out = dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
+        return self.o_proj(out.reshape(b, t, nh * cfg.v_head_dim))
 
 
 class Router(nnx.Module):
@@ -332,7 +341,8 @@ class KimiForCausalLM(nnx.Module):
         bitwise batch-invariant on the H200), a row's arithmetic is then meant to be the same in a
         decode step and in a tree verify, so that greedy DDTree commits greedy autoregressive
         decoding's tokens in bf16 too (``bench/bench_batch_invariance.py`` measures it). The
-        absorbed attention's per-head products stay XLA's. Needs the Triton kernels (``impl``
+        absorbed attention's per-head products run it too, with the heads as groups. Needs the
+        Triton kernels (``impl``
         ``"pallas"``, or ``"auto"`` on a GPU) on one device; ``on=False``: XLA's dot again."""
         if on and not (self.backend.kernels and self.backend.family == "triton"):
             raise ValueError("set_batch_invariant needs the Triton kernels: set_impl('pallas') (or 'auto' on an "

@@ -14,8 +14,9 @@ ascending; a chunk is one dot of the row's ``[block_k]`` slice with the weight's
 row's data, so the row count only changes how many row tiles the grid has (the MoE kernel, built
 the same way, measured bitwise batch-invariant across its block sizes on the H200).
 
-Grid ``(M_padded / block_m, N / block_n)``: program ``(i, j)`` writes rows ``[i*bm, (i+1)*bm)``
-and columns ``[j*bn, (j+1)*bn)``. ``x`` is padded with zero rows to a multiple of ``block_m`` (the
+Grid ``(G, M_padded / block_m, N / block_n)``: program ``(g, i, j)`` writes rows
+``[i*bm, (i+1)*bm)`` and columns ``[j*bn, (j+1)*bn)`` of group g (G = 1 for one weight; G heads
+for the absorbed attention's per-head products). ``x`` is padded with zero rows to a multiple of ``block_m`` (the
 activations are small; the weight is never copied); ``block_n`` and ``block_k`` are powers of two
 that divide N and K, at least 16 on the GPU (the tensor-core dot's smallest K and N). The cost
 is the weight read once per row tile: at the decode and verify sizes (a few row tiles) it is
@@ -70,17 +71,18 @@ def _pow2_divisor(dim: int, want: int) -> int:
 
 
 def _kernel(x_ref, w_ref, y_ref, *, bm, bn, bk, k_chunks, precision):
-    r0 = pl.multiple_of(pl.program_id(0) * bm, bm)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    g = pl.program_id(0)
+    r0 = pl.multiple_of(pl.program_id(1) * bm, bm)
+    n0 = pl.multiple_of(pl.program_id(2) * bn, bn)
 
     def body(kk, acc):
         k0 = pl.multiple_of(kk * bk, bk)
-        xb = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
-        wb = w_ref[pl.ds(k0, bk), pl.ds(n0, bn)]
+        xb = x_ref[pl.ds(r0, bm), g, pl.ds(k0, bk)]
+        wb = w_ref[g, pl.ds(k0, bk), pl.ds(n0, bn)]
         return acc + jnp.dot(xb, wb, preferred_element_type=jnp.float32, precision=precision)
 
     acc = jax.lax.fori_loop(0, k_chunks, body, jnp.zeros((bm, bn), jnp.float32))
-    y_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = acc.astype(y_ref.dtype)
+    y_ref[pl.ds(r0, bm), g, pl.ds(n0, bn)] = acc.astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret"))
@@ -90,37 +92,47 @@ def dense_matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, blocks: DenseBlo
     float32 in the fixed order of the module docstring. ``x`` is cast to ``w``'s dtype first (as
     the model's ``Linear`` does); float32 operands multiply in IEEE float32 (no TF32).
 
+    Per-group weights: ``w [G, K, N]`` with ``x [..., G, K] -> [..., G, N]``, group g's rows
+    times ``w[g]`` (the absorbed attention's per-head products), every row in the same order.
+
     ``blocks``: pinned tiles (``None``: ``choose_blocks`` by the row count). On the GPU, N and K
     must be multiples of 16 (a ``ValueError`` says which is not)."""
-    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"dense_matmul: x {x.shape} and w {w.shape} do not multiply ([..., K] @ [K, N])")
-    K, N = w.shape
+    grouped = w.ndim == 3
+    if w.ndim not in (2, 3) or x.shape[-1] != w.shape[-2] or (grouped and (x.ndim < 2 or x.shape[-2] != w.shape[0])):
+        want = "[..., G, K] @ [G, K, N]" if grouped else "[..., K] @ [K, N]"
+        raise ValueError(f"dense_matmul: x {x.shape} and w {w.shape} do not multiply ({want})")
+    K, N = w.shape[-2:]
     if not interpret and (K % 16 or N % 16):
         raise ValueError(f"dense_matmul: K ({K}) and N ({N}) must be multiples of 16 on the GPU")
-    lead = x.shape[:-1]
-    a = x.reshape(-1, K).astype(w.dtype)
+    w3 = w if grouped else w[None]
+    G = w3.shape[0]
+    lead = x.shape[:-2] if grouped else x.shape[:-1]
+    a = x.reshape(-1, G, K).astype(w.dtype)
     m = a.shape[0]
     blocks = blocks or choose_blocks(m)
     bm = blocks.block_m
     bn, bk = _pow2_divisor(N, blocks.block_n), _pow2_divisor(K, blocks.block_k)
     padded = -(-max(m, 1) // bm) * bm
-    a = jnp.pad(a, ((0, padded - m), (0, 0)))
+    a = jnp.pad(a, ((0, padded - m), (0, 0), (0, 0)))
     precision = _IEEE if w.dtype == jnp.float32 else None
     y = pl.pallas_call(
         functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_chunks=K // bk, precision=precision),
-        grid=(padded // bm, N // bn),
+        grid=(G, padded // bm, N // bn),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        out_shape=jax.ShapeDtypeStruct((padded, N), out_dtype or x.dtype),
+        out_shape=jax.ShapeDtypeStruct((padded, G, N), out_dtype or x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="ddtree_dense_matmul",
-    )(a, w)
-    return y[:m].reshape(*lead, N)
+    )(a, w3)
+    y = y[:m]
+    return y.reshape(*lead, G, N) if grouped else y.reshape(*lead, N)
 
 
 def dense_matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
-    """The plain product: ``x`` cast to ``w``'s dtype, float32 accumulation, cast to ``out_dtype``."""
-    y = jnp.einsum("...k,kn->...n", x.astype(w.dtype), w, preferred_element_type=jnp.float32,
+    """The plain product (per group for ``w [G, K, N]``): ``x`` cast to ``w``'s dtype, float32
+    accumulation, cast to ``out_dtype``."""
+    spec = "...gk,gkn->...gn" if w.ndim == 3 else "...k,kn->...n"
+    y = jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32,
                    precision=_IEEE if w.dtype == jnp.float32 else None)
     return y.astype(out_dtype or x.dtype)
