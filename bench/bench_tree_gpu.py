@@ -271,6 +271,7 @@ def main():
         np.asarray(anc2(tr.parents, tr.valid)), np.asarray(tr.ancestor_mask)) else "DIFFERENT")
     timed("ancestor_mask_doubling_only", lambda: time_it(anc2, [(tr.parents, tr.valid)], iters=iters))
     timed("ancestor_mask_only_dev", lambda: dev_time(lambda p_: anc(p_, tr.valid), tr.parents))
+    timed("ancestor_mask_doubling_only_dev", lambda: dev_time(lambda p_: anc2(p_, tr.valid), tr.parents))
     if not a.smoke:
         # where exact_top_k's time goes (device time per call)
         lq0 = jax.jit(draft_logprobs)(xs[0])
