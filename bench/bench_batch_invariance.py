@@ -236,9 +236,11 @@ def part_components(args, report, target, tcfg, dtype):
         return run
 
     def einsum_case(spec, shape, w):
+        """XLA's einsum, or (``spec`` None) the batch-invariant mode's product with the heads as
+        groups (``w [heads, K, N]``)."""
         def run():
             x = arr(*shape)
-            f = jax.jit(lambda x, w: jnp.einsum(spec, x, w))
+            f = jax.jit((lambda x, w: jnp.einsum(spec, x, w)) if spec else (lambda x, w: dense_product(x, w, kernels)))
             return compare(f(x[:1], w)[0], f(x, w)[0])
         return run
 
@@ -258,6 +260,11 @@ def part_components(args, report, target, tcfg, dtype):
             einsum_case("tnd,rnd->tnr", (m, nh, dn), w_k))
         add("absorbed out (btnr,rnd->btnd)", f"token alone vs among {m} tokens",
             einsum_case("tnr,rnd->tnd", (m, nh, tcfg.kv_lora_rank), w_v))
+        if kernels.kernels:  # the batch-invariant mode's products (interpret mode off a GPU)
+            add("absorbed q, fixed-order kernel", f"token alone vs among {m} tokens",
+                einsum_case(None, (m, nh, dn), w_k.transpose(1, 2, 0)))
+            add("absorbed out, fixed-order kernel", f"token alone vs among {m} tokens",
+                einsum_case(None, (m, nh, tcfg.kv_lora_rank), w_v.transpose(1, 0, 2)))
         add("router (float32)", f"row alone vs among {m} rows",
             rows_case(lambda x, w: dense_product(x.astype(jnp.float32), w.T), layer.mlp.gate.weight[...], m,
                       width=tcfg.hidden_size))
