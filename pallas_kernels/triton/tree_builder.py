@@ -8,9 +8,10 @@ child, ``-inf``/NaN entries are never pushed, and scores are single float32 addi
 (sibling = score(parent) + lq[d, r+1], child = score(node) + lq[d+1, 0]), so the reference
 reproduces them bit for bit.
 
-How: the kernel keeps the frontier and the node arrays as loop-carried register vectors, updated
-with one-hot ``where`` (no dynamic scatters, no launch per node). The loop is a chain of dependent
-reductions, so their number per pop sets its time. Per pop:
+How: the kernel keeps the frontier and the nodes' links (first child, next sibling) as
+loop-carried register vectors, updated with one-hot ``where`` (no dynamic scatters, no launch per
+node); node ``i``'s own fields are stored once, by scalar stores, when it is popped. The loop is a
+chain of dependent reductions, so their number per pop sets its time. Per pop:
 
 1. one two-operand reduction, ``argmax`` over int32 keys. Frontier entries sit in push order
    (entry ``j`` is the ``j``-th pushed; a popped slot is never reused), so the lowest index among
@@ -25,9 +26,10 @@ reductions, so their number per pop sets its time. Per pop:
 
 The entries that can still be popped are the root and the pushes of pops ``1..N-1``: at most
 ``2N - 1`` slots. Slots never decide anything beyond the FIFO order they encode, so the output is
-identical to the reference. Two earlier versions measured on the H200 at B=16, N=256, L=15
-(bench/results/tree_gpu_h200_20261129.md): ~17 reductions per pop, 407 us; 5 dependent
-reductions in 3 stages with reused slots, 186 us.
+identical to the reference. Measured on the H200 at B=16, N=256, L=15 (device time): ~17
+reductions per pop, 407 us (bench/results/tree_gpu_h200_20261129.md); 5 dependent reductions in 3
+stages with reused slots, 188 us; this loop with the nodes as register vectors, 161 us; as here,
+157 us (bench/results/tree_gpu_h200_20261130.md, the earlier versions timed in the same run).
 
 Backend: Pallas Triton lowering. The loop is a chain of small dependent reductions; Triton gives
 the reductions and dynamic loops directly; Mosaic GPU's warpgroup model has no benefit for
