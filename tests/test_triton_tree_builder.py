@@ -57,4 +57,3 @@ def test_kernel_refuses_sizes_it_cannot_pack():
 def test_bad_impl():
     with pytest.raises(ValueError, match="impl"):
         dt.build_draft_tree(jnp.zeros((1, 2, 5)), 3, impl="gpu")
-
