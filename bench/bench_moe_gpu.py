@@ -127,9 +127,9 @@ def int4_sweep(args, results, kernel, dtype, interpret, rate):
         w, ids = random_routing(jax.random.fold_in(kq, 10 + n), n, e, k)
         xs = [jax.random.normal(jax.random.fold_in(kq, 1000 * n + j), (n, h), dtype) for j in range(2)]
         touched = int(jnp.unique(ids).size)
-        floor = max(touched * expert_bytes / COPY_BW, 6 * n * k * h * i / rate)
-        info = dict(tokens=n, touched_experts=touched, read_floor_ms=touched * expert_bytes / COPY_BW * 1e3,
-                    flop_floor_ms=6 * n * k * h * i / rate * 1e3)
+        read_floor, flop_floor = touched * expert_bytes / COPY_BW, 6 * n * k * h * i / rate
+        floor = max(read_floor, flop_floor)
+        info = dict(tokens=n, touched_experts=touched, read_floor_ms=read_floor * 1e3, flop_floor_ms=flop_floor * 1e3)
         base = choose_blocks(n * k, e, int4=True)
         changes = [] if small else [
             dict(block_k=256), dict(block_k=512), dict(block_k=256, num_stages=4),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -32,9 +33,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ddtree_jax as dt  # noqa: E402
+from ddtree_jax.backend import Backend  # noqa: E402
 from ddtree_jax.topk import exact_top_k  # noqa: E402
 from ddtree_jax.tree import (  # noqa: E402
-    DraftTree,
+    _tree_from_tables,
     ancestor_mask_doubling,
     ancestor_mask_from_parents,
     draft_logprobs,
@@ -87,13 +89,9 @@ def draft_logits(seed, b=None, depth=None, v=None):
 
 
 def build_with_tables(x, budget, tables):
-    """The Pallas build (pop loop + ancestor mask) on the tables ``tables(x)`` (the same steps as
-    ``ddtree_jax.tree._build_with_kernel``; lets the bench swap the top-k)."""
-    top_lq, top_ids = tables(x)
-    tok, par, dep, sc, fc, ns, valid = tree_builder.build_tree(
-        top_lq, top_ids.astype(jnp.int32), budget=budget, interpret=INTERPRET)
-    return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
-                     ancestor_mask=ancestor_mask_doubling(par, valid, x.shape[1]), draft_len=x.shape[1])
+    """The Pallas build (pop loop + ancestor mask, ``ddtree_jax.tree``'s own steps) on the tables
+    ``tables(x)``: lets the bench swap the top-k."""
+    return _tree_from_tables(*tables(x), budget, Backend(kernels=True, interpret=INTERPRET))
 
 
 def kernel_tables(budget, lse, **tuning):
@@ -249,8 +247,6 @@ def main():
     timed("pallas_pop_loop_w4_dev", lambda: dev_time(
         lambda a_: tree_builder.build_tree(a_, tops[0][1], budget=BUDGET, interpret=INTERPRET), tops[0][0]))
     for path in a.baseline_builder:
-        import importlib.util
-
         name = os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
         base = importlib.util.module_from_spec(spec)

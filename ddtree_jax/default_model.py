@@ -25,7 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # JAX and the models are imported where used, so DEFAULT_DIR and is_complete stay light
+if TYPE_CHECKING:  # JAX and the models are imported where used, so the folders and is_complete stay light
     from ddtree_jax.models import DFlashConfig, KimiConfig
 
 __all__ = ["CODE_PROMPTS", "CORPUS_PROMPTS", "RECIPE_DIR", "SHIPPED_DIR", "default_configs", "is_complete",

@@ -134,11 +134,17 @@ def _build_draft_tree(draft_logits: jax.Array, budget: int, backend: Backend) ->
 
 @functools.partial(jax.jit, static_argnames=("budget", "backend"))
 def _build_with_kernel(draft_logits: jax.Array, budget: int, backend: Backend) -> DraftTree:
-    build_tree = kernel_module(backend, "tree_builder").build_tree
     L, V = draft_logits.shape[1:]
     top_lq, top_ids = _top_k_tables(draft_logits, min(budget, V), backend)
-    tok, par, dep, sc, fc, ns, valid = build_tree(top_lq, top_ids.astype(jnp.int32), budget=budget,
-                                                  interpret=backend.interpret)
+    return _tree_from_tables(top_lq, top_ids, budget, backend)
+
+
+def _tree_from_tables(top_lq: jax.Array, top_ids: jax.Array, budget: int, backend: Backend) -> DraftTree:
+    """The kernel path after the per-depth top-k: the family's pop loop on ``[B, L, K]`` tables,
+    then the ancestor mask (``bench/bench_tree_gpu.py`` calls it with other top-k tables)."""
+    L = top_lq.shape[1]
+    tok, par, dep, sc, fc, ns, valid = kernel_module(backend, "tree_builder").build_tree(
+        top_lq, top_ids.astype(jnp.int32), budget=budget, interpret=backend.interpret)
     return DraftTree(tokens=tok, parents=par, depth=dep, score=sc, first_child=fc, next_sibling=ns, valid=valid,
                      ancestor_mask=ancestor_mask_doubling(par, valid, L), draft_len=L)
 

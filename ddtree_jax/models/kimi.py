@@ -342,8 +342,8 @@ class KimiForCausalLM(nnx.Module):
         decode step and in a tree verify, so that greedy DDTree commits greedy autoregressive
         decoding's tokens in bf16 too (``bench/bench_batch_invariance.py`` measures it). The
         absorbed attention's per-head products run it too, with the heads as groups. Needs the
-        Triton kernels (``impl``
-        ``"pallas"``, or ``"auto"`` on a GPU) on one device; ``on=False``: XLA's dot again."""
+        Triton kernels (``impl`` ``"pallas"``, or ``"auto"`` on a GPU) on one device;
+        ``on=False``: XLA's dot again."""
         if on and not (self.backend.kernels and self.backend.family == "triton"):
             raise ValueError("set_batch_invariant needs the Triton kernels: set_impl('pallas') (or 'auto' on an "
                              f"NVIDIA GPU) first; the model runs {self.backend}")

@@ -16,9 +16,10 @@ the same way, measured bitwise batch-invariant across its block sizes on the H20
 
 Grid ``(G, M_padded / block_m, N / block_n)``: program ``(g, i, j)`` writes rows
 ``[i*bm, (i+1)*bm)`` and columns ``[j*bn, (j+1)*bn)`` of group g (G = 1 for one weight; G heads
-for the absorbed attention's per-head products). ``x`` is padded with zero rows to a multiple of ``block_m`` (the
-activations are small; the weight is never copied); ``block_n`` and ``block_k`` are powers of two
-that divide N and K, at least 16 on the GPU (the tensor-core dot's smallest K and N). The cost
+for the absorbed attention's per-head products). ``x`` is padded with zero rows to a multiple of
+``block_m`` (the activations are small; the weight is never copied); ``block_n`` and ``block_k``
+are powers of two that divide N and K, at least 16 on the GPU (the tensor-core dot's smallest K
+and N). The cost
 is the weight read once per row tile: at the decode and verify sizes (a few row tiles) it is
 memory bound, as the product is.
 

@@ -166,7 +166,9 @@ def _nibble_major(a: jax.Array, bk: int) -> jax.Array:
 
 
 def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype, one_dot=False):
-    """The weight tiles that go with ``_chunk_cols``: the dense ``[bk, bn]`` slab of expert e, or
+    """The weight tiles that go with ``_chunk_cols``: the dense ``[bk, bn]`` slab of expert e, one
+    ``[bk, bn]`` tile dequantised from gathered word rows (``one_dot``: ``packed_ref`` flattened to
+    ``[E*K/8, N]``, row k of the chunk reading word row ``k // 8``), or
     eight ``[bk/8, bn]`` tiles dequantised in registers from one ``[bk/8, bn]`` tile of words
     (``(nibble_p - 8 - zero) * scale`` in float32, rounded to ``dtype``). Every input of word row j
     lies in group ``(k0 + 8j) // group`` (group sizes are multiples of 8), so one gathered row of
