@@ -120,8 +120,7 @@ def int4_sweep(args, results, kernel, dtype, interpret, rate):
         jax.random.fold_in(kq, 1), e, i, h, dtype)
     expert_bytes = (h * 2 * i + i * h) // 2 + (h * 2 * i + i * h) // INT4_GROUP * jnp.dtype(dtype).itemsize
     log(f"INT4 experts ready: {e * expert_bytes / 2**30:.2f} GiB (packed words + scales)")
-    label = ("int4 bm{0.block_m} bn{0.block_n_gate_up}/{0.block_n_down} bk{0.block_k} w{0.num_warps} s{0.num_stages}"
-             " one_dot={0.int4_one_dot}")
+    label = ("int4 bm{0.block_m} bn{0.block_n_gate_up}/{0.block_n_down} bk{0.block_k} w{0.num_warps} s{0.num_stages}")
     small = interpret  # interpret mode: the default blocks only (block_k must divide the tiny shapes)
     for n in args.int4_tokens:
         w, ids = random_routing(jax.random.fold_in(kq, 10 + n), n, e, k)
@@ -134,9 +133,7 @@ def int4_sweep(args, results, kernel, dtype, interpret, rate):
         changes = [] if small else [
             dict(block_k=256), dict(block_k=512), dict(block_k=256, num_stages=4),
             dict(block_n_gate_up=64, block_n_down=128), dict(block_n_gate_up=256, block_n_down=512),
-            dict(block_k=256, num_warps=8), dict(block_k=256, num_stages=4, block_n_gate_up=256, block_n_down=512),
-            dict(int4_one_dot=True), dict(int4_one_dot=True, block_k=256),
-            dict(int4_one_dot=True, block_n_gate_up=64, block_n_down=128)]
+            dict(block_k=256, num_warps=8)]
         for blocks in [base] + [dataclasses.replace(base, **c) for c in changes]:
             fn = jax.jit(lambda x, w, ids, gu, dn, blocks=blocks: routed_experts(x, gu, dn, w, ids, backend=kernel,
                                                                                  blocks=blocks))

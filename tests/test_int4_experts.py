@@ -5,7 +5,6 @@ reference, and the loader's errors for what it does not support."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -201,13 +200,10 @@ def _routings(n, e, k, rng):
             ("no valid token", randoms, np.zeros(n, bool))]
 
 
-@pytest.mark.parametrize("one_dot", [False, True])
-def test_kernel_equals_reference_float32(one_dot):
+def test_kernel_equals_reference_float32():
     """The W4A16 kernel == the dense reference on the dequantised weights (float32, asymmetric:
     zero points on top of the symmetric path's offset): the tiny model's shapes (hidden 64 and
-    intermediate 48 in groups of 16: 4 and 3 groups), 8 experts, several routings of one shape;
-    both ways of multiplying a K-chunk (eight dots on nibble-major activations, or one dot on a
-    tile unpacked with redundant word loads)."""
+    intermediate 48 in groups of 16: 4 and 3 groups), 8 experts, several routings of one shape."""
     from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
 
     n, e, k, h, i = 18, 8, 2, 64, 48
@@ -221,8 +217,7 @@ def test_kernel_equals_reference_float32(one_dot):
     for name, ids, valid in _routings(n, e, k, rng):
         ids, valid = jnp.asarray(ids, jnp.int32), jnp.asarray(valid)
         want = experts_reference(x, dense_gu, dense_dn, weights, ids, valid)
-        blocks = dataclasses.replace(choose_blocks(n * k, e, int4=True), int4_one_dot=one_dot)
-        got = _routed(x, gate_up, down, weights, ids, valid, blocks=blocks)
+        got = _routed(x, gate_up, down, weights, ids, valid, blocks=choose_blocks(n * k, e, int4=True))
         scale = float(jnp.abs(want).max()) or 1.0
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6 * scale, rtol=0, err_msg=name)
         assert not np.asarray(got)[~np.asarray(valid)].any(), name  # invalid tokens: exactly zero
@@ -254,12 +249,12 @@ def test_kernel_lowers_to_triton():
     sd = jax.ShapeDtypeStruct
     e, h, i, r = 8, 256, 128, 10
     t = max_row_tiles(r, e, 16)
-    for zero, one_dot in ((False, False), (True, False), (False, True), (True, True)):
+    for zero in (False, True):
         args = (sd((5, h), jnp.bfloat16), sd((e, h // 8, 2 * i), jnp.int32), sd((e, h // 32, 2 * i), jnp.bfloat16),
                 sd((e, i // 8, h), jnp.int32), sd((e, i // 32, h), jnp.bfloat16), sd((r + 16,), jnp.int32),
                 sd((r + 16,), jnp.float32), sd((t,), jnp.int32), sd((t,), jnp.int32), sd((t,), jnp.int32))
         zeros = dict(gate_up_zero=sd((e, h // 32, 2 * i), jnp.int8), down_zero=sd((e, i // 32, h), jnp.int8))
-        fn = lambda *a, **z: moe_grouped_matmul_int4(*a, **z, blocks=MoEBlocks(int4_one_dot=one_dot))  # noqa: E731,B023
+        fn = functools.partial(moe_grouped_matmul_int4, blocks=MoEBlocks())
         text = jax.jit(fn).trace(*args, **(zeros if zero else {})).lower(lowering_platforms=("cuda",)).as_text()
         assert "ddtree_moe_gate_up_int4" in text and "ddtree_moe_down_int4" in text
 

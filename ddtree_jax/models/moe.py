@@ -98,7 +98,10 @@ def route_tokens(weights: jax.Array, ids: jax.Array, num_experts: int, *, valid:
     tiles = (group_sizes + block_m - 1) // block_m
     tiles_end = jnp.cumsum(tiles)
     t = jnp.arange(max_row_tiles(r, e, block_m), dtype=jnp.int32)
-    tile_expert = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right"), e - 1).astype(jnp.int32)
+    # One fused compare-and-count ([tiles, E] compares): the default binary-search method is a
+    # loop, and on the GPU each of its steps is a launch (the whole routing took 0.4 ms at 1 token).
+    tile_expert = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right", method="compare_all"),
+                              e - 1).astype(jnp.int32)
     tile_start = starts[tile_expert] + (t - (tiles_end - tiles)[tile_expert]) * block_m
     tile_end = jnp.where(t < tiles_end[-1], jnp.minimum(tile_start + block_m, ends[tile_expert]), tile_start)
     return ExpertRouting(

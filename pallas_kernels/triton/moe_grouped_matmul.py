@@ -88,11 +88,6 @@ class MoEBlocks:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    # INT4 only: a K-chunk as ONE dot of K = block_k on a tile unpacked with redundant word loads
-    # (row k of the chunk reads word k // 8 and shifts it by 4 (k % 8); the activations keep their
-    # order), instead of eight dots of K = block_k / 8 on nibble-major activations. Same weights
-    # bit for bit, another summation order; not yet measured on the GPU (bench_moe_gpu sweeps it).
-    int4_one_dot: bool = False
 
 
 def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False) -> MoEBlocks:
@@ -146,12 +141,12 @@ def _on_live_tile(ex_ref, ts_ref, te_ref, *, bm, bn, body):
         body(ex_ref[t], start, rows, rows < end, n0)
 
 
-def _chunk_cols(k0, bk, group, one_dot=False):
+def _chunk_cols(k0, bk, group):
     """The activation columns of one K-chunk, one contiguous ``(first, width)`` range per dot: the
-    ``bk`` columns (dense weights, or packed ones unpacked into one tile), or for packed weights
+    ``bk`` columns (dense weights), or for packed weights
     eight ranges of ``bk / 8``: nibble p's inputs ``k0 + 8j + p``, which ``_nibble_major`` moved to
     columns ``k0 + p * bk/8 + j``."""
-    if group is None or one_dot:
+    if group is None:
         return [(k0, bk)]
     words = bk // 8
     return [(pl.multiple_of(k0 + p * words, words), words) for p in range(8)]
@@ -165,10 +160,8 @@ def _nibble_major(a: jax.Array, bk: int) -> jax.Array:
     return a.reshape(m, k // bk, bk // 8, 8).swapaxes(-1, -2).reshape(m, k)
 
 
-def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype, one_dot=False):
-    """The weight tiles that go with ``_chunk_cols``: the dense ``[bk, bn]`` slab of expert e, one
-    ``[bk, bn]`` tile dequantised from gathered word rows (``one_dot``: ``packed_ref`` flattened to
-    ``[E*K/8, N]``, row k of the chunk reading word row ``k // 8``), or
+def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype):
+    """The weight tiles that go with ``_chunk_cols``: the dense ``[bk, bn]`` slab of expert e, or
     eight ``[bk/8, bn]`` tiles dequantised in registers from one ``[bk/8, bn]`` tile of words
     (``(nibble_p - 8 - zero) * scale`` in float32, rounded to ``dtype``). Every input of word row j
     lies in group ``(k0 + 8j) // group`` (group sizes are multiples of 8), so one gathered row of
@@ -178,16 +171,9 @@ def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype, one_dot=False)
         return [w_ref[e, pl.ds(k0, bk), pl.ds(n0, bn)]]
     packed_ref, scale_ref, *zero_ref = w_refs
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)
-    if one_dot:  # packed_ref is [E*K/8, N]: row k of the chunk reads word row k // 8 (repeated 8x)
-        k = k0 + jnp.arange(bk, dtype=jnp.int32)
-        wp = plgpu.load(packed_ref.at[(e * (K // 8) + k // 8)[:, None], cols[None, :]])
-        rows = e * (K // group) + k // group
-        shifts = [(4 * (k % 8))[:, None]]
-    else:
-        words = bk // 8
-        wp = packed_ref[e, pl.ds(pl.multiple_of(k0 // 8, words), words), pl.ds(n0, bn)]
-        rows = e * (K // group) + (k0 + 8 * jnp.arange(words, dtype=jnp.int32)) // group  # [E*K/G, N] rows
-        shifts = [4 * p for p in range(8)]
+    words = bk // 8
+    wp = packed_ref[e, pl.ds(pl.multiple_of(k0 // 8, words), words), pl.ds(n0, bn)]
+    rows = e * (K // group) + (k0 + 8 * jnp.arange(words, dtype=jnp.int32)) // group  # [E*K/G, N] rows
     scale = plgpu.load(scale_ref.at[rows[:, None], cols[None, :]]).astype(jnp.float32)
     # A nibble n becomes a float without an integer convert (a quarter-rate instruction on the
     # GPU, once per weight): the bits 0x4B000000 | n are the float 2^23 + n, and subtracting
@@ -198,21 +184,20 @@ def _chunk_weights(w_refs, e, k0, n0, *, K, bk, bn, group, dtype, one_dot=False)
         offset = offset + plgpu.load(zero_ref[0].at[rows[:, None], cols[None, :]]).astype(jnp.float32)
     # int32 >> is arithmetic (the top nibble comes sign-extended); the mask keeps its 4 bits
     return [((jax.lax.bitcast_convert_type((jnp.right_shift(wp, sh) & 0xF) | _MAGIC_BITS, jnp.float32)
-              - offset) * scale).astype(dtype) for sh in shifts]
+              - offset) * scale).astype(dtype) for sh in range(0, 32, 4)]
 
 
-def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group, one_dot):
+def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group):
     w_refs, (tok_ref, ex_ref, ts_ref, te_ref, h_ref) = refs[:nw], refs[nw:]
 
     def tile(e, start, rows, live, n0):
         tok = plgpu.load(tok_ref.at[pl.ds(start, bm)], mask=live, other=0)
-        tiles = functools.partial(_chunk_weights, w_refs, e, K=H, bk=bk, bn=bn, group=group, dtype=x_ref.dtype,
-                                  one_dot=one_dot)
+        tiles = functools.partial(_chunk_weights, w_refs, e, K=H, bk=bk, bn=bn, group=group, dtype=x_ref.dtype)
 
         def body(kk, acc):
             g, u = acc
             k0 = pl.multiple_of(kk * bk, bk)
-            for (c0, width), wg, wu in zip(_chunk_cols(k0, bk, group, one_dot), tiles(k0, n0),
+            for (c0, width), wg, wu in zip(_chunk_cols(k0, bk, group), tiles(k0, n0),
                                            tiles(k0, inter + n0), strict=True):
                 # a row gather: two index arrays (interpret mode cannot mix an index array and a slice)
                 cols = c0 + jnp.arange(width, dtype=jnp.int32)
@@ -229,15 +214,14 @@ def _gate_up_kernel(x_ref, *refs, nw, H, inter, bm, bn, bk, group, one_dot):
     _on_live_tile(ex_ref, ts_ref, te_ref, bm=bm, bn=bn, body=tile)
 
 
-def _down_kernel(h_ref, *refs, nw, inter, bm, bn, bk, group, one_dot):
+def _down_kernel(h_ref, *refs, nw, inter, bm, bn, bk, group):
     w_refs, (wt_ref, ex_ref, ts_ref, te_ref, y_ref) = refs[:nw], refs[nw:]
 
     def tile(e, start, rows, live, n0):
         def body(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            tiles = _chunk_weights(w_refs, e, k0, n0, K=inter, bk=bk, bn=bn, group=group, dtype=h_ref.dtype,
-                                   one_dot=one_dot)
-            for (c0, width), wd in zip(_chunk_cols(k0, bk, group, one_dot), tiles, strict=True):
+            tiles = _chunk_weights(w_refs, e, k0, n0, K=inter, bk=bk, bn=bn, group=group, dtype=h_ref.dtype)
+            for (c0, width), wd in zip(_chunk_cols(k0, bk, group), tiles, strict=True):
                 hb = plgpu.load(h_ref.at[pl.ds(start, bm), pl.ds(c0, width)], mask=live[:, None], other=0)
                 acc = acc + jnp.dot(hb, wd, preferred_element_type=jnp.float32, precision=_IEEE)
             return acc
@@ -264,15 +248,11 @@ def _launch(x, gate_up_refs, down_refs, sorted_token, sorted_weight, meta, *, in
                          f"{min_block_k} on the GPU")
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    one_dot = blocks.int4_one_dot and groups[0] is not None
-    if one_dot:  # the packed words as [E*K/8, N]: the kernel gathers word rows by index
-        gate_up_refs = (gate_up_refs[0].reshape(-1, gate_up_refs[0].shape[-1]), *gate_up_refs[1:])
-        down_refs = (down_refs[0].reshape(-1, down_refs[0].shape[-1]), *down_refs[1:])
-    if groups[0] is not None and not one_dot:
+    if groups[0] is not None:
         x = _nibble_major(x, bk1)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, nw=len(gate_up_refs), H=H, inter=inter, bm=bm, bn=bn1, bk=bk1,
-                          group=groups[0], one_dot=one_dot),
+                          group=groups[0]),
         grid=(T, inter // bn1),
         in_specs=[any_spec] * (5 + len(gate_up_refs)),
         out_specs=any_spec,
@@ -281,11 +261,10 @@ def _launch(x, gate_up_refs, down_refs, sorted_token, sorted_weight, meta, *, in
         interpret=interpret,
         name="ddtree_moe_gate_up" if groups[0] is None else "ddtree_moe_gate_up_int4",
     )(x, *gate_up_refs, sorted_token.astype(jnp.int32), *meta)
-    if groups[1] is not None and not one_dot:
+    if groups[1] is not None:
         h = _nibble_major(h, bk2)
     return pl.pallas_call(
-        functools.partial(_down_kernel, nw=len(down_refs), inter=inter, bm=bm, bn=bn2, bk=bk2, group=groups[1],
-                          one_dot=one_dot),
+        functools.partial(_down_kernel, nw=len(down_refs), inter=inter, bm=bm, bn=bn2, bk=bk2, group=groups[1]),
         grid=(T, H // bn2),
         in_specs=[any_spec] * (5 + len(down_refs)),
         out_specs=any_spec,
