@@ -168,6 +168,38 @@ def test_moe_grouped_matmul_int4_equals_reference(n, e, k, h, i, symmetric):
         assert not np.asarray(got.astype(jnp.float32))[~np.asarray(valid)].any()
 
 
+def test_int4_packed_bf16_dequantisation_equals_float32_path():
+    """The INT4 kernel's packed-bf16 PTX (``_dequant_words(asm=True)``) gives the float32 path's
+    weights bit for bit: every nibble value in every position of random words, bf16 scales of
+    both signs from 1e-30 to 1e30, zero scales."""
+    import functools
+
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.triton.moe_grouped_matmul import _dequant_words
+
+    rng = np.random.default_rng(7)
+    w_shape = (16, 128)
+    words = jnp.asarray(rng.integers(-2**31, 2**31, w_shape, dtype=np.int64).astype(np.int32))
+    scale = rng.choice([-1, 1], w_shape) * 10.0 ** rng.uniform(-30, 30, w_shape)
+    scale[0, :8] = 0.0
+    scale = jnp.asarray(scale, jnp.bfloat16)
+
+    def kernel(w_ref, s_ref, o_ref, *, asm):
+        for p, tile in enumerate(_dequant_words(w_ref[...], s_ref[...], None, jnp.bfloat16, asm)):
+            o_ref[p] = tile
+
+    def run(asm):
+        return pl.pallas_call(functools.partial(kernel, asm=asm),
+                              out_shape=jax.ShapeDtypeStruct((8, *w_shape), jnp.bfloat16))(words, scale)
+
+    got, want = run(True), run(False)
+    q = (np.asarray(words)[None] >> (4 * np.arange(8))[:, None, None]) & 0xF
+    exact = ((q - 8) * np.asarray(scale, np.float32)[None]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(want).view(np.uint16), np.asarray(exact).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("b,t,s,starts,tree,segment_keys", [
     (2, 1, 3000, [0, 2999], False, 512),  # decode steps over contexts of 1 and 3,000 keys

@@ -257,6 +257,8 @@ def test_kernel_lowers_to_triton():
         fn = functools.partial(moe_grouped_matmul_int4, blocks=MoEBlocks())
         text = jax.jit(fn).trace(*args, **(zeros if zero else {})).lower(lowering_platforms=("cuda",)).as_text()
         assert "ddtree_moe_gate_up_int4" in text and "ddtree_moe_down_int4" in text
+        # bf16 scales without zero points take the packed-bf16 PTX; with zero points, float32
+        assert ("fma.rn.bf16x2" in text) == (not zero)
 
 
 def test_pack_int4_round_trip_and_quantiser():
