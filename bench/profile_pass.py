@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--impl", default="auto")
+    ap.add_argument("--int4", action="store_true",
+                    help="routed experts in INT4 (group 32, symmetric: Kimi K2 Thinking's scheme)")
     ap.add_argument("--cases", nargs="+", default=["1:0", "1:64", "16:64"],
                     help="B:budget (0: the decode step) or P:T (a prefill of T tokens)")
     ap.add_argument("--prompt", type=int, default=256)
@@ -60,7 +62,9 @@ def main():
     impl = "pallas" if args.smoke and args.impl == "auto" else args.impl
     report = Report(args, name="profile", title="Kimi K2-shaped target: where a pass spends its time",
                     sections=("passes", "kernels"))
-    model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, impl=impl))
+    int4 = dt.Int4Format(group_size=32, symmetric=True) if args.int4 else None
+    model = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, impl=impl,
+                                                       experts_int4=int4))
     rng = np.random.default_rng(0)
     verify_nnx = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
     verify_split = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]).bind(model)
@@ -82,7 +86,7 @@ def main():
             tok = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, budget + 1)), jnp.int32)
             name = "decode step" if budget == 0 else f"verify {budget}"
             fn, nnx_fn, fargs = verify_split, verify_nnx, (tok, depths, anc, cache)
-        row = {"pass": name, "B": b}
+        row = {"pass": name, "B": b, "experts": "int4" if args.int4 else "bf16"}
         if nnx_fn is not None:
             row["nnx.jit ms"] = 1e3 * time_call(nnx_fn, model, *fargs)
         row["jax.jit ms"] = 1e3 * time_call(fn, *fargs)
@@ -92,8 +96,8 @@ def main():
             + f"jax.jit {row['jax.jit ms']:.3f} ms, kernels on the GPU {row['device ms']:.3f} ms per call")
         report.add("passes", row)
         for kname, ns in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
-            report.add("kernels", {"pass": name, "B": b, "kernel": kname[:90], "us per call": ns / 1e3,
-                                   "share": ns / max(total_ns, 1)})
+            report.add("kernels", {"pass": name, "B": b, "experts": row["experts"], "kernel": kname[:90],
+                                   "us per call": ns / 1e3, "share": ns / max(total_ns, 1)})
             log(f"    {ns / 1e3:10.1f} us  {kname[:110]}")
         report.write()
     log(f"wrote {report.stem}.md")
