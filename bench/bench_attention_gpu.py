@@ -35,7 +35,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench._common import device_kernels  # noqa: E402
-from ddtree_jax.models.latent_attention import latent_attention_reference  # noqa: E402
+from ddtree_jax.models.latent_attention import (  # noqa: E402
+    SEGMENT_GROUP,
+    SEGMENT_KEYS,
+    latent_attention_reference,
+)
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
 from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention  # noqa: E402
 
@@ -107,8 +111,14 @@ class Bench:
         return ql, qr, lat, kr, jnp.asarray(start, jnp.int32), within
 
     def kernel_fn(self, causal, split, cfg=None):
-        """``f(q_latent, q_rope, latent, k_rope, start, within)`` with this bench's static settings."""
+        """``f(q_latent, q_rope, latent, k_rope, start, within)`` with this bench's static settings;
+        ``--segments``: the model's fixed reduction segments, the split moved onto a segment or group
+        boundary as the model does (0 stays 0)."""
         kw = dict(self.tiles, **(cfg or {}))
+        if self.a.segments:
+            seg, grp = SEGMENT_KEYS, SEGMENT_GROUP
+            split = 0 if not split else seg * grp if split >= seg * grp else seg
+            kw.update(segment_keys=seg, segment_group=grp)
         return functools.partial(mla_attention, scale=self.scale, causal=causal, split_keys=split,
                                  interpret=self.interp, **kw)
 
@@ -218,6 +228,12 @@ def main():
     p.add_argument("--no-sweep", action="store_true", help="skip the tile / split sweeps")
     p.add_argument("--split-kernels", type=int, default=32768,
                    help="from this context on, also time the attention and merge launches apart (0: never)")
+    p.add_argument("--segments", action="store_true",
+                   help="the model's fixed reduction segments (512 keys, groups of 4), as in generate()")
+    p.add_argument("--contexts", type=int, nargs="+", help="committed contexts (default 1024 32768)")
+    p.add_argument("--verify-t", type=int, nargs="+", help="verify block lengths (default 16 65 257)")
+    p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16)")
+    p.add_argument("--prefill-t", type=int, help="prefill block length (default 2048; 0: none)")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -245,11 +261,11 @@ def main():
     bench.check("verify-f32", 2, 5 if small else 17, ml, st, True, 0, jnp.float32, 1e-4)
 
     # -- timings --
-    contexts = (50,) if small else (1024, 32768)
-    max_len = 80 if small else 36864
-    verify_ts = (5,) if small else (16, 65, 257)
-    batches = (1, 2) if small else (1, 16)
-    prefill_t = 8 if small else 2048
+    contexts = a.contexts or ((50,) if small else (1024, 32768))
+    max_len = 80 if small else max(36864, max(contexts) + 4096)
+    verify_ts = a.verify_t or ((5,) if small else (16, 65, 257))
+    batches = a.batches or ((1, 2) if small else (1, 16))
+    prefill_t = (8 if small else 2048) if a.prefill_t is None else a.prefill_t
     sweep = not a.no_sweep
     # (block_m, block_k, num_warps, num_stages) besides the defaults, at the longest context:
     # smaller row tiles and more warps hold less of the [block_m, 512] float32 accumulator per thread
@@ -269,7 +285,8 @@ def main():
                 splits = ("auto", 0) if b == 1 else ("auto",)
                 big = ctx == contexts[-1] and sweep and t == verify_ts[0]
                 bench.case("verify", b, t, ctx, max_len, splits=splits, cfgs=sweep_cfgs if big else (None,))
-        bench.case("prefill", 1, prefill_t, ctx, max_len)
+        if prefill_t:
+            bench.case("prefill", 1, prefill_t, ctx, max_len)
         log(f"elapsed {time.time() - t_start:.0f} s")
 
     meta["elapsed_s"] = time.time() - t_start
