@@ -135,7 +135,8 @@ class Bench:
             ql, qr, lat, kr, st, within = self.inputs(b, t, max_len, start, tree, dtype)
             out = jax.jit(self.kernel_fn(within is None, split))(ql, qr, lat, kr, st, within)
             f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
-            ref = latent_attention_reference(*f32, BlockMask(st, within), scale=self.scale)
+            with jax.default_matmul_precision("highest"):  # IEEE float32: XLA's default on the GPU is tf32
+                ref = latent_attention_reference(*f32, BlockMask(st, within), scale=self.scale)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
             ok = bool(err <= tol)
             self.checks.append(dict(name=name, split_keys=split, dtype=jnp.dtype(dtype).name, max_abs_err=err, tol=tol,

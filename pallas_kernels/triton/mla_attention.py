@@ -50,13 +50,14 @@ like the other kernels here: it has dynamic-trip-count loops, masked 2-D loads w
 offsets and ``dot`` on tensor cores, which is all this kernel needs. Not measured against a
 Mosaic GPU version.
 
-Tiles for the H200 (``default_tiles``; bench/bench_attention_gpu.py sweeps alternatives; not yet
-tuned on the device): bf16 ``block_m = 64`` query rows (one token's 64 heads at K2 shapes: decode
-needs no padding and each latent tile serves 64 rows), ``block_k = 32`` keys: the latent tile is
-32 x 512 bf16 = 32 KiB, 64 KiB double-buffered (``num_stages = 2``), which leaves room in the
-228 KiB of shared memory for the 64 x 576 bf16 queries (72 KiB) should Triton stage them there;
-64-key tiles would sit at the limit. ``num_warps = 8`` spreads the 64 x 512 float32 accumulator
-over 256 threads (128 registers each). float32 inputs (tests) take 32 x 32 tiles, one stage.
+Tiles for the H200 (``default_tiles``; bench/bench_attention_gpu.py sweeps alternatives): bf16
+``block_m = 64`` query rows (one token's 64 heads at K2 shapes: decode needs no padding and each
+latent tile serves 64 rows), ``block_k = 64`` keys (a 64 x 512 bf16 latent tile, 64 KiB, two
+stages), ``num_warps = 8`` (the 64 x 512 float32 accumulator is 128 registers a thread). Measured
+at 32k context with the model's fixed segments (bench/results/attention_h200_segments_20261130.md):
+the best of nine tile settings at decode B=16 and at verify T=16 (B=1 and 16), 9-17% faster than
+32-key tiles; at decode B=1 16-row tiles with more splits were faster still (112 against 142 us).
+16 warps were 2-3x slower everywhere. float32 inputs (tests) take 32 x 32 tiles, one stage.
 The absorbed form does ``2 * H * (2r + dr)`` flops per key and query token (139 kflop at K2
 shapes) against ``2 * (r + dr)`` bytes of cache per key, so a decode step is already near the
 tensor-core balance point and verify/prefill blocks are compute-bound.
@@ -249,7 +250,7 @@ def default_tiles(dtype) -> dict:
     """``block_m, block_k, num_warps, num_stages`` for caches of ``dtype`` (see the module notes)."""
     if jnp.dtype(dtype).itemsize >= 4:
         return dict(block_m=32, block_k=32, num_warps=4, num_stages=1)
-    return dict(block_m=64, block_k=32, num_warps=8, num_stages=2)
+    return dict(block_m=64, block_k=64, num_warps=8, num_stages=2)
 
 
 def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, block_k: int = 64,
