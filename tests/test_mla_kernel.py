@@ -70,7 +70,7 @@ def test_kernel_wide_tiles_k2_heads():
     ((2, 17, 64, 512, 64, 1000), False, 512, 512),  # K2 shapes, tree, one program per segment
     ((2, 1, 64, 512, 64, 1000), True, 0, 512),  # K2 decode step, the segments in turn
     ((2, 1, 64, 512, 64, 3000), True, 2048, 512),  # one program per group of 4 segments
-    ((3, 5, 3, 24, 6, 40), False, 32, 0),  # ranks that are not powers of two (masked columns)
+    ((3, 5, 3, 24, 6, 140), False, 64, 0),  # ranks that are not powers of two (masked columns), 3 splits
     ((3, 5, 3, 24, 6, 40), True, 0, 0),
 ])
 def test_kernel_lowers_to_triton(shape, causal, split_keys, segment_keys, dtype):
