@@ -31,7 +31,7 @@ Where ``lse`` comes from (``lse=``):
 Algorithm (four launches; only the first reads the whole row):
 
 1. stats, grid ``(rows, splits)``: each program reads its share of the row in tiles of ``tile``
-   columns and stores the maximum of every chunk of ``chunk`` (32) columns, the tile maxima and
+   columns and stores the maximum of every chunk of ``chunk`` (16) columns, the tile maxima and
    (fused lse) the tile sums of exp. Several programs per row: 240 rows alone would fill the 132
    SMs only 1.8 times.
 2. chunks, grid ``(rows,)``: ``m``, ``lse``; the chunk maxima become log-probabilities (the map
@@ -45,18 +45,21 @@ Algorithm (four launches; only the first reads the whole row):
    in the first chunks with maximum ``== T0`` (no more of them than there are places). So no
    fallback is needed for ties (rounded or masked rows). The chosen chunk ids are listed in column
    order by a cumsum and a scatter (a stable partition).
-3. candidates, grid ``(rows,)``: gathers the K chunks (K * chunk = 8192 values at K = 256, from
+3. candidates, grid ``(rows,)``: gathers the K chunks (K * chunk = 4096 values at K = 256, from
    L2), the exact K-th key by bisection (32 count reductions), keeps ``key > T`` and the first
    ``key == T`` by index up to K, and compacts the K kept (value, index) pairs in column order
    (cumsum + scatter).
-4. order, grid ``(rows,)``: the rank of each of the K pairs by counting the pairs before it
-   (larger value, or equal value and lower index: ``lax.top_k``'s order), in blocks of 32 rows of
-   the ``K x K`` comparison; one scatter to the output.
+4. order, grid ``(rows, K / 32)``: the rank of each of the K pairs by counting the pairs before
+   it (larger value, or equal value and lower index: ``lax.top_k``'s order); program (r, b) takes
+   pairs ``32b .. 32b + 31`` (a ``[32, K]`` block of the ``K x K`` comparison) and scatters them
+   to their ranks. (One program per row looping over the blocks took 23 us of device time at
+   240 rows and K = 256 on the H200.)
 
 Why this shape on the H200 (B*L = 240 rows x 163,840 bf16 = 78 MB; one read is ~19 us at
 4.2 TB/s): the full-row work is one streaming read with a max per element (plus one ``ex2`` for
 the fused lse), which such passes run near copy bandwidth (docs/kernels.md); everything after it
-touches ``V / 32`` float32 maxima and ``32 K`` candidates per row, 6% and 5% of the row. A histogram/radix
+touches ``V / 16`` float32 maxima (12.5% of the row's bytes) and ``16 K`` candidates (2.5% of
+the row at K = 256). A histogram/radix
 select over the full row would need per-element atomics or ``V x bins`` compares in Triton
 (no shared-memory histogram in the Pallas Triton lowering), and a second full read per digit; the
 chunk maxima bound the threshold with no extra full read. The bisections are 32 dependent
@@ -83,7 +86,10 @@ from pallas_kernels._shared import LSE_MODES, _bisect, _zkey, check_top_k_args, 
 
 __all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
 
-CHUNK = 32  # columns per chunk maximum
+# Columns per chunk maximum. 16 rather than 32: half the candidates (16 K) for twice the chunk
+# maxima; the whole top-k 145 -> 127 us of device time on the H200 at 240 rows x 163,840, K = 256
+# (bench/results/tree_gpu_h200_20261130.md, the chunk16 row, in the same run); 64 was slower.
+CHUNK = 16
 MAX_TILE = 4096  # columns per load in the stats pass
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
@@ -91,7 +97,7 @@ _LOG2E = np.float32(np.log2(np.e))
 # Stats launch: aim for about four programs per SM of the H200 (132 SMs).
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 16
-_RANK_BLOCK = 32  # rows of the K x K comparison per step of the order launch
+_RANK_BLOCK = 32  # rows of the K x K comparison per program of the order launch
 
 
 def _kth_key(keys, k):
@@ -198,30 +204,26 @@ def _candidates_kernel(x_ref, m_ref, lse_ref, cl_ref, zs_ref, ids_ref, *, V, k, 
 
 
 def _order_kernel(zs_ref, ids_ref, bad_ref, val_ref, idx_ref, *, k, kp, rb):
-    r = pl.program_id(0)
+    """Program (r, b): the ranks of pairs ``b * rb .. b * rb + rb - 1`` of row r among all ``k``
+    (independent blocks: their ranks are disjoint parts of one permutation)."""
+    r, b = pl.program_id(0), pl.program_id(1)
     bad = bad_ref[r] != 0
     j = jnp.arange(kp, dtype=jnp.int32)
     okj = j < k
     zj = plgpu.load(zs_ref.at[r, pl.ds(0, kp)], mask=okj, other=-jnp.inf)
     idj = plgpu.load(ids_ref.at[r, pl.ds(0, kp)], mask=okj, other=_BIG)
     kj = jnp.where(okj, _zkey(zj), _INT_MIN)
-    ib = jnp.arange(rb, dtype=jnp.int32)
-
-    def block(b, carry):
-        i = b * rb + ib
-        oki = i < k
-        zi = plgpu.load(zs_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=-jnp.inf)
-        idi = plgpu.load(ids_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=_BIG)
-        ki = _zkey(zi)
-        kj2, ki2 = kj[None, :], ki[:, None]
-        before = okj[None, :] & ((kj2 > ki2) | ((kj2 == ki2) & (idj[None, :] < idi[:, None])))
-        rank = jnp.sum(jnp.where(before, 1, 0), axis=1)
-        dest = jnp.where(oki & ~bad, rank, i)
-        plgpu.store(val_ref.at[r, dest], jnp.where(bad, jnp.nan, zi), mask=oki)
-        plgpu.store(idx_ref.at[r, dest], jnp.where(bad, i, idi), mask=oki)
-        return carry
-
-    jax.lax.fori_loop(0, kp // rb, block, 0)
+    i = b * rb + jnp.arange(rb, dtype=jnp.int32)
+    oki = i < k
+    zi = plgpu.load(zs_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=-jnp.inf)
+    idi = plgpu.load(ids_ref.at[r, pl.ds(b * rb, rb)], mask=oki, other=_BIG)
+    ki = _zkey(zi)
+    kj2, ki2 = kj[None, :], ki[:, None]
+    before = okj[None, :] & ((kj2 > ki2) | ((kj2 == ki2) & (idj[None, :] < idi[:, None])))
+    rank = jnp.sum(jnp.where(before, 1, 0), axis=1)
+    dest = jnp.where(oki & ~bad, rank, i)
+    plgpu.store(val_ref.at[r, dest], jnp.where(bad, jnp.nan, zi), mask=oki)
+    plgpu.store(idx_ref.at[r, dest], jnp.where(bad, i, idi), mask=oki)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -306,7 +308,7 @@ def vocab_top_k_debug(
     )(x, m, lse_r, cl)
     vals, idx = pl.pallas_call(
         functools.partial(_order_kernel, k=k, kp=kp, rb=_RANK_BLOCK),
-        grid=(R,),
+        grid=(R, kp // _RANK_BLOCK),
         in_specs=[spec] * 3,
         out_specs=[spec] * 2,
         out_shape=[sd((R, kp), f32), sd((R, kp), i32)],
