@@ -44,8 +44,10 @@ product of one K-chunk differs (``_chunk_cols`` / ``_chunk_weights``). Weights p
 inputs ``k0 + 8j .. k0 + 8j + 7``, nibble p = input ``k0 + 8j + p``, offset 8) with one scale (and
 optionally a zero point) per group of G inputs (``[E, K/G, N]``). A chunk loads one
 ``[block_k/8, bn]`` tile of words and one gathered row of scales per word row, dequantises nibble
-p in registers (``((w >> 4p) & 0xF) - 8 - zero) * scale`` in float32, rounded to x's dtype) and
-multiplies it with the x columns ``k0 + 8j + p``: eight dots of K = ``block_k / 8`` per chunk, no
+p in registers (``((w >> 4p) & 0xF) - 8 - zero) * scale`` rounded once to x's dtype: in float32,
+or, for bf16 activations with bf16 scales and no zero points, two weights per instruction in
+packed bf16 by inline PTX, the same bits (``_bf16_dequant_ptx``)) and multiplies it with the x
+columns ``k0 + 8j + p``: eight dots of K = ``block_k / 8`` per chunk, no
 interleaving of the unpacked values, and a weight layout that does not depend on the block sizes.
 The activations (x before the first launch, h between the two) are reordered once per call in
 XLA (``_nibble_major``) so that nibble p's columns of a chunk are contiguous: plain loads instead
