@@ -38,10 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from bench._timing import time_it  # noqa: E402
 from ddtree_jax.backend import Backend  # noqa: E402
-from ddtree_jax.models.int4 import PackedWeight, dequantize  # noqa: E402
+from ddtree_jax.models.int4 import Int4Format, PackedWeight, dequantize, random_packed_weight  # noqa: E402
 from ddtree_jax.models.moe import (  # noqa: E402
     experts_grouped_matmul,
     experts_reference,
@@ -98,16 +99,15 @@ def run_variant(results, name, fn, **info):
         traceback.print_exc(limit=3)
 
 
-INT4_GROUP = 32  # Kimi K2 Thinking's routed experts: symmetric, one bf16 scale per 32 inputs
+INT4 = Int4Format(group_size=32, symmetric=True)  # Kimi K2 Thinking's routed experts
+INT4_GROUP = INT4.group_size
 
 
-def random_packed(key, e, k, n, dtype):
-    """Random INT4 experts ``[e, k, n]`` already packed (uniform nibbles, scales ~ k^-0.5 / 4):
-    quantising 34 GB of bf16 weights on the host would take longer than the whole bench."""
-    kb, ks = jax.random.split(key)
-    packed = jax.lax.bitcast_convert_type(jax.random.bits(kb, (e, k // 8, n), jnp.uint32), jnp.int32)
-    scale = jax.random.uniform(ks, (e, k // INT4_GROUP, n), minval=0.5, maxval=1.5) * (k**-0.5 / 4)
-    return PackedWeight(packed=packed, scale=scale.astype(dtype))
+def random_packed(seed, e, k, n, dtype):
+    """Random INT4 experts ``[e, k, n]`` already packed (the model's own ``random_packed_weight``),
+    drawn on the device under ``jit``: quantising 34 GB of bf16 weights on the host would take
+    longer than the whole bench."""
+    return jax.jit(lambda: random_packed_weight(nnx.Rngs(seed), (e, k, n), INT4, dtype))()
 
 
 def int4_sweep(args, results, kernel, dtype, interpret, rate):
@@ -116,11 +116,10 @@ def int4_sweep(args, results, kernel, dtype, interpret, rate):
     the INT4 weight-read floor (the touched experts' packed words and scales / copy bandwidth)."""
     e, h, i, k = args.experts, args.hidden, args.inter, args.topk
     kq = jax.random.PRNGKey(4)
-    gu4, dn4 = random_packed(jax.random.fold_in(kq, 0), e, h, 2 * i, dtype), random_packed(
-        jax.random.fold_in(kq, 1), e, i, h, dtype)
+    gu4, dn4 = random_packed(40, e, h, 2 * i, dtype), random_packed(41, e, i, h, dtype)
     expert_bytes = (h * 2 * i + i * h) // 2 + (h * 2 * i + i * h) // INT4_GROUP * jnp.dtype(dtype).itemsize
     log(f"INT4 experts ready: {e * expert_bytes / 2**30:.2f} GiB (packed words + scales)")
-    label = ("int4 bm{0.block_m} bn{0.block_n_gate_up}/{0.block_n_down} bk{0.block_k} w{0.num_warps} s{0.num_stages}")
+    label = "int4 bm{0.block_m} bn{0.block_n_gate_up}/{0.block_n_down} bk{0.block_k} w{0.num_warps} s{0.num_stages}"
     small = interpret  # interpret mode: the default blocks only (block_k must divide the tiny shapes)
     for n in args.int4_tokens:
         w, ids = random_routing(jax.random.fold_in(kq, 10 + n), n, e, k)
