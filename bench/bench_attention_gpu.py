@@ -39,9 +39,10 @@ from ddtree_jax.models.latent_attention import (  # noqa: E402
     SEGMENT_GROUP,
     SEGMENT_KEYS,
     latent_attention_reference,
+    segmented_split,
 )
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
-from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention  # noqa: E402
+from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention  # noqa: E402
 
 
 def log(*a):
@@ -116,9 +117,9 @@ class Bench:
         boundary as the model does (0 stays 0)."""
         kw = dict(self.tiles, **(cfg or {}))
         if self.a.segments:
-            seg, grp = SEGMENT_KEYS, SEGMENT_GROUP
-            split = 0 if not split else seg * grp if split >= seg * grp else seg
-            kw.update(segment_keys=seg, segment_group=grp)
+            block_k = kw.get("block_k") or default_tiles(self.dtype)["block_k"]
+            split, seg = segmented_split(split, SEGMENT_KEYS, SEGMENT_GROUP, block_k)
+            kw.update(segment_keys=seg, segment_group=SEGMENT_GROUP)
         return functools.partial(mla_attention, scale=self.scale, causal=causal, split_keys=split,
                                  interpret=self.interp, **kw)
 

@@ -99,6 +99,18 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     return jax.shard_map(kernel, mesh=mesh.mesh, in_specs=specs, out_specs=q, check_vma=False)(*args)
 
 
+def segmented_split(split: int, segment_keys: int, segment_group: int, block_k: int) -> tuple[int, int]:
+    """``(split_keys, segment_keys)`` for ``mla_attention`` with fixed segments: ``segment_keys``
+    rounded up to whole key tiles, and the heuristic's split moved onto a group (``split >=`` a
+    group) or segment boundary (0 stays 0: one program). ``segment_keys`` 0: no segments, the
+    split as it is."""
+    if not segment_keys:
+        return split, 0
+    segment_keys = -(-segment_keys // block_k) * block_k
+    group = segment_keys * segment_group
+    return (0 if not split else group if split >= group else segment_keys), segment_keys
+
+
 def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, causal, interpret, segment_keys,
             segment_group):
     """The Pallas kernel on (local) arrays; the parallel split follows the local shapes."""
@@ -107,12 +119,9 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
     b, t, h, _ = q_latent.shape
     s = latent.shape[1]
     tiles = default_tiles(latent.dtype)
-    split = auto_split_keys(b, t * h, s, block_m=tiles["block_m"], block_k=tiles["block_k"])
-    if segment_keys:
-        segment_keys = -(-segment_keys // tiles["block_k"]) * tiles["block_k"]
-        group = segment_keys * segment_group
-        # a program per group or per segment where the heuristic wants a split, else one program
-        split = 0 if not split else group if split >= group else segment_keys
+    split, segment_keys = segmented_split(auto_split_keys(b, t * h, s, block_m=tiles["block_m"],
+                                                          block_k=tiles["block_k"]),
+                                          segment_keys, segment_group, tiles["block_k"])
     out = mla_attention(
         q_latent.astype(latent.dtype),
         q_rope.astype(k_rope.dtype),
