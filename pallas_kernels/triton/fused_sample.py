@@ -50,9 +50,8 @@ Algorithm (two launches, one program per row each):
      re-read), then decide ``v in K`` exactly with ONE full-row pass for ``z_v``:
      ``#{z > z_v} < k`` (top-k, ties kept), ``mass{z > z_v} < top_p * S`` (top-p, S the top-k
      mass) and ``z_v >= log(min_p)`` (min-p; local, no pass). The same pass stores the per-tile
-     masses of ``{z > z_v, z >= log(min_p)}``. The pass compares a cheap ``(x - M) * (1/T)`` and
-     recomputes the IEEE z only in tiles with a value within ~2^-20 of a threshold (exact
-     membership; see ``check_pass``). Accept -> done. Reject -> every u with
+     masses of ``{z > z_v, z >= log(min_p)}``. The pass compares the IEEE z of every element
+     (exact membership) with one block reduction per tile (see ``check_pass``). Accept -> done. Reject -> every u with
      ``z_u <= z_v`` is out of K too, so P = z_v and redraw from the smaller U (fresh uniforms,
      streams 2 + 2i, 3 + 2i). Each round draws from q restricted to some U containing K and
      keeps the draw iff it lies in K, so the accepted token has exactly the law of q on K.
@@ -484,36 +483,30 @@ def _select_kernel(
 
     def check_pass(zv, with_count, with_total):
         """One full-row pass for the drawn value zv: per-tile masses of {z > zv, z >= tau_m} (the
-        next round's weights), #{z > zv} (top-k) and the total mass (top-p).
-        Cheap per element: z' = (x - M) * (1/T) (within ~2^-22 relative of the IEEE z) decides
-        the comparisons, except in tiles holding a value within 2^-20 (relative, +2^-20) of zv or
-        tau_m: those (ties, near-ties: rare) recompute z exactly, so membership is exact. Masses
-        use exp2((x - M) * log2(e) / T), as the stats pass (float32 rounding of the masses)."""
-        dv = (jnp.abs(zv) + 1.0) * np.float32(2.0**-20)
-        dm = jnp.where(tau_m > -jnp.inf, (jnp.abs(tau_m) + 1.0) * np.float32(2.0**-20), 0.0)
+        next round's weights), #{z > zv} (top-k) and the total mass (top-p). z is the IEEE z of
+        every element (exact membership), masses exp2((x - M) * log2(e) / T) as the stats pass.
+        Per tile ONE block reduction (the tile's mass, a weight of the next draw); the count and
+        the total accumulate per lane across the tiles and are reduced once at the end: the pass
+        is a chain of dependent reductions, so their number per tile sets its time when one
+        program holds a row (few rows)."""
 
         def body(t, c):
             W, cnt, tot = c
             cols = t * tile + iota_t
             x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
-            d = x - M
-            zc = d * inv_t
-            e = jnp.exp2(d * c2)
-            near = (jnp.abs(zc - zv) <= dv) | (jnp.abs(zc - tau_m) <= dm)
-
-            def sums(z):
-                up = z > zv
-                s = jnp.sum(jnp.where(up & (z >= tau_m), e, 0.0))
-                return s, (jnp.sum(jnp.where(up, 1, 0)) if with_count else zi)
-
-            s, n = jax.lax.cond(jnp.max(jnp.where(near, 1, 0)) > 0, lambda: sums(zof(x)), lambda: sums(zc))
-            W = jnp.where(iota_nt == t, s, W)
-            cnt = cnt + n
+            z = zof(x)
+            e = jnp.exp2((x - M) * c2)
+            up = z > zv
+            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(up & (z >= tau_m), e, 0.0)), W)
+            if with_count:
+                cnt = cnt + jnp.where(up, 1, 0)
             if with_total:
-                tot = tot + jnp.sum(e)
+                tot = tot + e
             return W, cnt, tot
 
-        return jax.lax.fori_loop(0, nt, body, (jnp.zeros((ntp,), jnp.float32), zi, zf))
+        init = (jnp.zeros((ntp,), jnp.float32), jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
+        W, cnt, tot = jax.lax.fori_loop(0, nt, body, init)
+        return W, (jnp.sum(cnt) if with_count else zi), (jnp.sum(tot) if with_total else zf)
 
     def p_reject():
         tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
