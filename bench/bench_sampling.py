@@ -459,29 +459,29 @@ def timings(quick: bool, bw: float) -> list[dict]:
 
 STATS_VARIANTS = {
     "default": {},
-    "w4": dict(num_warps=4),
+    "no_prefetch": dict(prefetch=False),
+    "s2_no_prefetch": dict(num_stages=2, prefetch=False),
     "w16": dict(num_warps=16),
-    "s3": dict(num_stages=3),
-    "t2048": dict(tile=2048),
-    "t8192_w16": dict(tile=8192, num_warps=16),
 }
 SELECT_VARIANTS = {
     "default": {},
-    "sel_w4": dict(select_warps=4),
+    "no_prefetch": dict(prefetch=False),
+    "sel_s2_no_prefetch": dict(select_stages=2, prefetch=False),
     "sel_w16": dict(select_warps=16),
     "compact_scatter": dict(compact="scatter"),
-    "compact_scatter_sel_w16": dict(compact="scatter", select_warps=16),
 }
 
 
-def sweep(bw: float) -> list[dict]:
-    """Device time of kernel variants (stats-pass knobs for greedy/T, select-pass knobs for top-k)."""
+def sweep(bw: float, rows=(2048,)) -> list[dict]:
+    """Device time of kernel variants (stats-launch knobs for greedy / temperature-only rows,
+    select-launch knobs for filtered rows), Gaussian rows."""
     out = []
-    for R in (2048,):
+    for R in rows:
         x = make_logits("gaussian", R, V, 7)
         for cname, c in CONFIGS.items():
             p = batch_params(R, **c)
-            vs = SELECT_VARIANTS if c["top_k"] else STATS_VARIANTS
+            filtered = c["top_k"] or c["top_p"] < 1 or c["min_p"] > 0
+            vs = SELECT_VARIANTS if filtered else STATS_VARIANTS
             for vname, kw in vs.items():
                 try:
                     t = time_it(kernel_dev_fn(**kw), [(x, p, seeds_for(R, 1))], iters=2, repeats=3) / DEV_N
@@ -555,6 +555,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time tuning variants (stats/select knobs)")
+    ap.add_argument("--sweep-rows", default="2048", help="comma-separated row counts of the tuning sweep")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts to time")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations to time")
     args = ap.parse_args()
@@ -586,7 +587,7 @@ def main():
     meta.update(copy_bw_jax=bw_jax, copy_bw_torch=bw_torch)
     log(f"copy bandwidth: jax {bw_jax / 1e12:.2f} TB/s, torch {(bw_torch or 0) / 1e12:.2f} TB/s")
     if args.sweep:
-        meta["sweep"] = sweep(max(bw_jax, bw_torch or 0))
+        meta["sweep"] = sweep(max(bw_jax, bw_torch or 0), tuple(int(r) for r in args.sweep_rows.split(",")))
     rows = timings(args.quick, max(bw_jax, bw_torch or 0))
     stamp = datetime.datetime.now().strftime("%Y%m%d")
     with open(os.path.join(args.out, f"sampling_h200_{stamp}.json"), "w") as fh:

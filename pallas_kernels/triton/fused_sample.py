@@ -175,7 +175,9 @@ def _pick(weights, u, iota):
 # ----------------------------------------------------------------------------- kernel 1: stats
 
 
-def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt, tps):
+def _stats_kernel(
+    x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt, tps, prefetch
+):
     """Program (r, s) reads tiles ``[s * tps, min((s + 1) * tps, nt))`` of row r: per-tile stats go
     to their own slots, the row max / argmax / validity of its part to ``[r, s]`` (combined by the
     select launch). Several programs per row keep small row counts from being latency bound."""
@@ -193,11 +195,13 @@ def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_
     iota = jnp.arange(tile, dtype=jnp.int32)
     iota_cpt = jnp.arange(cpt, dtype=jnp.int32)
 
-    def body(i, c):
+    def load_tile(t):
+        return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=t * tile + iota < V, other=-jnp.inf)
+
+    def body(i, x, c):
         m, am, bad, fin = c
         t = t0 + i
         cols = t * tile + iota
-        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
         cmax = jnp.max(x.reshape(cpt, CHUNK), axis=1)  # (max ignores NaN on the GPU: maxnumf)
         plgpu.store(cm_ref.at[r, pl.ds(t * cpt, cpt)], cmax, mask=need_cm & (iota_cpt >= 0))
         tmax = jnp.max(cmax)
@@ -218,7 +222,17 @@ def _stats_kernel(x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_
         return jnp.where(better, tmax, m), targ, bad, fin
 
     init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
-    m, am, bad, fin = jax.lax.fori_loop(0, jnp.minimum(tps, nt - t0), body, init)
+    n = jnp.minimum(tps, nt - t0)
+    if prefetch:  # tile i + 1's loads go out before tile i is processed (as in the select launch)
+
+        def step(i, c):
+            x, carry = c
+            nxt = load_tile(t0 + jnp.minimum(i + 1, n - 1))
+            return nxt, body(i, x.astype(jnp.float32), carry)
+
+        m, am, bad, fin = jax.lax.fori_loop(0, n, step, (load_tile(t0), init))[1]
+    else:
+        m, am, bad, fin = jax.lax.fori_loop(0, n, lambda i, c: body(i, load_tile(t0 + i).astype(jnp.float32), c), init)
     mx_ref[r, split] = m
     am_ref[r, split] = am
     ok_ref[r, split] = bad.astype(jnp.int32) * 2 + fin.astype(jnp.int32)  # combined by the select launch
@@ -259,6 +273,7 @@ def _select_kernel(
     interpret_mode,
     max_rounds,
     splits,
+    prefetch,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -401,14 +416,27 @@ def _select_kernel(
         return tok.astype(jnp.int32), tau, qthr, S, zi, zi, zi
 
     # --- path 3: full-row passes
-    def row_reduce(fn, init):
-        def body(t, acc):
-            cols = t * tile + iota_t
-            x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
-            z = zof(x)
-            return jax.tree.map(jnp.add, acc, fn(z, t))
+    def load_tile(t):
+        cols = t * tile + iota_t
+        return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf)
 
-        return jax.lax.fori_loop(0, nt, body, init)
+    def row_loop(body, init):
+        """``body(t, x, carry)`` over the row's tiles in order, ``x`` tile t as float32. With
+        ``prefetch`` the loads of tile t + 1 are issued before tile t is processed (the loaded
+        tile rides in the loop carry), so one program per row waits on HBM once per pass rather
+        than once per tile; the last step re-reads the last tile (unused)."""
+        if not prefetch:
+            return jax.lax.fori_loop(0, nt, lambda t, c: body(t, load_tile(t).astype(jnp.float32), c), init)
+
+        def step(t, c):
+            x, carry = c
+            nxt = load_tile(jnp.minimum(t + 1, nt - 1))
+            return nxt, body(t, x.astype(jnp.float32), carry)
+
+        return jax.lax.fori_loop(0, nt, step, (load_tile(0), init))[1]
+
+    def row_reduce(fn, init):
+        return row_loop(lambda t, x, acc: jax.tree.map(jnp.add, acc, fn(zof(x), t)), init)
 
     def topk_key():
         """Key of z_(k) by bisection: 32 full-row count passes."""
@@ -490,10 +518,8 @@ def _select_kernel(
         is a chain of dependent reductions, so their number per tile sets its time when one
         program holds a row (few rows)."""
 
-        def body(t, c):
+        def body(t, x, c):
             W, cnt, tot = c
-            cols = t * tile + iota_t
-            x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
             z = zof(x)
             e = jnp.exp2((x - M) * c2)
             up = z > zv
@@ -505,7 +531,7 @@ def _select_kernel(
             return W, cnt, tot
 
         init = (jnp.zeros((ntp,), jnp.float32), jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
-        W, cnt, tot = jax.lax.fori_loop(0, nt, body, init)
+        W, cnt, tot = row_loop(body, init)
         return W, (jnp.sum(cnt) if with_count else zi), (jnp.sum(tot) if with_total else zf)
 
     def p_reject():
@@ -616,7 +642,17 @@ def _tile_for(V: int, tile: int | None) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("interpret", "tile", "num_warps", "select_warps", "num_stages", "compact", "max_rounds"),
+    static_argnames=(
+        "interpret",
+        "tile",
+        "num_warps",
+        "select_warps",
+        "num_stages",
+        "select_stages",
+        "compact",
+        "max_rounds",
+        "prefetch",
+    ),
 )
 def fused_sample_debug(
     logits: jax.Array,  # [R, V] f32 or bf16
@@ -631,8 +667,10 @@ def fused_sample_debug(
     num_warps: int = 8,
     select_warps: int | None = None,
     num_stages: int = 1,
+    select_stages: int = 1,
     compact: str = "loop",
     max_rounds: int = MAX_ROUNDS,
+    prefetch: bool = True,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
@@ -659,7 +697,7 @@ def fused_sample_debug(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd = jax.ShapeDtypeStruct
     mx, am, ok, tm, ts, cm = pl.pallas_call(
-        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps),
+        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps, prefetch=prefetch),
         grid=(R, splits),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 6,
@@ -688,6 +726,7 @@ def fused_sample_debug(
             interpret_mode=interpret,
             max_rounds=max_rounds,
             splits=splits,
+            prefetch=prefetch,
         ),
         grid=(R,),
         in_specs=[any_spec] * 12,
@@ -702,7 +741,7 @@ def fused_sample_debug(
             sd((R,), i32),
             sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=select_warps or num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps or num_warps, num_stages=select_stages),
         interpret=interpret,
         name="ddtree_sample_select",
     )(
