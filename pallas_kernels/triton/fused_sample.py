@@ -195,8 +195,8 @@ def _stats_kernel(
     iota = jnp.arange(tile, dtype=jnp.int32)
     iota_cpt = jnp.arange(cpt, dtype=jnp.int32)
 
-    def load_tile(t):
-        return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=t * tile + iota < V, other=-jnp.inf)
+    def load_tile(t, live=True):
+        return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(t * tile + iota < V) & live, other=-jnp.inf)
 
     def body(i, x, c):
         m, am, bad, fin = c
@@ -227,7 +227,7 @@ def _stats_kernel(
 
         def step(i, c):
             x, carry = c
-            nxt = load_tile(t0 + jnp.minimum(i + 1, n - 1))
+            nxt = load_tile(t0 + jnp.minimum(i + 1, n - 1), i + 1 < n)  # (the last step loads nothing)
             return nxt, body(i, x.astype(jnp.float32), carry)
 
         m, am, bad, fin = jax.lax.fori_loop(0, n, step, (load_tile(t0), init))[1]
@@ -416,21 +416,21 @@ def _select_kernel(
         return tok.astype(jnp.int32), tau, qthr, S, zi, zi, zi
 
     # --- path 3: full-row passes
-    def load_tile(t):
+    def load_tile(t, live=True):
         cols = t * tile + iota_t
-        return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf)
+        return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
 
     def row_loop(body, init):
         """``body(t, x, carry)`` over the row's tiles in order, ``x`` tile t as float32. With
         ``prefetch`` the loads of tile t + 1 are issued before tile t is processed (the loaded
         tile rides in the loop carry), so one program per row waits on HBM once per pass rather
-        than once per tile; the last step re-reads the last tile (unused)."""
+        than once per tile; the last step's load is masked off."""
         if not prefetch:
             return jax.lax.fori_loop(0, nt, lambda t, c: body(t, load_tile(t).astype(jnp.float32), c), init)
 
         def step(t, c):
             x, carry = c
-            nxt = load_tile(jnp.minimum(t + 1, nt - 1))
+            nxt = load_tile(jnp.minimum(t + 1, nt - 1), t + 1 < nt)
             return nxt, body(t, x.astype(jnp.float32), carry)
 
         return jax.lax.fori_loop(0, nt, step, (load_tile(0), init))[1]
@@ -665,10 +665,10 @@ def fused_sample_debug(
     interpret: bool = False,
     tile: int | None = None,
     num_warps: int = 8,
-    select_warps: int | None = None,
+    select_warps: int | None = 16,
     num_stages: int = 1,
     select_stages: int = 1,
-    compact: str = "loop",
+    compact: str = "scatter",
     max_rounds: int = MAX_ROUNDS,
     prefetch: bool = True,
 ) -> dict:
