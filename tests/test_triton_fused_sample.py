@@ -74,10 +74,10 @@ def _check_kept(x_row, T, out, r, ref_keep):
 @pytest.mark.parametrize(
     "V,tile,dtype,compact,max_rounds",
     [
-        (37, 64, np.float32, "loop", MAX_ROUNDS),
-        (37, 64, np.float32, "loop", 0),  # rejection off: the full-row bisections (its fallback)
-        (700, 128, jnp.bfloat16, "loop", MAX_ROUNDS),
+        (37, 64, np.float32, "scatter", MAX_ROUNDS),
+        (37, 64, np.float32, "scatter", 0),  # rejection off: the full-row bisections (its fallback)
         (700, 128, jnp.bfloat16, "scatter", MAX_ROUNDS),
+        (700, 128, jnp.bfloat16, "loop", MAX_ROUNDS),
     ],
 )
 def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
@@ -93,9 +93,10 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     topp = np.array([1, 1, 1, 0.9, 0.8, 0.6, 1, 0.95, 0.5, 1, 0.9, 0.7] * 2, np.float32)
     minp = np.array([0, 0.05, 0, 0, 0.1, 0] * 4, np.float32)
     pb = _batch(temp, topk, topp, minp)
-    # (static arguments left at their defaults where possible: an explicit default is another compile)
+    # (static arguments left at their defaults where possible: an explicit default is another
+    # compile; at 24 rows the candidate chunks are listed by scatter by default)
     kw = ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds)) | (
-        {} if compact == "loop" else dict(compact=compact)
+        {} if compact == "scatter" else dict(compact=compact)
     )
     out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **kw)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
@@ -106,7 +107,7 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     if max_rounds:
         rej = out["path"] == PATH_REJECT
         assert (out["rounds"][rej] >= 1).all() and (out["rounds"][~rej] == 0).all()
-    if compact != "loop":  # the two ways of listing candidate chunks give identical outputs
+    if compact != "scatter":  # the two ways of listing candidate chunks give identical outputs
         ref_out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile)
         for key in out:
             np.testing.assert_array_equal(out[key], ref_out[key], err_msg=key)
@@ -287,3 +288,16 @@ def test_split_row_stats_combine_exactly():
     np.testing.assert_array_equal(out["token"][:5], [100, 260, -1, -1, -1])
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
     assert lp[5, out["token"][5]] > -np.inf
+
+
+def test_select_config_by_row_count():
+    """Few rows: 16 select warps and the scatter listing; many rows: the stats pass's warps and
+    the loop; explicit choices are kept; an unknown listing is refused by name."""
+    from pallas_kernels.triton.fused_sample import _select_config
+
+    assert _select_config(16, 8, None, None) == (16, "scatter")
+    assert _select_config(128, 8, None, None) == (16, "scatter")
+    assert _select_config(512, 8, None, None) == (8, "loop")
+    assert _select_config(16, 8, 4, "loop") == (4, "loop")
+    with pytest.raises(ValueError, match="compact"):
+        _select_config(16, 8, None, "sort")

@@ -65,8 +65,6 @@ What differs from the Triton version (``pallas_kernels.triton.fused_sample``):
   may otherwise turn it into ``x * (1/T)`` in one fusion only), as in the Triton version. Whether
   the TPU's f32 division is correctly rounded has not been checked (no TPU): the kept sets are
   self-consistent either way, and equal to the reference's when both divide the same way.
-* The check pass computes the exact z for every element (the Triton version compares a cheap
-  ``(x - M) * (1/T)`` and recomputes z only near a threshold): simpler, the same membership.
 * Token ids and counts ride as float32 in the packed result blocks (exact below 2**24; larger
   vocabularies are refused).
 
