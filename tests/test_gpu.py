@@ -89,6 +89,23 @@ def test_fused_sampler_keeps_the_reference_set(V, dtype):
     np.testing.assert_array_equal(tok[greedy], np.argmax(np.asarray(x.astype(jnp.float32)), axis=-1)[greedy])
 
 
+def test_fused_sampler_rows_do_not_depend_on_the_batch():
+    """A row's outputs (token, thresholds, masses, path, passes) are the same bits whether it is
+    sampled among 16 rows or among 512: launch parameters must not follow the row count, since a
+    block reduction's rounding follows the warps holding the block."""
+    rng = np.random.default_rng(7)
+    V, small, big = 163_840, 16, 512
+    x = jnp.asarray((rng.standard_normal((big, V)) * rng.uniform(0.5, 4, (big, 1))).astype(np.float32))
+    x = x.astype(jnp.bfloat16)
+    cfg = np.array(CONFIGS * (big // len(CONFIGS) + 1))[:big]
+    temp, topk, topp, minp = (jnp.asarray(cfg[:, i].astype(np.int32 if i == 1 else np.float32)) for i in range(4))
+    seeds = jnp.asarray(rng.integers(0, 2**32, (big, 2), dtype=np.uint32))
+    a = fused_sample_debug(x[:small], temp[:small], topk[:small], topp[:small], minp[:small], seeds[:small])
+    b = fused_sample_debug(x, temp, topk, topp, minp, seeds)
+    for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key])[:small], err_msg=key)
+
+
 def test_generate_greedy_speculative_equals_autoregressive_with_kernels():
     """float32 with full-precision matmuls (GPU matmuls default to TF32, whose rounding differs
     between the verify block and the one-token step)."""

@@ -94,7 +94,7 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     minp = np.array([0, 0.05, 0, 0, 0.1, 0] * 4, np.float32)
     pb = _batch(temp, topk, topp, minp)
     # (static arguments left at their defaults where possible: an explicit default is another
-    # compile; at 24 rows the candidate chunks are listed by scatter by default)
+    # compile; the candidate chunks are listed by scatter by default)
     kw = ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds)) | (
         {} if compact == "scatter" else dict(compact=compact)
     )
@@ -290,14 +290,8 @@ def test_split_row_stats_combine_exactly():
     assert lp[5, out["token"][5]] > -np.inf
 
 
-def test_select_config_by_row_count():
-    """Few rows: 16 select warps and the scatter listing; many rows: the stats pass's warps and
-    the loop; explicit choices are kept; an unknown listing is refused by name."""
-    from pallas_kernels.triton.fused_sample import _select_config
 
-    assert _select_config(16, 8, None, None) == (16, "scatter")
-    assert _select_config(128, 8, None, None) == (16, "scatter")
-    assert _select_config(512, 8, None, None) == (8, "loop")
-    assert _select_config(16, 8, 4, "loop") == (4, "loop")
+def test_bad_compact_is_refused_by_name():
     with pytest.raises(ValueError, match="compact"):
-        _select_config(16, 8, None, "sort")
+        fused_sample_debug(jnp.zeros((2, 8)), jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2),
+                           jnp.zeros((2, 2), jnp.uint32), interpret=True, compact="sort")

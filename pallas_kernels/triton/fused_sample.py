@@ -39,9 +39,9 @@ Algorithm (two launches, one program per row each):
      min-p threshold are found there by bisection over float bit patterns (31 count/sum
      reductions each, no sort), then one draw by inverse CDF over the kept candidates.
      The candidate chunks are listed in column order by one min-reduction per chunk
-     (``compact="loop"``, used for many rows) or by one cumsum + scatter into a per-row
-     scratch + a CTA barrier (``compact="scatter"``, used for few rows: replaces ~k serial
-     4096-wide reductions; equal outputs in interpret mode and on the H200; ``_select_config``).
+     (``compact="loop"``) or by one cumsum + scatter into a per-row scratch + a CTA barrier
+     (``compact="scatter"``, the default: replaces ~k serial 4096-wide reductions; equal outputs
+     in interpret mode and on the H200).
    * anything else (top-p or min-p without top-k, k > 128, more than 128 candidate chunks):
      pivot rejection (``PATH_REJECT``; the idea of FlashInfer's sort-free samplers, adapted to
      this law). The kept set K is an upper set in z (every rule keeps all values above a kept
@@ -635,27 +635,6 @@ def _splits_for(R: int, nt: int) -> int:
     return max(1, min(want, _MAX_SPLITS, 1 << (nt.bit_length() - 1)))
 
 
-# Row counts up to this fill at most one wave of the H200's SMs with select programs.
-_FEW_ROWS = 128
-
-
-def _select_config(R: int, num_warps: int, select_warps: int | None, compact: str | None) -> tuple[int, str]:
-    """Warps and candidate compaction of the select launch. With few rows each row's program has an
-    SM to itself and its passes are bound by per-program work, so 16 warps; the scatter compaction
-    replaces ~k serial reductions. Measured on the H200 (bench/results/sampling_h200_*_20261130.md):
-    at R=16, 16 warps made the rejection-path configurations 20-27% faster and scatter made top-k 50
-    + top-p 11% faster; at R=512, 16 warps + scatter were 5-18% slower than 8 warps + loop on four
-    of six configurations, so many rows keep 8 warps and the loop."""
-    few = R <= _FEW_ROWS
-    if select_warps is None:
-        select_warps = 16 if few else num_warps
-    if compact is None:
-        compact = "scatter" if few else "loop"
-    if compact not in ("loop", "scatter"):
-        raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
-    return select_warps, compact
-
-
 def _tile_for(V: int, tile: int | None) -> int:
     t = tile or MAX_TILE
     return max(CHUNK, min(t, pl.next_power_of_2(V)))
@@ -686,10 +665,10 @@ def fused_sample_debug(
     interpret: bool = False,
     tile: int | None = None,
     num_warps: int = 8,
-    select_warps: int | None = None,
+    select_warps: int = 16,
     num_stages: int = 1,
     select_stages: int = 1,
-    compact: str | None = None,
+    compact: str = "scatter",
     max_rounds: int = MAX_ROUNDS,
     prefetch: bool = True,
 ) -> dict:
@@ -706,9 +685,19 @@ def fused_sample_debug(
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
     ``prefetch`` (tile t + 1 loaded while tile t is processed, both launches).
-    ``None`` picks by row count (``_select_config``)."""
+
+    The defaults do not depend on the row count, and must not: a block reduction's rounding
+    depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
+    token) would then depend on how many rows share the call. With fixed launch parameters a row
+    gets the same bits whatever the batch (the stats pass splits rows by row count, but every
+    value it stores is a per-tile value computed by one program, combined exactly).
+    16 select warps: a row's select program is bound by its own instruction stream when it has an
+    SM to itself (few rows); measured on the H200 at R=16, 20-27% faster than 8 warps on the
+    rejection path, at R=512 up to 18% slower (docs/kernels.md). The scatter listing: 11% faster
+    for top-k 50 + top-p 0.9 at R=16; both listings give the same chunks in the same order."""
+    if compact not in ("loop", "scatter"):
+        raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
     R, V = logits.shape
-    select_warps, compact = _select_config(R, num_warps, select_warps, compact)
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
     ntp = pl.next_power_of_2(nt)
