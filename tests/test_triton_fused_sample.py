@@ -295,3 +295,21 @@ def test_bad_compact_is_refused_by_name():
     with pytest.raises(ValueError, match="compact"):
         fused_sample_debug(jnp.zeros((2, 8)), jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2),
                            jnp.zeros((2, 2), jnp.uint32), interpret=True, compact="sort")
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """A row's outputs are the same bits among 4 rows and among 64, although the stats launch
+    splits each row over 8 programs at 4 rows and 4 at 64 (interpret mode: the logic; the warps'
+    rounding is checked on the GPU by tests/test_gpu.py)."""
+    rng = np.random.default_rng(11)
+    R, V, tile = 64, 1024, 128
+    x = (rng.standard_normal((R, V)) * rng.uniform(0.5, 3, (R, 1))).astype(np.float32)
+    x[1] = np.round(x[1])
+    pb = _batch(
+        rng.choice([0.0, 0.7, 1.3], R), rng.choice([0, 5, 200], R), rng.choice([1.0, 0.9], R), rng.choice([0.0, 0.1], R)
+    )
+    seeds = _seeds(R, 5)
+    small = jax.tree.map(lambda a: a[:4], pb)
+    a, b = _run(x[:4], small, seeds[:4], tile), _run(x, pb, seeds, tile)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key][:4], err_msg=key)
