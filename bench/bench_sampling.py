@@ -457,14 +457,12 @@ def timings(quick: bool, bw: float) -> list[dict]:
 
 STATS_VARIANTS = {
     "default": {},
-    "no_prefetch": dict(prefetch=False),
-    "s2_no_prefetch": dict(num_stages=2, prefetch=False),
+    "s2": dict(num_stages=2),
     "w16": dict(num_warps=16),
 }
 SELECT_VARIANTS = {
     "default": {},
-    "no_prefetch": dict(prefetch=False),
-    "sel_s2_no_prefetch": dict(select_stages=2, prefetch=False),
+    "sel_s2": dict(select_stages=2),
     "sel_w8": dict(select_warps=8),
     "compact_loop": dict(compact="loop"),
 }

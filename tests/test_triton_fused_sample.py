@@ -290,7 +290,6 @@ def test_split_row_stats_combine_exactly():
     assert lp[5, out["token"][5]] > -np.inf
 
 
-
 def test_bad_compact_is_refused_by_name():
     with pytest.raises(ValueError, match="compact"):
         fused_sample_debug(jnp.zeros((2, 8)), jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2),

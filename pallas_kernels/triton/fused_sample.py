@@ -172,11 +172,26 @@ def _pick(weights, u, iota):
     return jnp.where(first < big, first, last)
 
 
+def _tile_loop(load, t0, n, body, init):
+    """``body(i, x, carry)`` over tiles ``t0 .. t0 + n - 1`` in order, ``x`` tile ``t0 + i`` as
+    float32 (``load(t, live)`` loads tile t, nothing where ``live`` is false). Tile i + 1's loads
+    are issued before tile i is processed (the loaded tile rides in the loop carry), so a program
+    that holds a row alone waits on HBM once per pass rather than once per tile; the last step's
+    load is masked off. (Triton's own pipelining, ``num_stages`` 2, was no faster than none.)"""
+
+    def step(i, c):
+        x, carry = c
+        nxt = load(t0 + jnp.minimum(i + 1, n - 1), i + 1 < n)
+        return nxt, body(i, x.astype(jnp.float32), carry)
+
+    return jax.lax.fori_loop(0, n, step, (load(t0, True), init))[1]
+
+
 # ----------------------------------------------------------------------------- kernel 1: stats
 
 
 def _stats_kernel(
-    x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt, tps, prefetch
+    x_ref, temp_ref, topk_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref, cm_ref, *, V, tile, nt, tps
 ):
     """Program (r, s) reads tiles ``[s * tps, min((s + 1) * tps, nt))`` of row r: per-tile stats go
     to their own slots, the row max / argmax / validity of its part to ``[r, s]`` (combined by the
@@ -195,7 +210,7 @@ def _stats_kernel(
     iota = jnp.arange(tile, dtype=jnp.int32)
     iota_cpt = jnp.arange(cpt, dtype=jnp.int32)
 
-    def load_tile(t, live=True):
+    def load_tile(t, live):
         return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(t * tile + iota < V) & live, other=-jnp.inf)
 
     def body(i, x, c):
@@ -222,17 +237,7 @@ def _stats_kernel(
         return jnp.where(better, tmax, m), targ, bad, fin
 
     init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.bool_(False), jnp.bool_(False))
-    n = jnp.minimum(tps, nt - t0)
-    if prefetch:  # tile i + 1's loads go out before tile i is processed (as in the select launch)
-
-        def step(i, c):
-            x, carry = c
-            nxt = load_tile(t0 + jnp.minimum(i + 1, n - 1), i + 1 < n)  # (the last step loads nothing)
-            return nxt, body(i, x.astype(jnp.float32), carry)
-
-        m, am, bad, fin = jax.lax.fori_loop(0, n, step, (load_tile(t0), init))[1]
-    else:
-        m, am, bad, fin = jax.lax.fori_loop(0, n, lambda i, c: body(i, load_tile(t0 + i).astype(jnp.float32), c), init)
+    m, am, bad, fin = _tile_loop(load_tile, t0, jnp.minimum(tps, nt - t0), body, init)
     mx_ref[r, split] = m
     am_ref[r, split] = am
     ok_ref[r, split] = bad.astype(jnp.int32) * 2 + fin.astype(jnp.int32)  # combined by the select launch
@@ -273,7 +278,6 @@ def _select_kernel(
     interpret_mode,
     max_rounds,
     splits,
-    prefetch,
 ):
     r = pl.program_id(0)
     T = temp_ref[r]
@@ -416,24 +420,13 @@ def _select_kernel(
         return tok.astype(jnp.int32), tau, qthr, S, zi, zi, zi
 
     # --- path 3: full-row passes
-    def load_tile(t, live=True):
+    def load_tile(t, live):
         cols = t * tile + iota_t
         return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
 
     def row_loop(body, init):
-        """``body(t, x, carry)`` over the row's tiles in order, ``x`` tile t as float32. With
-        ``prefetch`` the loads of tile t + 1 are issued before tile t is processed (the loaded
-        tile rides in the loop carry), so one program per row waits on HBM once per pass rather
-        than once per tile; the last step's load is masked off."""
-        if not prefetch:
-            return jax.lax.fori_loop(0, nt, lambda t, c: body(t, load_tile(t).astype(jnp.float32), c), init)
-
-        def step(t, c):
-            x, carry = c
-            nxt = load_tile(jnp.minimum(t + 1, nt - 1), t + 1 < nt)
-            return nxt, body(t, x.astype(jnp.float32), carry)
-
-        return jax.lax.fori_loop(0, nt, step, (load_tile(0), init))[1]
+        """``body(t, x, carry)`` over the row's tiles in order (``_tile_loop``)."""
+        return _tile_loop(load_tile, 0, nt, body, init)
 
     def row_reduce(fn, init):
         return row_loop(lambda t, x, acc: jax.tree.map(jnp.add, acc, fn(zof(x), t)), init)
@@ -651,7 +644,6 @@ def _tile_for(V: int, tile: int | None) -> int:
         "select_stages",
         "compact",
         "max_rounds",
-        "prefetch",
     ),
 )
 def fused_sample_debug(
@@ -670,7 +662,6 @@ def fused_sample_debug(
     select_stages: int = 1,
     compact: str = "scatter",
     max_rounds: int = MAX_ROUNDS,
-    prefetch: bool = True,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
@@ -683,8 +674,7 @@ def fused_sample_debug(
     ``max_rounds`` = 0 turns the rejection path off (path 3 instead: the previous behaviour).
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass; ``select_warps`` /
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
-    chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
-    ``prefetch`` (tile t + 1 loaded while tile t is processed, both launches).
+    chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier).
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
@@ -709,7 +699,7 @@ def fused_sample_debug(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd = jax.ShapeDtypeStruct
     mx, am, ok, tm, ts, cm = pl.pallas_call(
-        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps, prefetch=prefetch),
+        functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps),
         grid=(R, splits),
         in_specs=[any_spec] * 3,
         out_specs=[any_spec] * 6,
@@ -738,7 +728,6 @@ def fused_sample_debug(
             interpret_mode=interpret,
             max_rounds=max_rounds,
             splits=splits,
-            prefetch=prefetch,
         ),
         grid=(R,),
         in_specs=[any_spec] * 12,
