@@ -56,7 +56,9 @@ latent tile serves 64 rows), ``block_k = 64`` keys (a 64 x 512 bf16 latent tile,
 stages), ``num_warps = 8`` (the 64 x 512 float32 accumulator is 128 registers a thread). Measured
 at 32k context with the model's fixed segments (bench/results/attention_h200_segments_20261130.md):
 the best of nine tile settings at decode B=16 and at verify T=16 (B=1 and 16), 9-17% faster than
-32-key tiles; at decode B=1 16-row tiles with more splits were faster still (112 against 142 us).
+32-key tiles; at decode B=1 16-row tiles with more splits were faster still (112 against 142 us),
+but not used: a 16-row decode and a 64-row verify round differently, which broke greedy DDTree =
+greedy AR (34 of 64 tokens; docs/kernels.md), so decode and verify share one tile shape.
 16 warps were 2-3x slower everywhere. float32 inputs (tests) take 32 x 32 tiles, one stage.
 The absorbed form does ``2 * H * (2r + dr)`` flops per key and query token (139 kflop at K2
 shapes) against ``2 * (r + dr)`` bytes of cache per key, so a decode step is already near the
