@@ -95,7 +95,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._shared import _key_to_float, _uniform, _zkey
+from pallas_kernels._shared import _bisect, _key_to_float, _uniform, _zkey
 
 __all__ = ["CAND_CHUNKS", "CHUNK", "INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
 
@@ -107,6 +107,8 @@ MAX_TILE = 4096
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
 _ONE_KEY = np.int32(0x3F800000)  # bit pattern of 1.0f
+_KEY_NEG_INF = np.int32(np.int32(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF)  # _zkey(-inf)
+_KEY_POS_INF = np.int32(0x7F800000)  # _zkey(+inf)
 
 # IEEE division through inline PTX on GPU (set False only to diagnose a toolchain without it).
 EXACT_DIV_ASM = True
@@ -134,27 +136,6 @@ def _div(a, b, exact_asm: bool):
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
     )[0]
-
-
-def _midpoint(lo, hi):
-    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
-
-
-def _bisect(pred_below, lo, hi, iters=32):
-    """Smallest K in (lo, hi] with pred_below(K) true, given pred false at lo, true at hi, and
-    pred monotone. ``pred_below`` is a (traced) function of a scalar int32."""
-
-    def body(_, c):
-        lo, hi = c
-        done = hi <= lo + 1  # (hi - lo could overflow int32)
-        mid = _midpoint(lo, hi)
-        ok = pred_below(mid)
-        nlo = jnp.where(done | ok, lo, mid)
-        nhi = jnp.where(done | ~ok, hi, mid)
-        return nlo, nhi
-
-    _, hi = jax.lax.fori_loop(0, iters, body, (lo, hi))
-    return hi
 
 
 def _sum2(a):
@@ -317,7 +298,7 @@ def _select_kernel(
         cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
         ck = jnp.where(iota_c < nc, _zkey(zof(cmv)), _INT_MIN)
         # Smallest key K with #(ck > K) < k: the key of the k-th largest chunk maximum.
-        kc = _bisect(lambda K: jnp.sum(jnp.where(ck > K, 1, 0)) < k, _INT_MIN, jnp.int32(0))
+        kc = _bisect(lambda K: jnp.sum(jnp.where(ck > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 32)
         return jnp.sum(jnp.where(ck >= kc, 1, 0)), kc
 
     use_cand = valid & ~greedy & k_on & (k <= CAND_CHUNKS)
@@ -397,7 +378,7 @@ def _select_kernel(
         x = plgpu.load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=-jnp.inf).astype(jnp.float32)
         z = zof(x)
         zk = jnp.where(live, _zkey(z), _INT_MIN)
-        K_k = _bisect(lambda K: _sum2(jnp.where(zk > K, 1, 0)) < k, _INT_MIN, jnp.int32(0))
+        K_k = _bisect(lambda K: _sum2(jnp.where(zk > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 32)
         topk = zk >= K_k
         e = jnp.where(topk, jnp.exp(z), 0.0)
         S = _sum2(e)
@@ -405,7 +386,7 @@ def _select_kernel(
         qk = jax.lax.bitcast_convert_type(q, jnp.int32)
         K_p = jax.lax.cond(
             p_on & (_sum2(q) >= p),
-            lambda: _bisect(lambda K: _sum2(jnp.where(qk > K, q, 0.0)) < p, jnp.int32(-1), _ONE_KEY),
+            lambda: _bisect(lambda K: _sum2(jnp.where(qk > K, q, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 32),
             lambda: zi - 1,
         )
         tau, qthr = finish_thresholds(K_k, S, K_p)
@@ -437,6 +418,7 @@ def _select_kernel(
             lambda K: row_reduce(lambda z, t: jnp.sum(jnp.where(_zkey(z) > K, 1, 0)), jnp.int32(0)) < k,
             _INT_MIN,
             jnp.int32(0),
+            32,
         )
 
     def mass_from(tau0):
@@ -462,7 +444,7 @@ def _select_kernel(
             p_on,
             lambda: jax.lax.cond(
                 mass_above(jnp.int32(_INT_MIN)) >= p,
-                lambda: (_bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0)), zi + 33),
+                lambda: (_bisect(lambda K: mass_above(K) < p, jnp.int32(_INT_MIN), jnp.int32(0), 32), zi + 33),
                 lambda: (zi + _INT_MIN, zi + 1),
             ),
             lambda: (zi + _INT_MIN, zi),
@@ -502,21 +484,45 @@ def _select_kernel(
     tau_m = jnp.log(minp)  # min-p on the rejection path: z >= log(min_p) (-inf when off)
     c2 = inv_t * np.float32(np.log2(np.e))
 
+    iota2 = jnp.arange(2, dtype=jnp.int32)
+
+    def x_bounds(zv):
+        """``(x_up, x_m)``: the smallest float32 x with ``zof(x) > zv`` and the smallest with
+        ``zof(x) >= log(min_p)``. ``zof`` is monotone in x (a rounded subtraction, then a rounded
+        division by T > 0), so ``{z > zv} = {x >= x_up}`` and ``{z >= log(min_p)} = {x >= x_m}``
+        exactly, and a pass compares x instead of dividing every element. Both by one bisection
+        over the int32 keys of the floats from -inf to +inf (32 steps on a 2-vector, elementwise:
+        no reduction); ``zof(+inf) = +inf`` passes both, ``zof(-inf) = -inf`` passes only
+        ``>= -inf`` (min-p off), which the last line keeps."""
+        zt = jnp.where(iota2 == 0, zv, tau_m)
+
+        def passes(k):
+            z = zof(_key_to_float(k))
+            return jnp.where(iota2 == 0, z > zt, z >= zt)
+
+        lo, hi = jnp.full((2,), _KEY_NEG_INF, jnp.int32), jnp.full((2,), _KEY_POS_INF, jnp.int32)
+        k = jnp.where(passes(lo), lo, _bisect(passes, lo, hi, 32))
+        xb = _key_to_float(k)
+        return jnp.max(jnp.where(iota2 == 0, xb, -jnp.inf)), jnp.max(jnp.where(iota2 == 1, xb, -jnp.inf))
+
     def check_pass(zv, with_count, with_total):
         """One full-row pass for the drawn value zv: per-tile masses of {z > zv, z >= tau_m} (the
         next round's weights), #{z > zv} (top-k) and the total mass (top-p). z is the IEEE z of
-        every element (exact membership), masses exp2((x - M) * log2(e) / T) as the stats pass.
+        every element (exact membership: compared through the x bounds of ``x_bounds``, no
+        division per element), masses exp2((x - M) * log2(e) / T) as the stats pass.
         Per tile ONE block reduction (the tile's mass, a weight of the next draw); the count and
         the total accumulate per lane across the tiles and are reduced once at the end: the pass
         is a chain of dependent reductions, so their number per tile sets its time when one
         program holds a row (few rows)."""
 
+        x_up, x_m = x_bounds(zv)
+        x_w = jnp.maximum(x_up, x_m)
+
         def body(t, x, c):
             W, cnt, tot = c
-            z = zof(x)
             e = jnp.exp2((x - M) * c2)
-            up = z > zv
-            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(up & (z >= tau_m), e, 0.0)), W)
+            up = x >= x_up  # z > zv
+            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(x >= x_w, e, 0.0)), W)
             if with_count:
                 cnt = cnt + jnp.where(up, 1, 0)
             if with_total:
