@@ -138,10 +138,6 @@ def _div(a, b, exact_asm: bool):
     )[0]
 
 
-def _sum2(a):
-    return jnp.sum(jnp.sum(a, axis=1), axis=0)
-
-
 def _pick(weights, u, iota):
     """Index of the first ``cumsum(weights) > u * total`` among positive weights (1-D); falls back
     to the last positive weight (float prefix sums need not be monotone). -1 if none positive."""
@@ -298,7 +294,7 @@ def _select_kernel(
         cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
         ck = jnp.where(iota_c < nc, _zkey(zof(cmv)), _INT_MIN)
         # Smallest key K with #(ck > K) < k: the key of the k-th largest chunk maximum.
-        kc = _bisect(lambda K: jnp.sum(jnp.where(ck > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 32)
+        kc = _bisect(lambda K: jnp.sum(jnp.where(ck > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
         return jnp.sum(jnp.where(ck >= kc, 1, 0)), kc
 
     use_cand = valid & ~greedy & k_on & (k <= CAND_CHUNKS)
@@ -378,15 +374,21 @@ def _select_kernel(
         x = plgpu.load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=-jnp.inf).astype(jnp.float32)
         z = zof(x)
         zk = jnp.where(live, _zkey(z), _INT_MIN)
-        K_k = _bisect(lambda K: _sum2(jnp.where(zk > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 32)
+        # The searches run on flat views of the [chunks, 64] candidates: one block reduction per
+        # step instead of two (per chunk, then across chunks), and exactly as many halvings as
+        # the key range needs (31 for (INT_MIN, 0], 30 for (-1, bits of 1.0]).
+        n = CAND_CHUNKS * CHUNK
+        zk1 = zk.reshape(n)
+        K_k = _bisect(lambda K: jnp.sum(jnp.where(zk1 > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
         topk = zk >= K_k
         e = jnp.where(topk, jnp.exp(z), 0.0)
-        S = _sum2(e)
+        S = jnp.sum(e.reshape(n))
         q = e / S
-        qk = jax.lax.bitcast_convert_type(q, jnp.int32)
+        q1 = q.reshape(n)
+        qk1 = jax.lax.bitcast_convert_type(q1, jnp.int32)
         K_p = jax.lax.cond(
-            p_on & (_sum2(q) >= p),
-            lambda: _bisect(lambda K: _sum2(jnp.where(qk > K, q, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 32),
+            p_on & (jnp.sum(q1) >= p),
+            lambda: _bisect(lambda K: jnp.sum(jnp.where(qk1 > K, q1, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 30),
             lambda: zi - 1,
         )
         tau, qthr = finish_thresholds(K_k, S, K_p)
