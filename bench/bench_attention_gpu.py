@@ -236,6 +236,9 @@ def main():
     p.add_argument("--verify-t", type=int, nargs="+", help="verify block lengths (default 16 65 257)")
     p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 16)")
     p.add_argument("--prefill-t", type=int, help="prefill block length (default 2048; 0: none)")
+    p.add_argument("--tiles", nargs="+", metavar="M,K,W,S",
+                   help="sweep these block_m,block_k,num_warps,num_stages instead of the built-in set")
+    p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -271,8 +274,9 @@ def main():
     sweep = not a.no_sweep
     # (block_m, block_k, num_warps, num_stages) besides the defaults, at the longest context:
     # smaller row tiles and more warps hold less of the [block_m, 512] float32 accumulator per thread
-    tiles = ((64, 64, 8, 2), (64, 32, 16, 2), (64, 32, 8, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
-             (16, 64, 4, 2), (16, 32, 4, 3))
+    tiles = [tuple(int(v) for v in t.split(",")) for t in a.tiles] if a.tiles else [
+        (64, 64, 8, 2), (64, 32, 16, 2), (64, 32, 8, 3), (32, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2),
+        (16, 64, 4, 2), (16, 32, 4, 3)]
     sweep_cfgs = (None,) if small else (None,) + tuple(
         dict(block_m=m, block_k=k, num_warps=w, num_stages=s) for m, k, w, s in tiles)
     for ctx in contexts:
@@ -295,7 +299,7 @@ def main():
     stamp = datetime.date.today().strftime("%Y%m%d")
     tag = "cpu_smoke" if a.smoke else device.lower().replace(" ", "_")
     res = dict(meta=meta, checks=bench.checks, rows=bench.rows, errors=bench.errors)
-    base = os.path.join(a.out, f"attention_{tag}_{stamp}")
+    base = os.path.join(a.out, f"attention_{tag}_{stamp}{a.tag}")
     with open(base + ".json", "w") as fh:
         json.dump(res, fh, indent=1)
     md = [f"# MLA attention on {device}, {meta['date']}", "", f"Command: `{command}`", "",
