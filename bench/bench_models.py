@@ -306,6 +306,18 @@ def part_prefill(args, report, model, cfg, bw, rate):
             if "ms" in row:
                 row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
                 report.write()
+            if variant == "kernels" and args.per_head_prefill and t >= args.per_head_prefill:
+                # the same prefill with its attention in the per-head form (the flops column still
+                # counts the absorbed form, so the rates compare with the row above)
+                model.set_per_head_prefill(args.per_head_prefill)
+                row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": "kernels, per-head attention",
+                       "tflop": flops / 1e12}
+                variant_call(prefill.bind(model), (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row,
+                             floor, report, "prefill")
+                model.set_per_head_prefill(0)
+                if "ms" in row:
+                    row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
+                    report.write()
 
 
 def part_attention(args, report, cfg, bw, rate):
@@ -374,6 +386,8 @@ def main():
     ap.add_argument("--round-new", type=int, default=32, help="new tokens per request in the round part")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--prefill", type=int, nargs="+", default=[2048, 16384])
+    ap.add_argument("--per-head-prefill", type=int, default=0,
+                    help="also time prefills of at least this many tokens with the per-head attention form")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--deadline", type=float, default=None, help="seconds (default 450 on a GPU, none on a CPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

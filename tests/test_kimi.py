@@ -166,3 +166,24 @@ def test_prefill_verify_commit_match_uncached_decoding():
         for r in range(b):
             seqs[r].append(nxt[r, 0])
         np.testing.assert_allclose(logits[:, 0], _last_logits(model, seqs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_per_head_prefill_equals_the_absorbed_form():
+    """A prefill from slot 0 in the per-head form (keys and values up-projected, standard causal
+    attention; XLA's implementation on the CPU) gives the absorbed form's logits (float32), and a
+    chunk after a committed prefix keeps the absorbed form (the same logits as without the option)."""
+    rng = np.random.default_rng(4)
+    b, max_len = 2, 40
+    prompts = jnp.asarray(rng.integers(0, VOCAB, (b, 12)))
+    lens = jnp.asarray([12, 7])
+    absorbed, per_head = tiny_kimi(3), tiny_kimi(3).set_per_head_prefill(4)
+    want, _, _ = prefill(absorbed, prompts, lens, absorbed.init_cache(b, max_len))
+    got, _, cache = prefill(per_head, prompts, lens, per_head.init_cache(b, max_len))
+    for r in range(b):
+        n = int(lens[r])
+        np.testing.assert_allclose(got[r, :n], want[r, :n], rtol=1e-5, atol=1e-5)
+    # a chunk after the prefix: the absorbed form either way, the same bits from the same cache
+    more = [prefill(m, prompts[:, :6], jnp.asarray([6, 6]), cache)[0] for m in (absorbed, per_head)]
+    np.testing.assert_array_equal(np.asarray(more[1]), np.asarray(more[0]))
+    with pytest.raises(ValueError, match="min_tokens"):
+        tiny_kimi(3).set_per_head_prefill(-1)

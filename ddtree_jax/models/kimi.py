@@ -38,7 +38,13 @@ from ddtree_jax.models._layers import (
 )
 from ddtree_jax.models.int4 import Int4Format, PackedWeight, random_packed_weight
 from ddtree_jax.models.kimi_config import KimiConfig
-from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, AttentionMesh, latent_attention
+from ddtree_jax.models.latent_attention import (
+    SEGMENT_GROUP,
+    SEGMENT_KEYS,
+    AttentionMesh,
+    latent_attention,
+    per_head_causal_attention,
+)
 from ddtree_jax.models.moe import experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
@@ -113,6 +119,10 @@ class MLAttention(nnx.Module):
         # the kernel's fixed reduction segments and their groups (``latent_attention``; 0:
         # layout-dependent splits)
         self.segment_keys, self.segment_group = SEGMENT_KEYS, SEGMENT_GROUP
+        # causal blocks of at least this many tokens that start at slot 0 (prefills) run in the
+        # per-head form (``per_head_causal_attention``); 0: never (``set_per_head_prefill``)
+        self.per_head_prefill = 0
+        self.per_head_impl = None
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
@@ -141,14 +151,27 @@ class MLAttention(nnx.Module):
             q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
         else:
             q_latent = dense_product(q_nope, w_k.transpose(1, 2, 0), fixed)
-        out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
-                                      backend=backend, mesh=self.attention_mesh,
-                                      segment_keys=self.segment_keys,
-                                      segment_group=self.segment_group).astype(x.dtype)
-        if fixed is None:
-            out = jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
+        def absorbed():
+            out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
+                                          backend=backend, mesh=self.attention_mesh,
+                                          segment_keys=self.segment_keys,
+                                          segment_group=self.segment_group).astype(x.dtype)
+            if fixed is None:
+                return jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
+            return dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
+
+        if mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None:
+            def per_head():
+                # the block's own slots: a block starting at slot 0 sees nothing else
+                blk_latent = jax.lax.dynamic_slice_in_dim(latent, 0, t, axis=1)
+                blk_rope = jax.lax.dynamic_slice_in_dim(k_rope, 0, t, axis=1)
+                return per_head_causal_attention(q_nope, q_rope, blk_latent, blk_rope, w_k, w_v,
+                                                 scale=cfg.softmax_scale(),
+                                                 implementation=self.per_head_impl).astype(x.dtype)
+
+            out = jax.lax.cond(jnp.all(mask.start == 0), per_head, absorbed)
         else:
-            out = dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
+            out = absorbed()
         return self.o_proj(out.reshape(b, t, nh * cfg.v_head_dim))
 
 
@@ -389,6 +412,20 @@ class KimiForCausalLM(nnx.Module):
         by the shapes, not batch-invariant)."""
         for layer in self.model.layers:
             layer.self_attn.segment_keys, layer.self_attn.segment_group = segment_keys, segment_group
+        return self
+
+    def set_per_head_prefill(self, min_tokens: int, implementation: str | None = None) -> KimiForCausalLM:
+        """Causal blocks of at least ``min_tokens`` tokens that start at slot 0 (a prompt's
+        prefill) attend in the per-head form (``latent_attention.per_head_causal_attention``: a
+        third of the absorbed form's flops at K2 shapes) through ``jax.nn.dot_product_attention``
+        with ``implementation`` (``"cudnn"`` on a GPU, ``"xla"`` elsewhere; ``None``: by the
+        default device). 0: always the absorbed form. Not with ``set_batch_invariant``."""
+        if min_tokens < 0:
+            raise ValueError(f"set_per_head_prefill: min_tokens must be >= 0, got {min_tokens}")
+        if implementation is None:
+            implementation = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+        for layer in self.model.layers:
+            layer.self_attn.per_head_prefill, layer.self_attn.per_head_impl = min_tokens, implementation
         return self
 
     # ---- pieces the drafter shares ----

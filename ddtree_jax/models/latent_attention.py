@@ -22,7 +22,8 @@ from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
-__all__ = ["SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "latent_attention", "latent_attention_reference"]
+__all__ = ["SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "latent_attention", "latent_attention_reference",
+           "per_head_causal_attention"]
 
 
 def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
@@ -37,6 +38,28 @@ def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: j
     )
     probs = masked_softmax(scores * scale, dense[:, None]).astype(dtype)
     return jnp.einsum("bnts,bsr->btnr", probs, latent.astype(dtype))
+
+
+def per_head_causal_attention(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
+                              w_k: jax.Array, w_v: jax.Array, *, scale: float, implementation: str | None) -> jax.Array:
+    """A causal block that starts at slot 0 in the per-head (not absorbed) form: keys and values
+    up-projected from the block's latents, then standard causal attention. ``q_nope [B,T,H,dn]``,
+    ``q_rope [B,T,H,dr]``, ``latent [B,T,r]``, ``k_rope [B,T,dr]`` (the block's own slots),
+    ``w_k [r,H,dn]``, ``w_v [r,H,dv]`` -> ``[B,T,H,dv]``. Per (query, key) pair it does
+    ``2 H (dn + dr + dv)`` flops against the absorbed form's ``2 H (2r + dr)`` (a third at K2
+    shapes), which is what a long prefill wants. ``implementation``: ``jax.nn.dot_product_attention``'s
+    (``"cudnn"`` on the GPU: its flash attention never builds the ``[B,H,T,T]`` scores; ``"xla"``
+    builds them). The values are zero-padded to the key width (the function takes one head dim)."""
+    b, t, h, dn = q_nope.shape
+    dv = w_v.shape[-1]
+    dtype = q_nope.dtype
+    k_nope = jnp.einsum("bsr,rnd->bsnd", latent.astype(dtype), w_k.astype(dtype))
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope.astype(dtype)[:, :, None], (b, t, h, k_rope.shape[-1]))], -1)
+    q = jnp.concatenate([q_nope, q_rope.astype(dtype)], -1)
+    v = jnp.einsum("bsr,rnd->bsnd", latent.astype(dtype), w_v.astype(dtype))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, k.shape[-1] - dv)))
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
+    return out[..., :dv]
 
 
 # Keys per segment of the kernel's reduction (``mla_attention(segment_keys=...)``): fixed, so that a
