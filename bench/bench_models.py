@@ -299,25 +299,20 @@ def part_prefill(args, report, model, cfg, bw, rate):
             if past_deadline(args):
                 return
             model.set_impl(impl_of(variant, args.smoke))
-            fn = (prefill_dense if variant == "dense" else prefill).bind(model)
-            row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": variant, "tflop": flops / 1e12}
-            variant_call(fn, (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
-                         "prefill")
-            if "ms" in row:
-                row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
-                report.write()
-            if variant == "kernels" and args.per_head_prefill and t >= args.per_head_prefill:
-                # the same prefill with its attention in the per-head form (the flops column still
-                # counts the absorbed form, so the rates compare with the row above)
-                model.set_per_head_prefill(args.per_head_prefill)
-                row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": "kernels, per-head attention",
-                       "tflop": flops / 1e12}
-                variant_call(prefill.bind(model), (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row,
-                             floor, report, "prefill")
-                model.set_per_head_prefill(0)
+            # the kernels also with the attention in the per-head form (the flops column still counts
+            # the absorbed form, so the rates compare with the row above)
+            per_head = variant == "kernels" and args.per_head_prefill and t >= args.per_head_prefill
+            for label, min_tokens in [(variant, 0)] + ([("kernels, per-head attention", args.per_head_prefill)]
+                                                       if per_head else []):
+                model.set_per_head_prefill(min_tokens)
+                fn = (prefill_dense if variant == "dense" else prefill).bind(model)  # (bind splits the graph)
+                row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": label, "tflop": flops / 1e12}
+                variant_call(fn, (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
+                             "prefill")
                 if "ms" in row:
                     row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
                     report.write()
+            model.set_per_head_prefill(0)
 
 
 def part_attention(args, report, cfg, bw, rate):

@@ -163,9 +163,7 @@ class MLAttention(nnx.Module):
         if mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None:
             def per_head():
                 # the block's own slots: a block starting at slot 0 sees nothing else
-                blk_latent = jax.lax.dynamic_slice_in_dim(latent, 0, t, axis=1)
-                blk_rope = jax.lax.dynamic_slice_in_dim(k_rope, 0, t, axis=1)
-                return per_head_causal_attention(q_nope, q_rope, blk_latent, blk_rope, w_k, w_v,
+                return per_head_causal_attention(q_nope, q_rope, latent[:, :t], k_rope[:, :t], w_k, w_v,
                                                  scale=cfg.softmax_scale(),
                                                  implementation=self.per_head_impl).astype(x.dtype)
 
@@ -419,7 +417,8 @@ class KimiForCausalLM(nnx.Module):
         prefill) attend in the per-head form (``latent_attention.per_head_causal_attention``: a
         third of the absorbed form's flops at K2 shapes) through ``jax.nn.dot_product_attention``
         with ``implementation`` (``"cudnn"`` on a GPU, ``"xla"`` elsewhere; ``None``: by the
-        default device). 0: always the absorbed form. Not with ``set_batch_invariant``."""
+        default device). 0: always the absorbed form. Under ``set_batch_invariant`` the absorbed
+        form runs whatever this says (the fixed-order products cover only that form)."""
         if min_tokens < 0:
             raise ValueError(f"set_per_head_prefill: min_tokens must be >= 0, got {min_tokens}")
         if implementation is None:

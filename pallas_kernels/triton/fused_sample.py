@@ -107,7 +107,7 @@ MAX_TILE = 4096
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
 _ONE_KEY = np.int32(0x3F800000)  # bit pattern of 1.0f
-_KEY_NEG_INF = np.int32(np.int32(np.float32(-np.inf).view(np.int32)) ^ 0x7FFFFFFF)  # _zkey(-inf)
+_KEY_NEG_INF = np.float32(-np.inf).view(np.int32) ^ np.int32(0x7FFFFFFF)  # _zkey(-inf)
 _KEY_POS_INF = np.int32(0x7F800000)  # _zkey(+inf)
 
 # IEEE division through inline PTX on GPU (set False only to diagnose a toolchain without it).
