@@ -83,7 +83,12 @@ from bench._common import (  # noqa: E402
     weight_read_bytes,
 )
 from ddtree_jax.backend import resolve_backend  # noqa: E402
-from ddtree_jax.models.latent_attention import SEGMENT_GROUP, SEGMENT_KEYS, latent_attention  # noqa: E402
+from ddtree_jax.models.latent_attention import (  # noqa: E402
+    PER_HEAD_PREFILL,
+    SEGMENT_GROUP,
+    SEGMENT_KEYS,
+    latent_attention,
+)
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
 
 VARIANTS = ("kernels", "ragged_dot", "dense")
@@ -116,9 +121,16 @@ def active_weights(model, cfg) -> tuple[float, float]:
     return params, nbytes
 
 
-def attention_flops(cfg, b: int, t: int, context: int, causal_block: bool) -> float:
-    """Absorbed-form MLA attention FLOPs of one layer: ``2H(2r+dr)`` per (query, visible key)."""
-    per = 2 * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+def attention_flops(cfg, b: int, t: int, context: int, causal_block: bool, per_head: bool = False) -> float:
+    """MLA attention FLOPs of one layer per (query, visible key): ``2H(2r+dr)`` in the absorbed
+    form, ``2H(dn+dr+dv)`` in the per-head form (its up-projection of the keys and values,
+    ``2 t r H (dn+dv)``, added)."""
+    h = cfg.num_attention_heads
+    if per_head:
+        per = 2 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        up = 2 * t * cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return b * (per * (t * (t + 1) / 2) + up)
+    per = 2 * h * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     keys = t * context + (t * (t + 1) / 2 if causal_block else t)  # a tree node sees at least itself
     return b * per * keys
 
@@ -293,17 +305,16 @@ def part_prefill(args, report, model, cfg, bw, rate):
     prefill_dense = ModuleFn(functools.partial(prefill_every_layer, dense_experts=True))
     for t in args.prefill:
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (1, t)), jnp.int32)
-        flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True)
-        floor = max(flops / rate, nbytes / bw)
         for variant in args.variants:
             if past_deadline(args):
                 return
             model.set_impl(impl_of(variant, args.smoke))
-            # the kernels also with the attention in the per-head form (the flops column still counts
-            # the absorbed form, so the rates compare with the row above)
+            # the kernels also with the attention in the per-head form (its own flops and floor)
             per_head = variant == "kernels" and args.per_head_prefill and t >= args.per_head_prefill
             for label, min_tokens in [(variant, 0)] + ([("kernels, per-head attention", args.per_head_prefill)]
                                                        if per_head else []):
+                flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True, per_head=min_tokens > 0)
+                floor = max(flops / rate, nbytes / bw)
                 model.set_per_head_prefill(min_tokens)
                 fn = (prefill_dense if variant == "dense" else prefill).bind(model)  # (bind splits the graph)
                 row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": label, "tflop": flops / 1e12}
@@ -312,7 +323,7 @@ def part_prefill(args, report, model, cfg, bw, rate):
                 if "ms" in row:
                     row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
                     report.write()
-            model.set_per_head_prefill(0)
+            model.set_per_head_prefill(PER_HEAD_PREFILL)
 
 
 def part_attention(args, report, cfg, bw, rate):

@@ -176,7 +176,7 @@ def test_per_head_prefill_equals_the_absorbed_form():
     b, max_len = 2, 40
     prompts = jnp.asarray(rng.integers(0, VOCAB, (b, 12)))
     lens = jnp.asarray([12, 7])
-    absorbed, per_head = tiny_kimi(3), tiny_kimi(3).set_per_head_prefill(4)
+    absorbed, per_head = tiny_kimi(3).set_per_head_prefill(0), tiny_kimi(3).set_per_head_prefill(4)
     want, _, _ = prefill(absorbed, prompts, lens, absorbed.init_cache(b, max_len))
     got, _, cache = prefill(per_head, prompts, lens, per_head.init_cache(b, max_len))
     for r in range(b):

@@ -39,6 +39,7 @@ from ddtree_jax.models._layers import (
 from ddtree_jax.models.int4 import Int4Format, PackedWeight, random_packed_weight
 from ddtree_jax.models.kimi_config import KimiConfig
 from ddtree_jax.models.latent_attention import (
+    PER_HEAD_PREFILL,
     SEGMENT_GROUP,
     SEGMENT_KEYS,
     AttentionMesh,
@@ -120,8 +121,9 @@ class MLAttention(nnx.Module):
         # layout-dependent splits)
         self.segment_keys, self.segment_group = SEGMENT_KEYS, SEGMENT_GROUP
         # causal blocks of at least this many tokens that start at slot 0 (prefills) run in the
-        # per-head form (``per_head_causal_attention``); 0: never (``set_per_head_prefill``)
-        self.per_head_prefill = 0
+        # per-head form (``per_head_causal_attention``); 0: never (``set_per_head_prefill``);
+        # implementation None: chosen by the backend when traced
+        self.per_head_prefill = PER_HEAD_PREFILL
         self.per_head_impl = None
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -165,12 +167,18 @@ class MLAttention(nnx.Module):
                 # the block's own slots: a block starting at slot 0 sees nothing else
                 return per_head_causal_attention(q_nope, q_rope, latent[:, :t], k_rope[:, :t], w_k, w_v,
                                                  scale=cfg.softmax_scale(),
-                                                 implementation=self.per_head_impl).astype(x.dtype)
+                                                 implementation=self.per_head_impl or _per_head_default()
+                                                 ).astype(x.dtype)
 
             out = jax.lax.cond(jnp.all(mask.start == 0), per_head, absorbed)
         else:
             out = absorbed()
         return self.o_proj(out.reshape(b, t, nh * cfg.v_head_dim))
+
+
+def _per_head_default() -> str:
+    """cuDNN's flash attention on a GPU (XLA's would build the ``[B,H,T,T]`` scores), XLA elsewhere."""
+    return "cudnn" if jax.default_backend() == "gpu" else "xla"
 
 
 class Router(nnx.Module):
@@ -417,12 +425,14 @@ class KimiForCausalLM(nnx.Module):
         prefill) attend in the per-head form (``latent_attention.per_head_causal_attention``: a
         third of the absorbed form's flops at K2 shapes) through ``jax.nn.dot_product_attention``
         with ``implementation`` (``"cudnn"`` on a GPU, ``"xla"`` elsewhere; ``None``: by the
-        default device). 0: always the absorbed form. Under ``set_batch_invariant`` the absorbed
+        backend the model is traced for). 0: always the absorbed form. The default is
+        ``latent_attention.PER_HEAD_PREFILL`` tokens. Under ``set_batch_invariant`` the absorbed
         form runs whatever this says (the fixed-order products cover only that form)."""
         if min_tokens < 0:
             raise ValueError(f"set_per_head_prefill: min_tokens must be >= 0, got {min_tokens}")
-        if implementation is None:
-            implementation = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+        if implementation not in (None, "cudnn", "xla"):
+            raise ValueError(
+                f"set_per_head_prefill: implementation must be 'cudnn', 'xla' or None, got {implementation!r}")
         for layer in self.model.layers:
             layer.self_attn.per_head_prefill, layer.self_attn.per_head_impl = min_tokens, implementation
         return self

@@ -59,58 +59,50 @@ def _key(s):
 
 
 def _builder_kernel(
-    lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, val_ref, *, L, K, M, Mp, F, N, pbits, rbits
+    lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, slot_ref, *, L, K, M, Mp, F, S, N, pbits, rbits
 ):
-    """One request's pop loop (see the module doc). Frontier vectors (``F`` lanes, push order):
-    ``key``, ``metaA = parent | depth << pbits``, ``metaB = rank | (prev + 1) << rbits`` and
-    ``pbits_`` (the parent's score as int32 bits). Node ``i``'s token, parent, depth, score and
-    validity are stored once, by scalar stores, at pop ``i``; only the links (first child, next
-    sibling), which later pops set, are register vectors (``Mp`` lanes, node ``i`` at lane ``i``)
-    stored at the end. No address is written twice, so no ordering between threads is needed."""
+    """One request's pop loop (see the module doc). The frontier's keys are one register vector
+    (``F`` lanes, push order); the rest of an entry sits in ``slot_ref[b, :, j]``:
+    ``parent | depth << pbits`` and ``rank | (prev + 1) << rbits`` (zeroed up front, so a first
+    child, rank 0 with no previous sibling, stores only the first), written by scalar stores when
+    the entry is pushed and read by scalar loads when it is popped; its parent's score is the
+    parent node's own ``score``. The argmax between a push and a pop ends in a block barrier
+    (``num_warps >= 2``), which orders the stores before the loads. Node ``i``'s fields are stored
+    once, at pop ``i``; a node's first child and next sibling once, when that child or sibling is
+    popped."""
     b = pl.program_id(0)
     it = jnp.arange(F, dtype=jnp.int32)
     iota = jnp.arange(Mp, dtype=jnp.int32)
     zi = b * 0
-    neg1 = jnp.full((Mp,), -1, jnp.int32)
     pmask = (1 << pbits) - 1
     rmask = (1 << rbits) - 1
-    f32_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     lq00 = lq_ref[b, 0, 0]
-    head = it == 0
-    f = dict(
-        key=jnp.where(head & (lq00 > -jnp.inf), _key(lq00), _DEAD),
-        metaA=jnp.where(head, 1 << pbits, 0),  # parent 0, depth 1
-        metaB=it * 0,  # rank 0, prev -1
-        pbits_=it * 0,  # the root's score, +0.0
-    )
-    links = dict(first_child=neg1, next_sibling=neg1)
+    key = jnp.where((it == 0) & (lq00 > -jnp.inf), _key(lq00), _DEAD)
+    live = (lq00 > -jnp.inf).astype(jnp.int32)
+    slot_ref[b, 0, 0] = zi + (1 << pbits)  # the root's first child: parent 0, depth 1
+    slot_ref[b, 1, pl.ds(0, S)] = jnp.zeros((S,), jnp.int32)
+    neg1 = jnp.full((Mp,), -1, jnp.int32)
+    plgpu.store(fc_ref.at[b, pl.ds(0, Mp)], neg1, mask=iota < M)
+    plgpu.store(ns_ref.at[b, pl.ds(0, Mp)], neg1, mask=iota < M)
     tok_ref[b, 0] = zi - 1
     par_ref[b, 0] = zi - 1
     dep_ref[b, 0] = zi
     sc_ref[b, 0] = jnp.float32(0.0)
-    val_ref[b, 0] = zi + 1
-
-    def push(f, slot, ok, score, **row):
-        hit = (it == slot) & ok
-        out = {k_: jnp.where(hit, v, f[k_]) for k_, v in row.items()}
-        out["key"] = jnp.where(hit, _key(score), f["key"])
-        return out
 
     def pop(i, carry):
-        f, links, count = carry
-        slot = jnp.argmax(f["key"]).astype(jnp.int32)
-        sel = (it == slot) & (f["key"] > _DEAD)
-        A = jnp.sum(jnp.where(sel, f["metaA"], 0))
-        Bm = jnp.sum(jnp.where(sel, f["metaB"], 0))
-        ps = jax.lax.bitcast_convert_type(jnp.sum(jnp.where(sel, f["pbits_"], 0)), jnp.float32)
-        d = A >> pbits  # 0 iff the frontier is empty (every entry has depth >= 1)
-        ok = d > 0
+        key, count, live = carry
+        slot = jnp.argmax(key).astype(jnp.int32)
+        ok = live > 0  # the frontier is empty iff no entry is live
+        A = slot_ref[b, 0, slot]
+        Bm = slot_ref[b, 1, slot]
+        d = A >> pbits
         p = A & pmask
         r = Bm & rmask
         prev = (Bm >> rbits) - 1
         dm1 = jnp.clip(d - 1, 0, L - 1)
         rc = jnp.clip(r, 0, K - 1)
         r1 = jnp.minimum(r + 1, K - 1)
+        ps = sc_ref[b, jnp.clip(p, 0, M - 1)]
         tok = ids_ref[b, dm1, rc]
         s = ps + lq_ref[b, dm1, rc]
         sib_lq = lq_ref[b, dm1, r1]
@@ -120,24 +112,20 @@ def _builder_kernel(
         par_ref[b, i] = jnp.where(ok, p, -1)
         dep_ref[b, i] = jnp.where(ok, d, 0)
         sc_ref[b, i] = jnp.where(ok, s, -jnp.inf)
-        val_ref[b, i] = ok.astype(jnp.int32)
-        links = dict(
-            first_child=jnp.where((iota == p) & ok & (prev < 0), i, links["first_child"]),
-            next_sibling=jnp.where((iota == prev) & ok & (prev >= 0), i, links["next_sibling"]),
-        )
-        f = dict(f, key=jnp.where(it == slot, _DEAD, f["key"]))
+        plgpu.store(fc_ref.at[b, jnp.clip(p, 0, M - 1)], i, mask=ok & (prev < 0))
+        plgpu.store(ns_ref.at[b, jnp.clip(prev, 0, M - 1)], i, mask=ok & (prev >= 0))
         sib_ok = ok & (r + 1 < K) & (sib_lq > -jnp.inf)
-        f = push(f, count, sib_ok, ps + sib_lq, metaA=A, metaB=r1 | ((i + 1) << rbits), pbits_=f32_bits(ps))
-        count = count + sib_ok.astype(jnp.int32)
         child_ok = ok & (d < L) & (child_lq > -jnp.inf)
-        f = push(f, count, child_ok, s + child_lq, metaA=i | ((d + 1) << pbits), metaB=zi, pbits_=f32_bits(s))
-        count = count + child_ok.astype(jnp.int32)
-        return f, links, count
+        c2 = count + sib_ok.astype(jnp.int32)
+        key = jnp.where((it == c2) & child_ok, _key(s + child_lq), key)
+        key = jnp.where(it == slot, _DEAD, jnp.where((it == count) & sib_ok, _key(ps + sib_lq), key))
+        plgpu.store(slot_ref.at[b, zi, count], A, mask=sib_ok)  # traced field index: masked stores take no int
+        plgpu.store(slot_ref.at[b, zi + 1, count], r1 | ((i + 1) << rbits), mask=sib_ok)
+        plgpu.store(slot_ref.at[b, zi, c2], i | ((d + 1) << pbits), mask=child_ok)
+        pushed = sib_ok.astype(jnp.int32) + child_ok.astype(jnp.int32)
+        return key, count + pushed, live - ok.astype(jnp.int32) + pushed
 
-    _, links, _ = jax.lax.fori_loop(1, N + 1, pop, (f, links, zi + 1))
-    inb = iota < M
-    plgpu.store(fc_ref.at[b, pl.ds(0, Mp)], links["first_child"], mask=inb)
-    plgpu.store(ns_ref.at[b, pl.ds(0, Mp)], links["next_sibling"], mask=inb)
+    jax.lax.fori_loop(1, N + 1, pop, (key, zi + 1, live))
 
 
 def _bits(n: int) -> int:
@@ -166,16 +154,19 @@ def build_tree(top_lq: jax.Array, top_ids: jax.Array, *, budget: int, interpret:
       (i32; ``score`` f32; ``valid`` bool), node 0 the root, nodes in creation order.
     """
     B, L, K = top_lq.shape
+    if num_warps < 2:
+        raise ValueError(f"build_tree: num_warps={num_warps}; the loop needs the block barrier of >= 2 warps")
     if not supports(budget, L, K):
         raise ValueError(f"build_tree: budget={budget} with L={L}, K={K} overflows the packed int32 frontier")
     M, N = budget + 1, budget
     Mp, F = pl.next_power_of_2(M), pl.next_power_of_2(max(2 * N - 1, 2))
-    body = functools.partial(_builder_kernel, L=L, K=K, M=M, Mp=Mp, F=F, N=N, pbits=_bits(M - 1),
+    S = pl.next_power_of_2(2 * N + 2)  # the last pop's pushes land at slots up to 2N
+    body = functools.partial(_builder_kernel, L=L, K=K, M=M, Mp=Mp, F=F, S=S, N=N, pbits=_bits(M - 1),
                              rbits=_bits(K - 1))
     sd = jax.ShapeDtypeStruct
     i32 = jnp.int32
     spec = pl.BlockSpec(memory_space=pl.ANY)
-    tok, par, dep, sc, fc, ns, val = pl.pallas_call(
+    tok, par, dep, sc, fc, ns, _ = pl.pallas_call(
         body,
         grid=(B,),
         in_specs=[spec] * 2,
@@ -187,10 +178,11 @@ def build_tree(top_lq: jax.Array, top_ids: jax.Array, *, budget: int, interpret:
             sd((B, M), jnp.float32),
             sd((B, M), i32),
             sd((B, M), i32),
-            sd((B, M), i32),
+            sd((B, 2, S), i32),  # the frontier entries' fields, by slot (scratch)
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_build_tree",
     )(top_lq.astype(jnp.float32), top_ids.astype(i32))
-    return tok, par, dep, sc, fc, ns, val != 0
+    valid = (dep > 0) | (jnp.arange(M) == 0)  # popped nodes have depth >= 1; the root is node 0
+    return tok, par, dep, sc, fc, ns, valid
