@@ -52,6 +52,8 @@ def test_kernel_refuses_sizes_it_cannot_pack():
     assert not tree_builder.supports(16384, 15, 16384)
     with pytest.raises(ValueError, match="budget"):
         tree_builder.build_tree(jnp.zeros((1, 15, 8)), jnp.zeros((1, 15, 8), jnp.int32), budget=1 << 15, interpret=True)
+    with pytest.raises(ValueError, match="num_warps"):  # the slot scratch needs the argmax's block barrier
+        tree_builder.build_tree(jnp.zeros((1, 15, 8)), jnp.zeros((1, 15, 8), jnp.int32), budget=8, num_warps=1)
 
 
 def test_bad_impl():

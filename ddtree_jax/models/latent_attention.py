@@ -71,9 +71,10 @@ def per_head_causal_attention(q_nope: jax.Array, q_rope: jax.Array, latent: jax.
 # ``per_head_causal_attention`` pads its block to a multiple of this many tokens.
 PER_HEAD_PAD = 128
 # Causal blocks from slot 0 of at least this many tokens (prefills) take the per-head form by
-# default (``KimiForCausalLM.set_per_head_prefill``): on the H200 at K2 shapes a 2,048-token
-# prefill took 15.1 ms against 18.0 absorbed, a 16,384-token one 92 ms against 296.
-PER_HEAD_PREFILL = 1024
+# default (``KimiForCausalLM.set_per_head_prefill``): on the H200 at K2 shapes (2 layers) the two
+# forms tie at 512 tokens (10.1 ms), and per-head wins from there: 1,000 tokens 11.8 ms against
+# 12.6, 2,048 15.1 against 18.0, 16,384 92 against 296.
+PER_HEAD_PREFILL = 512
 
 
 # Keys per segment of the kernel's reduction (``mla_attention(segment_keys=...)``): fixed, so that a

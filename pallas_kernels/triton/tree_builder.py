@@ -8,18 +8,21 @@ child, ``-inf``/NaN entries are never pushed, and scores are single float32 addi
 (sibling = score(parent) + lq[d, r+1], child = score(node) + lq[d+1, 0]), so the reference
 reproduces them bit for bit.
 
-How: the kernel keeps the frontier and the nodes' links (first child, next sibling) as
-loop-carried register vectors, updated with one-hot ``where`` (no dynamic scatters, no launch per
-node); node ``i``'s own fields are stored once, by scalar stores, when it is popped. The loop is a
-chain of dependent reductions, so their number per pop sets its time. Per pop:
+How: the frontier's keys are one loop-carried register vector; everything else about an entry
+(its parent and depth, its rank and previous sibling, its parent's score) is written by scalar
+stores into a by-slot scratch buffer when the entry is pushed and read back by scalar loads when
+it is popped. Node ``i``'s own fields are stored once, when it is popped; a node's first child and
+next sibling once, when that child or sibling is popped. Per pop:
 
 1. one two-operand reduction, ``argmax`` over int32 keys. Frontier entries sit in push order
    (entry ``j`` is the ``j``-th pushed; a popped slot is never reused), so the lowest index among
    equal keys is the FIFO tie rule with no separate tie-break pass. The key is the float32 score
    mapped to an int32 that orders like the float (``-0.0`` folded into ``+0.0``); popped and unused
-   slots hold the smallest int32, which no score maps to.
-2. three independent one-hot gathers of the popped entry's packed ``parent | depth``,
-   ``rank | prev + 1`` and its parent's score (the bits of a float32, summed as int32: exact).
+   slots hold the smallest int32, which no score maps to. A live-entry counter, not the key,
+   says whether the frontier is empty.
+2. three independent scalar loads of the popped slot's fields. The argmax ends in a block barrier
+   (``bar.sync``, which orders global memory among the block's threads), so a slot pushed by the
+   previous pop is read back correctly: hence ``num_warps >= 2``.
 3. four independent scalar loads from the (L1-resident) ``[L, K]`` tables: the token, the entry's
    own log-prob (its score is recomputed as ``parent score + log-prob``, the very addition that
    made it), the next sibling's and the first child's.
@@ -27,9 +30,13 @@ chain of dependent reductions, so their number per pop sets its time. Per pop:
 The entries that can still be popped are the root and the pushes of pops ``1..N-1``: at most
 ``2N - 1`` slots. Slots never decide anything beyond the FIFO order they encode, so the output is
 identical to the reference. Measured on the H200 at B=16, N=256, L=15 (device time): ~17
-reductions per pop, 407 us (bench/results/tree_gpu_h200_20261129.md); 5 dependent reductions in 3
-stages with reused slots, 188 us; this loop with the nodes as register vectors, 161 us; as here,
-157 us (bench/results/tree_gpu_h200_20261130.md, the earlier versions timed in the same run).
+reductions per pop, 407 us (bench/results/tree_gpu_h200_20261129.md); an argmax and three
+one-hot gathers of register vectors, 157 us (tree_gpu_h200_20261130.md); the fields in the
+scratch, 108 us (tree_gpu_h200_scratch_pop_loop_20261130.md); as here (the first child's rank
+word zeroed up front instead of stored, ``valid`` derived from the depth), 103 us, against 111
+for the previous form and 120 for one that reads the parent's score from the node rather than
+the slot (a freshly stored line: one more L2 round trip on the critical path), all in one run
+(tree_gpu_h200_pop_loop_variants_20261130.md). 4 warps is best (2: 137 us, 8: 157).
 
 Backend: Pallas Triton lowering. The loop is a chain of small dependent reductions; Triton gives
 the reductions and dynamic loops directly; Mosaic GPU's warpgroup model has no benefit for
@@ -62,24 +69,22 @@ def _builder_kernel(
     lq_ref, ids_ref, tok_ref, par_ref, dep_ref, sc_ref, fc_ref, ns_ref, slot_ref, *, L, K, M, Mp, F, S, N, pbits, rbits
 ):
     """One request's pop loop (see the module doc). The frontier's keys are one register vector
-    (``F`` lanes, push order); the rest of an entry sits in ``slot_ref[b, :, j]``:
-    ``parent | depth << pbits`` and ``rank | (prev + 1) << rbits`` (zeroed up front, so a first
-    child, rank 0 with no previous sibling, stores only the first), written by scalar stores when
-    the entry is pushed and read by scalar loads when it is popped; its parent's score is the
-    parent node's own ``score``. The argmax between a push and a pop ends in a block barrier
-    (``num_warps >= 2``), which orders the stores before the loads. Node ``i``'s fields are stored
-    once, at pop ``i``; a node's first child and next sibling once, when that child or sibling is
-    popped."""
+    (``F`` lanes, push order); entry ``j``'s fields sit in ``slot_ref[b, :, j]``:
+    ``parent | depth << pbits``, ``rank | (prev + 1) << rbits`` (zeroed up front, so a first
+    child, rank 0 with no previous sibling, stores no word there) and its parent's score as int32
+    bits."""
     b = pl.program_id(0)
     it = jnp.arange(F, dtype=jnp.int32)
     iota = jnp.arange(Mp, dtype=jnp.int32)
     zi = b * 0
     pmask = (1 << pbits) - 1
     rmask = (1 << rbits) - 1
+    f32_bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     lq00 = lq_ref[b, 0, 0]
     key = jnp.where((it == 0) & (lq00 > -jnp.inf), _key(lq00), _DEAD)
     live = (lq00 > -jnp.inf).astype(jnp.int32)
     slot_ref[b, 0, 0] = zi + (1 << pbits)  # the root's first child: parent 0, depth 1
+    slot_ref[b, 2, 0] = zi  # its parent's score, +0.0
     slot_ref[b, 1, pl.ds(0, S)] = jnp.zeros((S,), jnp.int32)
     neg1 = jnp.full((Mp,), -1, jnp.int32)
     plgpu.store(fc_ref.at[b, pl.ds(0, Mp)], neg1, mask=iota < M)
@@ -102,7 +107,7 @@ def _builder_kernel(
         dm1 = jnp.clip(d - 1, 0, L - 1)
         rc = jnp.clip(r, 0, K - 1)
         r1 = jnp.minimum(r + 1, K - 1)
-        ps = sc_ref[b, jnp.clip(p, 0, M - 1)]
+        ps = jax.lax.bitcast_convert_type(slot_ref[b, 2, slot], jnp.float32)
         tok = ids_ref[b, dm1, rc]
         s = ps + lq_ref[b, dm1, rc]
         sib_lq = lq_ref[b, dm1, r1]
@@ -122,6 +127,8 @@ def _builder_kernel(
         plgpu.store(slot_ref.at[b, zi, count], A, mask=sib_ok)  # traced field index: masked stores take no int
         plgpu.store(slot_ref.at[b, zi + 1, count], r1 | ((i + 1) << rbits), mask=sib_ok)
         plgpu.store(slot_ref.at[b, zi, c2], i | ((d + 1) << pbits), mask=child_ok)
+        plgpu.store(slot_ref.at[b, zi + 2, count], f32_bits(ps), mask=sib_ok)
+        plgpu.store(slot_ref.at[b, zi + 2, c2], f32_bits(s), mask=child_ok)
         pushed = sib_ok.astype(jnp.int32) + child_ok.astype(jnp.int32)
         return key, count + pushed, live - ok.astype(jnp.int32) + pushed
 
@@ -178,7 +185,7 @@ def build_tree(top_lq: jax.Array, top_ids: jax.Array, *, budget: int, interpret:
             sd((B, M), jnp.float32),
             sd((B, M), i32),
             sd((B, M), i32),
-            sd((B, 2, S), i32),  # the frontier entries' fields, by slot (scratch)
+            sd((B, 3, S), i32),  # the frontier entries' fields, by slot (scratch)
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
