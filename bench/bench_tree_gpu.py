@@ -229,10 +229,11 @@ def main():
     timed("topk_old_exact_top_k_incl_log_softmax_dev", lambda: dev_time(old_tables(BUDGET), xs[0]))
     timed("topk_kernel_fused_lse", lambda: time_it(jax.jit(kernel_tables(BUDGET, "kernel")), args, iters=iters))
     if not a.smoke:
-        for ch, nw, sw in ((32, 4, 4), (32, 8, 8), (32, 4, 16), (16, 4, 8), (16, 4, 16), (64, 4, 8), (64, 4, 16)):
-            timed(f"topk_kernel_fused_lse_chunk{ch}_w{nw}_sw{sw}_dev",
-                  lambda ch=ch, nw=nw, sw=sw: dev_time(
-                      kernel_tables(BUDGET, "kernel", chunk=ch, num_warps=nw, select_warps=sw), xs[0]))
+        for ch, nw, sw, ow in ((32, 4, 4, 4), (16, 4, 8, 8), (16, 4, 16, 16), (16, 4, 8, 2), (16, 4, 8, 4),
+                               (16, 4, 4, 4), (16, 8, 8, 8)):
+            timed(f"topk_kernel_fused_lse_chunk{ch}_w{nw}_sw{sw}_ow{ow}_dev",
+                  lambda ch=ch, nw=nw, sw=sw, ow=ow: dev_time(
+                      kernel_tables(BUDGET, "kernel", chunk=ch, num_warps=nw, select_warps=sw, order_warps=ow), xs[0]))
         timed("log_softmax_only", lambda: time_it(jax.jit(draft_logprobs), args))
         topk = jax.jit(lambda x: jax.lax.top_k(draft_logprobs(x), BUDGET))
         timed("topk_lax_incl_log_softmax", lambda: time_it(topk, args, iters=10))

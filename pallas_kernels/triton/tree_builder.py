@@ -36,7 +36,11 @@ scratch, 108 us (tree_gpu_h200_scratch_pop_loop_20261130.md); as here (the first
 word zeroed up front instead of stored, ``valid`` derived from the depth), 103 us, against 111
 for the previous form and 120 for one that reads the parent's score from the node rather than
 the slot (a freshly stored line: one more L2 round trip on the critical path), all in one run
-(tree_gpu_h200_pop_loop_variants_20261130.md). 4 warps is best (2: 137 us, 8: 157).
+(tree_gpu_h200_pop_loop_variants_20261130.md). 4 warps is best (2: 137 us, 8: 157). Writing
+the ancestor mask in the loop as well (node i's row = its parent's row loaded back, plus i,
+stored one pop later) took 152 us against 104 without it in one run
+(tree_gpu_h200_ancestor_in_loop_order_warps_20261130.md): the parent row's round trip through L2
+stalls every pop, while XLA's pointer doubling after the loop costs 8-13 us; not kept.
 
 Backend: Pallas Triton lowering. The loop is a chain of small dependent reductions; Triton gives
 the reductions and dynamic loops directly; Mosaic GPU's warpgroup model has no benefit for

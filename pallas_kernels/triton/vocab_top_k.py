@@ -234,7 +234,8 @@ def _splits_for(R: int, nt: int) -> int:
     return max(1, min(want, _MAX_SPLITS, 1 << (nt.bit_length() - 1)))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "lse", "interpret", "chunk", "tile", "num_warps", "select_warps"))
+@functools.partial(jax.jit, static_argnames=("k", "lse", "interpret", "chunk", "tile", "num_warps", "select_warps",
+                                             "order_warps"))
 def vocab_top_k_debug(
     logits: jax.Array,
     k: int,
@@ -245,11 +246,14 @@ def vocab_top_k_debug(
     tile: int = MAX_TILE,
     num_warps: int = 4,
     select_warps: int = 8,
+    order_warps: int = 2,
 ) -> dict:
     """``vocab_top_k`` with the row statistics: dict of ``values`` f32 ``[..., k]``, ``indices``
     i32 ``[..., k]``, ``max`` and ``lse`` f32 ``[...]`` (the ``m`` and ``lse`` the values use).
     Tuning knobs (all exact): ``chunk`` (columns per chunk maximum, a power of two), ``tile``
-    (columns per load of the stats pass), ``num_warps`` (stats pass), ``select_warps`` (the rest)."""
+    (columns per load of the stats pass), ``num_warps`` (stats pass), ``select_warps`` (chunks and
+    candidates), ``order_warps`` (the order launch: 2 warps, 109 us for the whole top-k against 121 with 8,
+    in one H200 run, bench/results/tree_gpu_h200_ancestor_in_loop_order_warps_20261130.md)."""
     check_top_k_args(logits.shape, k, lse)
     *lead, V = logits.shape
     if chunk & (chunk - 1) or tile & (tile - 1):
@@ -312,7 +316,7 @@ def vocab_top_k_debug(
         in_specs=[spec] * 3,
         out_specs=[spec] * 2,
         out_shape=[sd((R, kp), f32), sd((R, kp), i32)],
-        compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=order_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_topk_order",
     )(zs, ids, bad)
