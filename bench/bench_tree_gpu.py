@@ -111,6 +111,8 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpret mode)")
     p.add_argument("--baseline-builder", metavar="FILE", nargs="*", default=[],
                    help="previous tree_builder.py files to time beside the current pop loop (same tables, same run)")
+    p.add_argument("--baseline-topk", metavar="FILE", nargs="*", default=[],
+                   help="previous vocab_top_k.py files to time beside the current top-k (same logits, same run)")
     a = p.parse_args()
     if a.smoke:
         B, BUDGET, L, V, INTERPRET, DEV_N = 2, 32, 3, 3000, True, 2
@@ -228,12 +230,26 @@ def main():
     timed("topk_kernel_xla_lse_dev", lambda: dev_time(kernel_tables(BUDGET, "xla"), xs[0]))
     timed("topk_old_exact_top_k_incl_log_softmax_dev", lambda: dev_time(old_tables(BUDGET), xs[0]))
     timed("topk_kernel_fused_lse", lambda: time_it(jax.jit(kernel_tables(BUDGET, "kernel")), args, iters=iters))
+    for path in a.baseline_topk:
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        for lse in ("kernel", "xla"):
+            checked(f"baseline top-k {name} lse={lse} == current top-k", lambda base=base, lse=lse: "equal" if all(
+                np.array_equal(np.asarray(u), np.asarray(w)) for u, w in zip(
+                    base.vocab_top_k(xs[0], min(BUDGET, V), lse=lse, interpret=INTERPRET),
+                    kernel_tables(BUDGET, lse)(xs[0]), strict=True)) else "DIFFERENT")
+            timed(f"baseline_topk_{name}_{lse}_lse_dev", lambda base=base, lse=lse: dev_time(
+                lambda x: base.vocab_top_k(x, min(BUDGET, V), lse=lse, interpret=INTERPRET), xs[0]))
     if not a.smoke:
-        for ch, nw, sw, ow in ((32, 4, 4, 4), (16, 4, 8, 8), (16, 4, 16, 16), (16, 4, 8, 2), (16, 4, 8, 4),
-                               (16, 4, 4, 4), (16, 8, 8, 8)):
-            timed(f"topk_kernel_fused_lse_chunk{ch}_w{nw}_sw{sw}_ow{ow}_dev",
-                  lambda ch=ch, nw=nw, sw=sw, ow=ow: dev_time(
-                      kernel_tables(BUDGET, "kernel", chunk=ch, num_warps=nw, select_warps=sw, order_warps=ow), xs[0]))
+        for ch, nw, sw, ow, pt in ((32, 4, 4, 4, 2048), (16, 4, 8, 8, 2048), (16, 4, 16, 2, 2048),
+                                   (16, 4, 8, 2, 2048), (16, 4, 8, 4, 2048), (16, 4, 8, 2, 1024),
+                                   (16, 4, 8, 2, 4096), (16, 4, 4, 2, 2048)):
+            timed(f"topk_kernel_fused_lse_chunk{ch}_w{nw}_sw{sw}_ow{ow}_part{pt}_dev",
+                  lambda ch=ch, nw=nw, sw=sw, ow=ow, pt=pt: dev_time(
+                      kernel_tables(BUDGET, "kernel", chunk=ch, num_warps=nw, select_warps=sw, order_warps=ow,
+                                    part=pt), xs[0]))
         timed("log_softmax_only", lambda: time_it(jax.jit(draft_logprobs), args))
         topk = jax.jit(lambda x: jax.lax.top_k(draft_logprobs(x), BUDGET))
         timed("topk_lax_incl_log_softmax", lambda: time_it(topk, args, iters=10))

@@ -68,6 +68,19 @@ def _bisect(pred, lo, hi, steps: int):
     return jax.lax.fori_loop(0, steps, body, (lo, hi))[1]
 
 
+def _bisect_while(pred, lo, hi):
+    """``_bisect`` with exactly as many halvings as ``(lo, hi]`` needs (a while loop; scalars):
+    for a range known to be narrow, e.g. between two keys of nearby floats."""
+
+    def body(c):
+        lo, hi = c
+        mid = _midpoint(lo, hi)
+        ok = pred(mid)
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return jax.lax.while_loop(lambda c: (c[1] > c[0]) & (c[1] - 1 > c[0]), body, (lo, hi))[1]
+
+
 # ----------------------------------------------------------------------------- vocabulary top-k (host side)
 
 LSE_MODES = ("kernel", "xla")  # where the top-k kernels' log-softmax normaliser comes from

@@ -27,13 +27,16 @@ def _assert_equal(got, want):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg="values")
 
 
-def test_xla_lse_equals_lax_top_k_of_draft_logprobs():
+@pytest.mark.parametrize("part", [2048, 64])
+def test_xla_lse_equals_lax_top_k_of_draft_logprobs(part):
     """Bit for bit on every row with a law. All-NaN rows: NaN values both, indices 0..k-1 here;
     lax.top_k orders NaNs by sign and payload, which follow the platform's NaN propagation (on the
     CPU an input NaN is positive and the NaNs that log_softmax makes are negative, so the input
-    NaN's index comes first), so those indices are not compared (the tree ignores such rows)."""
+    NaN's index comes first), so those indices are not compared (the tree ignores such rows).
+    ``part`` 64: the 188 chunk maxima as three register vectors in the chunks launch."""
     x = mixed_top_k_rows(1).reshape(2, 5, -1)
-    got = [np.asarray(a).reshape(10, -1) for a in vocab_top_k(jnp.asarray(x), 200, lse="xla", interpret=True)]
+    got = [np.asarray(a).reshape(10, -1)
+           for a in vocab_top_k(jnp.asarray(x), 200, lse="xla", interpret=True, part=part)]
     want = [np.asarray(a).reshape(10, -1) for a in _lax(x, 200)]
     good = np.setdiff1d(np.arange(10), BAD)
     _assert_equal([a[good] for a in got], [a[good] for a in want])
@@ -50,6 +53,8 @@ def test_build_draft_tree_through_the_kernel():
     x[0, 2, 50:] = -np.inf  # fewer tokens than the budget at one depth
     x = jnp.asarray(x).astype(jnp.bfloat16)
     _assert_equal(vocab_top_k(x, 64, lse="xla", interpret=True), _lax(x, 64))
+    # the chunk maxima in six register vectors of 32 lanes (the bisection and the tie scan across them)
+    _assert_equal(vocab_top_k(x, 64, lse="xla", interpret=True, part=32), _lax(x, 64))
     ref = dt.build_draft_tree(x, 64, impl="reference")
     ker = dt.build_draft_tree(x, 64, impl="pallas")
     for f in ("tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"):

@@ -82,7 +82,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._shared import LSE_MODES, _bisect, _zkey, check_top_k_args, xla_log_sum_exp
+from pallas_kernels._shared import LSE_MODES, _bisect, _bisect_while, _zkey, check_top_k_args, xla_log_sum_exp
 
 __all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
 
@@ -100,11 +100,11 @@ _MAX_SPLITS = 16
 _RANK_BLOCK = 32  # rows of the K x K comparison per program of the order launch
 
 
-def _kth_key(keys, k):
+def _kth_key(keys, k, lo, hi):
     """The k-th largest of the int32 ``keys`` (``_zkey``; a NaN gets some key, and NaN rows are
-    replaced at the end; entries ``_INT_MIN`` are padding; at least k real keys, all ``<= 0``): the
-    smallest T in (INT_MIN, 0] with ``#(keys > T) < k``, by bisection."""
-    return _bisect(lambda mid: jnp.sum(jnp.where(keys > mid, 1, 0)) < k, jnp.int32(_INT_MIN), jnp.int32(0), 32)
+    replaced at the end; entries ``_INT_MIN`` are padding; at least k real keys): the smallest T in
+    ``(lo, hi]`` with ``#(keys > T) < k``, by bisection (the caller's bounds hold it)."""
+    return _bisect_while(lambda mid: jnp.sum(jnp.where(keys > mid, 1, 0)) < k, lo, hi)
 
 
 def _keep_first_k(keys, k, T):
@@ -152,8 +152,11 @@ def _stats_kernel(x_ref, cm_ref, tm_ref, ts_ref, *, V, tile, nt, tps, chunk, wit
 # ----------------------------------------------------------------------------- 2: chunks
 
 
-def _chunks_kernel(cm_ref, tm_ref, ts_ref, lse_in_ref, m_ref, lse_ref, bad_ref, cl_ref, *, k, nt, ntp, nc, ncp,
-                   with_sum):
+def _chunks_kernel(cm_ref, tm_ref, ts_ref, lse_in_ref, m_ref, lse_ref, bad_ref, cl_ref, t0_ref, *, k, nt, ntp, nc,
+                   part, with_sum):
+    """The chunk maxima are held as ``ceil(nc / part)`` register vectors of ``part`` (a power of
+    two) lanes, not one vector padded to the next power of two: at V = 163,840 that is 5 x 2,048
+    real lanes instead of 16,384 (37.5% padding) for every step of the bisection and both scans."""
     r = pl.program_id(0)
     iota_t = jnp.arange(ntp, dtype=jnp.int32)
     tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_t < nt, other=-jnp.inf)
@@ -167,24 +170,45 @@ def _chunks_kernel(cm_ref, tm_ref, ts_ref, lse_in_ref, m_ref, lse_ref, bad_ref, 
     m_ref[r] = m
     lse_ref[r] = lse
     bad_ref[r] = bad.astype(jnp.int32)
-    iota_c = jnp.arange(ncp, dtype=jnp.int32)
-    real = iota_c < nc
+    iota_p = jnp.arange(part, dtype=jnp.int32)
+    cols = [j * part + iota_p for j in range(-(-nc // part))]
+    real = [c < nc for c in cols]
     if nc > k:
-        cm = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=real, other=-jnp.inf)
-        ck = jnp.where(real, _zkey((cm - m) - lse), _INT_MIN)
-        sel = _keep_first_k(ck, k, _kth_key(ck, k))
+        ck = []
+        for j, ok in enumerate(real):
+            cm = plgpu.load(cm_ref.at[r, pl.ds(j * part, part)], mask=ok, other=-jnp.inf)
+            ck.append(jnp.where(ok, _zkey((cm - m) - lse), _INT_MIN))
+        T = _bisect(lambda mid: jnp.sum(sum(jnp.where(x > mid, 1, 0) for x in ck)) < k, jnp.int32(_INT_MIN),
+                    jnp.int32(0), 32)
+        t0_ref[r] = T
+        gt = [x > T for x in ck]
+        eq = [x == T for x in ck]
+        room = k - sum(jnp.sum(jnp.where(g, 1, 0)) for g in gt)
+        sel, before = [], 0
+        for g, e in zip(gt, eq, strict=True):  # key == T in column order, across the parts
+            sel.append(g | (e & (jnp.cumsum(e.astype(jnp.int32)) + before <= room)))
+            before = before + jnp.sum(e.astype(jnp.int32))
     else:
         sel = real
-    plgpu.store(cl_ref.at[r, _partition_dest(sel, iota_c)], iota_c, mask=sel)
+        t0_ref[r] = jnp.int32(_INT_MIN) + r * 0
+    # Stable partition across the parts (a permutation: selected chunks to 0.., the rest after).
+    n_sel = sum(jnp.sum(x.astype(jnp.int32)) for x in sel)
+    done = 0
+    for c, x in zip(cols, sel, strict=True):
+        pos = jnp.cumsum(x.astype(jnp.int32)) - 1 + done
+        dest = jnp.where(x, pos, n_sel + c - pos - 1)
+        plgpu.store(cl_ref.at[r, dest], c, mask=x)
+        done = done + jnp.sum(x.astype(jnp.int32))
 
 
 # ----------------------------------------------------------------------------- 3: candidates
 
 
-def _candidates_kernel(x_ref, m_ref, lse_ref, cl_ref, zs_ref, ids_ref, *, V, k, nc, n_sel, width, chunk):
+def _candidates_kernel(x_ref, m_ref, lse_ref, cl_ref, t0_ref, zs_ref, ids_ref, *, V, k, nc, n_sel, width, chunk):
     r = pl.program_id(0)
     m = m_ref[r]
     lse = lse_ref[r]
+    t0 = t0_ref[r]
     f = jnp.arange(width, dtype=jnp.int32)
     slot = f // chunk
     has = slot < n_sel
@@ -194,7 +218,10 @@ def _candidates_kernel(x_ref, m_ref, lse_ref, cl_ref, zs_ref, ids_ref, *, V, k, 
     x = plgpu.load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=-jnp.inf).astype(jnp.float32)
     z = (x - m) - lse
     keys = jnp.where(live, _zkey(z), _INT_MIN)
-    sel = _keep_first_k(keys, k, _kth_key(keys, k)) & live
+    # The k-th key lies in [T0, key(-lse)]: at least k chunks reach the k-th chunk maximum T0 (so k
+    # values do), and no z exceeds (m - m) - lse. About 25 halvings instead of 32 on draft rows.
+    lo = jnp.where(t0 > _INT_MIN, t0 - 1, _INT_MIN)
+    sel = _keep_first_k(keys, k, _kth_key(keys, k, lo, _zkey(-lse))) & live
     dest = _partition_dest(sel, f)
     plgpu.store(zs_ref.at[r, dest], z, mask=sel)
     plgpu.store(ids_ref.at[r, dest], cols, mask=sel)
@@ -235,7 +262,7 @@ def _splits_for(R: int, nt: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("k", "lse", "interpret", "chunk", "tile", "num_warps", "select_warps",
-                                             "order_warps"))
+                                             "order_warps", "part"))
 def vocab_top_k_debug(
     logits: jax.Array,
     k: int,
@@ -247,17 +274,19 @@ def vocab_top_k_debug(
     num_warps: int = 4,
     select_warps: int = 8,
     order_warps: int = 2,
+    part: int = 2048,
 ) -> dict:
     """``vocab_top_k`` with the row statistics: dict of ``values`` f32 ``[..., k]``, ``indices``
     i32 ``[..., k]``, ``max`` and ``lse`` f32 ``[...]`` (the ``m`` and ``lse`` the values use).
     Tuning knobs (all exact): ``chunk`` (columns per chunk maximum, a power of two), ``tile``
     (columns per load of the stats pass), ``num_warps`` (stats pass), ``select_warps`` (chunks and
     candidates), ``order_warps`` (the order launch: 2 warps, 109 us for the whole top-k against 121 with 8,
-    in one H200 run, bench/results/tree_gpu_h200_ancestor_in_loop_order_warps_20261130.md)."""
+    in one H200 run, bench/results/tree_gpu_h200_ancestor_in_loop_order_warps_20261130.md),
+    ``part`` (lanes per register vector of chunk maxima in the chunks launch, a power of two)."""
     check_top_k_args(logits.shape, k, lse)
     *lead, V = logits.shape
-    if chunk & (chunk - 1) or tile & (tile - 1):
-        raise ValueError(f"chunk and tile must be powers of two, got {chunk}, {tile}")
+    if chunk & (chunk - 1) or tile & (tile - 1) or part & (part - 1):
+        raise ValueError(f"chunk, tile and part must be powers of two, got {chunk}, {tile}, {part}")
     x = logits.reshape(-1, V)
     R = x.shape[0]
     tile = max(chunk, min(tile, pl.next_power_of_2(V)))
@@ -290,12 +319,13 @@ def vocab_top_k_debug(
     else:
         # The reference's normaliser (draft_logprobs), with the kernel's row max (exact).
         lse_in = xla_log_sum_exp(logits, jnp.max(jnp.where(jnp.arange(ntp) < nt, tm, -jnp.inf), axis=-1))
-    m, lse_r, bad, cl = pl.pallas_call(
-        functools.partial(_chunks_kernel, k=k, nt=nt, ntp=ntp, nc=nc, ncp=ncp, with_sum=fused),
+    m, lse_r, bad, cl, t0 = pl.pallas_call(
+        functools.partial(_chunks_kernel, k=k, nt=nt, ntp=ntp, nc=nc, part=min(pl.next_power_of_2(nc), part),
+                          with_sum=fused),
         grid=(R,),
         in_specs=[spec] * 4,
-        out_specs=[spec] * 4,
-        out_shape=[sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R, ncp), i32)],
+        out_specs=[spec] * 5,
+        out_shape=[sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R, ncp), i32), sd((R,), i32)],
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_topk_chunks",
@@ -303,13 +333,13 @@ def vocab_top_k_debug(
     zs, ids = pl.pallas_call(
         functools.partial(_candidates_kernel, V=V, k=k, nc=nc, n_sel=n_sel, width=width, chunk=chunk),
         grid=(R,),
-        in_specs=[spec] * 4,
+        in_specs=[spec] * 5,
         out_specs=[spec] * 2,
         out_shape=[sd((R, max(width, kp)), f32), sd((R, max(width, kp)), i32)],
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret,
         name="ddtree_topk_candidates",
-    )(x, m, lse_r, cl)
+    )(x, m, lse_r, cl, t0)
     vals, idx = pl.pallas_call(
         functools.partial(_order_kernel, k=k, kp=kp, rb=_RANK_BLOCK),
         grid=(R, kp // _RANK_BLOCK),
