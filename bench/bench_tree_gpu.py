@@ -346,7 +346,8 @@ def main():
         "given by --baseline-builder); the ancestor mask: parent pointers "
         "followed L times (ancestor_mask_only) or by pointer doubling (ancestor_mask_doubling_only, what the "
         "build uses), plain JAX. "
-        "pallas_total = build_draft_tree(impl='pallas'): vocab_top_k (lse='xla') + pop loop + ancestor mask; "
+        "pallas_total = build_draft_tree(impl='pallas'): vocab_top_k (its default normaliser: fused when "
+        "compiled, 'xla' when interpreted) + pop loop + ancestor mask; "
         "build_* = the same build with the named top-k; topk_* = the top-k alone; "
         "read_floor_copy_bf16 = one read + one write of the logits.",
         "",
