@@ -1,6 +1,6 @@
 """generate() with the target and drafter sharded over a device mesh (8 CPU devices, expert x
 tensor axes) gives the same tokens as the unsharded models, greedy and seeded sampling; the MoE
-kernel path runs expert-parallel without gathering weights."""
+kernel path runs expert-parallel without gathering weights; the per-head prefill too."""
 
 import os
 import subprocess
@@ -28,6 +28,12 @@ SCRIPT = textwrap.dedent("""
         kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=sampling)
         sharded, plain = dt.generate(st, sd, prompts, **kw), dt.generate(pt, pd, prompts, **kw)
         assert sharded.tokens == plain.tokens, (sharded.tokens, plain.tokens)
+    # the per-head prefill (heads over the tensor axis, in a shard_map) on the 5-token prompt
+    for m in (st, pt):
+        m.set_per_head_prefill(4)
+    kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=dt.SamplingParams(temperature=0.0))
+    sharded, plain = dt.generate(st, sd, prompts, **kw), dt.generate(pt, pd, prompts, **kw)
+    assert sharded.tokens == plain.tokens, ("per-head", sharded.tokens, plain.tokens)
     print("SHARDED_OK")
 """)
 

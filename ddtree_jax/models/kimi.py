@@ -167,8 +167,8 @@ class MLAttention(nnx.Module):
                 # the block's own slots: a block starting at slot 0 sees nothing else
                 return per_head_causal_attention(q_nope, q_rope, latent[:, :t], k_rope[:, :t], w_k, w_v,
                                                  scale=cfg.softmax_scale(),
-                                                 implementation=self.per_head_impl or _per_head_default()
-                                                 ).astype(x.dtype)
+                                                 implementation=self.per_head_impl or _per_head_default(),
+                                                 mesh=self.attention_mesh).astype(x.dtype)
 
             out = jax.lax.cond(jnp.all(mask.start == 0), per_head, absorbed)
         else:

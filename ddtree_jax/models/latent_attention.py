@@ -41,7 +41,8 @@ def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: j
 
 
 def per_head_causal_attention(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
-                              w_k: jax.Array, w_v: jax.Array, *, scale: float, implementation: str | None) -> jax.Array:
+                              w_k: jax.Array, w_v: jax.Array, *, scale: float, implementation: str | None,
+                              mesh: AttentionMesh | None = None) -> jax.Array:
     """A causal block that starts at slot 0 in the per-head (not absorbed) form: keys and values
     up-projected from the block's latents, then standard causal attention. ``q_nope [B,T,H,dn]``,
     ``q_rope [B,T,H,dr]``, ``latent [B,T,r]``, ``k_rope [B,T,dr]`` (the block's own slots),
@@ -51,7 +52,21 @@ def per_head_causal_attention(q_nope: jax.Array, q_rope: jax.Array, latent: jax.
     (``"cudnn"`` on the GPU: its flash attention never builds the ``[B,H,T,T]`` scores; ``"xla"``
     builds them). The values are zero-padded to the key width (the function takes one head dim), and
     the block to a multiple of ``PER_HEAD_PAD`` tokens (padding after the last query is invisible to
-    every query under the causal mask; flash kernels favour whole tiles)."""
+    every query under the causal mask; flash kernels favour whole tiles). ``mesh``: run in a
+    ``shard_map`` with batch rows over ``mesh.data`` and heads over ``mesh.tensor`` (each head is
+    independent), so no partitioner has to split the attention call."""
+    b, h = q_nope.shape[0], q_nope.shape[2]
+    data = mesh.data if mesh is not None and mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
+    tensor = mesh.tensor if mesh is not None and mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
+    local = functools.partial(_per_head_local, scale=scale, implementation=implementation)
+    if data is None and tensor is None:
+        return local(q_nope, q_rope, latent, k_rope, w_k, w_v)
+    q, rows, w = P(data, None, tensor, None), P(data), P(None, tensor, None)
+    return jax.shard_map(local, mesh=mesh.mesh, in_specs=(q, q, rows, rows, w, w), out_specs=q,
+                         check_vma=False)(q_nope, q_rope, latent, k_rope, w_k, w_v)
+
+
+def _per_head_local(q_nope, q_rope, latent, k_rope, w_k, w_v, *, scale, implementation):
     b, t, h, dn = q_nope.shape
     dv = w_v.shape[-1]
     dtype = q_nope.dtype
