@@ -311,3 +311,23 @@ def test_dense_matmul_compiled_equals_reference_and_is_batch_invariant(k, n, dty
     assert float(jnp.abs(full - want).max()) <= 1e-4 * float(jnp.abs(want).max())
     for m in (1, 16, 65):
         np.testing.assert_array_equal(np.asarray(f(x[:m], w)), np.asarray(full)[:m], err_msg=f"{m} rows")
+
+
+def test_per_head_prefill_dispatch_on_the_gpu():
+    """The per-head prefill takes cuDNN only where cuDNN takes the shapes (bf16/fp16, head dim a
+    multiple of 8); a float32 model with a 12-dim head keeps the absorbed form, so its prefill
+    with the option on runs and gives the absorbed form's bits."""
+    from ddtree_jax.models.kimi import _per_head_default
+    from tests._model_fixtures import VOCAB, prefill
+
+    assert _per_head_default(jnp.bfloat16, 192) == "cudnn"
+    assert _per_head_default(jnp.float32, 192) is None
+    assert _per_head_default(jnp.bfloat16, 12) is None
+    rng = np.random.default_rng(4)
+    prompts = jnp.asarray(rng.integers(0, VOCAB, (2, 12)))
+    lens = jnp.asarray([12, 7])
+    outs = []
+    for n in (0, 4):
+        m = tiny_kimi(3).set_per_head_prefill(n)
+        outs.append(np.asarray(prefill(m, prompts, lens, m.init_cache(2, 40))[0]))
+    np.testing.assert_array_equal(outs[1], outs[0])

@@ -162,12 +162,12 @@ class MLAttention(nnx.Module):
                 return jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
             return dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
 
-        if mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None:
+        impl = self.per_head_impl or _per_head_default(q_nope.dtype, dn + cfg.qk_rope_head_dim)
+        if mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None and impl:
             def per_head():
                 # the block's own slots: a block starting at slot 0 sees nothing else
                 return per_head_causal_attention(q_nope, q_rope, latent[:, :t], k_rope[:, :t], w_k, w_v,
-                                                 scale=cfg.softmax_scale(),
-                                                 implementation=self.per_head_impl or _per_head_default(),
+                                                 scale=cfg.softmax_scale(), implementation=impl,
                                                  mesh=self.attention_mesh).astype(x.dtype)
 
             out = jax.lax.cond(jnp.all(mask.start == 0), per_head, absorbed)
@@ -176,9 +176,16 @@ class MLAttention(nnx.Module):
         return self.o_proj(out.reshape(b, t, nh * cfg.v_head_dim))
 
 
-def _per_head_default() -> str:
-    """cuDNN's flash attention on a GPU (XLA's would build the ``[B,H,T,T]`` scores), XLA elsewhere."""
-    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+def _per_head_default(dtype, head_dim: int) -> str | None:
+    """The per-head prefill's attention by default: XLA off the GPU; on a GPU cuDNN's flash
+    attention where it takes the shapes (bf16/fp16, a head dim that is a multiple of 8, up to 256
+    from Hopper on, else 128), and else ``None``, the absorbed form (XLA's attention would build
+    the ``[B,H,T,T]`` scores)."""
+    if jax.default_backend() != "gpu":
+        return "xla"
+    hopper = float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+    fits = dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= (256 if hopper else 128)
+    return "cudnn" if fits else None
 
 
 class Router(nnx.Module):
@@ -425,7 +432,8 @@ class KimiForCausalLM(nnx.Module):
         prefill) attend in the per-head form (``latent_attention.per_head_causal_attention``: a
         third of the absorbed form's flops at K2 shapes) through ``jax.nn.dot_product_attention``
         with ``implementation`` (``"cudnn"`` on a GPU, ``"xla"`` elsewhere; ``None``: by the
-        backend the model is traced for). 0: always the absorbed form. The default is
+        backend the model is traced for, and on a GPU only where cuDNN takes the dtype and head
+        dim, the absorbed form elsewhere). 0: always the absorbed form. The default is
         ``latent_attention.PER_HEAD_PREFILL`` tokens. Under ``set_batch_invariant`` the absorbed
         form runs whatever this says (the fixed-order products cover only that form)."""
         if min_tokens < 0:
