@@ -7,7 +7,7 @@ import pytest
 
 from ddtree_jax.models.latent_attention import latent_attention_reference
 from ddtree_jax.models.tree_cache import BlockMask
-from pallas_kernels.triton.mla_attention import auto_split_keys, mla_attention
+from pallas_kernels.triton.mla_attention import auto_split_keys, merge_block, mla_attention
 from tests._model_fixtures import forward_uncached, prefill, random_tree, tiny_kimi, verify
 
 
@@ -94,6 +94,26 @@ def test_split_keys_heuristic():
     assert auto_split_keys(16, 64, 32768) == 2048  # 16 rows x 16 splits
     assert auto_split_keys(16, 257 * 64, 32768) == 0  # 4112 programs: no split
     assert auto_split_keys(1, 64, 512) == 0  # a short cache is one split
+
+
+def test_merge_tiles_heuristic_and_bits():
+    """The split merge's tiles: the attention's rows and 64 columns when the launch fills the GPU,
+    smaller at small batch (K2 decode at B=1: 8 programs otherwise); the output's bits do not
+    depend on them (a causal verify block: rows of one tile reach different splits)."""
+    assert merge_block(1, 64, 512, 64) == (16, 16)  # decode B=1: 128 programs, not 8
+    assert merge_block(16, 64, 512, 64) == (64, 16)  # decode B=16: 512 programs
+    assert merge_block(16, 257 * 64, 512, 64) == (64, 64)
+    b, t, h, r, dr, s = 2, 5, 8, 80, 8, 90  # r = 80: several column blocks, the last one masked
+    ql, qr, lat, kr = _inputs(np.random.default_rng(11), b, t, h, r, dr, s, jnp.float32)
+    start = jnp.asarray([3, 80], jnp.int32)
+    outs = [np.asarray(mla_attention(ql, qr, lat, kr, start, scale=0.1, causal=True, block_m=32, block_k=16,
+                                     split_keys=32, merge_tiles=tiles, interpret=True))
+            for tiles in [(32, 64), (16, 16), (32, 16), (16, 32)]]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    with pytest.raises(ValueError, match="merge_tiles"):
+        mla_attention(ql, qr, lat, kr, start, scale=0.1, causal=True, block_m=32, block_k=16, split_keys=32,
+                      merge_tiles=(64, 16), interpret=True)
 
 
 def test_bad_arguments():

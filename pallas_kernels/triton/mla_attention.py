@@ -74,7 +74,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["auto_split_keys", "default_tiles", "mla_attention"]
+__all__ = ["auto_split_keys", "default_tiles", "merge_block", "mla_attention"]
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf.
@@ -217,15 +217,19 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(0, RP)], out.astype(out_ref.dtype), mask=out_mask)
 
 
-def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, MC, BM, causal, chunk, seg, grp):
+def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, MR, MC, BM, causal, chunk, seg,
+                  grp):
     """Merge the splits a row tile's length reached, in split order (the same order for any
     batch); splits of one segment each are first folded into their groups (``grp`` keys), as the
-    attention kernel folds them when it runs the segments itself. Each program merges ``MC`` of
-    the value columns (every column's fold is its own: the same bits whatever ``MC``), so a
-    program holds a ``[BM, MC]`` float32 tile, not the whole ``[BM, r]`` accumulator."""
+    attention kernel folds them when it runs the segments itself. Each program merges ``MR`` of
+    the attention tile's ``BM`` rows and ``MC`` of the value columns (every element's fold is its
+    own, and a row's maxima and denominators fold alike in every program: the same bits whatever
+    ``MR`` and ``MC``), so a program holds a ``[MR, MC]`` float32 tile."""
     b, rt, ct = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, _, _, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
-    row0, col0 = rt * BM, ct * MC
+    row0, col0 = rt * MR, ct * MC
+    # the parts the enclosing attention tile wrote: its length, not the sub-block's
+    _, _, _, kv_end = _row_span(row0 // BM, H=H, T=T, S=S, BM=BM, causal=causal, start=start_ref[b])
+    rows = row0 + jnp.arange(MR, dtype=jnp.int32)
     row_ok = rows < R
     col_ok = None if r % MC == 0 else (col0 + jnp.arange(MC, dtype=jnp.int32) < r)[None, :]
     mask2 = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok
@@ -233,19 +237,32 @@ def _merge_kernel(start_ref, o_ref, m_ref, den_ref, out_ref, *, H, T, S, R, r, M
     per_group = max(1, grp // chunk) if seg else 1
 
     def fold(s, carry):
-        o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, BM), pl.ds(col0, MC)], mask=mask2, other=0)
-        m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=_NEG)
-        den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, BM)], mask=row_ok, other=0)
+        o_s = plgpu.load(o_ref.at[b, s, pl.ds(row0, MR), pl.ds(col0, MC)], mask=mask2, other=0)
+        m_s = plgpu.load(m_ref.at[b, s, pl.ds(row0, MR)], mask=row_ok, other=_NEG)
+        den_s = plgpu.load(den_ref.at[b, s, pl.ds(row0, MR)], mask=row_ok, other=0)
         return _merge(carry, (o_s, m_s, den_s))
 
     def group(gi, total):
         first = gi * per_group
         n = jnp.minimum(per_group, n_parts - first)
-        return _merge(total, jax.lax.fori_loop(first, first + n, fold, _fresh(BM, MC)))
+        return _merge(total, jax.lax.fori_loop(first, first + n, fold, _fresh(MR, MC)))
 
-    o, _, den = jax.lax.fori_loop(0, pl.cdiv(n_parts, per_group), group, _fresh(BM, MC))
+    o, _, den = jax.lax.fori_loop(0, pl.cdiv(n_parts, per_group), group, _fresh(MR, MC))
     out = o / jnp.where(den > 0, den, 1.0)[:, None]
-    plgpu.store(out_ref.at[b, pl.ds(row0, BM), pl.ds(col0, MC)], out.astype(out_ref.dtype), mask=mask2)
+    plgpu.store(out_ref.at[b, pl.ds(row0, MR), pl.ds(col0, MC)], out.astype(out_ref.dtype), mask=mask2)
+
+
+def merge_block(batch: int, rows: int, r: int, block_m: int, *, num_sms: int = _NUM_SMS) -> tuple[int, int]:
+    """``(rows, value columns)`` per program of the merge launch: ``(block_m, 64)`` unless that
+    leaves fewer than two programs per SM (a decode step at small batch: 8 programs at B=1 with K2
+    shapes), then halved, columns first, down to 16 x 16. The bits do not depend on it."""
+    mr, mc = block_m, min(max(16, pl.next_power_of_2(r)), _MERGE_COLS)
+    while batch * pl.cdiv(rows, mr) * pl.cdiv(r, mc) < 2 * num_sms and (mc > 16 or mr > 16):
+        if mc > 16:
+            mc //= 2
+        else:
+            mr //= 2
+    return mr, mc
 
 
 def default_tiles(dtype) -> dict:
@@ -275,13 +292,14 @@ def auto_split_keys(batch: int, rows: int, max_len: int, *, block_m: int = 64, b
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "causal", "block_m", "block_k", "split_keys", "segment_keys", "segment_group",
-                     "num_warps", "num_stages", "interpret"),
+                     "num_warps", "num_stages", "interpret", "merge_tiles"),
 )
 def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, start: jax.Array,
                   block_mask: jax.Array | None = None, *, scale: float, causal: bool = False,
                   block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
                   segment_keys: int = 0, segment_group: int = 1, num_warps: int | None = None,
-                  num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                  num_stages: int | None = None, interpret: bool = False,
+                  merge_tiles: tuple[int, int] | None = None) -> jax.Array:
     """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
 
     Args:
@@ -300,6 +318,8 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         one program), ``segment_keys`` (one program per segment) or ``segment_keys *
         segment_group`` (one program per group); the merge kernel repeats the same folds.
         num_warps / num_stages: Triton launch parameters. ``None``: ``default_tiles(latent.dtype)``.
+      merge_tiles: ``(rows, value columns)`` per program of the split merge (powers of two, rows
+        dividing ``block_m``); ``None``: ``merge_block``. Any choice gives the same bits.
 
     Returns:
       ``[B,T,H,r]`` in ``q_latent``'s dtype.
@@ -353,10 +373,12 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         name="mla_attention",
     )(start.astype(jnp.int32), q_latent.reshape(B, R, r), q_rope.reshape(B, R, dr), latent, k_rope, bm)
     if chunk:
-        mc = min(RP, _MERGE_COLS)
+        mr, mc = merge_tiles or merge_block(B, R, r, BM)
+        if BM % mr or mr & (mr - 1) or mc & (mc - 1):
+            raise ValueError(f"mla_attention: merge_tiles {(mr, mc)} must be powers of two, rows dividing {BM}")
         (out,) = pl.pallas_call(
-            functools.partial(_merge_kernel, MC=mc, **static),
-            grid=(*grid[:2], pl.cdiv(r, mc)),
+            functools.partial(_merge_kernel, MR=mr, MC=mc, **static),
+            grid=(B, pl.cdiv(R, mr), pl.cdiv(r, mc)),
             in_specs=[any_spec] * 4,
             out_specs=[any_spec],
             out_shape=[sd((B, R, r), q_latent.dtype)],
