@@ -238,6 +238,8 @@ def main():
     p.add_argument("--prefill-t", type=int, help="prefill block length (default 2048; 0: none)")
     p.add_argument("--tiles", nargs="+", metavar="M,K,W,S",
                    help="sweep these block_m,block_k,num_warps,num_stages instead of the built-in set")
+    p.add_argument("--merge-tiles", nargs="+", metavar="R,C", default=[],
+                   help="also time decode with these split-merge tiles (rows,columns; the default: merge_block)")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
@@ -285,7 +287,8 @@ def main():
             splits = ("auto", 0)
             if sweep and b == 1:
                 splits += (16, 32) if small else (128, 512, 2048)
-            bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=sweep_cfgs if big else (None,))
+            merge = tuple(dict(merge_tiles=tuple(int(v) for v in mt.split(","))) for mt in a.merge_tiles)
+            bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=(sweep_cfgs if big else (None,)) + merge)
         for t in verify_ts:
             for b in batches:
                 splits = ("auto", 0) if b == 1 else ("auto",)
