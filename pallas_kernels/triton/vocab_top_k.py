@@ -100,27 +100,48 @@ _MAX_SPLITS = 16
 _RANK_BLOCK = 32  # rows of the K x K comparison per program of the order launch
 
 
-def _kth_key(keys, k, lo, hi):
-    """The k-th largest of the int32 ``keys`` (``_zkey``; a NaN gets some key, and NaN rows are
-    replaced at the end; entries ``_INT_MIN`` are padding; at least k real keys): the smallest T in
-    ``(lo, hi]`` with ``#(keys > T) < k``, by bisection (the caller's bounds hold it)."""
-    return _bisect_while(lambda mid: jnp.sum(jnp.where(keys > mid, 1, 0)) < k, lo, hi)
+def _count_above(parts, t):
+    """``#(keys > t)`` over a row held as one or more int32 key vectors (``parts``)."""
+    return jnp.sum(functools.reduce(jnp.add, [jnp.where(x > t, 1, 0) for x in parts]))
 
 
-def _keep_first_k(keys, k, T):
-    """Mask of the k kept entries given the k-th key T: ``key > T``, then ``key == T`` in index order."""
-    gt = keys > T
-    eq = keys == T
-    n_gt = jnp.sum(jnp.where(gt, 1, 0))
-    return gt | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= k - n_gt))
+def _kth_key(parts, k, lo, hi):
+    """The k-th largest of a row's int32 keys (``_zkey``; a NaN gets some key, and NaN rows are
+    replaced at the end; entries ``_INT_MIN`` are padding; at least k real keys), held as one or
+    more vectors: the smallest T in ``(lo, hi]`` with ``#(keys > T) < k``, by bisection (the
+    caller's bounds hold it)."""
+    return _bisect_while(lambda mid: _count_above(parts, mid) < k, lo, hi)
 
 
-def _partition_dest(sel, iota):
-    """Stable partition: selected entries to 0.., the others after them (a permutation, so a
-    scatter has distinct indices even where interpret mode writes masked-off lanes too)."""
-    pos = jnp.cumsum(sel.astype(jnp.int32)) - 1
-    n = jnp.sum(sel.astype(jnp.int32))
-    return jnp.where(sel, pos, n + iota - pos - 1)
+def _keep_first_k(parts, k, T):
+    """Masks of the k kept entries of a row held as key vectors in column order, given the k-th key
+    T: ``key > T``, then ``key == T`` in column order (across the vectors)."""
+    room = k - _count_above(parts, T)
+    sel, before = [], None
+    for x in parts:
+        eq = x == T
+        rank = jnp.cumsum(eq.astype(jnp.int32))
+        if before is not None:
+            rank = rank + before
+        sel.append((x > T) | (eq & (rank <= room)))
+        before = jnp.sum(eq.astype(jnp.int32)) if before is None else before + jnp.sum(eq.astype(jnp.int32))
+    return sel
+
+
+def _partition_dest(sel, idx):
+    """Stable partition of a row held as vectors (masks ``sel``, column indices ``idx``): selected
+    entries to 0.., the others after them (a permutation, so a scatter has distinct indices even
+    where interpret mode writes masked-off lanes too)."""
+    n = functools.reduce(jnp.add, [jnp.sum(x.astype(jnp.int32)) for x in sel])
+    dests, done = [], None
+    for x, c in zip(sel, idx, strict=True):
+        xi = x.astype(jnp.int32)
+        pos = jnp.cumsum(xi) - 1
+        if done is not None:
+            pos = pos + done
+        dests.append(jnp.where(x, pos, n + c - pos - 1))
+        done = jnp.sum(xi) if done is None else done + jnp.sum(xi)
+    return dests
 
 
 # ----------------------------------------------------------------------------- 1: stats
@@ -178,27 +199,14 @@ def _chunks_kernel(cm_ref, tm_ref, ts_ref, lse_in_ref, m_ref, lse_ref, bad_ref, 
         for j, ok in enumerate(real):
             cm = plgpu.load(cm_ref.at[r, pl.ds(j * part, part)], mask=ok, other=-jnp.inf)
             ck.append(jnp.where(ok, _zkey((cm - m) - lse), _INT_MIN))
-        T = _bisect(lambda mid: jnp.sum(sum(jnp.where(x > mid, 1, 0) for x in ck)) < k, jnp.int32(_INT_MIN),
-                    jnp.int32(0), 32)
+        T = _bisect(lambda mid: _count_above(ck, mid) < k, jnp.int32(_INT_MIN), jnp.int32(0), 32)
         t0_ref[r] = T
-        gt = [x > T for x in ck]
-        eq = [x == T for x in ck]
-        room = k - sum(jnp.sum(jnp.where(g, 1, 0)) for g in gt)
-        sel, before = [], 0
-        for g, e in zip(gt, eq, strict=True):  # key == T in column order, across the parts
-            sel.append(g | (e & (jnp.cumsum(e.astype(jnp.int32)) + before <= room)))
-            before = before + jnp.sum(e.astype(jnp.int32))
+        sel = _keep_first_k(ck, k, T)
     else:
         sel = real
         t0_ref[r] = jnp.int32(_INT_MIN) + r * 0
-    # Stable partition across the parts (a permutation: selected chunks to 0.., the rest after).
-    n_sel = sum(jnp.sum(x.astype(jnp.int32)) for x in sel)
-    done = 0
-    for c, x in zip(cols, sel, strict=True):
-        pos = jnp.cumsum(x.astype(jnp.int32)) - 1 + done
-        dest = jnp.where(x, pos, n_sel + c - pos - 1)
+    for c, x, dest in zip(cols, sel, _partition_dest(sel, cols), strict=True):
         plgpu.store(cl_ref.at[r, dest], c, mask=x)
-        done = done + jnp.sum(x.astype(jnp.int32))
 
 
 # ----------------------------------------------------------------------------- 3: candidates
@@ -221,8 +229,8 @@ def _candidates_kernel(x_ref, m_ref, lse_ref, cl_ref, t0_ref, zs_ref, ids_ref, *
     # The k-th key lies in [T0, key(-lse)]: at least k chunks reach the k-th chunk maximum T0 (so k
     # values do), and no z exceeds (m - m) - lse. About 25 halvings instead of 32 on draft rows.
     lo = jnp.where(t0 > _INT_MIN, t0 - 1, _INT_MIN)
-    sel = _keep_first_k(keys, k, _kth_key(keys, k, lo, _zkey(-lse))) & live
-    dest = _partition_dest(sel, f)
+    sel = _keep_first_k([keys], k, _kth_key([keys], k, lo, _zkey(-lse)))[0] & live
+    (dest,) = _partition_dest([sel], [f])
     plgpu.store(zs_ref.at[r, dest], z, mask=sel)
     plgpu.store(ids_ref.at[r, dest], cols, mask=sel)
 
