@@ -55,9 +55,7 @@ def per_head_causal_attention(q_nope: jax.Array, q_rope: jax.Array, latent: jax.
     every query under the causal mask; flash kernels favour whole tiles). ``mesh``: run in a
     ``shard_map`` with batch rows over ``mesh.data`` and heads over ``mesh.tensor`` (each head is
     independent), so no partitioner has to split the attention call."""
-    b, h = q_nope.shape[0], q_nope.shape[2]
-    data = mesh.data if mesh is not None and mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
-    tensor = mesh.tensor if mesh is not None and mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
+    data, tensor = _split_axes(mesh, q_nope.shape[0], q_nope.shape[2])
     local = functools.partial(_per_head_local, scale=scale, implementation=implementation)
     if data is None and tensor is None:
         return local(q_nope, q_rope, latent, k_rope, w_k, w_v)
@@ -123,6 +121,16 @@ class AttentionMesh:
         return cls(mesh, data, tensor) if data or tensor else None
 
 
+def _split_axes(mesh: AttentionMesh | None, b: int, h: int) -> tuple[str | None, str | None]:
+    """The mesh axes a ``shard_map`` splits batch rows (``data``, when it divides ``b``) and heads
+    (``tensor``, when it divides ``h``) over; ``None`` where not split."""
+    if mesh is None:
+        return None, None
+    data = mesh.data if mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
+    tensor = mesh.tensor if mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
+    return data, tensor
+
+
 def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: BlockMask,
                      *, scale: float, backend: Backend, mesh: AttentionMesh | None = None,
                      segment_keys: int | None = SEGMENT_KEYS, segment_group: int = SEGMENT_GROUP) -> jax.Array:
@@ -142,8 +150,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         return latent_attention_reference(q_latent, q_rope, latent, k_rope, mask, scale=scale)
     kernel = functools.partial(_kernel, scale=float(scale), causal=mask.causal, interpret=backend.interpret,
                                segment_keys=segment_keys or 0, segment_group=segment_group)
-    data = mesh.data if mesh is not None and mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
-    tensor = mesh.tensor if mesh is not None and mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
+    data, tensor = _split_axes(mesh, b, h)
     args = (q_latent, q_rope, latent, k_rope, mask.start) + (() if mask.causal else (mask.within,))
     if data is None and tensor is None:
         return kernel(*args)
