@@ -162,8 +162,9 @@ class MLAttention(nnx.Module):
                 return jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
             return dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
 
-        impl = self.per_head_impl or _per_head_default(q_nope.dtype, dn + cfg.qk_rope_head_dim)
-        if mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None and impl:
+        long_prefill = mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None
+        impl = long_prefill and (self.per_head_impl or _per_head_default(q_nope.dtype, dn + cfg.qk_rope_head_dim))
+        if impl:
             def per_head():
                 # the block's own slots: a block starting at slot 0 sees nothing else
                 return per_head_causal_attention(q_nope, q_rope, latent[:, :t], k_rope[:, :t], w_k, w_v,
