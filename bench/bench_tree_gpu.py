@@ -104,6 +104,15 @@ def old_tables(budget):
     return lambda x: exact_top_k(draft_logprobs(x), k)
 
 
+def load_baseline(path):
+    """``(name, module)`` of a previous kernel file given by path (``--baseline-*``)."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return name, module
+
+
 def main():
     global B, BUDGET, L, V, INTERPRET, DEV_N
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -231,10 +240,7 @@ def main():
     timed("topk_old_exact_top_k_incl_log_softmax_dev", lambda: dev_time(old_tables(BUDGET), xs[0]))
     timed("topk_kernel_fused_lse", lambda: time_it(jax.jit(kernel_tables(BUDGET, "kernel")), args, iters=iters))
     for path in a.baseline_topk:
-        name = os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+        name, base = load_baseline(path)
         for lse in ("kernel", "xla"):
             checked(f"baseline top-k {name} lse={lse} == current top-k", lambda base=base, lse=lse: "equal" if all(
                 np.array_equal(np.asarray(u), np.asarray(w)) for u, w in zip(
@@ -264,10 +270,7 @@ def main():
     timed("pallas_pop_loop_w4_dev", lambda: dev_time(
         lambda a_: tree_builder.build_tree(a_, tops[0][1], budget=BUDGET, interpret=INTERPRET), tops[0][0]))
     for path in a.baseline_builder:
-        name = os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+        name, base = load_baseline(path)
         checked(f"baseline {name} == current pop loop", lambda base=base: "equal" if all(
             np.array_equal(np.asarray(u), np.asarray(w)) for u, w in zip(
                 base.build_tree(*tops[0], budget=BUDGET, interpret=INTERPRET),
