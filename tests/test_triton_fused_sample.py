@@ -312,3 +312,27 @@ def test_rows_do_not_depend_on_the_batch():
     a, b = _run(x[:4], small, seeds[:4], tile), _run(x, pb, seeds, tile)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key][:4], err_msg=key)
+
+
+def test_first_check_pass_splits_give_the_same_bits():
+    """The rejection path's first check pass spread over 1, 2 or 4 programs per row (V=1000,
+    tile 64: 16 tiles, 4 segments of CHECK_SEG tiles): every output field the same bits, since
+    every value it stores is one tile's or one fixed segment's. Rows: top-p alone, min-p alone,
+    top-k > CAND_CHUNKS with and without top-p, on Gaussian and on rounded (tied) logits."""
+    from pallas_kernels.triton.fused_sample import CHECK_SEG
+
+    rng = np.random.default_rng(12)
+    R, V, tile = 8, 1000, 64
+    assert -(-V // tile) == 4 * CHECK_SEG
+    x = (rng.standard_normal((R, V)) * 2).astype(np.float32)
+    x[4:] = np.round(x[4:])
+    # (high temperatures for the top-k rows: their first pivots fall near rank k, where the
+    # count decides)
+    pb = _batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2, [0.0, 0.2, 0.0, 0.0] * 2)
+    outs = [_run(x, pb, _seeds(R, 9), tile, check_splits=c) for c in (1, 2, 4)]
+    assert (outs[0]["path"] == PATH_REJECT).all()
+    for out in outs[1:]:
+        for key in out:
+            np.testing.assert_array_equal(out[key], outs[0][key], err_msg=key)
+    lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
+    assert (lp[np.arange(R), outs[0]["token"]] > -np.inf).all()

@@ -10,7 +10,7 @@ Triton row-max/argmax pass ran at ~90% of copy bandwidth on the H200.
 We did not build a Mosaic GPU variant to measure against (device-time budget); see the bench
 results for the measured fraction of copy bandwidth this Triton version reaches.
 
-Algorithm (two launches, one program per row each):
+Algorithm (three launches; the first two spread a row over several programs when rows are few):
 
 1. ``_stats_kernel`` reads the row from HBM once, tile by tile: row max ``M`` and argmax (lowest
    index on ties: the greedy token), the NaN/+inf/all--inf validity flags, per-tile ``(m_t, s_t)``
@@ -23,8 +23,8 @@ Algorithm (two launches, one program per row each):
    +inf / all -inf come from the tile max, NaN from ``s_t`` being NaN (sampled rows) or one
    ``x != x`` reduction (greedy rows); chunk maxima are stored only for rows that can take the
    top-k candidate path.
-2. ``_select_kernel`` chooses per row (``lax.switch`` on per-row flags, so mixed batches pay only
-   for what each row needs):
+2. ``_check_kernel`` (8 warps, like the stats launch) finishes the light rows and runs the
+   rejection path's first full-row pass (below) split over programs:
 
    * invalid row -> -1; greedy row (T == 0) -> the argmax. (Which temperatures count as greedy is
      the caller's rule: ``ddtree_jax.sampling`` maps T < 1e-5 to 0 before calling. Tiny positive
@@ -32,6 +32,10 @@ Algorithm (two launches, one program per row each):
    * temperature only: two-level inverse CDF with two counter-based uniforms: pick a tile with
      probability ``w_t = s_t exp((m_t - M)/T)`` / sum, re-read that ONE tile (4096 columns) and
      pick inside it by a cumulative sum of ``exp(z)``. One HBM pass plus one tile.
+3. ``_select_kernel`` (one program per row, 16 warps) takes the filtered rows only (light rows
+   exit at once; their outputs, written by launch 2, pass through aliased buffers), choosing per
+   row by nested ``lax.cond`` on per-row flags, so mixed batches pay only for what each row needs:
+
    * top-k (k <= 128) with optional top-p / min-p: the k-th largest chunk maximum ``L`` is a lower
      bound of the k-th largest value, and every element ``>= L`` lies in the (exactly k, or a few
      more on ties) chunks whose maximum is ``>= L``. Those chunks (<= 128 x 64 = 8192 values)
@@ -60,6 +64,12 @@ Algorithm (two launches, one program per row each):
      draw passes min-p, else 1 (the redraw from {z >= log(min_p)} needs no test). top-k with top-p
      (k > 128): S_k is bounded by ``mass{z >= z_v} <= S_k <= total``; when the bounds do not
      decide, S_k is computed exactly once per row (bisection for z_(k): 33 passes).
+     The first round's pass runs in launch 2, over several programs per row when rows are few
+     (segments of ``CHECK_SEG`` tiles: the per-tile masses, and per segment the count and the
+     total, so the select launch adds the same values in the same order whatever the split); the
+     select launch draws the same first pivot (same streams, same code) and reads its results.
+     Later rounds, and the first round of rows sent here by more than CAND_CHUNKS tied candidate
+     chunks, run in the select launch's own program.
      After ``MAX_ROUNDS`` rejections the row falls back to the full-row bisections below (an
      independent draw of the same exact law; worst case ``MAX_ROUNDS`` + ~66 passes).
    * fallback (and ``max_rounds=0``, the previous behaviour): the same bisections as the
@@ -115,6 +125,8 @@ EXACT_DIV_ASM = True
 
 PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW, PATH_REJECT = 0, 1, 2, 3, 4
 MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (PATH_SLOW)
+CHECK_SEG = 4  # tiles per segment of the first check pass (fixed: its sums never depend on the batch)
+_CHECK_SEG_BITS = CHECK_SEG.bit_length() - 1
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -136,6 +148,11 @@ def _div(a, b, exact_asm: bool):
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
     )[0]
+
+
+def _zof(x, M, Ts, exact_asm: bool):
+    """z = (x - M) / T with IEEE division, as the reference computes it."""
+    return _div(x - M, jnp.full(x.shape, Ts, jnp.float32), exact_asm)
 
 
 def _pick(weights, u, iota):
@@ -164,6 +181,84 @@ def _tile_loop(load, t0, n, body, init):
     return jax.lax.fori_loop(0, n, step, (load(t0, True), init))[1]
 
 
+# ----------------------------------------------------------------------------- per-row pieces
+
+
+def _row_flags(T, k, p, minp, V):
+    """(greedy, k_on, p_on, m_on, filtered, cand_row) of one row's parameters. ``cand_row``: the
+    top-k candidate path may apply (it does unless more than CAND_CHUNKS chunks tie)."""
+    greedy = T == 0.0
+    k_on = (k > 0) & (k < V)
+    p_on = p < 1.0
+    m_on = minp > 0.0
+    return greedy, k_on, p_on, m_on, k_on | p_on | m_on, k_on & (k <= CAND_CHUNKS)
+
+
+def _combine_splits(mx_ref, am_ref, ok_ref, r, splits):
+    """The stats launch's per-split results of row r combined exactly: (max, lowest-index argmax,
+    valid)."""
+    mxs = mx_ref[r, pl.ds(0, splits)]
+    M = jnp.max(mxs)
+    argmax = jnp.min(jnp.where(mxs == M, am_ref[r, pl.ds(0, splits)], _BIG))
+    oks = ok_ref[r, pl.ds(0, splits)]
+    valid = (jnp.max(oks // 2) == 0) & (jnp.max(oks % 2) == 1)
+    return M, argmax, valid
+
+
+def _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t):
+    """Per-tile masses ``s_t exp((m_t - M) / T)`` of row r (the first draw's tile weights)."""
+    iota = jnp.arange(ntp, dtype=jnp.int32)
+    tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota < nt, other=-jnp.inf)
+    ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota < nt, other=0.0)
+    return jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M) * inv_t), 0.0)
+
+
+def _draw(x_ref, r, W, u_t, u_e, allowed, *, tile, V, zof, argmax):
+    """Two-level inverse CDF over exp(z) restricted to ``allowed(z, e)``: a tile by the weights W
+    (the restricted per-tile masses) and ``u_t``, then that one tile re-read and an element picked
+    in it by ``u_e``. -> (token, z, exp(z)). The check and select launches draw a row's first
+    pivot through this with the same inputs: the same bits in both."""
+    iota_nt = jnp.arange(W.shape[0], dtype=jnp.int32)
+    iota_t = jnp.arange(tile, dtype=jnp.int32)
+    t = jnp.maximum(_pick(W, u_t, iota_nt), 0)
+    cols = t * tile + iota_t
+    x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
+    z = zof(x)
+    e = jnp.exp(z)
+    j = _pick(jnp.where(allowed(z, e), e, 0.0), u_e, iota_t)
+    hit = iota_t == j
+    # (j < 0 cannot happen: W_t > 0 says the tile holds an allowed value; argmax is kept anyway)
+    tok = jnp.where(j >= 0, t * tile + j, argmax)
+    zv = jnp.where(j >= 0, jnp.sum(jnp.where(hit, z, 0.0)), 0.0)
+    ev = jnp.where(j >= 0, jnp.sum(jnp.where(hit, e, 0.0)), 1.0)
+    return tok, zv, ev
+
+
+def _finite(z, e):
+    return z > -jnp.inf
+
+
+def _x_bounds(zof, zv, tau_m):
+    """``(x_up, x_m)``: the smallest float32 x with ``zof(x) > zv`` and the smallest with
+    ``zof(x) >= tau_m`` (= log(min_p)). ``zof`` is monotone in x (a rounded subtraction, then a
+    rounded division by T > 0), so ``{z > zv} = {x >= x_up}`` and ``{z >= log(min_p)} = {x >= x_m}``
+    exactly, and a pass compares x instead of dividing every element. Both by one bisection over
+    the int32 keys of the floats from -inf to +inf (32 steps on a 2-vector, elementwise: no
+    reduction); ``zof(+inf) = +inf`` passes both, ``zof(-inf) = -inf`` passes only ``>= -inf``
+    (min-p off), which the last line keeps."""
+    iota2 = jnp.arange(2, dtype=jnp.int32)
+    zt = jnp.where(iota2 == 0, zv, tau_m)
+
+    def passes(k):
+        z = zof(_key_to_float(k))
+        return jnp.where(iota2 == 0, z > zt, z >= zt)
+
+    lo, hi = jnp.full((2,), _KEY_NEG_INF, jnp.int32), jnp.full((2,), _KEY_POS_INF, jnp.int32)
+    k = jnp.where(passes(lo), lo, _bisect(passes, lo, hi, 32))
+    xb = _key_to_float(k)
+    return jnp.max(jnp.where(iota2 == 0, xb, -jnp.inf)), jnp.max(jnp.where(iota2 == 1, xb, -jnp.inf))
+
+
 # ----------------------------------------------------------------------------- kernel 1: stats
 
 
@@ -172,7 +267,7 @@ def _stats_kernel(
 ):
     """Program (r, s) reads tiles ``[s * tps, min((s + 1) * tps, nt))`` of row r: per-tile stats go
     to their own slots, the row max / argmax / validity of its part to ``[r, s]`` (combined by the
-    select launch). Several programs per row keep small row counts from being latency bound."""
+    later launches). Several programs per row keep small row counts from being latency bound."""
     r = pl.program_id(0)
     split = pl.program_id(1)
     t0 = split * tps
@@ -217,7 +312,110 @@ def _stats_kernel(
     m, am, bad, fin = _tile_loop(load_tile, t0, jnp.minimum(tps, nt - t0), body, init)
     mx_ref[r, split] = m
     am_ref[r, split] = am
-    ok_ref[r, split] = bad.astype(jnp.int32) * 2 + fin.astype(jnp.int32)  # combined by the select launch
+    ok_ref[r, split] = bad.astype(jnp.int32) * 2 + fin.astype(jnp.int32)  # combined by the later launches
+
+
+# ----------------------------------------------------------------------------- kernel 2: light rows, first check
+
+
+def _check_kernel(
+    x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref,
+    w_ref, cnt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
+    *, V, tile, nt, ntp, sps, splits, exact_asm,
+):
+    """Two jobs on a (rows, programs per row) grid, in a launch lighter than the select's:
+
+    * Light rows (invalid, greedy, temperature only) are finished by program (r, 0): the argmax,
+      or a two-level draw (a tile by its mass with stream 0, one tile re-read, an element with
+      stream 1). The select launch skips them.
+    * The rejection path's first check pass, spread over programs (r, s) that each take segments
+      ``[s * sps, (s + 1) * sps)`` of CHECK_SEG tiles: for the row's first pivot v (``_draw`` with
+      streams 2 and 3, which the select launch repeats bit for bit), per tile the mass of
+      ``{z > z_v, z >= log(min_p)}`` (``w``, the next draw's weights), per segment ``#{z > z_v}``
+      (``cnt``) and the total mass (``tot``). Every stored value is one tile's or one fixed
+      segment's, so the select launch sums the same values in the same order whatever the number
+      of programs. Min-p-only rows whose pivot passes min-p need no pass."""
+    r = pl.program_id(0)
+    sp = pl.program_id(1)
+    T = temp_ref[r]
+    k = topk_ref[r]
+    p = topp_ref[r]
+    minp = minp_ref[r]
+    greedy, k_on, p_on, _, filtered, cand_row = _row_flags(T, k, p, minp, V)
+    M, argmax, valid = _combine_splits(mx_ref, am_ref, ok_ref, r, splits)
+    Ts = jnp.where(greedy, 1.0, T)
+    inv_t = 1.0 / Ts
+    c2 = inv_t * np.float32(np.log2(np.e))
+    zof = functools.partial(_zof, M=M, Ts=Ts, exact_asm=exact_asm)
+    tau_m = jnp.log(minp)
+    iota_t = jnp.arange(tile, dtype=jnp.int32)
+    zi, zf = k * 0, T * 0.0
+    s0, s1 = seed_ref[r, 0], seed_ref[r, 1]
+    draw = functools.partial(_draw, x_ref, r, tile=tile, V=V, zof=zof, argmax=argmax)
+
+    @pl.when((sp == 0) & (~valid | greedy | ~filtered))
+    def _():
+        def temperature():
+            W = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
+            return draw(W, _uniform(s0, s1, 0), _uniform(s0, s1, 1), _finite)[0], jnp.sum(W)
+
+        tok, S = jax.lax.cond(~valid | greedy, lambda: (jnp.where(valid, argmax, INVALID_TOKEN), zf), temperature)
+        light = (valid & ~greedy).astype(jnp.int32)
+        tok_ref[r] = tok.astype(jnp.int32)
+        tau_ref[r] = zf - jnp.inf
+        qthr_ref[r] = zf
+        norm_ref[r] = S
+        path_ref[r] = light * PATH_TEMPERATURE + (1 - light) * PATH_NONE
+        passes_ref[r] = zi
+        rounds_ref[r] = zi
+
+    @pl.when(valid & ~greedy & filtered & ~cand_row)
+    def _():
+        W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
+        _, zv, _ = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)
+
+        @pl.when(k_on | p_on | (zv < tau_m))
+        def _():
+            x_up, x_m = _x_bounds(zof, zv, tau_m)
+            x_w = jnp.maximum(x_up, x_m)
+            g0 = sp * sps
+            t0 = g0 * CHECK_SEG
+            n = jnp.clip(nt - t0, 0, sps * CHECK_SEG)
+
+            def load_tile(t, live):
+                cols = t * tile + iota_t
+                return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
+
+            def run(with_count, with_total):
+                def body(i, x, c):
+                    cnt, tot = c
+                    t = t0 + i
+                    e = jnp.exp2((x - M) * c2)
+                    w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
+                    if with_count:
+                        cnt = cnt + jnp.where(x >= x_up, 1, 0)
+                    if with_total:
+                        tot = tot + e
+                    # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
+                    last = ((i & (CHECK_SEG - 1)) == CHECK_SEG - 1) | (i == n - 1)
+                    g = g0 + (i >> _CHECK_SEG_BITS)
+
+                    @pl.when(last)
+                    def _():
+                        cnt_ref[r, g] = jnp.sum(cnt) if with_count else zi
+                        tot_ref[r, g] = jnp.sum(tot) if with_total else zf
+
+                    return jnp.where(last, 0, cnt), jnp.where(last, 0.0, tot)
+
+                init = (jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
+                _tile_loop(load_tile, t0, n, body, init)
+                return zi
+
+            jax.lax.cond(
+                k_on,
+                lambda: jax.lax.cond(p_on, lambda: run(True, True), lambda: run(True, False)),
+                lambda: jax.lax.cond(p_on, lambda: run(False, True), lambda: run(False, False)),
+            )
 
 
 # ----------------------------------------------------------------------------- kernel 2: select
@@ -236,6 +434,16 @@ def _select_kernel(
     tm_ref,
     ts_ref,
     cm_ref,
+    w_ref,
+    cnt_ref,
+    tot_ref,
+    _tok_in,  # the check launch's outputs (light rows written), aliased to the outputs below
+    _tau_in,
+    _qthr_in,
+    _norm_in,
+    _path_in,
+    _passes_in,
+    _rounds_in,
     tok_ref,
     tau_ref,
     qthr_ref,
@@ -255,7 +463,10 @@ def _select_kernel(
     interpret_mode,
     max_rounds,
     splits,
+    nseg,
 ):
+    """Rows with a filter: the top-k candidate path, the pivot rejection or the full-row
+    bisections, one program per row (light rows: the check launch has written them)."""
     r = pl.program_id(0)
     T = temp_ref[r]
     k = topk_ref[r]
@@ -263,29 +474,18 @@ def _select_kernel(
     minp = minp_ref[r]
     s0 = seed_ref[r, 0]
     s1 = seed_ref[r, 1]
-    # Combine the stats launch's per-split results: max, lowest-index argmax, validity.
-    mxs = mx_ref[r, pl.ds(0, splits)]
-    M = jnp.max(mxs)
-    argmax = jnp.min(jnp.where(mxs == M, am_ref[r, pl.ds(0, splits)], _BIG))
-    oks = ok_ref[r, pl.ds(0, splits)]
-    valid = (jnp.max(oks // 2) == 0) & (jnp.max(oks % 2) == 1)
-    greedy = T == 0.0
+    M, argmax, valid = _combine_splits(mx_ref, am_ref, ok_ref, r, splits)
+    greedy, k_on, p_on, _, filtered, cand_row = _row_flags(T, k, p, minp, V)
     Ts = jnp.where(greedy, 1.0, T)
     inv_t = 1.0 / Ts
-    k_on = (k > 0) & (k < V)
-    p_on = p < 1.0
-    m_on = minp > 0.0
-    filtered = k_on | p_on | m_on
     # Values returned by lax.cond branches must be traced values, not literals (Triton lowering).
     zi, zf = k * 0, T * 0.0
     u1 = _uniform(s0, s1, 0)
     u2 = _uniform(s0, s1, 1)
     nc = nt * (tile // CHUNK)
-    div = functools.partial(_div, exact_asm=exact_asm)
     iota_t = jnp.arange(tile, dtype=jnp.int32)
 
-    def zof(x):
-        return div(x - M, jnp.full(x.shape, Ts, jnp.float32))
+    zof = functools.partial(_zof, M=M, Ts=Ts, exact_asm=exact_asm)
 
     # Candidate chunks for the top-k fast path (computed only where it can be used).
     iota_c = jnp.arange(ncp, dtype=jnp.int32)
@@ -297,16 +497,13 @@ def _select_kernel(
         kc = _bisect(lambda K: jnp.sum(jnp.where(ck > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
         return jnp.sum(jnp.where(ck >= kc, 1, 0)), kc
 
-    use_cand = valid & ~greedy & k_on & (k <= CAND_CHUNKS)
+    use_cand = valid & ~greedy & cand_row
     n_cand, kc = jax.lax.cond(use_cand, cand_count, lambda: (zi + _BIG, zi))
     use_cand = use_cand & (n_cand <= CAND_CHUNKS)
 
     # (Arithmetic, not nested jnp.where on scalar bools: that stored wrong values on jax 0.11 GPU.)
-    is_none = (~valid | greedy).astype(jnp.int32)
     other_path = PATH_REJECT if max_rounds > 0 else PATH_SLOW
-    path = (1 - is_none) * (
-        PATH_TEMPERATURE + filtered.astype(jnp.int32) * (1 + (~use_cand).astype(jnp.int32) * (other_path - 2))
-    )
+    path = PATH_CANDIDATES + (~use_cand).astype(jnp.int32) * (other_path - PATH_CANDIDATES)
 
     neg_inf = zf - jnp.inf
 
@@ -316,32 +513,8 @@ def _select_kernel(
         t_p = jnp.where(K_p >= 0, jax.lax.bitcast_convert_type(K_p, jnp.float32), 0.0)
         return tau, jnp.maximum(t_p, minp * qmax)
 
-    # --- path 0: greedy / invalid
-    def p_none():
-        tok = jnp.where(valid, argmax, INVALID_TOKEN).astype(jnp.int32)
-        return tok, neg_inf, zf, zf, zi, zi, zi
-
-    # Re-read one tile and pick inside it by inverse CDF over exp(z) restricted to the kept set.
-    def pick_in_tile(t, tau, qthr, S):
-        cols = t * tile + iota_t
-        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
-        z = zof(x)
-        e = jnp.exp(z)
-        kept = (z >= tau) & (z > -jnp.inf) & (e / S >= qthr)
-        j = _pick(jnp.where(kept, e, 0.0), u2, iota_t)
-        return jnp.where(j >= 0, t * tile + j, argmax)
-
     iota_nt = jnp.arange(ntp, dtype=jnp.int32)
-
-    # --- path 1: temperature only
-    def p_temp():
-        tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
-        ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
-        w = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M) * inv_t), 0.0)
-        t = _pick(w, u1, iota_nt)
-        S = jnp.sum(w)
-        tok = pick_in_tile(jnp.maximum(t, 0), neg_inf, zf, zf + 1.0)
-        return tok.astype(jnp.int32), neg_inf, zf, S, zi, zi, zi
+    draw = functools.partial(_draw, x_ref, r, tile=tile, V=V, zof=zof, argmax=argmax)
 
     # --- path 2: candidate chunks
     def p_cand():
@@ -461,51 +634,13 @@ def _select_kernel(
             return jnp.where(iota_nt == t, s, 0.0)
 
         w = row_reduce(tile_w, jnp.zeros((ntp,), jnp.float32))
-        t = jnp.maximum(_pick(w, u1, iota_nt), 0)
-        tok = pick_in_tile(t, tau, qthr, S)
+        tok = draw(w, u1, u2, lambda z, e: (z >= tau) & (z > -jnp.inf) & (e / S >= qthr))[0]
         passes = k_on.astype(jnp.int32) * 32 + 2 + np_passes
         return tok.astype(jnp.int32), tau, qthr, S, passes, zi, zi
 
     # --- path 4: pivot rejection (top-p / min-p without top-k, top-k > CAND_CHUNKS, ...)
-    def draw(W, u_t, u_e, P, zfl):
-        """Two-level inverse CDF over exp(z) restricted to {z > P, z >= zfl}: tile by the weights W
-        (the restricted per-tile masses), then one tile re-read. -> (token, z, exp(z))."""
-        t = jnp.maximum(_pick(W, u_t, iota_nt), 0)
-        cols = t * tile + iota_t
-        x = plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=cols < V, other=-jnp.inf).astype(jnp.float32)
-        z = zof(x)
-        e = jnp.exp(z)
-        j = _pick(jnp.where((z > P) & (z > -jnp.inf) & (z >= zfl), e, 0.0), u_e, iota_t)
-        hit = iota_t == j
-        # (j < 0 cannot happen: W_t > 0 says the tile holds an allowed value; argmax is kept anyway)
-        tok = jnp.where(j >= 0, t * tile + j, argmax)
-        zv = jnp.where(j >= 0, jnp.sum(jnp.where(hit, z, 0.0)), 0.0)
-        ev = jnp.where(j >= 0, jnp.sum(jnp.where(hit, e, 0.0)), 1.0)
-        return tok, zv, ev
-
     tau_m = jnp.log(minp)  # min-p on the rejection path: z >= log(min_p) (-inf when off)
     c2 = inv_t * np.float32(np.log2(np.e))
-
-    iota2 = jnp.arange(2, dtype=jnp.int32)
-
-    def x_bounds(zv):
-        """``(x_up, x_m)``: the smallest float32 x with ``zof(x) > zv`` and the smallest with
-        ``zof(x) >= log(min_p)``. ``zof`` is monotone in x (a rounded subtraction, then a rounded
-        division by T > 0), so ``{z > zv} = {x >= x_up}`` and ``{z >= log(min_p)} = {x >= x_m}``
-        exactly, and a pass compares x instead of dividing every element. Both by one bisection
-        over the int32 keys of the floats from -inf to +inf (32 steps on a 2-vector, elementwise:
-        no reduction); ``zof(+inf) = +inf`` passes both, ``zof(-inf) = -inf`` passes only
-        ``>= -inf`` (min-p off), which the last line keeps."""
-        zt = jnp.where(iota2 == 0, zv, tau_m)
-
-        def passes(k):
-            z = zof(_key_to_float(k))
-            return jnp.where(iota2 == 0, z > zt, z >= zt)
-
-        lo, hi = jnp.full((2,), _KEY_NEG_INF, jnp.int32), jnp.full((2,), _KEY_POS_INF, jnp.int32)
-        k = jnp.where(passes(lo), lo, _bisect(passes, lo, hi, 32))
-        xb = _key_to_float(k)
-        return jnp.max(jnp.where(iota2 == 0, xb, -jnp.inf)), jnp.max(jnp.where(iota2 == 1, xb, -jnp.inf))
 
     def check_pass(zv, with_count, with_total):
         """One full-row pass for the drawn value zv: per-tile masses of {z > zv, z >= tau_m} (the
@@ -517,7 +652,7 @@ def _select_kernel(
         is a chain of dependent reductions, so their number per tile sets its time when one
         program holds a row (few rows)."""
 
-        x_up, x_m = x_bounds(zv)
+        x_up, x_m = _x_bounds(zof, zv, tau_m)
         x_w = jnp.maximum(x_up, x_m)
 
         def body(t, x, c):
@@ -535,31 +670,55 @@ def _select_kernel(
         W, cnt, tot = row_loop(body, init)
         return W, (jnp.sum(cnt) if with_count else zi), (jnp.sum(tot) if with_total else zf)
 
+    nsegp = pl.next_power_of_2(nseg)
+    iota_s = jnp.arange(nsegp, dtype=jnp.int32)
+
     def p_reject():
-        tm = plgpu.load(tm_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=-jnp.inf)
-        ts = plgpu.load(ts_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
-        W0 = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M) * inv_t), 0.0)
+        W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
         need_pass_kp = k_on | p_on
 
         def round_(i, c):
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
-            u_t = _uniform(s0, s1, 2 * i + 2)
-            u_e = _uniform(s0, s1, 2 * i + 3)
-            v, zv, ev = draw(W, u_t, u_e, P, zfl)
-            ok_m = zv >= tau_m
 
-            def do_pass():
-                return jax.lax.cond(
-                    k_on,
-                    lambda: jax.lax.cond(p_on, lambda: check_pass(zv, True, True), lambda: check_pass(zv, True, False)),
-                    lambda: jax.lax.cond(
-                        p_on, lambda: check_pass(zv, False, True), lambda: check_pass(zv, False, False)
-                    ),
+            def in_kernel():
+                """Draw from {z > P, z >= zfl} (a tile re-read), then this program's own pass."""
+                v, zv, ev = draw(
+                    W,
+                    _uniform(s0, s1, 2 * i + 2),
+                    _uniform(s0, s1, 2 * i + 3),
+                    lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl),
                 )
 
-            # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
-            ran = need_pass_kp | ~ok_m
-            Wn, cnt, tot = jax.lax.cond(ran, do_pass, lambda: (W, zi, zf + 1.0))
+                def do_pass():
+                    return jax.lax.cond(
+                        k_on,
+                        lambda: jax.lax.cond(
+                            p_on, lambda: check_pass(zv, True, True), lambda: check_pass(zv, True, False)
+                        ),
+                        lambda: jax.lax.cond(
+                            p_on, lambda: check_pass(zv, False, True), lambda: check_pass(zv, False, False)
+                        ),
+                    )
+
+                # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
+                ran = need_pass_kp | (zv < tau_m)
+                return (v, zv, ev, ran) + jax.lax.cond(ran, do_pass, lambda: (W, zi, zf + 1.0))
+
+            def checked():
+                """Round 0 of a row the check launch served: the same pivot, its pass's results."""
+                v, zv, ev = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)
+
+                def load():
+                    Wn = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+                    cnt = plgpu.load(cnt_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0)
+                    tot = plgpu.load(tot_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0.0)
+                    return Wn, jnp.sum(cnt), jnp.sum(tot)
+
+                ran = need_pass_kp | (zv < tau_m)
+                return (v, zv, ev, ran) + jax.lax.cond(ran, load, lambda: (W, zi, zf + 1.0))
+
+            v, zv, ev, ran, Wn, cnt, tot = jax.lax.cond((i == 0) & ~cand_row, checked, in_kernel)
+            ok_m = zv >= tau_m
             m_gt = jnp.sum(Wn)  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
             in_k = ~k_on | (cnt < k)
             # top-p with top-k: the bound S_k >= mass{z >= zv} >= m_gt + ev decides acceptance,
@@ -605,33 +764,31 @@ def _select_kernel(
 
         return jax.lax.cond(done, accepted, fallback)
 
-    # Nested conds rather than lax.switch: the switch's index clamp does not lower on jax 0.11.
-    p_other = p_reject if max_rounds > 0 else p_slow
-    tok, tau, qthr, norm, passes, nr, fell_back = jax.lax.cond(
-        ~valid | greedy,
-        p_none,
-        lambda: jax.lax.cond(~filtered, p_temp, lambda: jax.lax.cond(use_cand, p_cand, p_other)),
-    )
-    tok_ref[r] = tok
-    tau_ref[r] = tau
-    qthr_ref[r] = qthr
-    norm_ref[r] = norm
-    path_ref[r] = path - fell_back  # PATH_REJECT -> PATH_SLOW when the rounds ran out
-    passes_ref[r] = passes
-    rounds_ref[r] = nr
+    @pl.when(valid & ~greedy & filtered)
+    def _():
+        tok, tau, qthr, norm, passes, nr, fell_back = jax.lax.cond(
+            use_cand, p_cand, p_reject if max_rounds > 0 else p_slow
+        )
+        tok_ref[r] = tok
+        tau_ref[r] = tau
+        qthr_ref[r] = qthr
+        norm_ref[r] = norm
+        path_ref[r] = path - fell_back  # PATH_REJECT -> PATH_SLOW when the rounds ran out
+        passes_ref[r] = passes
+        rounds_ref[r] = nr
 
 
 # ----------------------------------------------------------------------------- wrapper
 
 
-# Programs to aim for in the stats launch: about two waves of the H200's 132 SMs.
+# Programs to aim for in the stats and check launches: about two waves of the H200's 132 SMs.
 _TARGET_PROGRAMS = 256
 _MAX_SPLITS = 16
 
 
 def _splits_for(R: int, nt: int) -> int:
-    """Programs per row in the stats launch (a power of two): 1 once R rows fill the GPU, more
-    for small R (16-64 rows: a batch-1 tree verify), never more than the row has tiles."""
+    """Programs per row (a power of two): 1 once R rows fill the GPU, more for small R (16-64
+    rows: a batch-1 tree verify), never more than the row has tiles (or segments)."""
     want = pl.next_power_of_2(max(1, -(-_TARGET_PROGRAMS // R)))
     return max(1, min(want, _MAX_SPLITS, 1 << (nt.bit_length() - 1)))
 
@@ -652,6 +809,7 @@ def _tile_for(V: int, tile: int | None) -> int:
         "select_stages",
         "compact",
         "max_rounds",
+        "check_splits",
     ),
 )
 def fused_sample_debug(
@@ -670,11 +828,12 @@ def fused_sample_debug(
     select_stages: int = 1,
     compact: str = "scatter",
     max_rounds: int = MAX_ROUNDS,
+    check_splits: int | None = None,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
     ``norm`` and ``path`` (0 greedy/invalid, 1 temperature, 2 candidates, 3 full-row bisections,
-    4 pivot rejection), ``passes`` (full-row passes of the select launch; tile re-reads not counted)
+    4 pivot rejection), ``passes`` (full-row passes after the stats launch; tile re-reads not counted)
     and ``rounds`` (pivot-rejection rounds: one tile re-read each). On path 4 ``tau``/``q_thr``
     (``norm`` = 1) describe a SUPERSET of the kept set (necessary conditions: z above the last
     rejected pivot, z >= log(min_p), reported as ``q_thr`` = min_p); the token itself is kept and
@@ -682,17 +841,22 @@ def fused_sample_debug(
     ``max_rounds`` = 0 turns the rejection path off (path 3 instead: the previous behaviour).
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass; ``select_warps`` /
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
-    chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier).
+    chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
+    ``check_splits``: programs per row of the first check pass (default by row count; the same
+    bits for any value). ``num_warps``/``num_stages`` also set the check launch's.
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
     token) would then depend on how many rows share the call. With fixed launch parameters a row
-    gets the same bits whatever the batch (the stats pass splits rows by row count, but every
-    value it stores is a per-tile value computed by one program, combined exactly).
+    gets the same bits whatever the batch (the stats and check launches split rows by row count,
+    but every value they store is one tile's or one fixed segment's, computed by one program, and
+    combined in a fixed order).
     16 select warps: a row's select program is bound by its own instruction stream when it has an
     SM to itself (few rows); measured on the H200 at R=16, 20-27% faster than 8 warps on the
-    rejection path, at R=512 up to 18% slower (docs/kernels.md). The scatter listing: 11% faster
-    for top-k 50 + top-p 0.9 at R=16; both listings give the same chunks in the same order."""
+    rejection path when the select launch ran every round itself; with the first round in the
+    check launch, 8 warps were 16% slower at R=16 and 17-22% faster at R >= 512 for top-k 50 +
+    top-p 0.9 (docs/kernels.md). The scatter listing: 11% faster for top-k 50 + top-p 0.9 at
+    R=16; both listings give the same chunks in the same order."""
     if compact not in ("loop", "scatter"):
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
     R, V = logits.shape
@@ -706,7 +870,8 @@ def fused_sample_debug(
     top_k = top_k.astype(i32)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd = jax.ShapeDtypeStruct
-    mx, am, ok, tm, ts, cm = pl.pallas_call(
+    params = (temperature, top_k, top_p.astype(f32), min_p.astype(f32), seeds.astype(jnp.uint32))
+    stats = pl.pallas_call(
         functools.partial(_stats_kernel, V=V, tile=tile, nt=nt, tps=tps),
         grid=(R, splits),
         in_specs=[any_spec] * 3,
@@ -723,6 +888,25 @@ def fused_sample_debug(
         interpret=interpret,
         name="ddtree_sample_stats",
     )(logits, temperature, top_k)
+    mx, am, ok, tm, ts, _ = stats
+    nseg = pl.cdiv(nt, CHECK_SEG)
+    nsegp = pl.next_power_of_2(nseg)
+    # with max_rounds = 0 no row takes the rejection path: one program per row finishes the light rows
+    csplits = min(check_splits or _splits_for(R, nseg), nseg) if max_rounds > 0 else 1
+    row_outs = [sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R,), i32)]
+    checks = pl.pallas_call(
+        functools.partial(
+            _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, sps=pl.cdiv(nseg, csplits), splits=splits,
+            exact_asm=EXACT_DIV_ASM and not interpret,
+        ),
+        grid=(R, csplits),
+        in_specs=[any_spec] * 11,
+        out_specs=[any_spec] * 10,
+        out_shape=[sd((R, ntp), f32), sd((R, nsegp), i32), sd((R, nsegp), f32), *row_outs],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ddtree_sample_check",
+    )(logits, *params, mx, am, ok, tm, ts)
     tok, tau, qthr, norm, path, passes, rounds, _ = pl.pallas_call(
         functools.partial(
             _select_kernel,
@@ -736,37 +920,17 @@ def fused_sample_debug(
             interpret_mode=interpret,
             max_rounds=max_rounds,
             splits=splits,
+            nseg=nseg,
         ),
         grid=(R,),
-        in_specs=[any_spec] * 12,
+        in_specs=[any_spec] * 22,
         out_specs=[any_spec] * 8,
-        out_shape=[
-            sd((R,), i32),
-            sd((R,), f32),
-            sd((R,), f32),
-            sd((R,), f32),
-            sd((R,), i32),
-            sd((R,), i32),
-            sd((R,), i32),
-            sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32),
-        ],
+        out_shape=[*row_outs, sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32)],
+        input_output_aliases={15 + i: i for i in range(7)},
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=select_stages),
         interpret=interpret,
         name="ddtree_sample_select",
-    )(
-        logits,
-        temperature,
-        top_k,
-        top_p.astype(f32),
-        min_p.astype(f32),
-        seeds.astype(jnp.uint32),
-        mx,
-        am,
-        ok,
-        tm,
-        ts,
-        cm,
-    )
+    )(logits, *params, *stats, *checks)
     return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path, passes=passes, rounds=rounds)
 
 
