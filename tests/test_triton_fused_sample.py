@@ -72,15 +72,16 @@ def _check_kept(x_row, T, out, r, ref_keep):
 
 
 @pytest.mark.parametrize(
-    "V,tile,dtype,compact,max_rounds",
+    "V,tile,dtype,compact,max_rounds,cut",
     [
-        (37, 64, np.float32, "scatter", MAX_ROUNDS),
-        (37, 64, np.float32, "scatter", 0),  # rejection off: the full-row bisections (its fallback)
-        (700, 128, jnp.bfloat16, "scatter", MAX_ROUNDS),
-        (700, 128, jnp.bfloat16, "loop", MAX_ROUNDS),
+        (37, 64, np.float32, "scatter", MAX_ROUNDS, "bisect"),
+        (37, 64, np.float32, "scatter", 0, "bisect"),  # rejection off: the full-row bisections (its fallback)
+        (700, 128, jnp.bfloat16, "scatter", MAX_ROUNDS, "bisect"),
+        (700, 128, jnp.bfloat16, "loop", MAX_ROUNDS, "bisect"),
+        (700, 128, jnp.bfloat16, "scatter", MAX_ROUNDS, "pairwise"),
     ],
 )
-def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
+def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds, cut):
     rng = np.random.default_rng(V)
     R = 24
     x = (rng.standard_normal((R, V)) * rng.uniform(0.5, 3, (R, 1))).astype(np.float32)
@@ -95,8 +96,10 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     pb = _batch(temp, topk, topp, minp)
     # (static arguments left at their defaults where possible: an explicit default is another
     # compile; the candidate chunks are listed by scatter by default)
-    kw = ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds)) | (
-        {} if compact == "scatter" else dict(compact=compact)
+    kw = (
+        ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds))
+        | ({} if compact == "scatter" else dict(compact=compact))
+        | ({} if cut == "bisect" else dict(top_p_cut=cut))
     )
     out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **kw)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
@@ -107,7 +110,7 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     if max_rounds:
         rej = out["path"] == PATH_REJECT
         assert (out["rounds"][rej] >= 1).all() and (out["rounds"][~rej] == 0).all()
-    if compact != "scatter":  # the two ways of listing candidate chunks give identical outputs
+    if kw.keys() & {"compact", "top_p_cut"}:  # either listing, either top-p cut: identical outputs
         ref_out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile)
         for key in out:
             np.testing.assert_array_equal(out[key], ref_out[key], err_msg=key)
@@ -290,10 +293,11 @@ def test_split_row_stats_combine_exactly():
     assert lp[5, out["token"][5]] > -np.inf
 
 
-def test_bad_compact_is_refused_by_name():
-    with pytest.raises(ValueError, match="compact"):
+@pytest.mark.parametrize("knob", [dict(compact="sort"), dict(top_p_cut="sort")])
+def test_bad_tuning_knob_is_refused_by_name(knob):
+    with pytest.raises(ValueError, match=next(iter(knob))):
         fused_sample_debug(jnp.zeros((2, 8)), jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2),
-                           jnp.zeros((2, 2), jnp.uint32), interpret=True, compact="sort")
+                           jnp.zeros((2, 2), jnp.uint32), interpret=True, **knob)
 
 
 def test_rows_do_not_depend_on_the_batch():

@@ -460,6 +460,7 @@ def _select_kernel(
     ncp,
     exact_asm,
     compact,
+    top_p_cut,
     interpret_mode,
     max_rounds,
     splits,
@@ -489,6 +490,7 @@ def _select_kernel(
 
     # Candidate chunks for the top-k fast path (computed only where it can be used).
     iota_c = jnp.arange(ncp, dtype=jnp.int32)
+    pbase = CAND_CHUNKS + ncp if compact == "scatter" else 0  # the pairwise cut's scratch slots
 
     def cand_count():
         cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
@@ -559,11 +561,34 @@ def _select_kernel(
         q = e / S
         q1 = q.reshape(n)
         qk1 = jax.lax.bitcast_convert_type(q1, jnp.int32)
-        K_p = jax.lax.cond(
-            p_on & (jnp.sum(q1) >= p),
-            lambda: _bisect(lambda K: jnp.sum(jnp.where(qk1 > K, q1, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 30),
-            lambda: zi - 1,
-        )
+        n_k = jnp.sum(jnp.where(topk.reshape(n), 1, 0))
+
+        def cut_bisect():
+            return _bisect(lambda K: jnp.sum(jnp.where(qk1 > K, q1, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 30)
+
+        def cut_pairwise():
+            """The top-k set (at most CAND_CHUNKS values) compacted into the scratch, then for
+            each value the mass of the strictly larger ones by one [128, 128] comparison: the
+            kept ones are those below top_p, and the cut is the smallest kept q's key (what the
+            bisection finds, in one step instead of 30)."""
+            live = topk.reshape(n)
+            pos = jnp.cumsum(live.astype(jnp.int32)) - 1
+            iota_n = jnp.arange(n, dtype=jnp.int32)
+            dummy = pbase + CAND_CHUNKS + (iota_n if interpret_mode else 0)  # see the chunk listing
+            plgpu.store(scr_ref.at[r, jnp.where(live, pbase + pos, dummy)], qk1, mask=live)
+            if not interpret_mode:
+                plgpu.debug_barrier()
+            keys = plgpu.load(scr_ref.at[r, pl.ds(pbase, CAND_CHUNKS)], mask=iota_k < n_k, other=-1)
+            qs = jnp.where(keys >= 0, jax.lax.bitcast_convert_type(jnp.maximum(keys, 0), jnp.float32), 0.0)
+            above = jnp.sum(jnp.where(keys[None, :] > keys[:, None], qs[None, :], 0.0), axis=1)
+            return jnp.min(jnp.where((keys >= 0) & (above < p), keys, _BIG))
+
+        def cut():
+            if top_p_cut == "pairwise":
+                return jax.lax.cond(n_k <= CAND_CHUNKS, cut_pairwise, cut_bisect)
+            return cut_bisect()
+
+        K_p = jax.lax.cond(p_on & (jnp.sum(q1) >= p), cut, lambda: zi - 1)
         tau, qthr = finish_thresholds(K_k, S, K_p)
         kept = topk & (z > -jnp.inf) & (q >= qthr)
         w = jnp.where(kept, e, 0.0)
@@ -808,6 +833,7 @@ def _tile_for(V: int, tile: int | None) -> int:
         "num_stages",
         "select_stages",
         "compact",
+        "top_p_cut",
         "max_rounds",
         "check_splits",
     ),
@@ -827,6 +853,7 @@ def fused_sample_debug(
     num_stages: int = 1,
     select_stages: int = 1,
     compact: str = "scatter",
+    top_p_cut: str = "bisect",
     max_rounds: int = MAX_ROUNDS,
     check_splits: int | None = None,
 ) -> dict:
@@ -842,8 +869,12 @@ def fused_sample_debug(
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass; ``select_warps`` /
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
-    ``check_splits``: programs per row of the first check pass (default by row count; the same
-    bits for any value). ``num_warps``/``num_stages`` also set the check launch's.
+    ``top_p_cut`` = "bisect" | "pairwise" (the candidate path's top-p cut: 30 bisection steps over
+    the candidates, or one pairwise comparison of the compacted top-k set, which bisects anyway
+    when ties put more than CAND_CHUNKS values in it; "pairwise" is checked in interpret mode
+    only, not yet run or timed on a GPU); ``check_splits``: programs per row of the first check pass
+    (default by row count; the same bits for any value). ``num_warps``/``num_stages`` also set the
+    check launch's.
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
@@ -859,6 +890,8 @@ def fused_sample_debug(
     R=16; both listings give the same chunks in the same order."""
     if compact not in ("loop", "scatter"):
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
+    if top_p_cut not in ("pairwise", "bisect"):
+        raise ValueError(f"top_p_cut must be 'pairwise' or 'bisect', got {top_p_cut!r}")
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
@@ -889,6 +922,12 @@ def fused_sample_debug(
         name="ddtree_sample_stats",
     )(logits, temperature, top_k)
     mx, am, ok, tm, ts, _ = stats
+    # select scratch: the scatter listing's slots (+ a distinct dummy per chunk), then the
+    # pairwise cut's (+ dummies: distinct in interpret mode, one on the GPU, where masked lanes
+    # store nothing)
+    scratch = max(1, (CAND_CHUNKS + ncp if compact == "scatter" else 0) + (
+        CAND_CHUNKS + (CAND_CHUNKS * CHUNK if interpret else 1) if top_p_cut == "pairwise" else 0
+    ))
     nseg = pl.cdiv(nt, CHECK_SEG)
     nsegp = pl.next_power_of_2(nseg)
     # with max_rounds = 0 no row takes the rejection path: one program per row finishes the light rows
@@ -917,6 +956,7 @@ def fused_sample_debug(
             ncp=ncp,
             exact_asm=EXACT_DIV_ASM and not interpret,
             compact=compact,
+            top_p_cut=top_p_cut,
             interpret_mode=interpret,
             max_rounds=max_rounds,
             splits=splits,
@@ -925,7 +965,7 @@ def fused_sample_debug(
         grid=(R,),
         in_specs=[any_spec] * 22,
         out_specs=[any_spec] * 8,
-        out_shape=[*row_outs, sd((R, CAND_CHUNKS + ncp if compact == "scatter" else 1), i32)],
+        out_shape=[*row_outs, sd((R, scratch), i32)],
         input_output_aliases={15 + i: i for i in range(7)},
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=select_stages),
         interpret=interpret,
