@@ -111,6 +111,11 @@ def test_fused_sampler_keeps_the_reference_set(V, dtype):
                             top_p_cut="pairwise")
     for key in out:
         np.testing.assert_array_equal(np.asarray(pw[key]), np.asarray(out[key]), err_msg=key)
+    # several first pivots per check pass: other draws, the same support, greedy unchanged
+    mp = np.asarray(fused_sample_debug(x, params.temperature, params.top_k, params.top_p, params.min_p, seeds,
+                                       first_pivots=3)["token"])
+    assert (logp[np.arange(rows), mp] > -np.inf).all(), "first_pivots=3: a draw outside the kept set"
+    np.testing.assert_array_equal(mp[greedy], tok[greedy])
 
 
 def test_fused_sampler_rows_do_not_depend_on_the_batch():

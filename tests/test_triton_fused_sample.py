@@ -340,3 +340,40 @@ def test_first_check_pass_splits_give_the_same_bits():
             np.testing.assert_array_equal(out[key], outs[0][key], err_msg=key)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
     assert (lp[np.arange(R), outs[0]["token"]] > -np.inf).all()
+
+
+@pytest.mark.parametrize(
+    "T,k,p,m",
+    [(0.6, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.1), (1.3, 0, 0.8, 0.05), (0.9, 0, 0.5, 0.0)],
+)
+def test_chi_square_law_with_several_first_pivots(T, k, p, m):
+    """first_pivots=3: one check pass serves three first draws and the first kept one is the
+    token. n = 3000 draws of the V=40 row of test_chi_square_law against the exact law (same
+    checks and negative control); top-p 0.5 rejects most first draws, so the later pivots and
+    rounds decide often."""
+    V, n = 40, 3000
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal(V).astype(np.float32) * 1.5
+    out = _draws(base, n, T, k, p, m, 64, 3, first_pivots=3)
+    assert set(out["path"].tolist()) == {PATH_REJECT}
+    _assert_law(base, out["token"], T, k, p, m)
+
+
+def test_several_first_pivots_large_top_k_and_splits():
+    """first_pivots=2 with top-k > CAND_CHUNKS alone and with top-p (the exact S_k when the bounds
+    do not decide) on the tied V=300 row of test_chi_square_large_top_k_and_ties (n = 3000 each,
+    the law), and the same bits for 1 and 4 check programs per row on a V=1000 batch."""
+    V, n = 300, 3000
+    rng = np.random.default_rng(11)
+    base = (np.round(rng.standard_normal(V) * 2) / 2).astype(np.float32)
+    for T, k, p, m in [(0.7, 150, 1.0, 0.0), (0.7, 150, 0.9, 0.0)]:
+        out = _draws(base, n, T, k, p, m, 64, 5, first_pivots=2)
+        assert (out["path"] == PATH_REJECT).all()
+        _assert_law(base, out["token"], T, k, p, m, wrong_t=1.5)
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((8, 1000)) * 2).astype(np.float32)
+    x[4:] = np.round(x[4:])
+    pb = _batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2, [0.0, 0.2, 0.0, 0.0] * 2)
+    a, b = (_run(x, pb, _seeds(8, 9), 64, check_splits=c, first_pivots=2) for c in (1, 4))
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)

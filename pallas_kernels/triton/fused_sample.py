@@ -320,8 +320,8 @@ def _stats_kernel(
 
 def _check_kernel(
     x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref,
-    w_ref, cnt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
-    *, V, tile, nt, ntp, sps, splits, exact_asm,
+    w_ref, cnt_ref, mgt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
+    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, pivots,
 ):
     """Two jobs on a (rows, programs per row) grid, in a launch lighter than the select's:
 
@@ -334,7 +334,10 @@ def _check_kernel(
       ``{z > z_v, z >= log(min_p)}`` (``w``, the next draw's weights), per segment ``#{z > z_v}``
       (``cnt``) and the total mass (``tot``). Every stored value is one tile's or one fixed
       segment's, so the select launch sums the same values in the same order whatever the number
-      of programs. Min-p-only rows whose pivot passes min-p need no pass."""
+      of programs. Min-p-only rows whose pivot passes min-p need no pass. With ``pivots`` = m > 1
+      the pass serves m first pivots at once (streams 2 + 2j, 3 + 2j): per segment and pivot the
+      count and the mass above it (``cnt``, ``mgt`` at ``[r, j * nsegp + g]``), and ``w`` for the
+      largest (the next round's set if all m are rejected)."""
     r = pl.program_id(0)
     sp = pl.program_id(1)
     T = temp_ref[r]
@@ -372,12 +375,14 @@ def _check_kernel(
     @pl.when(valid & ~greedy & filtered & ~cand_row)
     def _():
         W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
-        _, zv, _ = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)
+        zvs = [draw(W0, _uniform(s0, s1, 2 + 2 * j), _uniform(s0, s1, 3 + 2 * j), _finite)[1] for j in range(pivots)]
+        all_fail_m = functools.reduce(jnp.logical_and, [zv < tau_m for zv in zvs])
 
-        @pl.when(k_on | p_on | (zv < tau_m))
+        @pl.when(k_on | p_on | all_fail_m)
         def _():
-            x_up, x_m = _x_bounds(zof, zv, tau_m)
-            x_w = jnp.maximum(x_up, x_m)
+            bounds = [_x_bounds(zof, zv, tau_m) for zv in zvs]
+            x_ups = [b[0] for b in bounds]
+            x_w = functools.reduce(jnp.maximum, x_ups, bounds[0][1])
             g0 = sp * sps
             t0 = g0 * CHECK_SEG
             n = jnp.clip(nt - t0, 0, sps * CHECK_SEG)
@@ -387,13 +392,18 @@ def _check_kernel(
                 return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
 
             def run(with_count, with_total):
+                with_mgt = with_total and pivots > 1  # one pivot: the select sums w instead
+
                 def body(i, x, c):
-                    cnt, tot = c
+                    cnts, mgts, tot = c
                     t = t0 + i
                     e = jnp.exp2((x - M) * c2)
                     w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
+                    ups = [x >= x_up for x_up in x_ups]
                     if with_count:
-                        cnt = cnt + jnp.where(x >= x_up, 1, 0)
+                        cnts = [cnt + jnp.where(up, 1, 0) for cnt, up in zip(cnts, ups, strict=True)]
+                    if with_mgt:
+                        mgts = [m + jnp.where(up, e, 0.0) for m, up in zip(mgts, ups, strict=True)]
                     if with_total:
                         tot = tot + e
                     # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
@@ -402,12 +412,19 @@ def _check_kernel(
 
                     @pl.when(last)
                     def _():
-                        cnt_ref[r, g] = jnp.sum(cnt) if with_count else zi
+                        for j in range(pivots):
+                            cnt_ref[r, j * nsegp + g] = jnp.sum(cnts[j]) if with_count else zi
+                            if with_mgt:
+                                mgt_ref[r, j * nsegp + g] = jnp.sum(mgts[j])
                         tot_ref[r, g] = jnp.sum(tot) if with_total else zf
 
-                    return jnp.where(last, 0, cnt), jnp.where(last, 0.0, tot)
+                    def reset(v, zero):
+                        return jnp.where(last, zero, v)
 
-                init = (jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
+                    return [reset(a, 0) for a in cnts], [reset(a, 0.0) for a in mgts], reset(tot, 0.0)
+
+                zeros_i, zeros_f = jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32)
+                init = ([zeros_i] * pivots, [zeros_f] * (pivots if with_mgt else 0), zeros_f)
                 _tile_loop(load_tile, t0, n, body, init)
                 return zi
 
@@ -436,6 +453,7 @@ def _select_kernel(
     cm_ref,
     w_ref,
     cnt_ref,
+    mgt_ref,
     tot_ref,
     _tok_in,  # the check launch's outputs (light rows written), aliased to the outputs below
     _tau_in,
@@ -465,6 +483,7 @@ def _select_kernel(
     max_rounds,
     splits,
     nseg,
+    pivots,
 ):
     """Rows with a filter: the top-k candidate path, the pivot rejection or the full-row
     bisections, one program per row (light rows: the check launch has written them)."""
@@ -702,17 +721,38 @@ def _select_kernel(
         W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
         need_pass_kp = k_on | p_on
 
+        def exact_sk():
+            K_k = topk_key()
+            return zi + 1, mass_from(jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k)))
+
+        def decide(zv, ev, ran, cnt, m_gt, tot, have_sk, S_k, live):
+            """Is the drawn value (z = zv, exp(z) = ev) in the kept set, given its pass's count of
+            larger values, the mass above it and the total mass? top-p with top-k: the bound
+            S_k >= mass{z >= zv} >= m_gt + ev decides acceptance, S_k <= tot decides rejection;
+            otherwise S_k exactly (33 passes, once per row; not for a ``live`` = False pivot)."""
+            ok_m = zv >= tau_m
+            in_k = ~k_on | (cnt < k)
+            sure_acc = m_gt < p * (m_gt + ev)
+            sure_rej = m_gt >= p * tot
+            need_sk = live & ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
+            have_sk, S_k = jax.lax.cond(need_sk, exact_sk, lambda: (have_sk, S_k))
+            S_p = jnp.where(have_sk > 0, S_k, tot)
+            acc = live & ok_m & in_k & (~p_on | (m_gt < p * S_p))
+            return acc, have_sk, S_k, need_sk.astype(jnp.int32) * 33
+
+        # Streams: round 0's pivots 2 + 2j, 3 + 2j (j < pivots on rows the check launch served),
+        # then one pair per later round.
+        # (arithmetic: jnp.where on Python ints fails the Triton lowering's type check)
+        off = (~cand_row).astype(jnp.int32) * (pivots - 1)
+
         def round_(i, c):
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
+            si = 2 * (i + (i > 0).astype(jnp.int32) * off) + 2
 
             def in_kernel():
                 """Draw from {z > P, z >= zfl} (a tile re-read), then this program's own pass."""
-                v, zv, ev = draw(
-                    W,
-                    _uniform(s0, s1, 2 * i + 2),
-                    _uniform(s0, s1, 2 * i + 3),
-                    lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl),
-                )
+                v, zv, ev = draw(W, _uniform(s0, s1, si), _uniform(s0, s1, si + 1),
+                                 lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl))
 
                 def do_pass():
                     return jax.lax.cond(
@@ -743,30 +783,52 @@ def _select_kernel(
                 return (v, zv, ev, ran) + jax.lax.cond(ran, load, lambda: (W, zi, zf + 1.0))
 
             v, zv, ev, ran, Wn, cnt, tot = jax.lax.cond((i == 0) & ~cand_row, checked, in_kernel)
-            ok_m = zv >= tau_m
-            m_gt = jnp.sum(Wn)  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
-            in_k = ~k_on | (cnt < k)
-            # top-p with top-k: the bound S_k >= mass{z >= zv} >= m_gt + ev decides acceptance,
-            # S_k <= tot decides rejection; otherwise S_k exactly (33 passes, once per row).
-            sure_acc = m_gt < p * (m_gt + ev)
-            sure_rej = m_gt >= p * tot
-            need_sk = ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
-
-            def exact_sk():
-                K_k = topk_key()
-                return zi + 1, mass_from(jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k)))
-
-            have_sk, S_k = jax.lax.cond(need_sk, exact_sk, lambda: (have_sk, S_k))
-            S_p = jnp.where(have_sk > 0, S_k, tot)
-            acc = ok_m & in_k & (~p_on | (m_gt < p * S_p))
-            passes = passes + ran.astype(jnp.int32) + 33 * need_sk.astype(jnp.int32)
+            # m_gt = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
+            acc, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, jnp.sum(Wn), tot, have_sk, S_k, True)
+            passes = passes + ran.astype(jnp.int32) + sk_passes
             # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
             new = (tok, zv, tau_m, Wn)
             old = (v, P, zfl, W)
             tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
             return acc, tok, P, zfl, W, have_sk, S_k, passes, nr + 1
 
+        def first_round_of_many(c):
+            """Round 0 with ``pivots`` > 1 first pivots served by one check pass: i.i.d. draws from
+            the whole row, the first kept one is the token (so its law is exactly the kept law);
+            all rejected -> every z up to the largest of them is out."""
+            done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
+            draws = [draw(W0, _uniform(s0, s1, 2 + 2 * j), _uniform(s0, s1, 3 + 2 * j), _finite)
+                     for j in range(pivots)]
+            zvs = [d[1] for d in draws]
+            ran = need_pass_kp | functools.reduce(jnp.logical_and, [zv < tau_m for zv in zvs])
+
+            def seg_sum(ref, j, other):
+                return jnp.sum(plgpu.load(ref.at[r, pl.ds(j * nsegp, nsegp)], mask=iota_s < nseg, other=other))
+
+            def load():
+                Wn = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+                cnts = [seg_sum(cnt_ref, j, 0) for j in range(pivots)]
+                mgts = jax.lax.cond(p_on, lambda: [seg_sum(mgt_ref, j, 0.0) for j in range(pivots)],
+                                    lambda: [zf] * pivots)
+                return Wn, cnts, mgts, seg_sum(tot_ref, 0, 0.0)
+
+            Wn, cnts, mgts, tot = jax.lax.cond(ran, load, lambda: (W, [zi] * pivots, [zf] * pivots, zf + 1.0))
+            acc, ntok = zi > 0, tok  # (a traced False: literals do not lower as cond operands)
+            for (v, zv, ev), cnt, m_gt in zip(draws, cnts, mgts, strict=True):
+                a, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, m_gt, tot, have_sk, S_k, ~acc)
+                ntok = jnp.where(a, v, ntok)
+                acc = acc | a
+                passes = passes + sk_passes
+            zmax = functools.reduce(jnp.maximum, zvs)
+            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), (ntok, P, zfl, W), (tok, zmax, tau_m, Wn))
+            return acc, tok, P, zfl, W, have_sk, S_k, passes + ran.astype(jnp.int32), nr + 1
+
         def maybe_round(i, c):
+            if pivots > 1:
+                return jax.lax.cond(
+                    c[0], lambda: c,
+                    lambda: jax.lax.cond((i == 0) & ~cand_row, lambda: first_round_of_many(c), lambda: round_(i, c)),
+                )
             return jax.lax.cond(c[0], lambda: c, lambda: round_(i, c))
 
         init = (jnp.bool_(False), argmax, neg_inf, neg_inf, W0, zi, zf + 1.0, zi, zi)
@@ -836,6 +898,7 @@ def _tile_for(V: int, tile: int | None) -> int:
         "top_p_cut",
         "max_rounds",
         "check_splits",
+        "first_pivots",
     ),
 )
 def fused_sample_debug(
@@ -856,6 +919,7 @@ def fused_sample_debug(
     top_p_cut: str = "bisect",
     max_rounds: int = MAX_ROUNDS,
     check_splits: int | None = None,
+    first_pivots: int = 1,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
@@ -874,7 +938,9 @@ def fused_sample_debug(
     when ties put more than CAND_CHUNKS values in it; "pairwise" is checked in interpret mode
     only, not yet run or timed on a GPU); ``check_splits``: programs per row of the first check pass
     (default by row count; the same bits for any value). ``num_warps``/``num_stages`` also set the
-    check launch's.
+    check launch's. ``first_pivots``: first pivots one check pass serves (1 default; m > 1 draws
+    m at once and keeps the first kept one, so fewer rows need a second round; checked in
+    interpret mode only, not yet timed on a GPU).
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
@@ -890,6 +956,8 @@ def fused_sample_debug(
     R=16; both listings give the same chunks in the same order."""
     if compact not in ("loop", "scatter"):
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
+    if not 1 <= first_pivots <= MAX_ROUNDS:
+        raise ValueError(f"first_pivots must be in [1, {MAX_ROUNDS}], got {first_pivots}")
     if top_p_cut not in ("pairwise", "bisect"):
         raise ValueError(f"top_p_cut must be 'pairwise' or 'bisect', got {top_p_cut!r}")
     R, V = logits.shape
@@ -935,13 +1003,19 @@ def fused_sample_debug(
     row_outs = [sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R,), i32)]
     checks = pl.pallas_call(
         functools.partial(
-            _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, sps=pl.cdiv(nseg, csplits), splits=splits,
-            exact_asm=EXACT_DIV_ASM and not interpret,
+            _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nsegp=nsegp, sps=pl.cdiv(nseg, csplits), splits=splits,
+            exact_asm=EXACT_DIV_ASM and not interpret, pivots=first_pivots,
         ),
         grid=(R, csplits),
         in_specs=[any_spec] * 11,
-        out_specs=[any_spec] * 10,
-        out_shape=[sd((R, ntp), f32), sd((R, nsegp), i32), sd((R, nsegp), f32), *row_outs],
+        out_specs=[any_spec] * 11,
+        out_shape=[
+            sd((R, ntp), f32),
+            sd((R, first_pivots * nsegp), i32),
+            sd((R, first_pivots * nsegp if first_pivots > 1 else 1), f32),
+            sd((R, nsegp), f32),
+            *row_outs,
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ddtree_sample_check",
@@ -961,12 +1035,13 @@ def fused_sample_debug(
             max_rounds=max_rounds,
             splits=splits,
             nseg=nseg,
+            pivots=first_pivots,
         ),
         grid=(R,),
-        in_specs=[any_spec] * 22,
+        in_specs=[any_spec] * 23,
         out_specs=[any_spec] * 8,
         out_shape=[*row_outs, sd((R, scratch), i32)],
-        input_output_aliases={15 + i: i for i in range(7)},
+        input_output_aliases={16 + i: i for i in range(7)},
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=select_stages),
         interpret=interpret,
         name="ddtree_sample_select",
