@@ -108,7 +108,7 @@ def test_fused_sampler_keeps_the_reference_set(V, dtype):
     np.testing.assert_array_equal(tok[greedy], np.argmax(np.asarray(x.astype(jnp.float32)), axis=-1)[greedy])
     # the candidate path's other top-p cut: the same outputs
     pw = fused_sample_debug(x, params.temperature, params.top_k, params.top_p, params.min_p, seeds,
-                            top_p_cut="pairwise")
+                            cand_cuts="pairwise")
     for key in out:
         np.testing.assert_array_equal(np.asarray(pw[key]), np.asarray(out[key]), err_msg=key)
     # several first pivots per check pass: other draws, the same support, greedy unchanged

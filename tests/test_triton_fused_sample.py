@@ -99,7 +99,7 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds, cut):
     kw = (
         ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds))
         | ({} if compact == "scatter" else dict(compact=compact))
-        | ({} if cut == "bisect" else dict(top_p_cut=cut))
+        | ({} if cut == "bisect" else dict(cand_cuts=cut))
     )
     out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile, **kw)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
@@ -110,7 +110,7 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds, cut):
     if max_rounds:
         rej = out["path"] == PATH_REJECT
         assert (out["rounds"][rej] >= 1).all() and (out["rounds"][~rej] == 0).all()
-    if kw.keys() & {"compact", "top_p_cut"}:  # either listing, either top-p cut: identical outputs
+    if kw.keys() & {"compact", "cand_cuts"}:  # either listing, either top-p cut: identical outputs
         ref_out = _run(jnp.asarray(x).astype(dtype), pb, _seeds(R, 0), tile)
         for key in out:
             np.testing.assert_array_equal(out[key], ref_out[key], err_msg=key)
@@ -293,7 +293,7 @@ def test_split_row_stats_combine_exactly():
     assert lp[5, out["token"][5]] > -np.inf
 
 
-@pytest.mark.parametrize("knob", [dict(compact="sort"), dict(top_p_cut="sort")])
+@pytest.mark.parametrize("knob", [dict(compact="sort"), dict(cand_cuts="sort")])
 def test_bad_tuning_knob_is_refused_by_name(knob):
     with pytest.raises(ValueError, match=next(iter(knob))):
         fused_sample_debug(jnp.zeros((2, 8)), jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2),

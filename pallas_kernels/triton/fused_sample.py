@@ -113,6 +113,7 @@ INVALID_TOKEN = -1  # the token of a row with no law (NaN, +inf, or all -inf log
 
 CHUNK = 64  # columns per chunk maximum
 CAND_CHUNKS = 128  # candidate chunks gathered for the top-k fast path (k <= CAND_CHUNKS)
+TOPK_SLOTS = 2 * CAND_CHUNKS  # candidates >= the k-th chunk maximum ranked at once (cand_cuts="pairwise")
 MAX_TILE = 4096
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
@@ -478,7 +479,7 @@ def _select_kernel(
     ncp,
     exact_asm,
     compact,
-    top_p_cut,
+    cand_cuts,
     interpret_mode,
     max_rounds,
     splits,
@@ -509,7 +510,9 @@ def _select_kernel(
 
     # Candidate chunks for the top-k fast path (computed only where it can be used).
     iota_c = jnp.arange(ncp, dtype=jnp.int32)
-    pbase = CAND_CHUNKS + ncp if compact == "scatter" else 0  # the pairwise cut's scratch slots
+    # the pairwise cuts' scratch slots: top-k's after the chunk listing's, then top-p's
+    kbase = CAND_CHUNKS + ncp if compact == "scatter" else 0
+    pbase = kbase + TOPK_SLOTS + (CAND_CHUNKS * CHUNK if interpret_mode else 1)
 
     def cand_count():
         cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
@@ -573,7 +576,40 @@ def _select_kernel(
         # the key range needs (31 for (INT_MIN, 0], 30 for (-1, bits of 1.0]).
         n = CAND_CHUNKS * CHUNK
         zk1 = zk.reshape(n)
-        K_k = _bisect(lambda K: jnp.sum(jnp.where(zk1 > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
+        iota_n = jnp.arange(n, dtype=jnp.int32)
+
+        def compacted(mask, values, base, slots, count, other):
+            """The masked values, in order, through this row's scratch slots [base, base + slots)
+            (cumsum + scatter + barrier, as the chunk listing; masked-off lanes and those past the
+            slots store nothing on the GPU, at distinct dummy slots in interpret mode). -> [slots]"""
+            pos = jnp.cumsum(mask.astype(jnp.int32)) - 1
+            ok = mask & (pos < slots)
+            dummy = base + slots + (iota_n if interpret_mode else 0)
+            plgpu.store(scr_ref.at[r, jnp.where(ok, base + pos, dummy)], values, mask=ok)
+            if not interpret_mode:
+                plgpu.debug_barrier()
+            iota_s = jnp.arange(slots, dtype=jnp.int32)
+            return plgpu.load(scr_ref.at[r, pl.ds(base, slots)], mask=iota_s < count, other=other)
+
+        def key_bisect():
+            return _bisect(lambda K: jnp.sum(jnp.where(zk1 > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
+
+        def key_by_rank():
+            """z_(k)'s key from the candidates >= kc (at most TOPK_SLOTS; z_(k) is among them, since
+            the k chunks whose maxima are >= kc hold k such values): each one's count of strictly
+            larger ones by one [TOPK_SLOTS, TOPK_SLOTS] comparison; the smallest key counted
+            below k (what the bisection finds, in one step instead of 31)."""
+            keys = compacted(ge, zk1, kbase, TOPK_SLOTS, n_ge, _INT_MIN)
+            rank = jnp.sum(jnp.where(keys[None, :] > keys[:, None], 1, 0), axis=1)
+            live_s = jnp.arange(TOPK_SLOTS, dtype=jnp.int32) < n_ge
+            return jnp.min(jnp.where(live_s & (rank < k), keys, _BIG))
+
+        if cand_cuts == "pairwise":
+            ge = zk1 >= kc
+            n_ge = jnp.sum(jnp.where(ge, 1, 0))
+            K_k = jax.lax.cond(n_ge <= TOPK_SLOTS, key_by_rank, key_bisect)
+        else:
+            K_k = key_bisect()
         topk = zk >= K_k
         e = jnp.where(topk, jnp.exp(z), 0.0)
         S = jnp.sum(e.reshape(n))
@@ -590,20 +626,13 @@ def _select_kernel(
             each value the mass of the strictly larger ones by one [128, 128] comparison: the
             kept ones are those below top_p, and the cut is the smallest kept q's key (what the
             bisection finds, in one step instead of 30)."""
-            live = topk.reshape(n)
-            pos = jnp.cumsum(live.astype(jnp.int32)) - 1
-            iota_n = jnp.arange(n, dtype=jnp.int32)
-            dummy = pbase + CAND_CHUNKS + (iota_n if interpret_mode else 0)  # see the chunk listing
-            plgpu.store(scr_ref.at[r, jnp.where(live, pbase + pos, dummy)], qk1, mask=live)
-            if not interpret_mode:
-                plgpu.debug_barrier()
-            keys = plgpu.load(scr_ref.at[r, pl.ds(pbase, CAND_CHUNKS)], mask=iota_k < n_k, other=-1)
+            keys = compacted(topk.reshape(n), qk1, pbase, CAND_CHUNKS, n_k, -1)
             qs = jnp.where(keys >= 0, jax.lax.bitcast_convert_type(jnp.maximum(keys, 0), jnp.float32), 0.0)
             above = jnp.sum(jnp.where(keys[None, :] > keys[:, None], qs[None, :], 0.0), axis=1)
             return jnp.min(jnp.where((keys >= 0) & (above < p), keys, _BIG))
 
         def cut():
-            if top_p_cut == "pairwise":
+            if cand_cuts == "pairwise":
                 return jax.lax.cond(n_k <= CAND_CHUNKS, cut_pairwise, cut_bisect)
             return cut_bisect()
 
@@ -895,7 +924,7 @@ def _tile_for(V: int, tile: int | None) -> int:
         "num_stages",
         "select_stages",
         "compact",
-        "top_p_cut",
+        "cand_cuts",
         "max_rounds",
         "check_splits",
         "first_pivots",
@@ -916,7 +945,7 @@ def fused_sample_debug(
     num_stages: int = 1,
     select_stages: int = 1,
     compact: str = "scatter",
-    top_p_cut: str = "bisect",
+    cand_cuts: str = "bisect",
     max_rounds: int = MAX_ROUNDS,
     check_splits: int | None = None,
     first_pivots: int = 1,
@@ -933,10 +962,11 @@ def fused_sample_debug(
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass; ``select_warps`` /
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
-    ``top_p_cut`` = "bisect" | "pairwise" (the candidate path's top-p cut: 30 bisection steps over
-    the candidates, or one pairwise comparison of the compacted top-k set, which bisects anyway
-    when ties put more than CAND_CHUNKS values in it; "pairwise" is checked in interpret mode
-    only, not yet run or timed on a GPU); ``check_splits``: programs per row of the first check pass
+    ``cand_cuts`` = "bisect" | "pairwise" (the candidate path's top-k and top-p cuts: 31 and 30
+    bisection steps over the 8,192 candidates, or one pairwise comparison each of compacted
+    values, the candidates at or above the k-th chunk maximum then the top-k set, which bisect
+    anyway when ties put more than TOPK_SLOTS / CAND_CHUNKS values in them; "pairwise" is checked
+    in interpret mode only, not yet run or timed on a GPU); ``check_splits``: programs per row of the first check pass
     (default by row count; the same bits for any value). ``num_warps``/``num_stages`` also set the
     check launch's. ``first_pivots``: first pivots one check pass serves (1 default; m > 1 draws
     m at once and keeps the first kept one, so fewer rows need a second round; checked in
@@ -958,8 +988,8 @@ def fused_sample_debug(
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
     if not 1 <= first_pivots <= MAX_ROUNDS:
         raise ValueError(f"first_pivots must be in [1, {MAX_ROUNDS}], got {first_pivots}")
-    if top_p_cut not in ("pairwise", "bisect"):
-        raise ValueError(f"top_p_cut must be 'pairwise' or 'bisect', got {top_p_cut!r}")
+    if cand_cuts not in ("pairwise", "bisect"):
+        raise ValueError(f"cand_cuts must be 'pairwise' or 'bisect', got {cand_cuts!r}")
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
@@ -991,10 +1021,11 @@ def fused_sample_debug(
     )(logits, temperature, top_k)
     mx, am, ok, tm, ts, _ = stats
     # select scratch: the scatter listing's slots (+ a distinct dummy per chunk), then the
-    # pairwise cut's (+ dummies: distinct in interpret mode, one on the GPU, where masked lanes
-    # store nothing)
+    # pairwise cuts' (+ dummies each: distinct in interpret mode, one on the GPU, where masked
+    # lanes store nothing)
+    dummies = CAND_CHUNKS * CHUNK if interpret else 1
     scratch = max(1, (CAND_CHUNKS + ncp if compact == "scatter" else 0) + (
-        CAND_CHUNKS + (CAND_CHUNKS * CHUNK if interpret else 1) if top_p_cut == "pairwise" else 0
+        TOPK_SLOTS + CAND_CHUNKS + 2 * dummies if cand_cuts == "pairwise" else 0
     ))
     nseg = pl.cdiv(nt, CHECK_SEG)
     nsegp = pl.next_power_of_2(nseg)
@@ -1030,7 +1061,7 @@ def fused_sample_debug(
             ncp=ncp,
             exact_asm=EXACT_DIV_ASM and not interpret,
             compact=compact,
-            top_p_cut=top_p_cut,
+            cand_cuts=cand_cuts,
             interpret_mode=interpret,
             max_rounds=max_rounds,
             splits=splits,
