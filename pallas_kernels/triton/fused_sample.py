@@ -322,7 +322,7 @@ def _stats_kernel(
 def _check_kernel(
     x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref,
     w_ref, cnt_ref, mgt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
-    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, pivots,
+    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, pivots, reject,
 ):
     """Two jobs on a (rows, programs per row) grid, in a launch lighter than the select's:
 
@@ -338,7 +338,8 @@ def _check_kernel(
       of programs. Min-p-only rows whose pivot passes min-p need no pass. With ``pivots`` = m > 1
       the pass serves m first pivots at once (streams 2 + 2j, 3 + 2j): per segment and pivot the
       count and the mass above it (``cnt``, ``mgt`` at ``[r, j * nsegp + g]``), and ``w`` for the
-      largest (the next round's set if all m are rejected)."""
+      largest (the next round's set if all m are rejected). (``reject`` False: max_rounds = 0, no
+      rejection path, only the first job.)"""
     r = pl.program_id(0)
     sp = pl.program_id(1)
     T = temp_ref[r]
@@ -372,6 +373,9 @@ def _check_kernel(
         path_ref[r] = light * PATH_TEMPERATURE + (1 - light) * PATH_NONE
         passes_ref[r] = zi
         rounds_ref[r] = zi
+
+    if not reject:
+        return
 
     @pl.when(valid & ~greedy & filtered & ~cand_row)
     def _():
@@ -1035,7 +1039,7 @@ def fused_sample_debug(
     checks = pl.pallas_call(
         functools.partial(
             _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nsegp=nsegp, sps=pl.cdiv(nseg, csplits), splits=splits,
-            exact_asm=EXACT_DIV_ASM and not interpret, pivots=first_pivots,
+            exact_asm=EXACT_DIV_ASM and not interpret, pivots=first_pivots, reject=max_rounds > 0,
         ),
         grid=(R, csplits),
         in_specs=[any_spec] * 11,
