@@ -393,7 +393,7 @@ def timings(quick: bool, bw: float) -> list[dict]:
                     variants["kernel_dev_bisect"] = (kern_dev_old, variants["kernel_dev"][1], 1)
                 if quick and R == 2048:
                     variants.pop("jax_reference")
-                try:  # full-row passes / rejection rounds per row in the select launch
+                try:  # full-row passes / rejection rounds per row after the stats launch
                     d = jax.tree.map(np.asarray, debug(xs[0], p, seeds_for(R, 0)))
                     entry["paths"] = np.bincount(d["path"], minlength=5).tolist()
                     entry["mean_passes"] = float(d["passes"].mean())
@@ -502,8 +502,9 @@ def markdown(meta, res, rows) -> str:
         "kernel ms: host loop of single calls (one jit dispatch each, as before); kernel dev ms: 20 calls inside "
         "one jit (lax.fori_loop), time / 20 (device time without the per-call dispatch). x sort / x torch use "
         "the host-loop time; dev x sort / dev x torch the device time. JAX/torch pipelines: host loop / CUDA events.",
-        "passes / rounds: mean full-row passes / pivot-rejection rounds per row in the select launch (after the "
-        "one-pass stats launch); bisect dev ms: the same rows with max_rounds=0 (the previous full-row bisections). "
+        "passes / rounds: mean full-row passes / pivot-rejection rounds per row after the one-pass stats launch "
+        "(the check launch's first pass included); bisect dev ms: the same rows with max_rounds=0 "
+        "(the previous full-row bisections). "
         "FlashInfer: float32 logits, CUDA events; cast ms = bf16 -> f32 cast (apart); "
         "x fi = kernel dev ms / FlashInfer ms (< 1: ours faster), x fi+cast = kernel dev ms / (FlashInfer + cast).",
         "",
