@@ -239,6 +239,16 @@ def _finite(z, e):
     return z > -jnp.inf
 
 
+def _by_filters(k_on, p_on, run):
+    """``run(with_count, with_total)`` compiled four ways, the one for this row's (top-k on,
+    top-p on) taken: a pass accumulates only what the row's tests read."""
+    return jax.lax.cond(
+        k_on,
+        lambda: jax.lax.cond(p_on, lambda: run(True, True), lambda: run(True, False)),
+        lambda: jax.lax.cond(p_on, lambda: run(False, True), lambda: run(False, False)),
+    )
+
+
 def _x_bounds(zof, zv, tau_m):
     """``(x_up, x_m)``: the smallest float32 x with ``zof(x) > zv`` and the smallest with
     ``zof(x) >= tau_m`` (= log(min_p)). ``zof`` is monotone in x (a rounded subtraction, then a
@@ -433,14 +443,10 @@ def _check_kernel(
                 _tile_loop(load_tile, t0, n, body, init)
                 return zi
 
-            jax.lax.cond(
-                k_on,
-                lambda: jax.lax.cond(p_on, lambda: run(True, True), lambda: run(True, False)),
-                lambda: jax.lax.cond(p_on, lambda: run(False, True), lambda: run(False, False)),
-            )
+            _by_filters(k_on, p_on, run)
 
 
-# ----------------------------------------------------------------------------- kernel 2: select
+# ----------------------------------------------------------------------------- kernel 3: select
 
 
 def _select_kernel(
@@ -773,49 +779,23 @@ def _select_kernel(
             acc = live & ok_m & in_k & (~p_on | (m_gt < p * S_p))
             return acc, have_sk, S_k, need_sk.astype(jnp.int32) * 33
 
-        # Streams: round 0's pivots 2 + 2j, 3 + 2j (j < pivots on rows the check launch served),
-        # then one pair per later round.
+        # Streams: round 0's pivots 2 + 2j, 3 + 2j (j < pivots on rows the check launch served,
+        # one on the others), then one pair per later round.
         # (arithmetic: jnp.where on Python ints fails the Triton lowering's type check)
         off = (~cand_row).astype(jnp.int32) * (pivots - 1)
 
         def round_(i, c):
+            """A round in this program: a draw from {z > P, z >= zfl} (a tile re-read), then its
+            own pass (the first round of rows the check launch served is ``checked_round``)."""
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
-            si = 2 * (i + (i > 0).astype(jnp.int32) * off) + 2
-
-            def in_kernel():
-                """Draw from {z > P, z >= zfl} (a tile re-read), then this program's own pass."""
-                v, zv, ev = draw(W, _uniform(s0, s1, si), _uniform(s0, s1, si + 1),
-                                 lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl))
-
-                def do_pass():
-                    return jax.lax.cond(
-                        k_on,
-                        lambda: jax.lax.cond(
-                            p_on, lambda: check_pass(zv, True, True), lambda: check_pass(zv, True, False)
-                        ),
-                        lambda: jax.lax.cond(
-                            p_on, lambda: check_pass(zv, False, True), lambda: check_pass(zv, False, False)
-                        ),
-                    )
-
-                # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
-                ran = need_pass_kp | (zv < tau_m)
-                return (v, zv, ev, ran) + jax.lax.cond(ran, do_pass, lambda: (W, zi, zf + 1.0))
-
-            def checked():
-                """Round 0 of a row the check launch served: the same pivot, its pass's results."""
-                v, zv, ev = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)
-
-                def load():
-                    Wn = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
-                    cnt = plgpu.load(cnt_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0)
-                    tot = plgpu.load(tot_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0.0)
-                    return Wn, jnp.sum(cnt), jnp.sum(tot)
-
-                ran = need_pass_kp | (zv < tau_m)
-                return (v, zv, ev, ran) + jax.lax.cond(ran, load, lambda: (W, zi, zf + 1.0))
-
-            v, zv, ev, ran, Wn, cnt, tot = jax.lax.cond((i == 0) & ~cand_row, checked, in_kernel)
+            si = 2 * (i + off) + 2
+            v, zv, ev = draw(W, _uniform(s0, s1, si), _uniform(s0, s1, si + 1),
+                             lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl))
+            # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
+            ran = need_pass_kp | (zv < tau_m)
+            Wn, cnt, tot = jax.lax.cond(
+                ran, lambda: _by_filters(k_on, p_on, functools.partial(check_pass, zv)), lambda: (W, zi, zf + 1.0)
+            )
             # m_gt = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
             acc, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, jnp.sum(Wn), tot, have_sk, S_k, True)
             passes = passes + ran.astype(jnp.int32) + sk_passes
@@ -825,10 +805,11 @@ def _select_kernel(
             tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
             return acc, tok, P, zfl, W, have_sk, S_k, passes, nr + 1
 
-        def first_round_of_many(c):
-            """Round 0 with ``pivots`` > 1 first pivots served by one check pass: i.i.d. draws from
-            the whole row, the first kept one is the token (so its law is exactly the kept law);
-            all rejected -> every z up to the largest of them is out."""
+        def checked_round(c):
+            """Round 0 of a row the check launch served: its ``pivots`` first pivots drawn again
+            (same streams, same code: the same bits), its pass's results read. i.i.d. draws from the
+            whole row, the first kept one is the token (so its law is exactly the kept law); all
+            rejected -> every z up to the largest of them is out."""
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
             draws = [draw(W0, _uniform(s0, s1, 2 + 2 * j), _uniform(s0, s1, 3 + 2 * j), _finite)
                      for j in range(pivots)]
@@ -841,8 +822,11 @@ def _select_kernel(
             def load():
                 Wn = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
                 cnts = [seg_sum(cnt_ref, j, 0) for j in range(pivots)]
-                mgts = jax.lax.cond(p_on, lambda: [seg_sum(mgt_ref, j, 0.0) for j in range(pivots)],
-                                    lambda: [zf] * pivots)
+                if pivots == 1:  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
+                    mgts = [jnp.sum(Wn)]
+                else:
+                    mgts = jax.lax.cond(p_on, lambda: [seg_sum(mgt_ref, j, 0.0) for j in range(pivots)],
+                                        lambda: [zf] * pivots)
                 return Wn, cnts, mgts, seg_sum(tot_ref, 0, 0.0)
 
             Wn, cnts, mgts, tot = jax.lax.cond(ran, load, lambda: (W, [zi] * pivots, [zf] * pivots, zf + 1.0))
@@ -857,12 +841,10 @@ def _select_kernel(
             return acc, tok, P, zfl, W, have_sk, S_k, passes + ran.astype(jnp.int32), nr + 1
 
         def maybe_round(i, c):
-            if pivots > 1:
-                return jax.lax.cond(
-                    c[0], lambda: c,
-                    lambda: jax.lax.cond((i == 0) & ~cand_row, lambda: first_round_of_many(c), lambda: round_(i, c)),
-                )
-            return jax.lax.cond(c[0], lambda: c, lambda: round_(i, c))
+            return jax.lax.cond(
+                c[0], lambda: c,
+                lambda: jax.lax.cond((i == 0) & ~cand_row, lambda: checked_round(c), lambda: round_(i, c)),
+            )
 
         init = (jnp.bool_(False), argmax, neg_inf, neg_inf, W0, zi, zf + 1.0, zi, zi)
         done, tok, P, zfl, W, have_sk, S_k, passes, nr = jax.lax.fori_loop(0, max_rounds, maybe_round, init)
@@ -970,8 +952,8 @@ def fused_sample_debug(
     bisection steps over the 8,192 candidates, or one pairwise comparison each of compacted
     values, the candidates at or above the k-th chunk maximum then the top-k set, which bisect
     anyway when ties put more than TOPK_SLOTS / CAND_CHUNKS values in them; "pairwise" is checked
-    in interpret mode only, not yet run or timed on a GPU); ``check_splits``: programs per row of the first check pass
-    (default by row count; the same bits for any value). ``num_warps``/``num_stages`` also set the
+    in interpret mode only, not yet run or timed on a GPU); ``check_splits``: programs per row of
+    the first check pass (default by row count; the same bits for any value). ``num_warps``/``num_stages`` also set the
     check launch's. ``first_pivots``: first pivots one check pass serves (1 default; m > 1 draws
     m at once and keeps the first kept one, so fewer rows need a second round; checked in
     interpret mode only, not yet timed on a GPU).
