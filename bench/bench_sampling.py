@@ -94,15 +94,17 @@ def kernel_fn(**kw):
 DEV_N = 20
 
 
-def kernel_dev_fn(n=DEV_N, **kw):
+def kernel_dev_fn(n=DEV_N, module=fs, **kw):
     """``n`` kernel calls inside one jit (lax.fori_loop; the seeds change every call so nothing is
     hoisted): timing it and dividing by n gives the device time per call without the per-call
-    host dispatch (the ~0.08 ms fixed cost of the host loop)."""
+    host dispatch (the ~0.08 ms fixed cost of the host loop). ``module``: the kernel module (another
+    version's file for a same-run comparison)."""
 
     @jax.jit
     def loop(x, p, seeds):
         def body(i, acc):
-            tok = fs.fused_sample(x, p.temperature, p.top_k, p.top_p, p.min_p, seeds + i.astype(jnp.uint32), **kw)
+            s = seeds + i.astype(jnp.uint32)
+            tok = module.fused_sample(x, p.temperature, p.top_k, p.top_p, p.min_p, s, **kw)
             return acc + tok[0]
 
         return jax.lax.fori_loop(0, n, body, jnp.int32(0))

@@ -5,8 +5,8 @@ the same logits (the way to measure a kernel change: same run, same machine stat
     PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/compare_sampler.py \\
         --baseline main=/tmp/fused_sample_main.py --rows 16,64,512,2048
 
-Each variant: ``fused_sample`` called 20 times inside one jit (``lax.fori_loop``, the seeds change
-every call), timed by ``_timing.time_it`` and divided by 20 (device time without per-call
+Each variant: ``fused_sample`` called 20 times inside one jit (bench_sampling's ``kernel_dev_fn``),
+timed by ``_timing.time_it`` and divided by 20 (device time without per-call
 dispatch). Variants: ``current`` (this checkout's kernel), each ``--baseline NAME=FILE``, and
 ``current`` with each ``--knobs NAME=k=v,...`` (the kernel's static tuning arguments). Gaussian
 rows at every R, "realistic" rows (bench_sampling's) at R <= 64. ``--smoke`` checks the script on
@@ -28,10 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from _timing import time_it  # noqa: E402
 
-from bench.bench_sampling import CONFIGS, DEV_N, V, batch_params, make_logits, seeds_for  # noqa: E402
+from bench.bench_sampling import CONFIGS, DEV_N, V, batch_params, kernel_dev_fn, make_logits, seeds_for  # noqa: E402
 from pallas_kernels.triton import fused_sample as current  # noqa: E402
 
 
@@ -55,14 +54,7 @@ def parse_knobs(text: str) -> dict:
 
 
 def device_us(mod, x, p, R, iters, repeats, **kw):
-    @jax.jit
-    def loop(x, p, seeds):
-        def body(i, acc):
-            s = seeds + i.astype(jnp.uint32)
-            return acc + mod.fused_sample(x, p.temperature, p.top_k, p.top_p, p.min_p, s, **kw)[0]
-
-        return jax.lax.fori_loop(0, DEV_N, body, jnp.int32(0))
-
+    loop = kernel_dev_fn(module=mod, **kw)
     return time_it(loop, [(x, p, seeds_for(R, 1))], iters=iters, repeats=repeats) / DEV_N * 1e6
 
 
