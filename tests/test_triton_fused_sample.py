@@ -318,6 +318,18 @@ def test_rows_do_not_depend_on_the_batch():
         np.testing.assert_array_equal(a[key], b[key][:4], err_msg=key)
 
 
+def _rejection_batch():
+    """8 rows of V=1000 (tile 64: 16 tiles, 4 segments of CHECK_SEG tiles) on the rejection path:
+    top-p alone, min-p alone, top-k > CAND_CHUNKS with and without top-p, on Gaussian and on
+    rounded (tied) logits; high temperatures for the top-k rows, whose first pivots then fall near
+    rank k, where the count decides."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((8, 1000)) * 2).astype(np.float32)
+    x[4:] = np.round(x[4:])
+    pb = _batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2, [0.0, 0.2, 0.0, 0.0] * 2)
+    return x, pb
+
+
 def test_first_check_pass_splits_give_the_same_bits():
     """The rejection path's first check pass spread over 1, 2 or 4 programs per row (V=1000,
     tile 64: 16 tiles, 4 segments of CHECK_SEG tiles): every output field the same bits, since
@@ -325,14 +337,9 @@ def test_first_check_pass_splits_give_the_same_bits():
     top-k > CAND_CHUNKS with and without top-p, on Gaussian and on rounded (tied) logits."""
     from pallas_kernels.triton.fused_sample import CHECK_SEG
 
-    rng = np.random.default_rng(12)
     R, V, tile = 8, 1000, 64
     assert -(-V // tile) == 4 * CHECK_SEG
-    x = (rng.standard_normal((R, V)) * 2).astype(np.float32)
-    x[4:] = np.round(x[4:])
-    # (high temperatures for the top-k rows: their first pivots fall near rank k, where the
-    # count decides)
-    pb = _batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2, [0.0, 0.2, 0.0, 0.0] * 2)
+    x, pb = _rejection_batch()
     outs = [_run(x, pb, _seeds(R, 9), tile, check_splits=c) for c in (1, 2, 4)]
     assert (outs[0]["path"] == PATH_REJECT).all()
     for out in outs[1:]:
@@ -370,10 +377,7 @@ def test_several_first_pivots_large_top_k_and_splits():
         out = _draws(base, n, T, k, p, m, 64, 5, first_pivots=2)
         assert (out["path"] == PATH_REJECT).all()
         _assert_law(base, out["token"], T, k, p, m, wrong_t=1.5)
-    rng = np.random.default_rng(12)
-    x = (rng.standard_normal((8, 1000)) * 2).astype(np.float32)
-    x[4:] = np.round(x[4:])
-    pb = _batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2, [0.0, 0.2, 0.0, 0.0] * 2)
+    x, pb = _rejection_batch()
     a, b = (_run(x, pb, _seeds(8, 9), 64, check_splits=c, first_pivots=2) for c in (1, 4))
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
