@@ -113,7 +113,6 @@ INVALID_TOKEN = -1  # the token of a row with no law (NaN, +inf, or all -inf log
 
 CHUNK = 64  # columns per chunk maximum
 CAND_CHUNKS = 128  # candidate chunks gathered for the top-k fast path (k <= CAND_CHUNKS)
-TOPK_SLOTS = 2 * CAND_CHUNKS  # candidates >= the k-th chunk maximum ranked at once (cand_cuts="pairwise")
 MAX_TILE = 4096
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
@@ -331,8 +330,8 @@ def _stats_kernel(
 
 def _check_kernel(
     x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref,
-    w_ref, cnt_ref, mgt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
-    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, pivots, reject,
+    w_ref, cnt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
+    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, reject,
 ):
     """Two jobs on a (rows, programs per row) grid, in a launch lighter than the select's:
 
@@ -345,11 +344,8 @@ def _check_kernel(
       ``{z > z_v, z >= log(min_p)}`` (``w``, the next draw's weights), per segment ``#{z > z_v}``
       (``cnt``) and the total mass (``tot``). Every stored value is one tile's or one fixed
       segment's, so the select launch sums the same values in the same order whatever the number
-      of programs. Min-p-only rows whose pivot passes min-p need no pass. With ``pivots`` = m > 1
-      the pass serves m first pivots at once (streams 2 + 2j, 3 + 2j): per segment and pivot the
-      count and the mass above it (``cnt``, ``mgt`` at ``[r, j * nsegp + g]``), and ``w`` for the
-      largest (the next round's set if all m are rejected). (``reject`` False: max_rounds = 0, no
-      rejection path, only the first job.)"""
+      of programs. Min-p-only rows whose pivot passes min-p need no pass. (``reject`` False:
+      max_rounds = 0, no rejection path, only the first job.)"""
     r = pl.program_id(0)
     sp = pl.program_id(1)
     T = temp_ref[r]
@@ -390,14 +386,12 @@ def _check_kernel(
     @pl.when(valid & ~greedy & filtered & ~cand_row)
     def _():
         W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
-        zvs = [draw(W0, _uniform(s0, s1, 2 + 2 * j), _uniform(s0, s1, 3 + 2 * j), _finite)[1] for j in range(pivots)]
-        all_fail_m = functools.reduce(jnp.logical_and, [zv < tau_m for zv in zvs])
+        zv = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)[1]
 
-        @pl.when(k_on | p_on | all_fail_m)
+        @pl.when(k_on | p_on | (zv < tau_m))
         def _():
-            bounds = [_x_bounds(zof, zv, tau_m) for zv in zvs]
-            x_ups = [b[0] for b in bounds]
-            x_w = functools.reduce(jnp.maximum, x_ups, bounds[0][1])
+            x_up, x_m = _x_bounds(zof, zv, tau_m)
+            x_w = jnp.maximum(x_up, x_m)
             g0 = sp * sps
             t0 = g0 * CHECK_SEG
             n = jnp.clip(nt - t0, 0, sps * CHECK_SEG)
@@ -407,18 +401,13 @@ def _check_kernel(
                 return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
 
             def run(with_count, with_total):
-                with_mgt = with_total and pivots > 1  # one pivot: the select sums w instead
-
                 def body(i, x, c):
-                    cnts, mgts, tot = c
+                    cnt, tot = c
                     t = t0 + i
                     e = jnp.exp2((x - M) * c2)
                     w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
-                    ups = [x >= x_up for x_up in x_ups]
                     if with_count:
-                        cnts = [cnt + jnp.where(up, 1, 0) for cnt, up in zip(cnts, ups, strict=True)]
-                    if with_mgt:
-                        mgts = [m + jnp.where(up, e, 0.0) for m, up in zip(mgts, ups, strict=True)]
+                        cnt = cnt + jnp.where(x >= x_up, 1, 0)  # z > zv
                     if with_total:
                         tot = tot + e
                     # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
@@ -427,19 +416,12 @@ def _check_kernel(
 
                     @pl.when(last)
                     def _():
-                        for j in range(pivots):
-                            cnt_ref[r, j * nsegp + g] = jnp.sum(cnts[j]) if with_count else zi
-                            if with_mgt:
-                                mgt_ref[r, j * nsegp + g] = jnp.sum(mgts[j])
+                        cnt_ref[r, g] = jnp.sum(cnt) if with_count else zi
                         tot_ref[r, g] = jnp.sum(tot) if with_total else zf
 
-                    def reset(v, zero):
-                        return jnp.where(last, zero, v)
+                    return jnp.where(last, 0, cnt), jnp.where(last, 0.0, tot)
 
-                    return [reset(a, 0) for a in cnts], [reset(a, 0.0) for a in mgts], reset(tot, 0.0)
-
-                zeros_i, zeros_f = jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32)
-                init = ([zeros_i] * pivots, [zeros_f] * (pivots if with_mgt else 0), zeros_f)
+                init = (jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
                 _tile_loop(load_tile, t0, n, body, init)
                 return zi
 
@@ -464,7 +446,6 @@ def _select_kernel(
     cm_ref,
     w_ref,
     cnt_ref,
-    mgt_ref,
     tot_ref,
     _tok_in,  # the check launch's outputs (light rows written), aliased to the outputs below
     _tau_in,
@@ -489,12 +470,10 @@ def _select_kernel(
     ncp,
     exact_asm,
     compact,
-    cand_cuts,
     interpret_mode,
     max_rounds,
     splits,
     nseg,
-    pivots,
 ):
     """Rows with a filter: the top-k candidate path, the pivot rejection or the full-row
     bisections, one program per row (light rows: the check launch has written them)."""
@@ -520,9 +499,6 @@ def _select_kernel(
 
     # Candidate chunks for the top-k fast path (computed only where it can be used).
     iota_c = jnp.arange(ncp, dtype=jnp.int32)
-    # the pairwise cuts' scratch slots: top-k's after the chunk listing's, then top-p's
-    kbase = CAND_CHUNKS + ncp if compact == "scatter" else 0
-    pbase = kbase + TOPK_SLOTS + (CAND_CHUNKS * CHUNK if interpret_mode else 1)
 
     def cand_count():
         cmv = plgpu.load(cm_ref.at[r, pl.ds(0, ncp)], mask=iota_c < nc, other=-jnp.inf)
@@ -586,65 +562,16 @@ def _select_kernel(
         # the key range needs (31 for (INT_MIN, 0], 30 for (-1, bits of 1.0]).
         n = CAND_CHUNKS * CHUNK
         zk1 = zk.reshape(n)
-        iota_n = jnp.arange(n, dtype=jnp.int32)
-
-        def compacted(mask, values, base, slots, count, other):
-            """The masked values, in order, through this row's scratch slots [base, base + slots)
-            (cumsum + scatter + barrier, as the chunk listing; masked-off lanes and those past the
-            slots store nothing on the GPU, at distinct dummy slots in interpret mode). -> [slots]"""
-            pos = jnp.cumsum(mask.astype(jnp.int32)) - 1
-            ok = mask & (pos < slots)
-            dummy = base + slots + (iota_n if interpret_mode else 0)
-            plgpu.store(scr_ref.at[r, jnp.where(ok, base + pos, dummy)], values, mask=ok)
-            if not interpret_mode:
-                plgpu.debug_barrier()
-            iota_s = jnp.arange(slots, dtype=jnp.int32)
-            return plgpu.load(scr_ref.at[r, pl.ds(base, slots)], mask=iota_s < count, other=other)
-
-        def key_bisect():
-            return _bisect(lambda K: jnp.sum(jnp.where(zk1 > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
-
-        def key_by_rank():
-            """z_(k)'s key from the candidates >= kc (at most TOPK_SLOTS; z_(k) is among them, since
-            the k chunks whose maxima are >= kc hold k such values): each one's count of strictly
-            larger ones by one [TOPK_SLOTS, TOPK_SLOTS] comparison; the smallest key counted
-            below k (what the bisection finds, in one step instead of 31)."""
-            keys = compacted(ge, zk1, kbase, TOPK_SLOTS, n_ge, _INT_MIN)
-            rank = jnp.sum(jnp.where(keys[None, :] > keys[:, None], 1, 0), axis=1)
-            live_s = jnp.arange(TOPK_SLOTS, dtype=jnp.int32) < n_ge
-            return jnp.min(jnp.where(live_s & (rank < k), keys, _BIG))
-
-        if cand_cuts == "pairwise":
-            ge = zk1 >= kc
-            n_ge = jnp.sum(jnp.where(ge, 1, 0))
-            K_k = jax.lax.cond(n_ge <= TOPK_SLOTS, key_by_rank, key_bisect)
-        else:
-            K_k = key_bisect()
+        K_k = _bisect(lambda K: jnp.sum(jnp.where(zk1 > K, 1, 0)) < k, _INT_MIN, jnp.int32(0), 31)
         topk = zk >= K_k
         e = jnp.where(topk, jnp.exp(z), 0.0)
         S = jnp.sum(e.reshape(n))
         q = e / S
         q1 = q.reshape(n)
         qk1 = jax.lax.bitcast_convert_type(q1, jnp.int32)
-        n_k = jnp.sum(jnp.where(topk.reshape(n), 1, 0))
-
-        def cut_bisect():
-            return _bisect(lambda K: jnp.sum(jnp.where(qk1 > K, q1, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 30)
-
-        def cut_pairwise():
-            """The top-k set (at most CAND_CHUNKS values) compacted into the scratch, then for
-            each value the mass of the strictly larger ones by one [128, 128] comparison: the
-            kept ones are those below top_p, and the cut is the smallest kept q's key (what the
-            bisection finds, in one step instead of 30)."""
-            keys = compacted(topk.reshape(n), qk1, pbase, CAND_CHUNKS, n_k, -1)
-            qs = jnp.where(keys >= 0, jax.lax.bitcast_convert_type(jnp.maximum(keys, 0), jnp.float32), 0.0)
-            above = jnp.sum(jnp.where(keys[None, :] > keys[:, None], qs[None, :], 0.0), axis=1)
-            return jnp.min(jnp.where((keys >= 0) & (above < p), keys, _BIG))
 
         def cut():
-            if cand_cuts == "pairwise":
-                return jax.lax.cond(n_k <= CAND_CHUNKS, cut_pairwise, cut_bisect)
-            return cut_bisect()
+            return _bisect(lambda K: jnp.sum(jnp.where(qk1 > K, q1, 0.0)) < p, jnp.int32(-1), _ONE_KEY, 30)
 
         K_p = jax.lax.cond(p_on & (jnp.sum(q1) >= p), cut, lambda: zi - 1)
         tau, qthr = finish_thresholds(K_k, S, K_p)
@@ -779,16 +706,13 @@ def _select_kernel(
             acc = live & ok_m & in_k & (~p_on | (m_gt < p * S_p))
             return acc, have_sk, S_k, need_sk.astype(jnp.int32) * 33
 
-        # Streams: round 0's pivots 2 + 2j, 3 + 2j (j < pivots on rows the check launch served,
-        # one on the others), then one pair per later round.
-        # (arithmetic: jnp.where on Python ints fails the Triton lowering's type check)
-        off = (~cand_row).astype(jnp.int32) * (pivots - 1)
+        # Streams: round i draws with 2 + 2i, 3 + 2i.
 
         def round_(i, c):
             """A round in this program: a draw from {z > P, z >= zfl} (a tile re-read), then its
             own pass (the first round of rows the check launch served is ``checked_round``)."""
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
-            si = 2 * (i + off) + 2
+            si = 2 * i + 2
             v, zv, ev = draw(W, _uniform(s0, s1, si), _uniform(s0, s1, si + 1),
                              lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl))
             # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
@@ -806,39 +730,24 @@ def _select_kernel(
             return acc, tok, P, zfl, W, have_sk, S_k, passes, nr + 1
 
         def checked_round(c):
-            """Round 0 of a row the check launch served: its ``pivots`` first pivots drawn again
-            (same streams, same code: the same bits), its pass's results read. i.i.d. draws from the
-            whole row, the first kept one is the token (so its law is exactly the kept law); all
-            rejected -> every z up to the largest of them is out."""
+            """Round 0 of a row the check launch served: its first pivot drawn again (same streams,
+            same code: the same bits), its pass's results read."""
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
-            draws = [draw(W0, _uniform(s0, s1, 2 + 2 * j), _uniform(s0, s1, 3 + 2 * j), _finite)
-                     for j in range(pivots)]
-            zvs = [d[1] for d in draws]
-            ran = need_pass_kp | functools.reduce(jnp.logical_and, [zv < tau_m for zv in zvs])
+            v, zv, ev = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)
+            ran = need_pass_kp | (zv < tau_m)
 
-            def seg_sum(ref, j, other):
-                return jnp.sum(plgpu.load(ref.at[r, pl.ds(j * nsegp, nsegp)], mask=iota_s < nseg, other=other))
+            def seg_sum(ref, other):
+                return jnp.sum(plgpu.load(ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=other))
 
             def load():
                 Wn = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
-                cnts = [seg_sum(cnt_ref, j, 0) for j in range(pivots)]
-                if pivots == 1:  # = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
-                    mgts = [jnp.sum(Wn)]
-                else:
-                    mgts = jax.lax.cond(p_on, lambda: [seg_sum(mgt_ref, j, 0.0) for j in range(pivots)],
-                                        lambda: [zf] * pivots)
-                return Wn, cnts, mgts, seg_sum(tot_ref, 0, 0.0)
+                return Wn, seg_sum(cnt_ref, 0), seg_sum(tot_ref, 0.0)
 
-            Wn, cnts, mgts, tot = jax.lax.cond(ran, load, lambda: (W, [zi] * pivots, [zf] * pivots, zf + 1.0))
-            acc, ntok = zi > 0, tok  # (a traced False: literals do not lower as cond operands)
-            for (v, zv, ev), cnt, m_gt in zip(draws, cnts, mgts, strict=True):
-                a, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, m_gt, tot, have_sk, S_k, ~acc)
-                ntok = jnp.where(a, v, ntok)
-                acc = acc | a
-                passes = passes + sk_passes
-            zmax = functools.reduce(jnp.maximum, zvs)
-            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), (ntok, P, zfl, W), (tok, zmax, tau_m, Wn))
-            return acc, tok, P, zfl, W, have_sk, S_k, passes + ran.astype(jnp.int32), nr + 1
+            Wn, cnt, tot = jax.lax.cond(ran, load, lambda: (W, zi, zf + 1.0))
+            # m_gt = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
+            acc, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, jnp.sum(Wn), tot, have_sk, S_k, True)
+            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), (v, P, zfl, W), (tok, zv, tau_m, Wn))
+            return acc, tok, P, zfl, W, have_sk, S_k, passes + ran.astype(jnp.int32) + sk_passes, nr + 1
 
         def maybe_round(i, c):
             return jax.lax.cond(
@@ -910,10 +819,8 @@ def _tile_for(V: int, tile: int | None) -> int:
         "num_stages",
         "select_stages",
         "compact",
-        "cand_cuts",
         "max_rounds",
         "check_splits",
-        "first_pivots",
     ),
 )
 def fused_sample_debug(
@@ -931,10 +838,8 @@ def fused_sample_debug(
     num_stages: int = 1,
     select_stages: int = 1,
     compact: str = "scatter",
-    cand_cuts: str = "bisect",
     max_rounds: int = MAX_ROUNDS,
     check_splits: int | None = None,
-    first_pivots: int = 1,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
@@ -948,15 +853,8 @@ def fused_sample_debug(
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass; ``select_warps`` /
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
-    ``cand_cuts`` = "bisect" | "pairwise" (the candidate path's top-k and top-p cuts: 31 and 30
-    bisection steps over the 8,192 candidates, or one pairwise comparison each of compacted
-    values, the candidates at or above the k-th chunk maximum then the top-k set, which bisect
-    anyway when ties put more than TOPK_SLOTS / CAND_CHUNKS values in them; "pairwise" is checked
-    in interpret mode only, not yet run or timed on a GPU); ``check_splits``: programs per row of
-    the first check pass (default by row count; the same bits for any value). ``num_warps``/``num_stages`` also set the
-    check launch's. ``first_pivots``: first pivots one check pass serves (1 default; m > 1 draws
-    m at once and keeps the first kept one, so fewer rows need a second round; checked in
-    interpret mode only, not yet timed on a GPU).
+    ``check_splits``: programs per row of the first check pass (default by row count; the same
+    bits for any value). ``num_warps``/``num_stages`` also set the check launch's.
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
@@ -972,10 +870,6 @@ def fused_sample_debug(
     R=16; both listings give the same chunks in the same order."""
     if compact not in ("loop", "scatter"):
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
-    if not 1 <= first_pivots <= MAX_ROUNDS:
-        raise ValueError(f"first_pivots must be in [1, {MAX_ROUNDS}], got {first_pivots}")
-    if cand_cuts not in ("pairwise", "bisect"):
-        raise ValueError(f"cand_cuts must be 'pairwise' or 'bisect', got {cand_cuts!r}")
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
@@ -1006,13 +900,8 @@ def fused_sample_debug(
         name="ddtree_sample_stats",
     )(logits, temperature, top_k)
     mx, am, ok, tm, ts, _ = stats
-    # select scratch: the scatter listing's slots (+ a distinct dummy per chunk), then the
-    # pairwise cuts' (+ dummies each: distinct in interpret mode, one on the GPU, where masked
-    # lanes store nothing)
-    dummies = CAND_CHUNKS * CHUNK if interpret else 1
-    scratch = max(1, (CAND_CHUNKS + ncp if compact == "scatter" else 0) + (
-        TOPK_SLOTS + CAND_CHUNKS + 2 * dummies if cand_cuts == "pairwise" else 0
-    ))
+    # select scratch: the scatter listing's slots (+ a distinct dummy per chunk)
+    scratch = CAND_CHUNKS + ncp if compact == "scatter" else 1
     nseg = pl.cdiv(nt, CHECK_SEG)
     nsegp = pl.next_power_of_2(nseg)
     # with max_rounds = 0 no row takes the rejection path: one program per row finishes the light rows
@@ -1021,15 +910,14 @@ def fused_sample_debug(
     checks = pl.pallas_call(
         functools.partial(
             _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nsegp=nsegp, sps=pl.cdiv(nseg, csplits), splits=splits,
-            exact_asm=EXACT_DIV_ASM and not interpret, pivots=first_pivots, reject=max_rounds > 0,
+            exact_asm=EXACT_DIV_ASM and not interpret, reject=max_rounds > 0,
         ),
         grid=(R, csplits),
         in_specs=[any_spec] * 11,
-        out_specs=[any_spec] * 11,
+        out_specs=[any_spec] * 10,
         out_shape=[
             sd((R, ntp), f32),
-            sd((R, first_pivots * nsegp), i32),
-            sd((R, first_pivots * nsegp if first_pivots > 1 else 1), f32),
+            sd((R, nsegp), i32),
             sd((R, nsegp), f32),
             *row_outs,
         ],
@@ -1047,18 +935,16 @@ def fused_sample_debug(
             ncp=ncp,
             exact_asm=EXACT_DIV_ASM and not interpret,
             compact=compact,
-            cand_cuts=cand_cuts,
             interpret_mode=interpret,
             max_rounds=max_rounds,
             splits=splits,
             nseg=nseg,
-            pivots=first_pivots,
         ),
         grid=(R,),
-        in_specs=[any_spec] * 23,
+        in_specs=[any_spec] * 22,
         out_specs=[any_spec] * 8,
         out_shape=[*row_outs, sd((R, scratch), i32)],
-        input_output_aliases={16 + i: i for i in range(7)},
+        input_output_aliases={15 + i: i for i in range(7)},
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=select_stages),
         interpret=interpret,
         name="ddtree_sample_select",
