@@ -343,3 +343,20 @@ def test_first_check_pass_splits_give_the_same_bits():
             np.testing.assert_array_equal(out[key], outs[0][key], err_msg=key)
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
     assert (lp[np.arange(R), outs[0]["token"]] > -np.inf).all()
+
+
+def test_chi_square_later_rounds_over_segments():
+    """Rounds after the check launch's run in the select program, over a row of several segments
+    (V=1024, tile 64: 16 tiles, 4 segments), where each round's per-tile weights steer the next
+    draw: top-p 0.5 alone and top-k 160 alone at T=1.5 (many first and second draws rejected).
+    n = 3000 draws each against the exact law (``_assert_law``: p > 1e-3, every token expected
+    >= 10 times drawn, the negative control with the temperature off by 25% at p < 1e-6). Tile
+    masses placed in the wrong segments by the select's pass fail it (p ~ 1e-16)."""
+    V, n = 1024, 3000
+    rng = np.random.default_rng(13)
+    base = (rng.standard_normal(V) * 1.5).astype(np.float32)
+    for T, k, p in [(1.0, 0, 0.5), (1.5, 160, 1.0)]:
+        out = _draws(base, n, T, k, p, 0.0, 64, 8)
+        assert (out["path"] == PATH_REJECT).all()
+        assert (out["rounds"] >= 3).sum() >= 100, np.bincount(out["rounds"])  # in-program passes steer draws
+        _assert_law(base, out["token"], T, k, p, 0.0)
