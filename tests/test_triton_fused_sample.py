@@ -350,8 +350,9 @@ def test_chi_square_later_rounds_over_segments():
     (V=1024, tile 64: 16 tiles, 4 segments), where each round's per-tile weights steer the next
     draw: top-p 0.5 alone and top-k 160 alone at T=1.5 (many first and second draws rejected).
     n = 3000 draws each against the exact law (``_assert_law``: p > 1e-3, every token expected
-    >= 10 times drawn, the negative control with the temperature off by 25% at p < 1e-6). Tile
-    masses placed in the wrong segments by the select's pass fail it (p ~ 1e-16)."""
+    >= 10 times drawn, the negative control with the temperature off by 25% at p < 1e-6). A
+    select pass that stores each tile's mass at the mirrored tile fails it (no other test here
+    does: the other law tests' rows are one or two segments long)."""
     V, n = 1024, 3000
     rng = np.random.default_rng(13)
     base = (rng.standard_normal(V) * 1.5).astype(np.float32)

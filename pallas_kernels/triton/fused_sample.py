@@ -55,8 +55,7 @@ Algorithm (three launches; the first two spread a row over several programs when
      ``#{z > z_v} < k`` (top-k, ties kept), ``mass{z > z_v} < top_p * S`` (top-p, S the top-k
      mass) and ``z_v >= log(min_p)`` (min-p; local, no pass). The same pass stores the per-tile
      masses of ``{z > z_v, z >= log(min_p)}``. The pass compares the IEEE z of every element
-     (exact membership) segment by segment: three block reductions of a [CHECK_SEG, tile]
-     view per segment (``_segment_check``). Accept -> done. Reject -> every u with
+     (exact membership) with one block reduction per tile (see ``check_pass``). Accept -> done. Reject -> every u with
      ``z_u <= z_v`` is out of K too, so P = z_v and redraw from the smaller U (fresh uniforms,
      streams 2 + 2i, 3 + 2i). Each round draws from q restricted to some U containing K and
      keeps the draw iff it lies in K, so the accepted token has exactly the law of q on K.
@@ -127,6 +126,7 @@ EXACT_DIV_ASM = True
 PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW, PATH_REJECT = 0, 1, 2, 3, 4
 MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (PATH_SLOW)
 CHECK_SEG = 4  # tiles per segment of the first check pass (fixed: its sums never depend on the batch)
+_CHECK_SEG_BITS = CHECK_SEG.bit_length() - 1
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -269,31 +269,6 @@ def _x_bounds(zof, zv, tau_m):
     return jnp.max(jnp.where(iota2 == 0, xb, -jnp.inf)), jnp.max(jnp.where(iota2 == 1, xb, -jnp.inf))
 
 
-def _segment_loader(x_ref, r, tile, V):
-    """``load(g, live)``: segment g of row r (CHECK_SEG tiles, flat), -inf past the row."""
-    seg = CHECK_SEG * tile
-    iota = jnp.arange(seg, dtype=jnp.int32)
-
-    def load(g, live):
-        return plgpu.load(x_ref.at[r, pl.ds(g * seg, seg)], mask=(g * seg + iota < V) & live, other=-jnp.inf)
-
-    return load
-
-
-def _segment_check(x, M, c2, x_w, x_up, tile, with_count, with_total, zi, zf):
-    """One segment (float32 ``[CHECK_SEG * tile]``) of a check pass: per tile the mass of
-    ``{x >= x_w}`` (the next draw's weights), ``#{x >= x_up}`` and the segment's total mass; masses
-    ``exp2((x - M) * log2(e) / T)`` as in the stats pass. All three are block reductions of the
-    ``[CHECK_SEG, tile]`` view, so a pass over one program waits on CHECK_SEG times fewer dependent
-    reductions than one per tile."""
-    x2 = x.reshape(CHECK_SEG, tile)
-    e = jnp.exp2((x2 - M) * c2)
-    w = jnp.sum(jnp.where(x2 >= x_w, e, 0.0), axis=1)
-    cnt = jnp.sum(jnp.sum(jnp.where(x2 >= x_up, 1, 0), axis=1)) if with_count else zi
-    tot = jnp.sum(jnp.sum(e, axis=1)) if with_total else zf
-    return w, cnt, tot
-
-
 # ----------------------------------------------------------------------------- kernel 1: stats
 
 
@@ -356,7 +331,7 @@ def _stats_kernel(
 def _check_kernel(
     x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref,
     w_ref, cnt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
-    *, V, tile, nt, ntp, nseg, sps, splits, exact_asm, reject,
+    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, reject,
 ):
     """Two jobs on a (rows, programs per row) grid, in a launch lighter than the select's:
 
@@ -384,6 +359,7 @@ def _check_kernel(
     c2 = inv_t * np.float32(np.log2(np.e))
     zof = functools.partial(_zof, M=M, Ts=Ts, exact_asm=exact_asm)
     tau_m = jnp.log(minp)
+    iota_t = jnp.arange(tile, dtype=jnp.int32)
     zi, zf = k * 0, T * 0.0
     s0, s1 = seed_ref[r, 0], seed_ref[r, 1]
     draw = functools.partial(_draw, x_ref, r, tile=tile, V=V, zof=zof, argmax=argmax)
@@ -417,18 +393,36 @@ def _check_kernel(
             x_up, x_m = _x_bounds(zof, zv, tau_m)
             x_w = jnp.maximum(x_up, x_m)
             g0 = sp * sps
-            iota_g = jnp.arange(CHECK_SEG, dtype=jnp.int32)
+            t0 = g0 * CHECK_SEG
+            n = jnp.clip(nt - t0, 0, sps * CHECK_SEG)
+
+            def load_tile(t, live):
+                cols = t * tile + iota_t
+                return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
 
             def run(with_count, with_total):
                 def body(i, x, c):
-                    g = g0 + i
-                    w, cnt, tot = _segment_check(x, M, c2, x_w, x_up, tile, with_count, with_total, zi, zf)
-                    plgpu.store(w_ref.at[r, pl.ds(g * CHECK_SEG, CHECK_SEG)], w, mask=g * CHECK_SEG + iota_g < nt)
-                    cnt_ref[r, g] = cnt
-                    tot_ref[r, g] = tot
-                    return c
+                    cnt, tot = c
+                    t = t0 + i
+                    e = jnp.exp2((x - M) * c2)
+                    w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
+                    if with_count:
+                        cnt = cnt + jnp.where(x >= x_up, 1, 0)  # z > zv
+                    if with_total:
+                        tot = tot + e
+                    # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
+                    last = ((i & (CHECK_SEG - 1)) == CHECK_SEG - 1) | (i == n - 1)
+                    g = g0 + (i >> _CHECK_SEG_BITS)
 
-                _tile_loop(_segment_loader(x_ref, r, tile, V), g0, jnp.clip(nseg - g0, 0, sps), body, zi)
+                    @pl.when(last)
+                    def _():
+                        cnt_ref[r, g] = jnp.sum(cnt) if with_count else zi
+                        tot_ref[r, g] = jnp.sum(tot) if with_total else zf
+
+                    return jnp.where(last, 0, cnt), jnp.where(last, 0.0, tot)
+
+                init = (jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
+                _tile_loop(load_tile, t0, n, body, init)
                 return zi
 
             _by_filters(k_on, p_on, run)
@@ -658,26 +652,36 @@ def _select_kernel(
     tau_m = jnp.log(minp)  # min-p on the rejection path: z >= log(min_p) (-inf when off)
     c2 = inv_t * np.float32(np.log2(np.e))
 
-    nsegp = pl.next_power_of_2(nseg)
-    iota_s = jnp.arange(nsegp, dtype=jnp.int32)
-
     def check_pass(zv, with_count, with_total):
-        """One full-row pass for the drawn value zv, segment by segment (``_segment_check``, as the
-        check launch): per-tile masses of {z > zv, z >= tau_m} (the next round's weights),
-        #{z > zv} (top-k) and the total mass (top-p). z is the IEEE z of every element (exact
-        membership: compared through the x bounds of ``_x_bounds``, no division per element)."""
+        """One full-row pass for the drawn value zv: per-tile masses of {z > zv, z >= tau_m} (the
+        next round's weights), #{z > zv} (top-k) and the total mass (top-p). z is the IEEE z of
+        every element (exact membership: compared through the x bounds of ``x_bounds``, no
+        division per element), masses exp2((x - M) * log2(e) / T) as the stats pass.
+        Per tile ONE block reduction (the tile's mass, a weight of the next draw); the count and
+        the total accumulate per lane across the tiles and are reduced once at the end: the pass
+        is a chain of dependent reductions, so their number per tile sets its time when one
+        program holds a row (few rows)."""
 
         x_up, x_m = _x_bounds(zof, zv, tau_m)
         x_w = jnp.maximum(x_up, x_m)
 
-        def body(g, x, c):
-            W2, cnt, tot = c  # W2: the tile masses as [segments, CHECK_SEG] (placed without a reduction)
-            w, cg, tg = _segment_check(x, M, c2, x_w, x_up, tile, with_count, with_total, zi, zf)
-            return jnp.where(iota_s[:, None] == g, w[None, :], W2), cnt + cg, tot + tg
+        def body(t, x, c):
+            W, cnt, tot = c
+            e = jnp.exp2((x - M) * c2)
+            up = x >= x_up  # z > zv
+            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(x >= x_w, e, 0.0)), W)
+            if with_count:
+                cnt = cnt + jnp.where(up, 1, 0)
+            if with_total:
+                tot = tot + e
+            return W, cnt, tot
 
-        init = (jnp.zeros((nsegp, CHECK_SEG), jnp.float32), zi, zf)
-        W2, cnt, tot = _tile_loop(_segment_loader(x_ref, r, tile, V), 0, nseg, body, init)
-        return W2.reshape(ntp), cnt, tot
+        init = (jnp.zeros((ntp,), jnp.float32), jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
+        W, cnt, tot = row_loop(body, init)
+        return W, (jnp.sum(cnt) if with_count else zi), (jnp.sum(tot) if with_total else zf)
+
+    nsegp = pl.next_power_of_2(nseg)
+    iota_s = jnp.arange(nsegp, dtype=jnp.int32)
 
     def p_reject():
         W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
@@ -869,7 +873,7 @@ def fused_sample_debug(
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
-    ntp = max(pl.next_power_of_2(nt), CHECK_SEG)  # = (segments, to a power of two) x CHECK_SEG
+    ntp = pl.next_power_of_2(nt)
     splits = _splits_for(R, nt)
     tps = pl.cdiv(nt, splits)
     ncp = pl.next_power_of_2(nt * (tile // CHUNK))
@@ -900,20 +904,19 @@ def fused_sample_debug(
     scratch = CAND_CHUNKS + ncp if compact == "scatter" else 1
     nseg = pl.cdiv(nt, CHECK_SEG)
     nsegp = pl.next_power_of_2(nseg)
-    assert nsegp * CHECK_SEG == ntp, (nt, ntp, nseg)  # the select keeps a pass's tile masses as [nsegp, CHECK_SEG]
     # with max_rounds = 0 no row takes the rejection path: one program per row finishes the light rows
     csplits = min(check_splits or _splits_for(R, nseg), nseg) if max_rounds > 0 else 1
     row_outs = [sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R,), i32)]
     checks = pl.pallas_call(
         functools.partial(
-            _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nseg=nseg, sps=pl.cdiv(nseg, csplits), splits=splits,
+            _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nsegp=nsegp, sps=pl.cdiv(nseg, csplits), splits=splits,
             exact_asm=EXACT_DIV_ASM and not interpret, reject=max_rounds > 0,
         ),
         grid=(R, csplits),
         in_specs=[any_spec] * 11,
         out_specs=[any_spec] * 10,
         out_shape=[
-            sd((R, ntp), f32),  # per tile, written a segment at a time
+            sd((R, ntp), f32),
             sd((R, nsegp), i32),
             sd((R, nsegp), f32),
             *row_outs,
