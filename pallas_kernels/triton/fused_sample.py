@@ -238,6 +238,28 @@ def _finite(z, e):
     return z > -jnp.inf
 
 
+def _allowed(P, zfl):
+    """A rejection round's draw set: z above the last rejected pivot P and z >= zfl (-inf at
+    first; log(min_p) after a rejection)."""
+    return lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl)
+
+
+def _sk_undecided(zv, ev, ran, cnt, m_gt, tot, k, p, k_on, p_on, tau_m, have_sk):
+    """top-k with top-p on the rejection path: the drawn value passes min-p and top-k, and the
+    bounds ``m_gt + ev <= S_k <= tot`` of the top-k mass S_k decide neither way (then S_k is
+    computed exactly, 33 passes, once per row)."""
+    ok_in = (zv >= tau_m) & (~k_on | (cnt < k))
+    sure_acc = m_gt < p * (m_gt + ev)
+    sure_rej = m_gt >= p * tot
+    return ran & k_on & p_on & ok_in & (have_sk == 0) & ~sure_acc & ~sure_rej
+
+
+def _accepts(zv, cnt, m_gt, S_p, k, p, k_on, p_on, tau_m):
+    """The drawn value (z = zv) is kept: min-p (z >= log(min_p)), top-k (fewer than k larger) and
+    top-p (the mass above it below top_p of S_p: the top-k mass, or the total without top-k)."""
+    return (zv >= tau_m) & (~k_on | (cnt < k)) & (~p_on | (m_gt < p * S_p))
+
+
 def _by_filters(k_on, p_on, run):
     """``run(with_count, with_total)`` compiled four ways, the one for this row's (top-k on,
     top-p on) taken: a pass accumulates only what the row's tests read."""
@@ -328,24 +350,29 @@ def _stats_kernel(
 # ----------------------------------------------------------------------------- kernel 2: light rows, first check
 
 
-def _check_kernel(
-    x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref,
-    w_ref, cnt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref,
-    *, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, reject,
-):
-    """Two jobs on a (rows, programs per row) grid, in a launch lighter than the select's:
+def _check_kernel(*refs, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, reject, rnd):
+    """Launch ``rnd`` (0 or 1) of the check passes, on a (rows, programs per row) grid, lighter
+    than the select launch:
 
-    * Light rows (invalid, greedy, temperature only) are finished by program (r, 0): the argmax,
-      or a two-level draw (a tile by its mass with stream 0, one tile re-read, an element with
-      stream 1). The select launch skips them.
-    * The rejection path's first check pass, spread over programs (r, s) that each take segments
-      ``[s * sps, (s + 1) * sps)`` of CHECK_SEG tiles: for the row's first pivot v (``_draw`` with
-      streams 2 and 3, which the select launch repeats bit for bit), per tile the mass of
-      ``{z > z_v, z >= log(min_p)}`` (``w``, the next draw's weights), per segment ``#{z > z_v}``
-      (``cnt``) and the total mass (``tot``). Every stored value is one tile's or one fixed
-      segment's, so the select launch sums the same values in the same order whatever the number
-      of programs. Min-p-only rows whose pivot passes min-p need no pass. (``reject`` False:
-      max_rounds = 0, no rejection path, only the first job.)"""
+    * Launch 0 finishes the light rows (invalid, greedy, temperature only) in program (r, 0): the
+      argmax, or a two-level draw (a tile by its mass with stream 0, one tile re-read, an element
+      with stream 1). The select launch skips them.
+    * The rejection path's check pass of round ``rnd``, spread over programs (r, s) that each take
+      segments ``[s * sps, (s + 1) * sps)`` of CHECK_SEG tiles: for the row's pivot of that round
+      (``_draw`` with streams 2 + 2 rnd, 3 + 2 rnd, which the select launch repeats bit for bit),
+      per tile the mass of ``{z > z_v, z >= log(min_p)}`` (``w``, the next draw's weights), per
+      segment ``#{z > z_v}`` (``cnt``) and, in round 0, the total mass (``tot``). Every stored
+      value is one tile's or one fixed segment's, so the select launch sums the same values in
+      the same order whatever the number of programs. Min-p-only rows whose pivot passes min-p
+      need no pass. Launch 1 replays round 0 from launch 0's results (the same draw, the same
+      decision as the select launch) and runs round 1's pass only for rows whose round-0 pivot was
+      rejected without needing the exact top-k mass. (``reject`` False: max_rounds = 0, no
+      rejection path, only the first job.)"""
+    (x_ref, temp_ref, topk_ref, topp_ref, minp_ref, seed_ref, mx_ref, am_ref, ok_ref, tm_ref, ts_ref) = refs[:11]
+    if rnd == 0:
+        w_ref, cnt_ref, tot_ref, tok_ref, tau_ref, qthr_ref, norm_ref, path_ref, passes_ref, rounds_ref = refs[11:]
+    else:
+        w0_ref, cnt0_ref, tot0_ref, w_ref, cnt_ref = refs[11:]
     r = pl.program_id(0)
     sp = pl.program_id(1)
     T = temp_ref[r]
@@ -361,71 +388,104 @@ def _check_kernel(
     tau_m = jnp.log(minp)
     iota_t = jnp.arange(tile, dtype=jnp.int32)
     zi, zf = k * 0, T * 0.0
+    neg_inf = zf - jnp.inf
     s0, s1 = seed_ref[r, 0], seed_ref[r, 1]
     draw = functools.partial(_draw, x_ref, r, tile=tile, V=V, zof=zof, argmax=argmax)
 
-    @pl.when((sp == 0) & (~valid | greedy | ~filtered))
-    def _():
-        def temperature():
-            W = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
-            return draw(W, _uniform(s0, s1, 0), _uniform(s0, s1, 1), _finite)[0], jnp.sum(W)
+    if rnd == 0:
 
-        tok, S = jax.lax.cond(~valid | greedy, lambda: (jnp.where(valid, argmax, INVALID_TOKEN), zf), temperature)
-        light = (valid & ~greedy).astype(jnp.int32)
-        tok_ref[r] = tok.astype(jnp.int32)
-        tau_ref[r] = zf - jnp.inf
-        qthr_ref[r] = zf
-        norm_ref[r] = S
-        path_ref[r] = light * PATH_TEMPERATURE + (1 - light) * PATH_NONE
-        passes_ref[r] = zi
-        rounds_ref[r] = zi
+        @pl.when((sp == 0) & (~valid | greedy | ~filtered))
+        def _():
+            def temperature():
+                W = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
+                return draw(W, _uniform(s0, s1, 0), _uniform(s0, s1, 1), _finite)[0], jnp.sum(W)
+
+            tok, S = jax.lax.cond(~valid | greedy, lambda: (jnp.where(valid, argmax, INVALID_TOKEN), zf), temperature)
+            light = (valid & ~greedy).astype(jnp.int32)
+            tok_ref[r] = tok.astype(jnp.int32)
+            tau_ref[r] = neg_inf
+            qthr_ref[r] = zf
+            norm_ref[r] = S
+            path_ref[r] = light * PATH_TEMPERATURE + (1 - light) * PATH_NONE
+            passes_ref[r] = zi
+            rounds_ref[r] = zi
 
     if not reject:
         return
 
-    @pl.when(valid & ~greedy & filtered & ~cand_row)
-    def _():
-        W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
-        zv = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)[1]
+    def check(zv, with_count, with_total):
+        """This program's segments of the pass for the drawn value zv."""
+        x_up, x_m = _x_bounds(zof, zv, tau_m)
+        x_w = jnp.maximum(x_up, x_m)
+        g0 = sp * sps
+        t0 = g0 * CHECK_SEG
+        n = jnp.clip(nt - t0, 0, sps * CHECK_SEG)
 
-        @pl.when(k_on | p_on | (zv < tau_m))
+        def load_tile(t, live):
+            cols = t * tile + iota_t
+            return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
+
+        def body(i, x, c):
+            cnt, tot = c
+            t = t0 + i
+            e = jnp.exp2((x - M) * c2)
+            w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
+            if with_count:
+                cnt = cnt + jnp.where(x >= x_up, 1, 0)  # z > zv
+            if with_total:
+                tot = tot + e
+            # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
+            last = ((i & (CHECK_SEG - 1)) == CHECK_SEG - 1) | (i == n - 1)
+            g = g0 + (i >> _CHECK_SEG_BITS)
+
+            @pl.when(last)
+            def _():
+                cnt_ref[r, g] = jnp.sum(cnt) if with_count else zi
+                if rnd == 0:
+                    tot_ref[r, g] = jnp.sum(tot) if with_total else zf
+
+            return jnp.where(last, 0, cnt), jnp.where(last, 0.0, tot)
+
+        init = (jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
+        _tile_loop(load_tile, t0, n, body, init)
+        return zi
+
+    W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
+    rows = valid & ~greedy & filtered & ~cand_row
+    if rnd == 0:
+
+        @pl.when(rows)
         def _():
-            x_up, x_m = _x_bounds(zof, zv, tau_m)
-            x_w = jnp.maximum(x_up, x_m)
-            g0 = sp * sps
-            t0 = g0 * CHECK_SEG
-            n = jnp.clip(nt - t0, 0, sps * CHECK_SEG)
+            zv = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _allowed(neg_inf, neg_inf))[1]
 
-            def load_tile(t, live):
-                cols = t * tile + iota_t
-                return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
+            @pl.when(k_on | p_on | (zv < tau_m))
+            def _():
+                _by_filters(k_on, p_on, functools.partial(check, zv))
 
-            def run(with_count, with_total):
-                def body(i, x, c):
-                    cnt, tot = c
-                    t = t0 + i
-                    e = jnp.exp2((x - M) * c2)
-                    w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
-                    if with_count:
-                        cnt = cnt + jnp.where(x >= x_up, 1, 0)  # z > zv
-                    if with_total:
-                        tot = tot + e
-                    # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
-                    last = ((i & (CHECK_SEG - 1)) == CHECK_SEG - 1) | (i == n - 1)
-                    g = g0 + (i >> _CHECK_SEG_BITS)
+        return
 
-                    @pl.when(last)
-                    def _():
-                        cnt_ref[r, g] = jnp.sum(cnt) if with_count else zi
-                        tot_ref[r, g] = jnp.sum(tot) if with_total else zf
+    @pl.when(rows)
+    def _():
+        _, zv0, ev0 = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _allowed(neg_inf, neg_inf))
+        ran0 = k_on | p_on | (zv0 < tau_m)
+        nseg = pl.cdiv(nt, CHECK_SEG)
+        iota_s = jnp.arange(nsegp, dtype=jnp.int32)
+        iota_nt = jnp.arange(ntp, dtype=jnp.int32)
+        W1 = plgpu.load(w0_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+        cnt = jnp.sum(plgpu.load(cnt0_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0))
+        tot = jnp.sum(plgpu.load(tot0_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0.0))
+        m_gt = jnp.sum(W1)
+        need_sk = _sk_undecided(zv0, ev0, ran0, cnt, m_gt, tot, k, p, k_on, p_on, tau_m, zi)
+        rejected = ran0 & ~need_sk & ~_accepts(zv0, cnt, m_gt, tot, k, p, k_on, p_on, tau_m)
 
-                    return jnp.where(last, 0, cnt), jnp.where(last, 0.0, tot)
+        @pl.when(rejected)
+        def _():
+            zv1 = draw(W1, _uniform(s0, s1, 4), _uniform(s0, s1, 5), _allowed(zv0, tau_m))[1]
 
-                init = (jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
-                _tile_loop(load_tile, t0, n, body, init)
-                return zi
-
-            _by_filters(k_on, p_on, run)
+            # min-p alone: z_v1 >= log(min_p) always (drawn from that set), so no pass
+            @pl.when(k_on | p_on)
+            def _():
+                jax.lax.cond(k_on, lambda: check(zv1, True, False), lambda: check(zv1, False, False))
 
 
 # ----------------------------------------------------------------------------- kernel 3: select
@@ -447,6 +507,8 @@ def _select_kernel(
     w_ref,
     cnt_ref,
     tot_ref,
+    w1_ref,
+    cnt1_ref,
     _tok_in,  # the check launch's outputs (light rows written), aliased to the outputs below
     _tau_in,
     _qthr_in,
@@ -474,6 +536,7 @@ def _select_kernel(
     max_rounds,
     splits,
     nseg,
+    check_rounds,
 ):
     """Rows with a filter: the top-k candidate path, the pivot rejection or the full-row
     bisections, one program per row (light rows: the check launch has written them)."""
@@ -691,69 +754,58 @@ def _select_kernel(
             K_k = topk_key()
             return zi + 1, mass_from(jnp.where(K_k == _INT_MIN, neg_inf, _key_to_float(K_k)))
 
-        def decide(zv, ev, ran, cnt, m_gt, tot, have_sk, S_k, live):
+        def decide(zv, ev, ran, cnt, m_gt, tot, have_sk, S_k):
             """Is the drawn value (z = zv, exp(z) = ev) in the kept set, given its pass's count of
             larger values, the mass above it and the total mass? top-p with top-k: the bound
             S_k >= mass{z >= zv} >= m_gt + ev decides acceptance, S_k <= tot decides rejection;
-            otherwise S_k exactly (33 passes, once per row; not for a ``live`` = False pivot)."""
-            ok_m = zv >= tau_m
-            in_k = ~k_on | (cnt < k)
-            sure_acc = m_gt < p * (m_gt + ev)
-            sure_rej = m_gt >= p * tot
-            need_sk = live & ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
+            otherwise S_k exactly (33 passes, once per row; ``_sk_undecided``)."""
+            need_sk = _sk_undecided(zv, ev, ran, cnt, m_gt, tot, k, p, k_on, p_on, tau_m, have_sk)
             have_sk, S_k = jax.lax.cond(need_sk, exact_sk, lambda: (have_sk, S_k))
             S_p = jnp.where(have_sk > 0, S_k, tot)
-            acc = live & ok_m & in_k & (~p_on | (m_gt < p * S_p))
+            acc = _accepts(zv, cnt, m_gt, S_p, k, p, k_on, p_on, tau_m)
             return acc, have_sk, S_k, need_sk.astype(jnp.int32) * 33
 
-        # Streams: round i draws with 2 + 2i, 3 + 2i.
+        def seg_sum(ref, other):
+            return jnp.sum(plgpu.load(ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=other))
 
-        def round_(i, c):
-            """A round in this program: a draw from {z > P, z >= zfl} (a tile re-read), then its
-            own pass (the first round of rows the check launch served is ``checked_round``)."""
+        def checked(j):
+            """The pass results of round j as the check launch stored them (the total: round 0's)."""
+            wj, cj = (w_ref, cnt_ref) if j == 0 else (w1_ref, cnt1_ref)
+            return lambda: (plgpu.load(wj.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0), seg_sum(cj, 0),
+                            seg_sum(tot_ref, 0.0))
+
+        def round_(i, c, results=None):
+            """Round i: a draw from {z > P, z >= zfl} (streams 2 + 2i, 3 + 2i; a tile re-read), then
+            the pass for it: this program's own, or (``results``) the one the check launch ran for
+            this round (rounds 0 and 1 of rows it served: the same draw, bit for bit)."""
             done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
             si = 2 * i + 2
-            v, zv, ev = draw(W, _uniform(s0, s1, si), _uniform(s0, s1, si + 1),
-                             lambda z, e: (z > P) & (z > -jnp.inf) & (z >= zfl))
+            v, zv, ev = draw(W, _uniform(s0, s1, si), _uniform(s0, s1, si + 1), _allowed(P, zfl))
             # min-p alone: the test is local (z_v >= log(min_p)); a pass only after a rejection
             ran = need_pass_kp | (zv < tau_m)
-            Wn, cnt, tot = jax.lax.cond(
-                ran, lambda: _by_filters(k_on, p_on, functools.partial(check_pass, zv)), lambda: (W, zi, zf + 1.0)
-            )
+            own = lambda: _by_filters(k_on, p_on, functools.partial(check_pass, zv))  # noqa: E731
+            Wn, cnt, tot = jax.lax.cond(ran, results or own, lambda: (W, zi, zf + 1.0))
             # m_gt = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
-            acc, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, jnp.sum(Wn), tot, have_sk, S_k, True)
+            acc, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, jnp.sum(Wn), tot, have_sk, S_k)
             passes = passes + ran.astype(jnp.int32) + sk_passes
             # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
-            new = (tok, zv, tau_m, Wn)
-            old = (v, P, zfl, W)
-            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), old, new)
+            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), (v, P, zfl, W), (tok, zv, tau_m, Wn))
             return acc, tok, P, zfl, W, have_sk, S_k, passes, nr + 1
 
-        def checked_round(c):
-            """Round 0 of a row the check launch served: its first pivot drawn again (same streams,
-            same code: the same bits), its pass's results read."""
-            done, tok, P, zfl, W, have_sk, S_k, passes, nr = c
-            v, zv, ev = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _finite)
-            ran = need_pass_kp | (zv < tau_m)
-
-            def seg_sum(ref, other):
-                return jnp.sum(plgpu.load(ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=other))
-
-            def load():
-                Wn = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
-                return Wn, seg_sum(cnt_ref, 0), seg_sum(tot_ref, 0.0)
-
-            Wn, cnt, tot = jax.lax.cond(ran, load, lambda: (W, zi, zf + 1.0))
-            # m_gt = mass{z > zv} whenever v passes min-p ({z > zv} then passes too)
-            acc, have_sk, S_k, sk_passes = decide(zv, ev, ran, cnt, jnp.sum(Wn), tot, have_sk, S_k, True)
-            tok, P, zfl, W = jax.tree.map(lambda a, b: jnp.where(acc, a, b), (v, P, zfl, W), (tok, zv, tau_m, Wn))
-            return acc, tok, P, zfl, W, have_sk, S_k, passes + ran.astype(jnp.int32) + sk_passes, nr + 1
-
         def maybe_round(i, c):
-            return jax.lax.cond(
-                c[0], lambda: c,
-                lambda: jax.lax.cond((i == 0) & ~cand_row, lambda: checked_round(c), lambda: round_(i, c)),
-            )
+            # The check launches ran round 0 for every row but cand_row ones, and round 1 for those
+            # whose round 0 rejected without computing S_k (have_sk still 0).
+            in_launch0 = (i == 0) & ~cand_row
+            in_launch1 = (i == 1) & ~cand_row & (c[5] == 0) if check_rounds > 1 else zi > 0
+
+            def serve():
+                return jax.lax.cond(
+                    in_launch0,
+                    lambda: round_(i, c, checked(0)),
+                    lambda: jax.lax.cond(in_launch1, lambda: round_(i, c, checked(1)), lambda: round_(i, c)),
+                )
+
+            return jax.lax.cond(c[0], lambda: c, serve)
 
         init = (jnp.bool_(False), argmax, neg_inf, neg_inf, W0, zi, zf + 1.0, zi, zi)
         done, tok, P, zfl, W, have_sk, S_k, passes, nr = jax.lax.fori_loop(0, max_rounds, maybe_round, init)
@@ -821,6 +873,7 @@ def _tile_for(V: int, tile: int | None) -> int:
         "compact",
         "max_rounds",
         "check_splits",
+        "check_rounds",
     ),
 )
 def fused_sample_debug(
@@ -840,6 +893,7 @@ def fused_sample_debug(
     compact: str = "scatter",
     max_rounds: int = MAX_ROUNDS,
     check_splits: int | None = None,
+    check_rounds: int = 2,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
@@ -853,8 +907,11 @@ def fused_sample_debug(
     Tuning knobs (all exact): ``num_warps``/``num_stages`` of the stats pass; ``select_warps`` /
     ``select_stages`` of the select pass; ``compact`` = "loop" | "scatter" (how the candidate
     chunks are listed: one min-reduction per chunk, or one cumsum + scatter + barrier);
-    ``check_splits``: programs per row of the first check pass (default by row count; the same
-    bits for any value). ``num_warps``/``num_stages`` also set the check launch's.
+    ``check_splits``: programs per row of the check passes (default by row count; the same
+    bits for any value). ``check_rounds`` (1 or 2): rejection rounds whose passes run in check
+    launches spread over programs (2: a second check launch runs round 1 for rows whose first
+    pivot was rejected; later rounds run in the select program). ``num_warps``/``num_stages`` also
+    set the check launches'.
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
@@ -870,6 +927,8 @@ def fused_sample_debug(
     R=16; both listings give the same chunks in the same order."""
     if compact not in ("loop", "scatter"):
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
+    if check_rounds not in (1, 2):
+        raise ValueError(f"check_rounds must be 1 or 2, got {check_rounds!r}")
     R, V = logits.shape
     tile = _tile_for(V, tile)
     nt = pl.cdiv(V, tile)
@@ -907,24 +966,35 @@ def fused_sample_debug(
     # with max_rounds = 0 no row takes the rejection path: one program per row finishes the light rows
     csplits = min(check_splits or _splits_for(R, nseg), nseg) if max_rounds > 0 else 1
     row_outs = [sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R,), i32), sd((R,), i32)]
-    checks = pl.pallas_call(
-        functools.partial(
-            _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nsegp=nsegp, sps=pl.cdiv(nseg, csplits), splits=splits,
-            exact_asm=EXACT_DIV_ASM and not interpret, reject=max_rounds > 0,
-        ),
+    check = functools.partial(
+        _check_kernel, V=V, tile=tile, nt=nt, ntp=ntp, nsegp=nsegp, sps=pl.cdiv(nseg, csplits), splits=splits,
+        exact_asm=EXACT_DIV_ASM and not interpret, reject=max_rounds > 0,
+    )
+    cparams = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    w0, cnt0, tot0, *light = pl.pallas_call(
+        functools.partial(check, rnd=0),
         grid=(R, csplits),
         in_specs=[any_spec] * 11,
         out_specs=[any_spec] * 10,
-        out_shape=[
-            sd((R, ntp), f32),
-            sd((R, nsegp), i32),
-            sd((R, nsegp), f32),
-            *row_outs,
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=[sd((R, ntp), f32), sd((R, nsegp), i32), sd((R, nsegp), f32), *row_outs],
+        compiler_params=cparams,
         interpret=interpret,
         name="ddtree_sample_check",
     )(logits, *params, mx, am, ok, tm, ts)
+    rounds_in_checks = min(check_rounds, max_rounds)
+    if rounds_in_checks > 1:
+        w1, cnt1 = pl.pallas_call(
+            functools.partial(check, rnd=1),
+            grid=(R, csplits),
+            in_specs=[any_spec] * 14,
+            out_specs=[any_spec] * 2,
+            out_shape=[sd((R, ntp), f32), sd((R, nsegp), i32)],
+            compiler_params=cparams,
+            interpret=interpret,
+            name="ddtree_sample_check_round1",
+        )(logits, *params, mx, am, ok, tm, ts, w0, cnt0, tot0)
+    else:  # (not read)
+        w1, cnt1 = w0, cnt0
     tok, tau, qthr, norm, path, passes, rounds, _ = pl.pallas_call(
         functools.partial(
             _select_kernel,
@@ -939,16 +1009,17 @@ def fused_sample_debug(
             max_rounds=max_rounds,
             splits=splits,
             nseg=nseg,
+            check_rounds=rounds_in_checks,
         ),
         grid=(R,),
-        in_specs=[any_spec] * 22,
+        in_specs=[any_spec] * 24,
         out_specs=[any_spec] * 8,
         out_shape=[*row_outs, sd((R, scratch), i32)],
-        input_output_aliases={15 + i: i for i in range(7)},
+        input_output_aliases={17 + i: i for i in range(7)},
         compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=select_stages),
         interpret=interpret,
         name="ddtree_sample_select",
-    )(logits, *params, *stats, *checks)
+    )(logits, *params, *stats, w0, cnt0, tot0, w1, cnt1, *light)
     return dict(token=tok, tau=tau, q_thr=qthr, norm=norm, path=path, passes=passes, rounds=rounds)
 
 
