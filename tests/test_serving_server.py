@@ -250,18 +250,24 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
 def test_non_streaming_client_that_gives_up_cancels_its_request(server):
     """Every slot busy with a long stream, a non-streaming request waits in the queue; its client
     hangs up (the request needs a free slot, then ~60 rounds): the server cancels it, the streams
-    finish. The client sends the request on a raw socket and hangs up once the server has queued
-    it (a timed give-up could hang up before a loaded server had even read the request)."""
+    finish. The client sends the request on a raw socket once the streams hold every slot (sent
+    earlier, it could take a slot before the streams' threads reached the server, and never
+    queue), and hangs up once the server has queued it (a timed give-up could hang up before a
+    loaded server had even read the request)."""
     before = metrics(server)
     long = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True)
     with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
         busy = [pool.submit(sse, server, "/v1/completions", {**long, "stream": True}) for _ in range(SLOTS)]
+        deadline = time.monotonic() + 120
+        while metrics(server)["ddtree_free_slots"] > 0:
+            assert time.monotonic() < deadline, "the streams never held every slot"
+            time.sleep(0.02)
         host, port = server.removeprefix("http://").split(":")
         body = json.dumps(long).encode()
         with socket.create_connection((host, int(port)), timeout=30) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while metrics(server)["ddtree_queue_length"] < 1:
                 assert time.monotonic() < deadline, "the request never reached the queue"
                 time.sleep(0.05)
