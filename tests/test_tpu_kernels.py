@@ -17,25 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import ddtree_jax as dt
 from ddtree_jax.backend import Backend, has_kernel, resolve_backend
-from ddtree_jax.sampling import SamplingBatch, target_logprobs
+from ddtree_jax.sampling import target_logprobs
 from pallas_kernels.mosaic_tpu import fused_sample as tpu_sample
 from pallas_kernels.mosaic_tpu import vocab_top_k as tpu_topk
 from pallas_kernels.mosaic_tpu.fused_sample import PATH_NONE, PATH_REJECT, PATH_SLOW, PATH_TEMPERATURE
+from tests._law_checks import row_law, sampling_batch
 from tests._random_inputs import MIXED_BAD_ROWS, mixed_top_k_rows, random_draft_logits
+from tests._reference import chisquare_pvalue
 
 TPU = "pallas:mosaic_tpu"
 R, V, TILE = 32, 300, 128
-
-
-def _batch(temp, topk, topp, minp):
-    n = len(temp)
-    return SamplingBatch(jnp.asarray(np.asarray(temp, np.float32)), jnp.asarray(np.asarray(topk, np.int32)),
-                         jnp.asarray(np.asarray(topp, np.float32)), jnp.asarray(np.asarray(minp, np.float32)),
-                         jnp.zeros(n, jnp.uint32), jnp.zeros(n, bool))
 
 
 def _seeds(n, s):
@@ -81,7 +75,7 @@ def _inputs():
     x[5, : V // 3] = -np.inf  # masked vocabulary
     for r, (col, v) in INVALID.items():  # rows with no law: NaN / +inf anywhere, or all -inf
         x[r, col] = v
-    return x, _batch(*CFG.T)
+    return x, sampling_batch(*CFG.T)
 
 
 def _kept_from_thresholds(x_row, T, out, r):
@@ -155,21 +149,6 @@ def test_random_stream_is_the_triton_contract():
         assert out["token"][r] == t * TILE + j, r
 
 
-def _chi_square(counts, prob, n):
-    """p-value of the counts against ``prob`` (bins with expected count < 5 pooled into one)."""
-    exp = prob * n
-    small = exp < 5
-    obs_b = np.append(counts[~small], counts[small].sum())
-    exp_b = np.append(exp[~small], exp[small].sum())
-    keep = exp_b > 0
-    return stats.chisquare(obs_b[keep], exp_b[keep] / exp_b[keep].sum() * obs_b[keep].sum()).pvalue
-
-
-def _law(base, T, k, p, m):
-    lp = target_logprobs(jnp.asarray(base)[None, None], _batch([T], [k], [p], [m]))
-    return np.exp(np.asarray(lp)[0, 0].astype(np.float64))
-
-
 LAW_CFG = [(1.0, 0, 1.0, 0.0), (0.8, 6, 0.85, 0.02), (0.6, 0, 0.95, 0.0), (1.0, 0, 1.0, 0.1), (0.7, 20, 0.9, 0.0)]
 LAW_N = 2048
 
@@ -189,23 +168,23 @@ def test_chi_square_law(max_rounds):
     cfg = np.repeat(np.array(LAW_CFG, np.float32), n, axis=0)
     x = jnp.broadcast_to(base, (len(cfg), Vs))  # bf16 logits, as a target emits them
     base = np.asarray(base.astype(jnp.float32))
-    out = _run(x, _batch(*cfg.T), _seeds(len(cfg), 3), tile=TILE, block_rows=2048, max_rounds=max_rounds)
+    out = _run(x, sampling_batch(*cfg.T), _seeds(len(cfg), 3), tile=TILE, block_rows=2048, max_rounds=max_rounds)
     paths = set(out["path"].tolist())
     assert paths == ({PATH_TEMPERATURE, PATH_REJECT, PATH_SLOW} if max_rounds == 1 else {PATH_TEMPERATURE,
                                                                                         PATH_REJECT})
     for i, (T, k, p, m) in enumerate(LAW_CFG):
         tok = out["token"][i * n:(i + 1) * n]
         counts = np.bincount(tok, minlength=Vs)
-        prob = _law(base, T, k, p, m)
+        prob = row_law(base, T, k, p, m)
         sup = prob > 0
         assert counts[~sup].sum() == 0, (T, k, p, m)
         assert (counts[prob * n >= 10] > 0).all(), (T, k, p, m)
-        pv = _chi_square(counts[sup], prob[sup] / prob[sup].sum(), n)
+        pv = chisquare_pvalue(counts[sup], (prob[sup] / prob[sup].sum()) * n)
         assert pv > 1e-3, f"p = {pv:.3g} for {(T, k, p, m)}"
-        wrong = _law(base, T * 1.5, k, p, m)
+        wrong = row_law(base, T * 1.5, k, p, m)
         wsup = wrong > 0
         if counts[~wsup].sum() == 0:
-            pw = _chi_square(counts[wsup], wrong[wsup] / wrong[wsup].sum(), n)
+            pw = chisquare_pvalue(counts[wsup], (wrong[wsup] / wrong[wsup].sum()) * n)
             assert pw < 1e-6, f"negative control p = {pw:.3g} for {(T, k, p, m)}"
 
 

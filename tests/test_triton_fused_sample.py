@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import ddtree_jax as dt
-from ddtree_jax.sampling import SamplingBatch, target_logprobs
+from ddtree_jax.sampling import target_logprobs
 from pallas_kernels.triton.fused_sample import (
     MAX_ROUNDS,
     PATH_CANDIDATES,
@@ -25,18 +24,8 @@ from pallas_kernels.triton.fused_sample import (
     PATH_TEMPERATURE,
     fused_sample_debug,
 )
-
-
-def _batch(temp, topk, topp, minp):
-    R = len(temp)
-    return SamplingBatch(
-        jnp.asarray(np.asarray(temp, np.float32)),
-        jnp.asarray(np.asarray(topk, np.int32)),
-        jnp.asarray(np.asarray(topp, np.float32)),
-        jnp.asarray(np.asarray(minp, np.float32)),
-        jnp.zeros(R, jnp.uint32),
-        jnp.zeros(R, bool),
-    )
+from tests._law_checks import row_law, sampling_batch
+from tests._reference import chisquare_pvalue
 
 
 def _seeds(R, s):
@@ -92,7 +81,7 @@ def test_kept_set_greedy_and_support(V, tile, dtype, compact, max_rounds):
     topk = np.array([0, 0, 5, 1, 3, 0, 10, 0, 2, 0, 40, 0] + [0, 0, 200, 1, 300, 0, 10, 0, 200, 0, 300, 0], np.int32)
     topp = np.array([1, 1, 1, 0.9, 0.8, 0.6, 1, 0.95, 0.5, 1, 0.9, 0.7] * 2, np.float32)
     minp = np.array([0, 0.05, 0, 0, 0.1, 0] * 4, np.float32)
-    pb = _batch(temp, topk, topp, minp)
+    pb = sampling_batch(temp, topk, topp, minp)
     # (static arguments left at their defaults where possible: an explicit default is another
     # compile; the candidate chunks are listed by scatter by default)
     kw = ({} if max_rounds == MAX_ROUNDS else dict(max_rounds=max_rounds)) | (
@@ -138,7 +127,7 @@ def test_invalid_rows_and_mixed_batch():
         [1, 1, 0.9, 0.95, 0.9, 0.5, 1, 0.95],
         [0, 0, 0, 0, 0, 0.1, 0.1, 0],
     ]
-    pb = _batch(*[c * 3 for c in cfg])
+    pb = sampling_batch(*[c * 3 for c in cfg])
     out = _run(x, pb, _seeds(24, 1), 64)
     tok = out["token"]
     bad = [0, 1, 2, 3, 5, 6, 15]
@@ -158,23 +147,8 @@ def test_invalid_rows_and_mixed_batch():
             assert lp[r, tok[r]] > -np.inf, r
 
 
-def _chi_square(counts, prob, n):
-    """p-value of the counts against ``prob`` (bins with expected count < 5 pooled into one)."""
-    exp = prob * n
-    small = exp < 5
-    obs_b = np.append(counts[~small], counts[small].sum())
-    exp_b = np.append(exp[~small], exp[small].sum())
-    keep = exp_b > 0
-    return stats.chisquare(obs_b[keep], exp_b[keep] / exp_b[keep].sum() * obs_b[keep].sum()).pvalue
-
-
-def _law(base, T, k, p, m):
-    lp = target_logprobs(jnp.asarray(base)[None, None], _batch([T], [k], [p], [m]))
-    return np.exp(np.asarray(lp)[0, 0].astype(np.float64))
-
-
 def _draws(base, n, T, k, p, m, tile, seed, **kw):
-    pb = _batch([T] * n, [k] * n, [p] * n, [m] * n)
+    pb = sampling_batch([T] * n, [k] * n, [p] * n, [m] * n)
     return _run(jnp.broadcast_to(jnp.asarray(base), (n, len(base))), pb, _seeds(n, seed), tile, **kw)
 
 
@@ -184,15 +158,15 @@ def _assert_law(base, tok, T, k, p, m, wrong_t=1.25):
     (temperature times ``wrong_t``) must give p < 1e-6 (or put mass outside its support)."""
     n, V = len(tok), len(base)
     counts = np.bincount(tok, minlength=V)
-    prob = _law(base, T, k, p, m)
+    prob = row_law(base, T, k, p, m)
     sup = prob > 0
     assert counts[~sup].sum() == 0
     assert (counts[prob * n >= 10] > 0).all()  # kept tokens expected >= 10 times all show up
-    assert _chi_square(counts[sup], prob[sup] / prob[sup].sum(), n) > 1e-3
-    wrong = _law(base, T * wrong_t, k, p, m)
+    assert chisquare_pvalue(counts[sup], (prob[sup] / prob[sup].sum()) * n) > 1e-3
+    wrong = row_law(base, T * wrong_t, k, p, m)
     wsup = wrong > 0
     if counts[~wsup].sum() == 0:  # otherwise the wrong law is rejected outright
-        assert _chi_square(counts[wsup], wrong[wsup] / wrong[wsup].sum(), n) < 1e-6
+        assert chisquare_pvalue(counts[wsup], (wrong[wsup] / wrong[wsup].sum()) * n) < 1e-6
 
 
 @pytest.mark.parametrize(
@@ -283,7 +257,7 @@ def test_split_row_stats_combine_exactly():
     x[2, 290] = np.nan
     x[3] = -np.inf
     x[4, 299] = np.inf
-    pb = _batch([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0] * 6, [1.0] * 6, [0.0] * 6)
+    pb = sampling_batch([0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0] * 6, [1.0] * 6, [0.0] * 6)
     out = _run(x, pb, _seeds(6, 2), 64)
     np.testing.assert_array_equal(out["token"][:5], [100, 260, -1, -1, -1])
     lp = np.asarray(target_logprobs(jnp.asarray(x)[:, None], pb))[:, 0]
@@ -304,7 +278,7 @@ def test_rows_do_not_depend_on_the_batch():
     R, V, tile = 64, 1024, 128
     x = (rng.standard_normal((R, V)) * rng.uniform(0.5, 3, (R, 1))).astype(np.float32)
     x[1] = np.round(x[1])
-    pb = _batch(
+    pb = sampling_batch(
         rng.choice([0.0, 0.7, 1.3], R), rng.choice([0, 5, 200], R), rng.choice([1.0, 0.9], R), rng.choice([0.0, 0.1], R)
     )
     seeds = _seeds(R, 5)
@@ -322,7 +296,8 @@ def _rejection_batch():
     rng = np.random.default_rng(12)
     x = (rng.standard_normal((8, 1000)) * 2).astype(np.float32)
     x[4:] = np.round(x[4:])
-    pb = _batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2, [0.0, 0.2, 0.0, 0.0] * 2)
+    pb = sampling_batch([0.6, 1.0, 3.0, 2.5] * 2, [0, 0, 150, 140] * 2, [0.95, 1.0, 1.0, 0.9] * 2,
+                        [0.0, 0.2, 0.0, 0.0] * 2)
     return x, pb
 
 
