@@ -260,6 +260,33 @@ def _accepts(zv, cnt, m_gt, S_p, k, p, k_on, p_on, tau_m):
     return (zv >= tau_m) & (~k_on | (cnt < k)) & (~p_on | (m_gt < p * S_p))
 
 
+def _check_tile(x, M, c2, x_w, x_up, cnt, tot, with_count, with_total):
+    """One tile (float32) of a check pass: its mass of ``{x >= x_w}`` (a weight of the next draw:
+    one block reduction), and the per-lane count of ``{x >= x_up}`` (z > zv) and total mass
+    carried on; masses ``exp2((x - M) * log2(e) / T)`` as the stats pass. -> (w_t, cnt, tot)."""
+    e = jnp.exp2((x - M) * c2)
+    if with_count:
+        cnt = cnt + jnp.where(x >= x_up, 1, 0)
+    if with_total:
+        tot = tot + e
+    return jnp.sum(jnp.where(x >= x_w, e, 0.0)), cnt, tot
+
+
+def _stored_round(w_ref, cnt_ref, tot_ref, r, nt, ntp, nsegp):
+    """A check launch's stored results of row r, summed as every reader sums them (the same bits in
+    the second check launch and the select launch): per-tile weights ``[ntp]``, the count and the
+    total (``tot_ref``: round 0's)."""
+    nseg = pl.cdiv(nt, CHECK_SEG)
+    iota_nt = jnp.arange(ntp, dtype=jnp.int32)
+    iota_s = jnp.arange(nsegp, dtype=jnp.int32)
+
+    def seg_sum(ref, other):
+        return jnp.sum(plgpu.load(ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=other))
+
+    W = plgpu.load(w_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
+    return W, seg_sum(cnt_ref, 0), seg_sum(tot_ref, 0.0)
+
+
 def _by_filters(k_on, p_on, run):
     """``run(with_count, with_total)`` compiled four ways, the one for this row's (top-k on,
     top-p on) taken: a pass accumulates only what the row's tests read."""
@@ -426,14 +453,7 @@ def _check_kernel(*refs, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, reject
             return plgpu.load(x_ref.at[r, pl.ds(t * tile, tile)], mask=(cols < V) & live, other=-jnp.inf)
 
         def body(i, x, c):
-            cnt, tot = c
-            t = t0 + i
-            e = jnp.exp2((x - M) * c2)
-            w_ref[r, t] = jnp.sum(jnp.where(x >= x_w, e, 0.0))
-            if with_count:
-                cnt = cnt + jnp.where(x >= x_up, 1, 0)  # z > zv
-            if with_total:
-                tot = tot + e
+            w_ref[r, t0 + i], cnt, tot = _check_tile(x, M, c2, x_w, x_up, *c, with_count, with_total)
             # (CHECK_SEG is a power of two: masks and shifts, no '%' in the loop)
             last = ((i & (CHECK_SEG - 1)) == CHECK_SEG - 1) | (i == n - 1)
             g = g0 + (i >> _CHECK_SEG_BITS)
@@ -468,13 +488,8 @@ def _check_kernel(*refs, V, tile, nt, ntp, nsegp, sps, splits, exact_asm, reject
     @pl.when(rows & (k_on | p_on))
     def _():
         _, zv0, ev0 = draw(W0, _uniform(s0, s1, 2), _uniform(s0, s1, 3), _allowed(neg_inf, neg_inf))
-        ran0 = zi == 0  # (k_on | p_on: round 0 ran its pass)
-        nseg = pl.cdiv(nt, CHECK_SEG)
-        iota_s = jnp.arange(nsegp, dtype=jnp.int32)
-        iota_nt = jnp.arange(ntp, dtype=jnp.int32)
-        W1 = plgpu.load(w0_ref.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0)
-        cnt = jnp.sum(plgpu.load(cnt0_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0))
-        tot = jnp.sum(plgpu.load(tot0_ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=0.0))
+        ran0 = k_on | p_on  # (true here: round 0 ran its pass)
+        W1, cnt, tot = _stored_round(w0_ref, cnt0_ref, tot0_ref, r, nt, ntp, nsegp)
         m_gt = jnp.sum(W1)
         need_sk = _sk_undecided(zv0, ev0, ran0, cnt, m_gt, tot, k, p, k_on, p_on, tau_m, zi)
         rejected = ran0 & ~need_sk & ~_accepts(zv0, cnt, m_gt, tot, k, p, k_on, p_on, tau_m)
@@ -727,21 +742,14 @@ def _select_kernel(
 
         def body(t, x, c):
             W, cnt, tot = c
-            e = jnp.exp2((x - M) * c2)
-            up = x >= x_up  # z > zv
-            W = jnp.where(iota_nt == t, jnp.sum(jnp.where(x >= x_w, e, 0.0)), W)
-            if with_count:
-                cnt = cnt + jnp.where(up, 1, 0)
-            if with_total:
-                tot = tot + e
-            return W, cnt, tot
+            w_t, cnt, tot = _check_tile(x, M, c2, x_w, x_up, cnt, tot, with_count, with_total)
+            return jnp.where(iota_nt == t, w_t, W), cnt, tot
 
         init = (jnp.zeros((ntp,), jnp.float32), jnp.zeros((tile,), jnp.int32), jnp.zeros((tile,), jnp.float32))
         W, cnt, tot = row_loop(body, init)
         return W, (jnp.sum(cnt) if with_count else zi), (jnp.sum(tot) if with_total else zf)
 
     nsegp = pl.next_power_of_2(nseg)
-    iota_s = jnp.arange(nsegp, dtype=jnp.int32)
 
     def p_reject():
         W0 = _tile_masses(tm_ref, ts_ref, r, nt, ntp, M, inv_t)
@@ -762,14 +770,10 @@ def _select_kernel(
             acc = _accepts(zv, cnt, m_gt, S_p, k, p, k_on, p_on, tau_m)
             return acc, have_sk, S_k, need_sk.astype(jnp.int32) * 33
 
-        def seg_sum(ref, other):
-            return jnp.sum(plgpu.load(ref.at[r, pl.ds(0, nsegp)], mask=iota_s < nseg, other=other))
-
         def checked(j):
             """The pass results of round j as the check launch stored them (the total: round 0's)."""
             wj, cj = (w_ref, cnt_ref) if j == 0 else (w1_ref, cnt1_ref)
-            return lambda: (plgpu.load(wj.at[r, pl.ds(0, ntp)], mask=iota_nt < nt, other=0.0), seg_sum(cj, 0),
-                            seg_sum(tot_ref, 0.0))
+            return lambda: _stored_round(wj, cj, tot_ref, r, nt, ntp, nsegp)
 
         def round_(i, c, results=None):
             """Round i: a draw from {z > P, z >= zfl} (streams 2 + 2i, 3 + 2i; a tile re-read), then
