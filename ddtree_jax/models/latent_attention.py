@@ -197,3 +197,40 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
         interpret=interpret,
     )
     return out.astype(q_latent.dtype)
+
+
+def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, split_keys, block_k=64,
+                           stages=2, interpret=False):
+    """Absorbed MLA attention as the Hopper kernel's prefix splits plus the block's own keys.
+
+    ``pallas_kernels.mosaic_gpu.mla_prefix.prefix_attention`` reads the committed prefix
+    ``[0, start)`` in key splits; the block's ``T`` keys (``[start, start+T)``, under ``within`` or
+    causal) are few and run here in float32; the splits and the block part are merged by their
+    base-2 log-sum-exps. Shapes as ``latent_attention``; ``[B,T,H,r]`` in ``q_latent``'s dtype.
+    """
+    from pallas_kernels.mosaic_gpu.mla_prefix import prefix_attention
+
+    b, t, h, r = q_latent.shape
+    dr = q_rope.shape[-1]
+    dt, f32 = latent.dtype, jnp.float32
+    qn, qr = q_latent.reshape(b, t * h, r).astype(dt), q_rope.reshape(b, t * h, dr).astype(dt)
+    o, lse = prefix_attention(qn, qr, latent, k_rope, start, scale=scale, split_keys=split_keys, block_k=block_k,
+                              stages=stages, interpret=interpret)
+    slots = (start[:, None] + jnp.arange(t))[..., None]
+    lat_blk = jnp.take_along_axis(latent, slots, axis=1)  # [B,T,r]
+    kr_blk = jnp.take_along_axis(k_rope, slots, axis=1)
+    log2e = 1.4426950408889634
+    s = (jnp.einsum("bqr,bkr->bqk", qn, lat_blk, preferred_element_type=f32)
+         + jnp.einsum("bqd,bkd->bqk", qr, kr_blk, preferred_element_type=f32)) * (scale * log2e)
+    vis = jnp.tril(jnp.ones((t, t), bool))[None] if within is None else within
+    vis = jnp.broadcast_to(vis[:, :, None, :], (b, t, h, t)).reshape(b, t * h, t)
+    s = jnp.where(vis, s, -jnp.inf)
+    m_blk = s.max(-1)
+    p = jnp.exp2(s - m_blk[..., None])
+    den_blk = p.sum(-1)
+    o_blk = jnp.einsum("bqk,bkr->bqr", p, lat_blk.astype(f32)) / den_blk[..., None]
+    lse_all = jnp.concatenate([lse, (m_blk + jnp.log2(den_blk))[:, None]], axis=1)  # [B, n+1, R]
+    top = lse_all.max(1, keepdims=True)
+    w = jnp.exp2(lse_all - top)
+    out = (jnp.einsum("bnq,bnqr->bqr", w[:, :-1], o) + w[:, -1, :, None] * o_blk) / w.sum(1)[..., None]
+    return out.reshape(b, t, h, r).astype(q_latent.dtype)

@@ -1,0 +1,239 @@
+"""MLA attention of a block's queries over the committed prefix of the latent cache (Hopper).
+
+Contract (the plain-JAX reference is ``ddtree_jax.models.latent_attention.prefix_attention_reference``;
+tests/test_mla_prefix_kernel.py compares both):
+
+* ``q_latent [B,R,r]`` and ``q_rope [B,R,dr]`` (bf16): the block's ``R = T*H`` query rows,
+  token-major (``q_nope`` already multiplied by ``W_UK``); the cache ``latent [B,S,r]``,
+  ``k_rope [B,S,dr]``; ``end [B] int32``: every query row of batch row b sees the cache
+  positions ``[0, end[b])`` (the committed prefix: keys every token of the block sees alike).
+* Returns, per key split ``s`` of ``split_keys`` positions (``n = ceil(S / split_keys)`` splits):
+  ``o [B,n,R,r]`` float32, each split's softmax-weighted sum of its latents (normalised within the
+  split), and ``lse [B,n,R]`` float32, the split's base-2 log-sum-exp of the scaled scores
+  (``scale * log2 e * (q_latent.latent + q_rope.k_rope)``); a split with no visible key has
+  ``o = 0`` and ``lse = -1e30``. The caller merges the splits with the block's own keys
+  (``latent_attention``): ``out = sum_s 2^(lse_s - L) o_s`` with ``L = log2 sum_s 2^lse_s``.
+
+Why a second attention kernel. The Triton kernel (``pallas_kernels/triton/mla_attention.py``)
+keeps a ``[64, 512]`` float32 accumulator per program and runs Triton's products on it: on the
+H200 at 32k context it stayed 13x from the cache-read floor at decode B=1 and 5x from the FLOP
+floor at verify B=16, slower than XLA's dense einsums. This kernel is laid out for Hopper, in
+the pattern of FlashAttention-3 and DeepSeek's FlashMLA:
+
+* one CTA per (64 query rows, key split, batch row) with three warpgroups: a memory warpgroup that
+  streams key tiles into a ring of ``stages`` shared-memory slots with TMA, and two compute
+  warpgroups; the queries stay resident in shared memory;
+* both compute warpgroups compute the whole ``[64, block_k]`` score tile with ``wgmma`` (the
+  contraction over ``r + dr`` as three products into one accumulator) and its online softmax, the
+  same numbers in both; each then multiplies the probabilities with its own half of the latent
+  tile's 512 value columns, so each holds a ``[64, 256]`` float32 accumulator (128 registers a
+  thread) instead of one warpgroup holding 256. The score product runs twice (1.5x the useful
+  flops): the price of needing no exchange of probabilities between warpgroups. A decode step is
+  bound by the cache read, where the tensor cores have room for it;
+* a slot is refilled once both compute warpgroups have arrived on its "consumed" barrier.
+
+The block's own keys (positions ``[start, start+T)``, under the tree's ancestor mask or causal)
+are not read here: they are few, and ``latent_attention`` folds them in with plain JAX. The key
+splits are a speed choice (``split_keys``): unlike the Triton kernel's fixed segments the bits of
+a row depend on them, so the batch-invariant mode keeps the Triton kernel.
+
+Backend: Pallas Mosaic GPU (``plgpu.kernel``, sm_90), lane-level lowering semantics set
+explicitly (the default changed between jax 0.10 and 0.11). Imports only JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["NEG", "prefix_attention", "supports"]
+
+NEG = -1e30
+_LOG2E = math.log2(math.e)
+# Query rows per CTA: one wgmma M tile (64 rows: one token's heads at K2 shapes).
+_BM = 64
+# Shared memory a CTA may take on an H200 (227 KiB), less the reduction scratch.
+_SMEM_BYTES = 227 * 1024 - 4096
+
+
+def supports(q_rows: int, r: int, dr: int, dtype, *, block_k: int = 64, stages: int = 2) -> bool:
+    """Whether the kernel takes these shapes: bf16, whole 64-row query tiles, value halves and
+    the rope part in whole 64-column (128-byte swizzle) tiles, and the slots in shared memory."""
+    if jnp.dtype(dtype) != jnp.bfloat16 or q_rows % _BM or r % 128 or dr % 64 or block_k % 32:
+        return False
+    return _smem_bytes(r, dr, block_k, stages) <= _SMEM_BYTES
+
+
+def _smem_bytes(r, dr, block_k, stages):
+    return 2 * (_BM * (r + dr) + stages * block_k * (r + dr)) + 4 * _BM
+
+
+def _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, *, interpreted):
+    """``q . latent + q_rope . k_rope`` for the key tile in ``slot``: three ``wgmma`` into one
+    accumulator (compiled), or plain products of the loaded tiles (the Mosaic GPU interpreter has
+    no ``wgmma`` on transposed operands)."""
+    if interpreted:
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+        return (dot(q_smem[0], lat_smem[0, slot].T) + dot(q_smem[1], lat_smem[1, slot].T)
+                + dot(qr_smem[...], kr_smem[slot].T))
+
+    def product(s_ref):
+        plgpu.wgmma(s_ref, q_smem.at[0], lat_smem.at[0, slot].transpose((1, 0)))
+        plgpu.wgmma(s_ref, q_smem.at[1], lat_smem.at[1, slot].transpose((1, 0)))
+        plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].transpose((1, 0)))
+        return s_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((_BM, BK), jnp.float32))
+
+
+def _accumulate(acc, p, v_ref, *, interpreted):
+    """``acc + p @ v_ref``: ``wgmma`` into ``acc``'s registers in place (compiled), or a plain
+    product (interpreted: no rule for ``run_state`` there)."""
+    if interpreted:
+        return acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_ref)
+
+    return pl.run_state(product)(plgpu.ACC.init(acc))
+
+
+def _kernel(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, split, BK, stages, half, scale_log2,
+            interpreted):
+    (q_smem, qr_smem, lat_smem, kr_smem, lse_smem), (q_bar, k_bars), consumed = scoped
+    rt, sp, b = lax.axis_index("rt"), lax.axis_index("sp"), lax.axis_index("b")
+    wg = lax.axis_index("wg")
+    row0 = rt * _BM
+    # Layout hints for the compiler; the Mosaic GPU interpreter has no rules for them.
+    cast = (lambda x, _: x) if interpreted else plgpu.layout_cast
+    iota = ((lambda shape, dim, _: lax.broadcasted_iota(jnp.int32, shape, dim)) if interpreted else
+            (lambda shape, dim, layout: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)))
+    lo = sp * split
+    hi = jnp.minimum(lo + split, end_ref[b])
+    n_tiles = lax.div(jnp.maximum(hi - lo, 0) + (BK - 1), BK)
+
+    @pl.when(wg < 2)
+    def _compute():
+        if not interpreted:
+            plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(q_bar)
+        rows = plgpu.Layout.WGMMA.reduce(1)
+        m = cast(jnp.full((_BM,), NEG, jnp.float32), rows)
+        den = cast(jnp.zeros((_BM,), jnp.float32), rows)
+        acc = cast(jnp.zeros((_BM, half), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(t, carry):
+            acc, m, den = carry
+            slot = lax.rem(t, stages)
+            plgpu.barrier_wait(k_bars.at[slot])
+            s = _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, interpreted=interpreted) * scale_log2
+            kpos = lo + t * BK + iota((_BM, BK), 1, plgpu.Layout.WGMMA)
+            s = jnp.where(kpos < hi, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            den = den * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(lat_smem.dtype)
+
+            acc = _accumulate(acc, p16, lat_smem.at[wg, slot], interpreted=interpreted)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, den
+
+        acc, m, den = lax.fori_loop(0, n_tiles, step, (acc, m, den))
+        some = den > 0
+        inv = jnp.where(some, 1.0 / jnp.where(some, den, 1.0), 0.0)
+        o_ref.at[b, sp, pl.ds(row0, _BM), pl.ds(wg * half, half)][...] = acc * lax.broadcast_in_dim(
+            inv, acc.shape, [0])
+
+        @pl.when(wg == 0)
+        def _():
+            lse_smem[...] = jnp.where(some, m + jnp.log2(jnp.where(some, den, 1.0)), NEG)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, sp, pl.ds(row0, _BM)])
+            plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        if not interpreted:
+            plgpu.set_max_registers(40, action="decrease")
+        for h in range(2):
+            plgpu.copy_gmem_to_smem(qn_ref.at[b, pl.ds(row0, _BM), pl.ds(h * half, half)], q_smem.at[h], q_bar)
+        plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, _BM)], qr_smem, q_bar)
+
+        def fetch(t, slot):
+            keys = pl.ds(lo + t * BK, BK)
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(lat_ref.at[b, keys, pl.ds(h * half, half)], lat_smem.at[h, slot],
+                                        k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(kr_ref.at[b, keys], kr_smem.at[slot], k_bars.at[slot])
+
+        for i in range(stages):
+            pl.when(i < n_tiles)(functools.partial(fetch, i, i))
+
+        def refill(t, _):
+            slot = lax.rem(t, stages)
+            plgpu.barrier_wait(consumed.at[slot])
+            fetch(t, slot)
+
+        lax.fori_loop(stages, jnp.maximum(n_tiles, stages), refill, None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "split_keys", "block_k", "stages", "interpret"))
+def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, end: jax.Array,
+                     *, scale: float, split_keys: int, block_k: int = 64, stages: int = 2,
+                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
+    ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see the module notes): ``(o [B,n,R,r]
+    float32, lse [B,n,R] float32)`` with ``n = ceil(S / split_keys)``. ``split_keys``: a multiple
+    of ``block_k`` (64). ``stages``: key tiles in flight."""
+    B, R, r = q_latent.shape
+    S, dr = latent.shape[1], k_rope.shape[-1]
+    if q_rope.shape != (B, R, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr) or end.shape != (B,):
+        raise ValueError(f"prefix_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent "
+                         f"{latent.shape}, k_rope {k_rope.shape}, end {end.shape} do not agree")
+    if not supports(R, r, dr, latent.dtype, block_k=block_k, stages=stages):
+        raise ValueError(f"prefix_attention: no kernel for {R} query rows, r={r}, dr={dr}, {latent.dtype}, "
+                         f"block_k={block_k}, stages={stages} (see supports())")
+    if split_keys <= 0 or split_keys % block_k:
+        raise ValueError(f"prefix_attention: split_keys {split_keys} must be a positive multiple of {block_k}")
+    half, n_split = r // 2, pl.cdiv(S, split_keys)
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    dt = latent.dtype
+    scratch = (
+        plgpu.SMEM((2, _BM, half), dt, transforms=swz),
+        plgpu.SMEM((_BM, dr), dt, transforms=swz),
+        plgpu.SMEM((2, stages, block_k, half), dt, transforms=swz),
+        plgpu.SMEM((stages, block_k, dr), dt, transforms=swz),
+        plgpu.SMEM((_BM,), jnp.float32),
+    )
+    body = functools.partial(_kernel, split=split_keys, BK=block_k, stages=stages, half=half,
+                             scale_log2=float(scale) * _LOG2E, interpreted=bool(interpret))
+
+    def entry(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda *scoped: body(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped),
+            scratch,
+            (plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3, num_barriers=stages)),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            collective_axes="wg",
+        )
+
+    f32 = jnp.float32
+    kernel = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((B, n_split, R, r), f32), jax.ShapeDtypeStruct((B, n_split, R), f32)),
+        grid=(R // _BM, n_split, B),
+        grid_names=("rt", "sp", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )
+    return kernel(end.astype(jnp.int32), q_latent, q_rope.astype(dt), latent, k_rope)
