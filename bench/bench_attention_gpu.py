@@ -39,9 +39,11 @@ from ddtree_jax.models.latent_attention import (  # noqa: E402
     SEGMENT_GROUP,
     SEGMENT_KEYS,
     latent_attention_reference,
+    prefix_block_attention,
     segmented_split,
 )
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
+from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits  # noqa: E402
 from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention  # noqa: E402
 
 
@@ -100,6 +102,7 @@ class Bench:
         self.scale = 1.81 / np.sqrt(192.0)  # K2: qk_head_dim 192, yarn mscale^2 ~ 1.81
         self.tiles = dict(block_m=16, block_k=16) if smoke else {}
         self.interp = smoke
+        self.mgpu_interpret = False  # the Hopper kernel is timed on the GPU only (not at smoke shapes)
         self.n_dev = 2 if smoke else 20
 
     def arr(self, shape, dtype=None):
@@ -123,6 +126,12 @@ class Bench:
         return functools.partial(mla_attention, scale=self.scale, causal=causal, split_keys=split,
                                  interpret=self.interp, **kw)
 
+    def hopper_fn(self, n_split=None):
+        """``f(q_latent, q_rope, latent, k_rope, start, within)``: the Hopper kernel's splits and
+        the block part (``prefix_block_attention``), ``n_split`` splits (``None``: auto)."""
+        return functools.partial(prefix_block_attention, scale=self.scale, n_split=n_split,
+                                 interpret=self.mgpu_interpret)
+
     def reference_fn(self):
         def f(ql, qr, lat, kr, start, within):
             return latent_attention_reference(ql, qr, lat, kr, BlockMask(start, within), scale=self.scale)
@@ -131,10 +140,12 @@ class Bench:
 
     # ---- checks ----
 
-    def check(self, name, b, t, max_len, start, tree, split, dtype, tol):
+    def check(self, name, b, t, max_len, start, tree, split, dtype, tol, hopper=False):
         try:
             ql, qr, lat, kr, st, within = self.inputs(b, t, max_len, start, tree, dtype)
-            out = jax.jit(self.kernel_fn(within is None, split))(ql, qr, lat, kr, st, within)
+            fn = self.hopper_fn(split or None) if hopper else self.kernel_fn(within is None, split)
+            out = jax.jit(fn)(ql, qr, lat, kr, st, within)
+            name = ("hopper " if hopper else "") + name
             f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
             with jax.default_matmul_precision("highest"):  # IEEE float32: XLA's default on the GPU is tf32
                 ref = latent_attention_reference(*f32, BlockMask(st, within), scale=self.scale)
@@ -165,7 +176,7 @@ class Bench:
         bw = self.a.bandwidth * 1e12
         return cache_bytes / bw, (cache_bytes + io_bytes) / bw, flops / self.mm_rate
 
-    def case(self, kind, b, t, ctx, max_len, splits=("auto",), cfgs=(None,), reference=True):
+    def case(self, kind, b, t, ctx, max_len, splits=("auto",), cfgs=(None,), reference=True, hopper_splits=()):
         tree = kind == "verify"
         name = f"{kind} B={b} T={t} ctx={ctx}"
         try:
@@ -219,6 +230,21 @@ class Bench:
             except Exception as e:  # noqa: BLE001
                 self.fail(f"{name} {variant}", e)
                 self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
+        for n in hopper_splits:
+            variant = f"hopper n_split={n}" + (f"({auto_splits(b, t * self.H)})" if n == "auto" else "")
+            try:
+                us = dev_time(self.hopper_fn(None if n == "auto" else n), ql, self.n_dev,
+                              (qr, lat, kr, st, within)) * 1e6
+                row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6, x_floor=us / floor / 1e6)
+                if ref_us:
+                    row["reference_over_kernel"] = ref_us / us
+                self.rows.append(row)
+                log(f"{name} {variant}: {us:.1f} us, x cache floor {row['x_cache_floor']:.2f}, "
+                    f"x max(mem, flop) floor {row['x_floor']:.2f}"
+                    + (f", reference / kernel {ref_us / us:.2f}" if ref_us else ""))
+            except Exception as e:  # noqa: BLE001
+                self.fail(f"{name} {variant}", e)
+                self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
 
 
 def main():
@@ -240,6 +266,10 @@ def main():
                    help="sweep these block_m,block_k,num_warps,num_stages instead of the built-in set")
     p.add_argument("--merge-tiles", nargs="+", metavar="R,C", default=[],
                    help="also time decode with these split-merge tiles (rows,columns; the default: merge_block)")
+    p.add_argument("--hopper", nargs="*", metavar="N", default=None,
+                   help="also time the Hopper kernel (prefix_block_attention): auto splits, and these split "
+                        "counts at decode B=1 (a bare --hopper: auto only)")
+    p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel's timings")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args()
@@ -266,6 +296,16 @@ def main():
         bench.check("verify", 2, 5 if small else 65, ml, st, True, split, jnp.bfloat16, 2e-2)
     bench.check("prefill", 2, 12 if small else 256, ml, [0, 41] if small else [0, 1500], False, 0, jnp.bfloat16, 2e-2)
     bench.check("verify-f32", 2, 5 if small else 17, ml, st, True, 0, jnp.float32, 1e-4)
+    hopper = a.hopper is not None and not small
+    if hopper:
+        # the Hopper kernel: decode in the kernel, blocks in the JAX part, a cache not a multiple of
+        # 64 slots with a row ending at its last slot, a block with no prefix
+        for name, b, t, mlen, starts, tree in [("decode", 2, 1, ml, st, False), ("verify", 2, 65, ml, st, True),
+                                                ("causal", 2, 12, ml, [77, 1], False),
+                                                ("decode S=4100", 2, 1, 4100, [4099, 5], False),
+                                                ("verify S=4100", 2, 16, 4100, [4084, 0], True)]:
+            for n in (0, 7):
+                bench.check(name, b, t, mlen, starts, tree, n, jnp.bfloat16, 2e-2, hopper=True)
 
     # -- timings --
     contexts = a.contexts or ((50,) if small else (1024, 32768))
@@ -288,12 +328,19 @@ def main():
             if sweep and b == 1:
                 splits += (16, 32) if small else (128, 512, 2048)
             merge = tuple(dict(merge_tiles=tuple(int(v) for v in mt.split(","))) for mt in a.merge_tiles)
-            bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=(sweep_cfgs if big else (None,)) + merge)
+            hs = (("auto",) + tuple(int(n) for n in a.hopper if b == 1)) if hopper else ()
+            if a.no_triton:
+                splits, big, merge = (), False, ()
+            bench.case("decode", b, 1, ctx, max_len, splits=splits, cfgs=(sweep_cfgs if big else (None,)) + merge,
+                       hopper_splits=hs)
         for t in verify_ts:
             for b in batches:
                 splits = ("auto", 0) if b == 1 else ("auto",)
                 big = ctx == contexts[-1] and sweep and t == verify_ts[0]
-                bench.case("verify", b, t, ctx, max_len, splits=splits, cfgs=sweep_cfgs if big else (None,))
+                if a.no_triton:
+                    splits, big = (), False
+                bench.case("verify", b, t, ctx, max_len, splits=splits, cfgs=sweep_cfgs if big else (None,),
+                           hopper_splits=("auto",) if hopper else ())
         if prefill_t:
             bench.case("prefill", 1, prefill_t, ctx, max_len)
         log(f"elapsed {time.time() - t_start:.0f} s")

@@ -241,19 +241,20 @@ def test_int4_packed_bf16_dequantisation_equals_float32_path():
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype,hopper", [(jnp.bfloat16, True), (jnp.bfloat16, False), (jnp.float32, False)])
 @pytest.mark.parametrize("b,t,s,starts,tree,segment_keys", [
     (2, 1, 3000, [0, 2999], False, 512),  # decode steps over contexts of 1 and 3,000 keys
     (2, 17, 3000, [100, 2983], True, 512),  # tree verifies, the second ending at the cache's end
     (2, 17, 1000, [0, 500], True, 0),  # the older shape-dependent split
     (1, 300, 300, [0], False, 512),  # causal prefill of 300 tokens
 ])
-def test_mla_attention_equals_reference(b, t, s, starts, tree, segment_keys, dtype):
-    """The compiled MLA kernel (K2 heads and ranks, the model's dispatch and default tiles) against
+def test_mla_attention_equals_reference(b, t, s, starts, tree, segment_keys, dtype, hopper):
+    """The compiled MLA kernels (K2 heads and ranks, the model's dispatch and default tiles) against
     the IEEE float32 dense reference on the same rounded inputs: float32 within 1e-4, bf16 within
-    2e-2 (the kernel rounds probabilities and the output to bf16; outputs are O(1))."""
+    2e-2 (the kernel rounds probabilities and the output to bf16; outputs are O(1)). ``hopper``:
+    the Mosaic GPU kernel where it runs (bf16 on an H100/H200), else the Triton kernel."""
     from ddtree_jax.backend import resolve_backend
-    from ddtree_jax.models.latent_attention import latent_attention, latent_attention_reference
+    from ddtree_jax.models.latent_attention import hopper_runs, latent_attention, latent_attention_reference
     from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
     from tests.test_mla_kernel import _inputs, _random_tree_masks
 
@@ -262,8 +263,11 @@ def test_mla_attention_equals_reference(b, t, s, starts, tree, segment_keys, dty
     ql, qr, lat, kr = _inputs(rng, b, t, h, r, dr, s, dtype)
     mask = BlockMask(jnp.asarray(starts, jnp.int32), tree_block_mask(_random_tree_masks(rng, b, t)) if tree else None)
     scale = 1.0 / np.sqrt(r + dr)
-    got = jax.jit(lambda *a: latent_attention(*a, mask, scale=scale, backend=resolve_backend("pallas"),
-                                              segment_keys=segment_keys))(ql, qr, lat, kr)
+    backend = resolve_backend("pallas")
+    if hopper and not hopper_runs(backend, t, h, r, dr, dtype, s):
+        pytest.skip("the Hopper kernel does not run here (needs an sm_90 GPU)")
+    got = jax.jit(lambda *a: latent_attention(*a, mask, scale=scale, backend=backend, segment_keys=segment_keys,
+                                              hopper=hopper))(ql, qr, lat, kr)
     with jax.default_matmul_precision("highest"):
         want = latent_attention_reference(*[x.astype(jnp.float32) for x in (ql, qr, lat, kr)], mask, scale=scale)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4

@@ -120,6 +120,9 @@ class MLAttention(nnx.Module):
         # the kernel's fixed reduction segments and their groups (``latent_attention``; 0:
         # layout-dependent splits)
         self.segment_keys, self.segment_group = SEGMENT_KEYS, SEGMENT_GROUP
+        # the Hopper kernel where it runs (``latent_attention``; off in the batch-invariant mode,
+        # which needs the fixed segments; ``KimiForCausalLM.set_hopper_attention``)
+        self.hopper_attention = True
         # causal blocks of at least this many tokens that start at slot 0 (prefills) run in the
         # per-head form (``per_head_causal_attention``); 0: never (``set_per_head_prefill``);
         # implementation None: chosen by the backend when traced
@@ -156,8 +159,8 @@ class MLAttention(nnx.Module):
         def absorbed():
             out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
                                           backend=backend, mesh=self.attention_mesh,
-                                          segment_keys=self.segment_keys,
-                                          segment_group=self.segment_group).astype(x.dtype)
+                                          segment_keys=self.segment_keys, segment_group=self.segment_group,
+                                          hopper=self.hopper_attention and fixed is None).astype(x.dtype)
             if fixed is None:
                 return jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
             return dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
@@ -426,6 +429,14 @@ class KimiForCausalLM(nnx.Module):
         by the shapes, not batch-invariant)."""
         for layer in self.model.layers:
             layer.self_attn.segment_keys, layer.self_attn.segment_group = segment_keys, segment_group
+        return self
+
+    def set_hopper_attention(self, on: bool = True) -> KimiForCausalLM:
+        """Whether the absorbed attention runs the Hopper kernel where it can (``latent_attention``:
+        compiled on an sm_90 GPU, bf16 caches, supported shapes; the default) or always the Triton
+        kernel. The batch-invariant mode runs the Triton kernel's fixed segments either way."""
+        for layer in self.model.layers:
+            layer.self_attn.hopper_attention = on
         return self
 
     def set_per_head_prefill(self, min_tokens: int, implementation: str | None = None) -> KimiForCausalLM:

@@ -22,8 +22,9 @@ from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
-__all__ = ["SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "latent_attention", "latent_attention_reference",
-           "per_head_causal_attention", "PER_HEAD_PAD", "PER_HEAD_PREFILL"]
+__all__ = ["HOPPER_MAX_BLOCK", "SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "hopper_runs", "latent_attention",
+           "latent_attention_reference", "per_head_causal_attention", "prefix_block_attention", "PER_HEAD_PAD",
+           "PER_HEAD_PREFILL"]
 
 
 def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
@@ -89,6 +90,8 @@ PER_HEAD_PAD = 128
 # 12.6, 2,048 15.1 against 18.0, 16,384 92 against 296.
 PER_HEAD_PREFILL = 512
 
+_LOG2E = 1.4426950408889634
+
 
 # Keys per segment of the kernel's reduction (``mla_attention(segment_keys=...)``): fixed, so that a
 # row's attention has the same bits whatever the batch, the block length or the program layout
@@ -133,8 +136,15 @@ def _split_axes(mesh: AttentionMesh | None, b: int, h: int) -> tuple[str | None,
 
 def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, mask: BlockMask,
                      *, scale: float, backend: Backend, mesh: AttentionMesh | None = None,
-                     segment_keys: int | None = SEGMENT_KEYS, segment_group: int = SEGMENT_GROUP) -> jax.Array:
+                     segment_keys: int | None = SEGMENT_KEYS, segment_group: int = SEGMENT_GROUP,
+                     hopper: bool = True) -> jax.Array:
     """Absorbed MLA attention (see ``latent_attention_reference`` for the shapes), by ``backend``.
+
+    Kernels: with ``hopper`` and where ``hopper_runs`` says so (compiled on an sm_90 GPU, bf16
+    caches, shapes the kernel takes, blocks of at most ``HOPPER_MAX_BLOCK`` tokens),
+    ``prefix_block_attention`` (the Mosaic GPU kernel: 2.5-2.7x the Triton kernel's speed at 32k
+    context on the H200); otherwise the Triton kernel with its fixed segments (bitwise the same
+    for a row whatever the batch: the batch-invariant mode passes ``hopper=False``).
 
     The block's own latents must already be in ``latent``/``k_rope`` at ``[start, start+T)``.
     ``mesh``: the kernel runs in a ``shard_map``, batch rows split over ``mesh.data`` (when it
@@ -148,8 +158,12 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     chex.assert_shape([q_latent, latent, mask.start], [(b, t, h, r), (b, s, r), (b,)])
     if not has_kernel(backend, "mla_attention"):  # no kernel for this family (TPU): the reference
         return latent_attention_reference(q_latent, q_rope, latent, k_rope, mask, scale=scale)
-    kernel = functools.partial(_kernel, scale=float(scale), causal=mask.causal, interpret=backend.interpret,
-                               segment_keys=segment_keys or 0, segment_group=segment_group)
+    if hopper and hopper_runs(backend, t, h, r, q_rope.shape[-1], latent.dtype, s):
+        def kernel(q_latent, q_rope, latent, k_rope, start, within=None):
+            return prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within, scale=float(scale))
+    else:
+        kernel = functools.partial(_kernel, scale=float(scale), causal=mask.causal, interpret=backend.interpret,
+                                   segment_keys=segment_keys or 0, segment_group=segment_group)
     data, tensor = _split_axes(mesh, b, h)
     args = (q_latent, q_rope, latent, k_rope, mask.start) + (() if mask.causal else (mask.within,))
     if data is None and tensor is None:
@@ -199,38 +213,75 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
     return out.astype(q_latent.dtype)
 
 
-def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, split_keys, block_k=64,
+
+# The Hopper path's block part builds ``[B, T*H, T]`` float32 scores in XLA: blocks up to this
+# many tokens (tree verifies, decode steps, short chunks) take it, longer ones the Triton kernel.
+HOPPER_MAX_BLOCK = 512
+
+
+@functools.cache
+def _hopper_gpu() -> bool:
+    """Whether this process's GPUs are Hopper (sm_90: the kernel's ``wgmma`` and TMA)."""
+    devices = [d for d in jax.devices() if d.platform == "gpu"]
+    return bool(devices) and all(str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices)
+
+
+def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_len: int) -> bool:
+    """Whether ``latent_attention`` runs the Hopper kernel for a block of ``t`` tokens, ``h``
+    heads, ranks ``r``/``dr`` over a ``dtype`` cache of ``cache_len`` slots under ``backend``."""
+    if not (backend.kernels and backend.family == "triton" and not backend.interpret) or t > HOPPER_MAX_BLOCK:
+        return False
+    if cache_len < 64:
+        return False
+    from pallas_kernels.mosaic_gpu.mla_prefix import supports
+
+    return supports(t * h, r, dr, dtype) and _hopper_gpu()
+
+
+def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, n_split=None, block_k=64,
                            stages=2, interpret=False):
-    """Absorbed MLA attention as the Hopper kernel's prefix splits plus the block's own keys.
+    """Absorbed MLA attention as the Hopper kernel's key splits plus the block's own keys.
 
     ``pallas_kernels.mosaic_gpu.mla_prefix.prefix_attention`` reads the committed prefix
-    ``[0, start)`` in key splits; the block's ``T`` keys (``[start, start+T)``, under ``within`` or
-    causal) are few and run here in float32; the splits and the block part are merged by their
-    base-2 log-sum-exps. Shapes as ``latent_attention``; ``[B,T,H,r]`` in ``q_latent``'s dtype.
+    ``[0, start)`` in ``n_split`` key splits (``None``: ``auto_splits``; the split length follows
+    the longest row, ``split_size``); a block of one token (a decode step) is read there too
+    (``[0, start + 1)``: it sees every key). A longer block's keys ``[start, start + T)`` are few
+    and run here in float32 under ``within`` (or causal). The splits and the block part are merged
+    by their base-2 log-sum-exps. Shapes as ``latent_attention``; returns ``[B,T,H,r]`` in
+    ``q_latent``'s dtype. ``interpret``: ``False``, or Mosaic GPU interpreter params (tests).
     """
-    from pallas_kernels.mosaic_gpu.mla_prefix import prefix_attention
+    from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits, prefix_attention, split_size
 
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     dt, f32 = latent.dtype, jnp.float32
     qn, qr = q_latent.reshape(b, t * h, r).astype(dt), q_rope.reshape(b, t * h, dr).astype(dt)
-    o, lse = prefix_attention(qn, qr, latent, k_rope, start, scale=scale, split_keys=split_keys, block_k=block_k,
+    n = n_split or auto_splits(b, t * h)
+    end = start + 1 if t == 1 else start
+    split = split_size(end, n, block_k=block_k)
+    o, lse = prefix_attention(qn, qr, latent, k_rope, end, split, scale=scale, n_split=n, block_k=block_k,
                               stages=stages, interpret=interpret)
-    slots = (start[:, None] + jnp.arange(t))[..., None]
-    lat_blk = jnp.take_along_axis(latent, slots, axis=1)  # [B,T,r]
-    kr_blk = jnp.take_along_axis(k_rope, slots, axis=1)
-    log2e = 1.4426950408889634
-    s = (jnp.einsum("bqr,bkr->bqk", qn, lat_blk, preferred_element_type=f32)
-         + jnp.einsum("bqd,bkd->bqk", qr, kr_blk, preferred_element_type=f32)) * (scale * log2e)
-    vis = jnp.tril(jnp.ones((t, t), bool))[None] if within is None else within
-    vis = jnp.broadcast_to(vis[:, :, None, :], (b, t, h, t)).reshape(b, t * h, t)
-    s = jnp.where(vis, s, -jnp.inf)
-    m_blk = s.max(-1)
-    p = jnp.exp2(s - m_blk[..., None])
-    den_blk = p.sum(-1)
-    o_blk = jnp.einsum("bqk,bkr->bqr", p, lat_blk.astype(f32)) / den_blk[..., None]
-    lse_all = jnp.concatenate([lse, (m_blk + jnp.log2(den_blk))[:, None]], axis=1)  # [B, n+1, R]
-    top = lse_all.max(1, keepdims=True)
-    w = jnp.exp2(lse_all - top)
-    out = (jnp.einsum("bnq,bnqr->bqr", w[:, :-1], o) + w[:, -1, :, None] * o_blk) / w.sum(1)[..., None]
+    # only the splits a row's end reached were written
+    written = (jnp.arange(n)[None, :] * split < end[:, None])[:, :, None]  # [B, n, 1]
+    lse = jnp.where(written, lse, -jnp.inf)
+    lse_parts = [lse]
+    if t > 1:
+        slots = (start[:, None] + jnp.arange(t))[..., None]
+        lat_blk = jnp.take_along_axis(latent, slots, axis=1)  # [B,T,r]
+        kr_blk = jnp.take_along_axis(k_rope, slots, axis=1)
+        s = (jnp.einsum("bqr,bkr->bqk", qn, lat_blk, preferred_element_type=f32)
+             + jnp.einsum("bqd,bkd->bqk", qr, kr_blk, preferred_element_type=f32)) * (scale * _LOG2E)
+        vis = jnp.tril(jnp.ones((t, t), bool))[None] if within is None else within
+        s = jnp.where(jnp.broadcast_to(vis[:, :, None, :], (b, t, h, t)).reshape(b, t * h, t), s, -jnp.inf)
+        m_blk = s.max(-1)
+        p = jnp.exp2(s - m_blk[..., None])
+        den_blk = p.sum(-1)
+        o_blk = jnp.einsum("bqk,bkr->bqr", p, lat_blk.astype(f32)) / den_blk[..., None]
+        lse_parts.append((m_blk + jnp.log2(den_blk))[:, None])
+    lse_all = jnp.concatenate(lse_parts, axis=1)  # [B, n (+1), R]
+    w = jnp.exp2(lse_all - lse_all.max(1, keepdims=True))
+    total = jnp.einsum("bnq,bnqr->bqr", w[:, :n], jnp.where(written[..., None], o, 0.0))  # unwritten: garbage
+    if t > 1:
+        total = total + w[:, n, :, None] * o_blk
+    out = total / w.sum(1)[..., None]
     return out.reshape(b, t, h, r).astype(q_latent.dtype)

@@ -52,20 +52,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["NEG", "prefix_attention", "supports"]
+__all__ = ["MIN_SPLIT_KEYS", "auto_splits", "prefix_attention", "split_size", "supports"]
 
-NEG = -1e30
+_NEG = -1e30
 _LOG2E = math.log2(math.e)
 # Query rows per CTA: one wgmma M tile (64 rows: one token's heads at K2 shapes).
 _BM = 64
 # Shared memory a CTA may take on an H200 (227 KiB), less the reduction scratch.
 _SMEM_BYTES = 227 * 1024 - 4096
+# Streaming multiprocessors of an H200 (sizes the split heuristic).
+_NUM_SMS = 132
+# The shortest key split: at decode B=1 over 32k keys, 256-key splits (128 CTAs) took 56 us
+# against 60 for 512 and 78 for 1024 (H200, prefix kernel + block part + merge).
+MIN_SPLIT_KEYS = 256
 
 
 def supports(q_rows: int, r: int, dr: int, dtype, *, block_k: int = 64, stages: int = 2) -> bool:
     """Whether the kernel takes these shapes: bf16, whole 64-row query tiles, value halves and
     the rope part in whole 64-column (128-byte swizzle) tiles, and the slots in shared memory."""
-    if jnp.dtype(dtype) != jnp.bfloat16 or q_rows % _BM or r % 128 or dr % 64 or block_k % 32:
+    if jnp.dtype(dtype) != jnp.bfloat16 or q_rows % _BM or r % 128 or dr % 64 or block_k % 64:
         return False
     return _smem_bytes(r, dr, block_k, stages) <= _SMEM_BYTES
 
@@ -104,8 +109,8 @@ def _accumulate(acc, p, v_ref, *, interpreted):
     return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def _kernel(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, split, BK, stages, half, scale_log2,
-            interpreted):
+def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, S, BK, stages, half,
+            scale_log2, interpreted):
     (q_smem, qr_smem, lat_smem, kr_smem, lse_smem), (q_bar, k_bars), consumed = scoped
     rt, sp, b = lax.axis_index("rt"), lax.axis_index("sp"), lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -114,17 +119,23 @@ def _kernel(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *,
     cast = (lambda x, _: x) if interpreted else plgpu.layout_cast
     iota = ((lambda shape, dim, _: lax.broadcasted_iota(jnp.int32, shape, dim)) if interpreted else
             (lambda shape, dim, layout: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout)))
+    split = split_ref[0]
     lo = sp * split
     hi = jnp.minimum(lo + split, end_ref[b])
     n_tiles = lax.div(jnp.maximum(hi - lo, 0) + (BK - 1), BK)
 
-    @pl.when(wg < 2)
+    def tile_start(t):
+        # a tile that would cross the cache's end is moved back to end there (no out-of-bounds
+        # copy); the keys it repeats from the previous tile are masked like those past ``hi``
+        return jnp.minimum(lo + t * BK, S - BK)
+
+    @pl.when((wg < 2) & (n_tiles > 0))
     def _compute():
         if not interpreted:
             plgpu.set_max_registers(232, action="increase")
         plgpu.barrier_wait(q_bar)
         rows = plgpu.Layout.WGMMA.reduce(1)
-        m = cast(jnp.full((_BM,), NEG, jnp.float32), rows)
+        m = cast(jnp.full((_BM,), _NEG, jnp.float32), rows)
         den = cast(jnp.zeros((_BM,), jnp.float32), rows)
         acc = cast(jnp.zeros((_BM, half), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -133,33 +144,31 @@ def _kernel(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *,
             slot = lax.rem(t, stages)
             plgpu.barrier_wait(k_bars.at[slot])
             s = _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, interpreted=interpreted) * scale_log2
-            kpos = lo + t * BK + iota((_BM, BK), 1, plgpu.Layout.WGMMA)
-            s = jnp.where(kpos < hi, s, -jnp.inf)
+            first = lo + t * BK
+            kpos = tile_start(t) + iota((_BM, BK), 1, plgpu.Layout.WGMMA)
+            s = jnp.where((kpos >= first) & (kpos < hi), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             den = den * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(lat_smem.dtype)
-
-            acc = _accumulate(acc, p16, lat_smem.at[wg, slot], interpreted=interpreted)
+            acc = _accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[wg, slot], interpreted=interpreted)
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m_new, den
 
         acc, m, den = lax.fori_loop(0, n_tiles, step, (acc, m, den))
-        some = den > 0
-        inv = jnp.where(some, 1.0 / jnp.where(some, den, 1.0), 0.0)
+        # every row saw at least one key: den >= 1
         o_ref.at[b, sp, pl.ds(row0, _BM), pl.ds(wg * half, half)][...] = acc * lax.broadcast_in_dim(
-            inv, acc.shape, [0])
+            1.0 / den, acc.shape, [0])
 
         @pl.when(wg == 0)
         def _():
-            lse_smem[...] = jnp.where(some, m + jnp.log2(jnp.where(some, den, 1.0)), NEG)
+            lse_smem[...] = m + jnp.log2(den)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, sp, pl.ds(row0, _BM)])
             plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when((wg == 2) & (n_tiles > 0))
     def _memory():
         if not interpreted:
             plgpu.set_max_registers(40, action="decrease")
@@ -168,7 +177,7 @@ def _kernel(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *,
         plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, _BM)], qr_smem, q_bar)
 
         def fetch(t, slot):
-            keys = pl.ds(lo + t * BK, BK)
+            keys = pl.ds(tile_start(t), BK)
             for h in range(2):
                 plgpu.copy_gmem_to_smem(lat_ref.at[b, keys, pl.ds(h * half, half)], lat_smem.at[h, slot],
                                         k_bars.at[slot])
@@ -184,26 +193,48 @@ def _kernel(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *,
 
         lax.fori_loop(stages, jnp.maximum(n_tiles, stages), refill, None)
 
+        def drain(t, _):  # observe the last consumption of every slot (each phase is waited on once)
+            plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
 
-@functools.partial(jax.jit, static_argnames=("scale", "split_keys", "block_k", "stages", "interpret"))
+        lax.fori_loop(jnp.maximum(n_tiles - stages, 0), n_tiles, drain, None)
+
+
+def split_size(end: jax.Array, n_split: int, *, block_k: int = 64, min_keys: int = MIN_SPLIT_KEYS) -> jax.Array:
+    """Keys per split (int32 ``[1]``) so that ``n_split`` splits cover the longest row's ``end``:
+    a multiple of ``block_k``, at least ``min_keys`` (shorter splits cost more in partials and
+    fixed work than they save; rows shorter than ``n_split * min_keys`` use fewer splits)."""
+    longest = jnp.max(end).astype(jnp.int32)
+    keys = (longest + n_split - 1) // n_split
+    keys = (keys + block_k - 1) // block_k * block_k
+    return jnp.maximum(keys, min_keys).reshape(1)
+
+
+def auto_splits(batch: int, q_rows: int, *, num_sms: int = _NUM_SMS) -> int:
+    """How many key splits a call gets: enough CTAs (one per SM: a CTA takes most of an SM's
+    shared memory) to fill the SMs once, ``batch * q_rows / 64 * n <= num_sms``, at least 1."""
+    return max(1, num_sms // (batch * pl.cdiv(q_rows, _BM)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret"))
 def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, end: jax.Array,
-                     *, scale: float, split_keys: int, block_k: int = 64, stages: int = 2,
-                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                     split: jax.Array, *, scale: float, n_split: int, block_k: int = 64, stages: int = 2,
+                     interpret=False) -> tuple[jax.Array, jax.Array]:
     """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
     ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see the module notes): ``(o [B,n,R,r]
-    float32, lse [B,n,R] float32)`` with ``n = ceil(S / split_keys)``. ``split_keys``: a multiple
-    of ``block_k`` (64). ``stages``: key tiles in flight."""
+    float32, lse [B,n,R] float32)``. Split ``s`` covers ``[s * split, (s + 1) * split)`` (``split``:
+    int32 ``[1]``, a multiple of ``block_k``, see ``split_size``); only the splits a row's
+    ``end`` reaches are written (the rest of ``o`` and ``lse`` is left unwritten: read a row's
+    first ``ceil(end / split)`` splits only). ``stages``: key tiles in flight. ``interpret``:
+    ``False``, or Mosaic GPU interpreter params (tests)."""
     B, R, r = q_latent.shape
     S, dr = latent.shape[1], k_rope.shape[-1]
     if q_rope.shape != (B, R, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr) or end.shape != (B,):
         raise ValueError(f"prefix_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent "
                          f"{latent.shape}, k_rope {k_rope.shape}, end {end.shape} do not agree")
-    if not supports(R, r, dr, latent.dtype, block_k=block_k, stages=stages):
+    if S < block_k or not supports(R, r, dr, latent.dtype, block_k=block_k, stages=stages):
         raise ValueError(f"prefix_attention: no kernel for {R} query rows, r={r}, dr={dr}, {latent.dtype}, "
-                         f"block_k={block_k}, stages={stages} (see supports())")
-    if split_keys <= 0 or split_keys % block_k:
-        raise ValueError(f"prefix_attention: split_keys {split_keys} must be a positive multiple of {block_k}")
-    half, n_split = r // 2, pl.cdiv(S, split_keys)
+                         f"block_k={block_k}, stages={stages}, a cache of {S} slots (see supports())")
+    half = r // 2
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dt = latent.dtype
     scratch = (
@@ -213,12 +244,12 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         plgpu.SMEM((stages, block_k, dr), dt, transforms=swz),
         plgpu.SMEM((_BM,), jnp.float32),
     )
-    body = functools.partial(_kernel, split=split_keys, BK=block_k, stages=stages, half=half,
-                             scale_log2=float(scale) * _LOG2E, interpreted=bool(interpret))
+    body = functools.partial(_kernel, S=S, BK=block_k, stages=stages, half=half, scale_log2=float(scale) * _LOG2E,
+                             interpreted=bool(interpret))
 
-    def entry(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref):
+    def entry(*refs):
         pl.run_scoped(
-            lambda *scoped: body(end_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped),
+            lambda *scoped: body(*refs, scoped),
             scratch,
             (plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3, num_barriers=stages)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -236,4 +267,4 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )
-    return kernel(end.astype(jnp.int32), q_latent, q_rope.astype(dt), latent, k_rope)
+    return kernel(end.astype(jnp.int32), split.astype(jnp.int32), q_latent, q_rope.astype(dt), latent, k_rope)
