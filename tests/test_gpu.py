@@ -246,7 +246,7 @@ def test_int4_packed_bf16_dequantisation_equals_float32_path():
     (2, 1, 3000, [0, 2999], False, 512),  # decode steps over contexts of 1 and 3,000 keys
     (2, 17, 3000, [100, 2983], True, 512),  # tree verifies, the second ending at the cache's end
     (2, 17, 1000, [0, 500], True, 0),  # the older shape-dependent split
-    (1, 300, 300, [0], False, 512),  # causal prefill of 300 tokens
+    (1, 300, 304, [0], False, 512),  # causal prefill of 300 tokens
 ])
 def test_mla_attention_equals_reference(b, t, s, starts, tree, segment_keys, dtype, hopper):
     """The compiled MLA kernels (K2 heads and ranks, the model's dispatch and default tiles) against

@@ -231,7 +231,7 @@ def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_
     heads, ranks ``r``/``dr`` over a ``dtype`` cache of ``cache_len`` slots under ``backend``."""
     if not (backend.kernels and backend.family == "triton" and not backend.interpret) or t > HOPPER_MAX_BLOCK:
         return False
-    if cache_len < 64:
+    if cache_len < 64 or cache_len % 8:  # the kernel's TMA copies tile the cache by 8 slots
         return False
     from pallas_kernels.mosaic_gpu.mla_prefix import supports
 

@@ -231,9 +231,10 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     if q_rope.shape != (B, R, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr) or end.shape != (B,):
         raise ValueError(f"prefix_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent "
                          f"{latent.shape}, k_rope {k_rope.shape}, end {end.shape} do not agree")
-    if S < block_k or not supports(R, r, dr, latent.dtype, block_k=block_k, stages=stages):
+    if S < block_k or S % 8 or not supports(R, r, dr, latent.dtype, block_k=block_k, stages=stages):
         raise ValueError(f"prefix_attention: no kernel for {R} query rows, r={r}, dr={dr}, {latent.dtype}, "
-                         f"block_k={block_k}, stages={stages}, a cache of {S} slots (see supports())")
+                         f"block_k={block_k}, stages={stages}, a cache of {S} slots (at least block_k, a multiple "
+                         "of 8: the TMA copies' tiling; see supports())")
     half = r // 2
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dt = latent.dtype
