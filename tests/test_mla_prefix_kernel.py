@@ -1,0 +1,115 @@
+"""The Hopper MLA kernel (Mosaic GPU, in its interpreter on the CPU) == plain references.
+
+The interpreter runs the kernel's TMA copies, barriers, key splits, masks and online softmax; it
+has no rules for ``wgmma``, so the two products run as plain dots there (the compiled kernel's
+``wgmma`` is checked on the GPU: tests/test_gpu.py). Each interpreted call takes seconds: the
+cases are few and small.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.backend import Backend
+from ddtree_jax.models.latent_attention import hopper_runs, latent_attention_reference, prefix_block_attention
+from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
+from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits, prefix_attention, split_size, supports
+
+_LOG2E = float(np.log2(np.e))
+
+
+def _interpreter():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _arr(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(jnp.bfloat16)
+
+
+def test_splits_equal_a_plain_softmax_per_split():
+    """Every written split's normalised output and log-sum-exp against float32 numpy: rows of
+    several lengths (one ending at the cache's last slot, where the last tile is moved back to
+    stay inside a cache that is not a multiple of 64 slots; one of a single key), splits a row
+    does not reach left alone."""
+    rng = np.random.default_rng(0)
+    b, rows, r, dr, s = 3, 128, 128, 64, 392
+    qn, qr, lat, kr = _arr(rng, b, rows, r), _arr(rng, b, rows, dr), _arr(rng, b, s, r), _arr(rng, b, s, dr)
+    end = jnp.asarray([392, 1, 300], jnp.int32)
+    n, scale = 2, 0.07
+    split = split_size(end, n)
+    assert int(split[0]) == 256  # ceil(392 / 2) = 196 -> whole tiles -> at least MIN_SPLIT_KEYS
+    o, lse = prefix_attention(qn, qr, lat, kr, end, split, scale=scale, n_split=n, interpret=_interpreter())
+    f = [np.asarray(x, np.float32) for x in (qn, qr, lat, kr)]
+    scores = (np.einsum("bqr,bkr->bqk", f[0], f[2]) + np.einsum("bqd,bkd->bqk", f[1], f[3])) * scale * _LOG2E
+    for row in range(b):
+        for sp in range(n):
+            lo, hi = sp * 256, min(sp * 256 + 256, int(end[row]))
+            if hi <= lo:
+                continue
+            x = scores[row, :, lo:hi]
+            m = x.max(-1, keepdims=True)
+            p = np.exp2(x - m)
+            want_o = (p @ f[2][row, lo:hi]) / p.sum(-1, keepdims=True)
+            np.testing.assert_allclose(np.asarray(o[row, sp]), want_o, atol=2e-2, rtol=0)  # P rounded to bf16
+            np.testing.assert_allclose(np.asarray(lse[row, sp]), m[:, 0] + np.log2(p.sum(-1)), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t,tree,starts,n", [
+    (1, False, [250, 0], 3),  # decode steps: the token's own key read by the kernel; a row at slot 0
+    (3, True, [250, 0], 3),  # tree blocks: a prefix in several splits, and no prefix at all
+    (3, False, [100, 389], 1),  # causal blocks, one split; the second ends at the cache's last slot
+])
+def test_prefix_block_attention_equals_the_reference(t, tree, starts, n):
+    """The kernel's splits merged with the block part against the dense float32 reference."""
+    rng = np.random.default_rng(t * 10 + n)
+    b, h, r, dr, s = 2, 64, 128, 64, 392
+    ql, qr, lat, kr = _arr(rng, b, t, h, r), _arr(rng, b, t, h, dr), _arr(rng, b, s, r), _arr(rng, b, s, dr)
+    anc = np.zeros((b, t, t), bool)
+    if tree:
+        anc[0, 1:, 0] = True  # node 0 with two children
+        anc[1, 1, 0] = anc[1, 2, 0] = anc[1, 2, 1] = True  # a chain
+    within = tree_block_mask(jnp.asarray(anc)) if tree else None
+    start = jnp.asarray(starts, jnp.int32)
+    got = prefix_block_attention(ql, qr, lat, kr, start, within, scale=0.07, n_split=n, interpret=_interpreter())
+    want = latent_attention_reference(*[x.astype(jnp.float32) for x in (ql, qr, lat, kr)], BlockMask(start, within),
+                                      scale=0.07)
+    assert got.shape == (b, t, h, r) and got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+
+
+def test_kernel_lowers_for_cuda():
+    """Pallas' Mosaic GPU lowering of the compiled kernel (wgmma, TMA, barriers, layouts) at K2
+    ranks: the lowering rules run on the CPU; ptxas and resource limits only on the GPU."""
+    sd = jax.ShapeDtypeStruct
+    b, rows, s = 2, 128, 4096
+    args = (sd((b, rows, 512), jnp.bfloat16), sd((b, rows, 64), jnp.bfloat16), sd((b, s, 512), jnp.bfloat16),
+            sd((b, s, 64), jnp.bfloat16), sd((b,), jnp.int32), sd((1,), jnp.int32))
+    text = jax.jit(lambda *a: prefix_attention(*a, scale=0.1, n_split=4)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_split_heuristics_and_shape_rules():
+    assert auto_splits(1, 64) == 132 and auto_splits(16, 64) == 8 and auto_splits(1, 65 * 64) == 2
+    assert auto_splits(16, 16 * 64) == 1
+    assert int(split_size(jnp.asarray([32769]), 132)[0]) == 256  # 249 -> a whole tile -> 256
+    assert int(split_size(jnp.asarray([32769, 5]), 8)[0]) == 4160  # the longest row, in whole tiles
+    assert supports(64, 512, 64, jnp.bfloat16) and not supports(64, 512, 64, jnp.float32)
+    assert not supports(48, 512, 64, jnp.bfloat16)  # not whole 64-row tiles
+    assert not supports(64, 512, 64, jnp.bfloat16, stages=3)  # three 72 KiB slots do not fit
+    # off an sm_90 GPU (here: interpret mode, the CPU) latent_attention keeps the Triton kernel
+    assert not hopper_runs(Backend(kernels=True, interpret=True), 1, 64, 512, 64, jnp.bfloat16, 4096)
+    assert not hopper_runs(Backend(kernels=False), 1, 64, 512, 64, jnp.bfloat16, 4096)
+
+
+def test_bad_shapes_are_refused_by_name():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="a cache of 100 slots"):
+        prefix_attention(z((1, 64, 128), jnp.bfloat16), z((1, 64, 64), jnp.bfloat16), z((1, 100, 128), jnp.bfloat16),
+                         z((1, 100, 64), jnp.bfloat16), z((1,), jnp.int32), z((1,), jnp.int32), scale=1.0, n_split=1)
+    with pytest.raises(ValueError, match="do not agree"):
+        prefix_attention(z((1, 64, 128), jnp.bfloat16), z((1, 64, 32), jnp.bfloat16), z((1, 128, 128), jnp.bfloat16),
+                         z((1, 128, 64), jnp.bfloat16), z((1,), jnp.int32), z((1,), jnp.int32), scale=1.0, n_split=1)
