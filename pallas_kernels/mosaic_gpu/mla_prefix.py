@@ -58,8 +58,8 @@ _NEG = -1e30
 _LOG2E = math.log2(math.e)
 # Query rows per CTA: one wgmma M tile (64 rows: one token's heads at K2 shapes).
 _BM = 64
-# Shared memory a CTA may take on an H200 (227 KiB), less the reduction scratch.
-_SMEM_BYTES = 227 * 1024 - 4096
+# Shared memory a CTA may take on an H200 (227 KiB), less room for barriers and alignment.
+_SMEM_BYTES = 227 * 1024 - 1024
 # Streaming multiprocessors of an H200 (sizes the split heuristic).
 _NUM_SMS = 132
 # The shortest key split: at decode B=1 over 32k keys, 256-key splits (128 CTAs) took 56 us
@@ -76,7 +76,8 @@ def supports(q_rows: int, r: int, dr: int, dtype, *, block_k: int = 64, stages: 
 
 
 def _smem_bytes(r, dr, block_k, stages):
-    return 2 * (_BM * (r + dr) + stages * block_k * (r + dr)) + 4 * _BM
+    # queries, key slots, the probabilities handed between warpgroups, three row vectors
+    return 2 * (_BM * (r + dr) + stages * block_k * (r + dr) + _BM * block_k) + 3 * 4 * _BM
 
 
 def _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, *, interpreted):
@@ -98,9 +99,10 @@ def _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, *, interpreted):
 
 
 def _accumulate(acc, p, v_ref, *, interpreted):
-    """``acc + p @ v_ref``: ``wgmma`` into ``acc``'s registers in place (compiled), or a plain
-    product (interpreted: no rule for ``run_state`` there)."""
+    """``acc + p @ v_ref`` (``p``: an array, or a shared-memory ref): ``wgmma`` into ``acc``'s
+    registers in place (compiled), or a plain product (interpreted: no rule for ``run_state``)."""
     if interpreted:
+        p = p if isinstance(p, jax.Array) else p[...]
         return acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
 
     def product(acc_ref):
@@ -110,8 +112,9 @@ def _accumulate(acc, p, v_ref, *, interpreted):
 
 
 def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, S, BK, stages, half,
-            scale_log2, interpreted):
-    (q_smem, qr_smem, lat_smem, kr_smem, lse_smem), (q_bar, k_bars), consumed = scoped
+            scale_log2, interpreted, one_score):
+    (q_smem, qr_smem, lat_smem, kr_smem, p_smem, lse_smem, alpha_smem), (q_bar, k_bars), consumed, (p_ready,
+                                                                                                 p_free) = scoped
     rt, sp, b = lax.axis_index("rt"), lax.axis_index("sp"), lax.axis_index("b")
     wg = lax.axis_index("wg")
     row0 = rt * _BM
@@ -129,44 +132,112 @@ def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref,
         # copy); the keys it repeats from the previous tile are masked like those past ``hi``
         return jnp.minimum(lo + t * BK, S - BK)
 
-    @pl.when((wg < 2) & (n_tiles > 0))
-    def _compute():
-        if not interpreted:
-            plgpu.set_max_registers(232, action="increase")
-        plgpu.barrier_wait(q_bar)
-        rows = plgpu.Layout.WGMMA.reduce(1)
-        m = cast(jnp.full((_BM,), _NEG, jnp.float32), rows)
-        den = cast(jnp.zeros((_BM,), jnp.float32), rows)
-        acc = cast(jnp.zeros((_BM, half), jnp.float32), plgpu.Layout.WGMMA)
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
-        def step(t, carry):
-            acc, m, den = carry
-            slot = lax.rem(t, stages)
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, interpreted=interpreted) * scale_log2
-            first = lo + t * BK
-            kpos = tile_start(t) + iota((_BM, BK), 1, plgpu.Layout.WGMMA)
-            s = jnp.where((kpos >= first) & (kpos < hi), s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            den = den * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[wg, slot], interpreted=interpreted)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m_new, den
+    def fresh():
+        m = cast(jnp.full((_BM,), _NEG, jnp.float32), rows_layout)
+        den = cast(jnp.zeros((_BM,), jnp.float32), rows_layout)
+        return cast(jnp.zeros((_BM, half), jnp.float32), plgpu.Layout.WGMMA), m, den
 
-        acc, m, den = lax.fori_loop(0, n_tiles, step, (acc, m, den))
+    def softmax_step(t, slot, m, den):
+        """The tile's scores and online-softmax update: ``(p, alpha, m_new, den_new)``."""
+        s = _scores(q_smem, qr_smem, lat_smem, kr_smem, slot, BK, interpreted=interpreted) * scale_log2
+        first = lo + t * BK
+        kpos = tile_start(t) + iota((_BM, BK), 1, plgpu.Layout.WGMMA)
+        s = jnp.where((kpos >= first) & (kpos < hi), s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        return p, alpha, m_new, den * alpha + p.sum(axis=1)
+
+    def scale_rows(acc, v):
+        return acc * lax.broadcast_in_dim(v, acc.shape, [0])
+
+    def store_out(acc, inv, col):
         # every row saw at least one key: den >= 1
-        o_ref.at[b, sp, pl.ds(row0, _BM), pl.ds(wg * half, half)][...] = acc * lax.broadcast_in_dim(
-            1.0 / den, acc.shape, [0])
+        o_ref.at[b, sp, pl.ds(row0, _BM), pl.ds(col * half, half)][...] = scale_rows(acc, inv)
 
-        @pl.when(wg == 0)
-        def _():
-            lse_smem[...] = m + jnp.log2(den)
+    def store_lse(m, den):
+        lse_smem[...] = m + jnp.log2(den)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, sp, pl.ds(row0, _BM)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def rows_from(ref):
+        return ref[...] if interpreted else plgpu.load(ref, (), layout=rows_layout)
+
+    if not one_score:
+        @pl.when((wg < 2) & (n_tiles > 0))
+        def _compute():
+            if not interpreted:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_bar)
+
+            def step(t, carry):
+                acc, m, den = carry
+                slot = lax.rem(t, stages)
+                plgpu.barrier_wait(k_bars.at[slot])
+                p, alpha, m, den = softmax_step(t, slot, m, den)
+                acc = _accumulate(scale_rows(acc, alpha), p.astype(lat_smem.dtype), lat_smem.at[wg, slot],
+                                  interpreted=interpreted)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc, m, den
+
+            acc, m, den = lax.fori_loop(0, n_tiles, step, fresh())
+            store_out(acc, 1.0 / den, wg)
+            pl.when(wg == 0)(lambda: store_lse(m, den))
+    else:
+        # Warpgroup 0 computes the scores once and hands the probabilities and the rescale factor
+        # to warpgroup 1 through shared memory (``p_ready``; ``p_free`` when read); a last message
+        # carries 1 / den.
+        @pl.when((wg == 0) & (n_tiles > 0))
+        def _scores_wg():
+            if not interpreted:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_bar)
+
+            def step(t, carry):
+                acc, m, den = carry
+                slot = lax.rem(t, stages)
+                plgpu.barrier_wait(k_bars.at[slot])
+                p, alpha, m, den = softmax_step(t, slot, m, den)
+                p16 = p.astype(lat_smem.dtype)
+                pl.when(t > 0)(lambda: plgpu.barrier_wait(p_free))
+                p_smem[...] = p16
+                alpha_smem[...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+                acc = _accumulate(scale_rows(acc, alpha), p16, lat_smem.at[0, slot], interpreted=interpreted)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc, m, den
+
+            acc, m, den = lax.fori_loop(0, n_tiles, step, fresh())
+            inv = 1.0 / den
+            plgpu.barrier_wait(p_free)
+            alpha_smem[...] = inv
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, sp, pl.ds(row0, _BM)])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.barrier_arrive(p_ready)
+            store_out(acc, inv, 0)
+            store_lse(m, den)
+
+        @pl.when((wg == 1) & (n_tiles > 0))
+        def _values_wg():
+            if not interpreted:
+                plgpu.set_max_registers(232, action="increase")
+
+            def step(t, acc):
+                slot = lax.rem(t, stages)
+                plgpu.barrier_wait(k_bars.at[slot])
+                plgpu.barrier_wait(p_ready)
+                acc = _accumulate(scale_rows(acc, rows_from(alpha_smem)), p_smem, lat_smem.at[1, slot],
+                                  interpreted=interpreted)
+                plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, n_tiles, step, fresh()[0])
+            plgpu.barrier_wait(p_ready)
+            store_out(acc, rows_from(alpha_smem), 1)
 
     @pl.when((wg == 2) & (n_tiles > 0))
     def _memory():
@@ -215,10 +286,10 @@ def auto_splits(batch: int, q_rows: int, *, num_sms: int = _NUM_SMS) -> int:
     return max(1, num_sms // (batch * pl.cdiv(q_rows, _BM)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret", "one_score"))
 def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, end: jax.Array,
                      split: jax.Array, *, scale: float, n_split: int, block_k: int = 64, stages: int = 2,
-                     interpret=False) -> tuple[jax.Array, jax.Array]:
+                     interpret=False, one_score: bool = False) -> tuple[jax.Array, jax.Array]:
     """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
     ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see the module notes): ``(o [B,n,R,r]
     float32, lse [B,n,R] float32)``. Split ``s`` covers ``[s * split, (s + 1) * split)`` (``split``:
@@ -238,15 +309,17 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     half = r // 2
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     dt = latent.dtype
-    scratch = (
+    scratch = (  # the swizzled buffers first (1 KiB aligned), the row vectors last: no padding between
         plgpu.SMEM((2, _BM, half), dt, transforms=swz),
         plgpu.SMEM((_BM, dr), dt, transforms=swz),
         plgpu.SMEM((2, stages, block_k, half), dt, transforms=swz),
         plgpu.SMEM((stages, block_k, dr), dt, transforms=swz),
+        plgpu.SMEM((_BM, block_k) if one_score else (8, 64), dt, transforms=swz),
+        plgpu.SMEM((_BM,), jnp.float32),
         plgpu.SMEM((_BM,), jnp.float32),
     )
     body = functools.partial(_kernel, S=S, BK=block_k, stages=stages, half=half, scale_log2=float(scale) * _LOG2E,
-                             interpreted=bool(interpret))
+                             interpreted=bool(interpret), one_score=one_score)
 
     def entry(*refs):
         pl.run_scoped(
@@ -254,6 +327,7 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
             scratch,
             (plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3, num_barriers=stages)),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)),
             collective_axes="wg",
         )
 
@@ -265,7 +339,9 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         grid_names=("rt", "sp", "b"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        # no cross-warp reductions here (a row's scores live in one warp): no reduction scratch
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             reduction_scratch_bytes=0),
         interpret=interpret,
     )
     return kernel(end.astype(jnp.int32), split.astype(jnp.int32), q_latent, q_rope.astype(dt), latent, k_rope)
