@@ -126,11 +126,11 @@ class Bench:
         return functools.partial(mla_attention, scale=self.scale, causal=causal, split_keys=split,
                                  interpret=self.interp, **kw)
 
-    def hopper_fn(self, n_split=None, one_score=False):
+    def hopper_fn(self, n_split=None):
         """``f(q_latent, q_rope, latent, k_rope, start, within)``: the Hopper kernel's splits and
         the block part (``prefix_block_attention``), ``n_split`` splits (``None``: auto)."""
         return functools.partial(prefix_block_attention, scale=self.scale, n_split=n_split,
-                                 interpret=self.mgpu_interpret, one_score=one_score)
+                                 interpret=self.mgpu_interpret)
 
     def reference_fn(self):
         def f(ql, qr, lat, kr, start, within):
@@ -140,12 +140,12 @@ class Bench:
 
     # ---- checks ----
 
-    def check(self, name, b, t, max_len, start, tree, split, dtype, tol, hopper=False, one_score=False):
+    def check(self, name, b, t, max_len, start, tree, split, dtype, tol, hopper=False):
         try:
             ql, qr, lat, kr, st, within = self.inputs(b, t, max_len, start, tree, dtype)
-            fn = self.hopper_fn(split or None, one_score) if hopper else self.kernel_fn(within is None, split)
+            fn = self.hopper_fn(split or None) if hopper else self.kernel_fn(within is None, split)
             out = jax.jit(fn)(ql, qr, lat, kr, st, within)
-            name = ("hopper one_score " if one_score else "hopper " if hopper else "") + name
+            name = ("hopper " if hopper else "") + name
             f32 = [x.astype(jnp.float32) for x in (ql, qr, lat, kr)]
             with jax.default_matmul_precision("highest"):  # IEEE float32: XLA's default on the GPU is tf32
                 ref = latent_attention_reference(*f32, BlockMask(st, within), scale=self.scale)
@@ -230,11 +230,10 @@ class Bench:
             except Exception as e:  # noqa: BLE001
                 self.fail(f"{name} {variant}", e)
                 self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
-        for n, one in [(n, one) for n in hopper_splits for one in (False, True)[: 1 + self.a.one_score]]:
-            variant = f"hopper{' one_score' if one else ''} n_split={n}" + (
-                f"({auto_splits(b, t * self.H)})" if n == "auto" else "")
+        for n in hopper_splits:
+            variant = f"hopper n_split={n}" + (f"({auto_splits(b, t * self.H)})" if n == "auto" else "")
             try:
-                us = dev_time(self.hopper_fn(None if n == "auto" else n, one), ql, self.n_dev,
+                us = dev_time(self.hopper_fn(None if n == "auto" else n), ql, self.n_dev,
                               (qr, lat, kr, st, within)) * 1e6
                 row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6, x_floor=us / floor / 1e6)
                 if ref_us:
@@ -242,7 +241,7 @@ class Bench:
                 if self.a.profile and not self.interp:
                     # device time per call from a profiler trace: every kernel of the call, and the
                     # Mosaic GPU kernel's own (what the loop timing adds on top is launch/loop overhead)
-                    per, total = device_kernels(jax.jit(self.hopper_fn(None if n == "auto" else n, one)),
+                    per, total = device_kernels(jax.jit(self.hopper_fn(None if n == "auto" else n)),
                                                 (ql, qr, lat, kr, st, within), calls=5)
                     own = sum(ns for k, ns in per.items() if "prefix" in k.lower() or "mosaic" in k.lower())
                     row.update(device_us=total / 1e3, prefix_kernel_us=own / 1e3,
@@ -282,8 +281,6 @@ def main():
                    help="also time the Hopper kernel (prefix_block_attention): auto splits, and these split "
                         "counts at decode B=1 (a bare --hopper: auto only)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel's timings")
-    p.add_argument("--one-score", action="store_true",
-                   help="also the Hopper kernel with the scores computed once (one_score=True)")
     p.add_argument("--profile", action="store_true",
                    help="also trace each Hopper variant: device time per call, its kernel's own time")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
@@ -322,8 +319,7 @@ def main():
                                                 ("decode S=4104", 2, 1, 4104, [4103, 5], False),
                                                 ("verify S=4104", 2, 16, 4104, [4088, 0], True)]:
             for n in (0, 7):
-                for one in (False, True)[: 1 + a.one_score]:
-                    bench.check(name, b, t, mlen, starts, tree, n, jnp.bfloat16, 2e-2, hopper=True, one_score=one)
+                bench.check(name, b, t, mlen, starts, tree, n, jnp.bfloat16, 2e-2, hopper=True)
 
     # -- timings --
     contexts = a.contexts or ((50,) if small else (1024, 32768))

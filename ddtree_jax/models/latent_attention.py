@@ -239,7 +239,7 @@ def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_
 
 
 def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, n_split=None, block_k=64,
-                           stages=2, interpret=False, one_score=False):
+                           stages=2, interpret=False):
     """Absorbed MLA attention as the Hopper kernel's key splits plus the block's own keys.
 
     ``pallas_kernels.mosaic_gpu.mla_prefix.prefix_attention`` reads the committed prefix
@@ -260,7 +260,7 @@ def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None,
     end = start + 1 if t == 1 else start
     split = split_size(end, n, block_k=block_k)
     o, lse = prefix_attention(qn, qr, latent, k_rope, end, split, scale=scale, n_split=n, block_k=block_k,
-                              stages=stages, interpret=interpret, one_score=one_score)
+                              stages=stages, interpret=interpret)
     # only the splits a row's end reached were written
     written = (jnp.arange(n)[None, :] * split < end[:, None])[:, :, None]  # [B, n, 1]
     lse = jnp.where(written, lse, -jnp.inf)

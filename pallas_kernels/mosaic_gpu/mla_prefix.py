@@ -1,44 +1,53 @@
 """MLA attention of a block's queries over the committed prefix of the latent cache (Hopper).
 
-Contract (the plain-JAX reference is ``ddtree_jax.models.latent_attention.prefix_attention_reference``;
-tests/test_mla_prefix_kernel.py compares both):
+Contract (the plain references are in tests/test_mla_prefix_kernel.py; the caller,
+``ddtree_jax.models.latent_attention.prefix_block_attention``, is checked against
+``latent_attention_reference``):
 
-* ``q_latent [B,R,r]`` and ``q_rope [B,R,dr]`` (bf16): the block's ``R = T*H`` query rows,
+* ``q_latent [B,R,r]`` and ``q_rope [B,R,dr]`` (bf16): a block's ``R = T*H`` query rows,
   token-major (``q_nope`` already multiplied by ``W_UK``); the cache ``latent [B,S,r]``,
   ``k_rope [B,S,dr]``; ``end [B] int32``: every query row of batch row b sees the cache
-  positions ``[0, end[b])`` (the committed prefix: keys every token of the block sees alike).
-* Returns, per key split ``s`` of ``split_keys`` positions (``n = ceil(S / split_keys)`` splits):
-  ``o [B,n,R,r]`` float32, each split's softmax-weighted sum of its latents (normalised within the
-  split), and ``lse [B,n,R]`` float32, the split's base-2 log-sum-exp of the scaled scores
-  (``scale * log2 e * (q_latent.latent + q_rope.k_rope)``); a split with no visible key has
-  ``o = 0`` and ``lse = -1e30``. The caller merges the splits with the block's own keys
-  (``latent_attention``): ``out = sum_s 2^(lse_s - L) o_s`` with ``L = log2 sum_s 2^lse_s``.
+  positions ``[0, end[b])`` (keys every token of the block sees alike).
+* Split ``s`` covers positions ``[s * split, (s + 1) * split)`` (``split``: int32 ``[1]``, chosen
+  at run time from the longest row by ``split_size``; ``n_split`` static). Returns ``o [B,n,R,r]``
+  float32, each split's softmax-weighted mean of its latents, and ``lse [B,n,R]`` float32, its
+  base-2 log-sum-exp of the scaled scores ``scale * log2(e) * (q_latent.latent + q_rope.k_rope)``.
+  Only the splits a row's ``end`` reaches are written; the caller merges those.
 
 Why a second attention kernel. The Triton kernel (``pallas_kernels/triton/mla_attention.py``)
-keeps a ``[64, 512]`` float32 accumulator per program and runs Triton's products on it: on the
+holds a ``[64, 512]`` float32 accumulator per program and runs Triton's products on it: on the
 H200 at 32k context it stayed 13x from the cache-read floor at decode B=1 and 5x from the FLOP
 floor at verify B=16, slower than XLA's dense einsums. This kernel is laid out for Hopper, in
 the pattern of FlashAttention-3 and DeepSeek's FlashMLA:
 
-* one CTA per (64 query rows, key split, batch row) with three warpgroups: a memory warpgroup that
-  streams key tiles into a ring of ``stages`` shared-memory slots with TMA, and two compute
-  warpgroups; the queries stay resident in shared memory;
-* both compute warpgroups compute the whole ``[64, block_k]`` score tile with ``wgmma`` (the
-  contraction over ``r + dr`` as three products into one accumulator) and its online softmax, the
-  same numbers in both; each then multiplies the probabilities with its own half of the latent
+* one CTA per (64 query rows, key split, batch row) with three warpgroups. A memory warpgroup
+  streams ``[64 keys, 576]`` tiles into two shared-memory slots with TMA and refills a slot once
+  both compute warpgroups have arrived on its "consumed" barrier; the queries stay in shared
+  memory for the whole split.
+* Warpgroup 0 computes the ``[64, 64]`` score tile once (``wgmma``; the contraction over ``r +
+  dr`` as three products into one accumulator), the online softmax, and hands the bf16
+  probabilities and the rows' rescale factors to warpgroup 1 through shared memory
+  (``p_ready``/``p_free`` barriers); each warpgroup then multiplies them with its half of the
   tile's 512 value columns, so each holds a ``[64, 256]`` float32 accumulator (128 registers a
-  thread) instead of one warpgroup holding 256. The score product runs twice (1.5x the useful
-  flops): the price of needing no exchange of probabilities between warpgroups. A decode step is
-  bound by the cache read, where the tensor cores have room for it;
-* a slot is refilled once both compute warpgroups have arrived on its "consumed" barrier.
+  thread) where one warpgroup would need 256. A last message carries ``1 / den``.
+* Measured against computing the scores in both warpgroups (no hand-off, 1.5x the flops; H200,
+  32k context, bench/results/attention_nvidia_h200_20261130_hopper_one_score.md): kernel time
+  decode B=16 179 -> 149 us, verify B=16 T=16 2.49 -> 1.92 ms, verify B=1 T=65 617 -> 475 us.
+  Shared memory: queries 72 KiB + two key slots 144 KiB + probabilities 8 KiB, so no reduction
+  scratch (a row's scores live in one warp: no cross-warp reduction needs it).
 
-The block's own keys (positions ``[start, start+T)``, under the tree's ancestor mask or causal)
-are not read here: they are few, and ``latent_attention`` folds them in with plain JAX. The key
-splits are a speed choice (``split_keys``): unlike the Triton kernel's fixed segments the bits of
-a row depend on them, so the batch-invariant mode keeps the Triton kernel.
+The block's own keys (positions ``[start, start+T)`` under the tree's ancestor mask or causal)
+are not read here for blocks of several tokens: ``prefix_block_attention`` folds them in with
+plain JAX (a decode step's one key is read here: ``end = start + 1``). The key splits are a
+speed choice, and unlike the Triton kernel's fixed segments a row's bits depend on them, so the
+batch-invariant mode keeps the Triton kernel.
 
-Backend: Pallas Mosaic GPU (``plgpu.kernel``, sm_90), lane-level lowering semantics set
-explicitly (the default changed between jax 0.10 and 0.11). Imports only JAX.
+Backend: Pallas Mosaic GPU (``plgpu.kernel``, sm_90: ``wgmma``, TMA), lane-level lowering
+semantics set explicitly (the default changed between jax 0.10 and 0.11). The cache must have a
+multiple of 8 slots (the TMA copies' tiling) and at least 64. Imports only JAX. Off the GPU the
+kernel runs in the Mosaic GPU interpreter (``interpret=InterpretGPUParams()``), which has no rules
+for ``wgmma``, layout hints or register reallocation: there the products are plain dots
+(``_scores``, ``_accumulate``) and the hints are skipped; everything else is the same code.
 """
 
 from __future__ import annotations
@@ -112,7 +121,7 @@ def _accumulate(acc, p, v_ref, *, interpreted):
 
 
 def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, S, BK, stages, half,
-            scale_log2, interpreted, one_score):
+            scale_log2, interpreted):
     (q_smem, qr_smem, lat_smem, kr_smem, p_smem, lse_smem, alpha_smem), (q_bar, k_bars), consumed, (p_ready,
                                                                                                  p_free) = scoped
     rt, sp, b = lax.axis_index("rt"), lax.axis_index("sp"), lax.axis_index("b")
@@ -166,78 +175,57 @@ def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref,
     def rows_from(ref):
         return ref[...] if interpreted else plgpu.load(ref, (), layout=rows_layout)
 
-    if not one_score:
-        @pl.when((wg < 2) & (n_tiles > 0))
-        def _compute():
-            if not interpreted:
-                plgpu.set_max_registers(232, action="increase")
-            plgpu.barrier_wait(q_bar)
+    # Warpgroup 0 computes the scores once and hands the probabilities and the rescale factor
+    # to warpgroup 1 through shared memory (``p_ready``; ``p_free`` when read); a last message
+    # carries 1 / den.
+    @pl.when((wg == 0) & (n_tiles > 0))
+    def _scores_wg():
+        if not interpreted:
+            plgpu.set_max_registers(232, action="increase")
+        plgpu.barrier_wait(q_bar)
 
-            def step(t, carry):
-                acc, m, den = carry
-                slot = lax.rem(t, stages)
-                plgpu.barrier_wait(k_bars.at[slot])
-                p, alpha, m, den = softmax_step(t, slot, m, den)
-                acc = _accumulate(scale_rows(acc, alpha), p.astype(lat_smem.dtype), lat_smem.at[wg, slot],
-                                  interpreted=interpreted)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return acc, m, den
-
-            acc, m, den = lax.fori_loop(0, n_tiles, step, fresh())
-            store_out(acc, 1.0 / den, wg)
-            pl.when(wg == 0)(lambda: store_lse(m, den))
-    else:
-        # Warpgroup 0 computes the scores once and hands the probabilities and the rescale factor
-        # to warpgroup 1 through shared memory (``p_ready``; ``p_free`` when read); a last message
-        # carries 1 / den.
-        @pl.when((wg == 0) & (n_tiles > 0))
-        def _scores_wg():
-            if not interpreted:
-                plgpu.set_max_registers(232, action="increase")
-            plgpu.barrier_wait(q_bar)
-
-            def step(t, carry):
-                acc, m, den = carry
-                slot = lax.rem(t, stages)
-                plgpu.barrier_wait(k_bars.at[slot])
-                p, alpha, m, den = softmax_step(t, slot, m, den)
-                p16 = p.astype(lat_smem.dtype)
-                pl.when(t > 0)(lambda: plgpu.barrier_wait(p_free))
-                p_smem[...] = p16
-                alpha_smem[...] = alpha
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
-                acc = _accumulate(scale_rows(acc, alpha), p16, lat_smem.at[0, slot], interpreted=interpreted)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return acc, m, den
-
-            acc, m, den = lax.fori_loop(0, n_tiles, step, fresh())
-            inv = 1.0 / den
-            plgpu.barrier_wait(p_free)
-            alpha_smem[...] = inv
+        def step(t, carry):
+            acc, m, den = carry
+            slot = lax.rem(t, stages)
+            plgpu.barrier_wait(k_bars.at[slot])
+            p, alpha, m, den = softmax_step(t, slot, m, den)
+            p16 = p.astype(lat_smem.dtype)
+            pl.when(t > 0)(lambda: plgpu.barrier_wait(p_free))
+            p_smem[...] = p16
+            alpha_smem[...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready)
-            store_out(acc, inv, 0)
-            store_lse(m, den)
+            acc = _accumulate(scale_rows(acc, alpha), p16, lat_smem.at[0, slot], interpreted=interpreted)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m, den
 
-        @pl.when((wg == 1) & (n_tiles > 0))
-        def _values_wg():
-            if not interpreted:
-                plgpu.set_max_registers(232, action="increase")
+        acc, m, den = lax.fori_loop(0, n_tiles, step, fresh())
+        inv = 1.0 / den
+        plgpu.barrier_wait(p_free)
+        alpha_smem[...] = inv
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+        store_out(acc, inv, 0)
+        store_lse(m, den)
 
-            def step(t, acc):
-                slot = lax.rem(t, stages)
-                plgpu.barrier_wait(k_bars.at[slot])
-                plgpu.barrier_wait(p_ready)
-                acc = _accumulate(scale_rows(acc, rows_from(alpha_smem)), p_smem, lat_smem.at[1, slot],
-                                  interpreted=interpreted)
-                plgpu.barrier_arrive(p_free)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return acc
+    @pl.when((wg == 1) & (n_tiles > 0))
+    def _values_wg():
+        if not interpreted:
+            plgpu.set_max_registers(232, action="increase")
 
-            acc = lax.fori_loop(0, n_tiles, step, fresh()[0])
+        def step(t, acc):
+            slot = lax.rem(t, stages)
+            plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_wait(p_ready)
-            store_out(acc, rows_from(alpha_smem), 1)
+            acc = _accumulate(scale_rows(acc, rows_from(alpha_smem)), p_smem, lat_smem.at[1, slot],
+                              interpreted=interpreted)
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, n_tiles, step, fresh()[0])
+        plgpu.barrier_wait(p_ready)
+        store_out(acc, rows_from(alpha_smem), 1)
 
     @pl.when((wg == 2) & (n_tiles > 0))
     def _memory():
@@ -286,10 +274,10 @@ def auto_splits(batch: int, q_rows: int, *, num_sms: int = _NUM_SMS) -> int:
     return max(1, num_sms // (batch * pl.cdiv(q_rows, _BM)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret", "one_score"))
+@functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret"))
 def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, end: jax.Array,
                      split: jax.Array, *, scale: float, n_split: int, block_k: int = 64, stages: int = 2,
-                     interpret=False, one_score: bool = False) -> tuple[jax.Array, jax.Array]:
+                     interpret=False) -> tuple[jax.Array, jax.Array]:
     """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
     ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see the module notes): ``(o [B,n,R,r]
     float32, lse [B,n,R] float32)``. Split ``s`` covers ``[s * split, (s + 1) * split)`` (``split``:
@@ -314,12 +302,12 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         plgpu.SMEM((_BM, dr), dt, transforms=swz),
         plgpu.SMEM((2, stages, block_k, half), dt, transforms=swz),
         plgpu.SMEM((stages, block_k, dr), dt, transforms=swz),
-        plgpu.SMEM((_BM, block_k) if one_score else (8, 64), dt, transforms=swz),
+        plgpu.SMEM((_BM, block_k), dt, transforms=swz),
         plgpu.SMEM((_BM,), jnp.float32),
         plgpu.SMEM((_BM,), jnp.float32),
     )
     body = functools.partial(_kernel, S=S, BK=block_k, stages=stages, half=half, scale_log2=float(scale) * _LOG2E,
-                             interpreted=bool(interpret), one_score=one_score)
+                             interpreted=bool(interpret))
 
     def entry(*refs):
         pl.run_scoped(
