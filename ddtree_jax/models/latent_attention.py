@@ -1,9 +1,10 @@
 """MLA attention core in the absorbed form: a block's queries against the latent cache.
 
-``latent_attention`` dispatches on the ``Backend``: the Pallas kernel
-(``pallas_kernels.triton.mla_attention``: online softmax, reads each row's cache only up to its
-current length) or ``latent_attention_reference`` (the dense computation: scores over the whole
-cache under the dense ``[B,T,S]`` mask). ``W_UK`` is applied before and ``W_UV``/``o_proj`` after,
+``latent_attention`` dispatches on the ``Backend``: on an sm_90 GPU the Hopper kernel
+(``pallas_kernels.mosaic_gpu.mla_prefix`` through ``prefix_block_attention``), else the Triton
+kernel (``pallas_kernels.triton.mla_attention``; both use an online softmax and read each row's
+cache only up to its current length), or ``latent_attention_reference`` (the dense computation:
+scores over the whole cache under the dense ``[B,T,S]`` mask). ``W_UK`` is applied before and ``W_UV``/``o_proj`` after,
 by ``ddtree_jax.models.kimi.MLAttention``.
 """
 
@@ -142,7 +143,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
 
     Kernels: with ``hopper`` and where ``hopper_runs`` says so (compiled on an sm_90 GPU, bf16
     caches, shapes the kernel takes, blocks of at most ``HOPPER_MAX_BLOCK`` tokens),
-    ``prefix_block_attention`` (the Mosaic GPU kernel: 2.5-2.7x the Triton kernel's speed at 32k
+    ``prefix_block_attention`` (the Mosaic GPU kernel: 2.6-3.3x the Triton kernel's speed at 32k
     context on the H200); otherwise the Triton kernel with its fixed segments (bitwise the same
     for a row whatever the batch: the batch-invariant mode passes ``hopper=False``).
 
