@@ -1,5 +1,6 @@
-"""MLA attention kernel on the GPU: equality with the dense reference at Kimi K2 shapes, then device
-times of decode, tree verify and prefill at contexts of 1k and 32k, against the cache-read floor
+"""MLA attention kernels on the GPU: equality with the dense reference at Kimi K2 shapes, then device
+times of decode, tree verify and prefill at contexts of 1k and 32k (the Triton kernel, the Hopper
+kernel with ``--hopper``, XLA's dense reference), against the cache-read floor
 (bytes of latent + k_rope the kernel must read / copy bandwidth), the FLOP floor (at the measured
 bf16 matmul rate) and the dense reference.
 
@@ -10,6 +11,9 @@ block of ``T`` tokens.
 
     PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/bench_attention_gpu.py
     python3 bench/bench_attention_gpu.py --smoke      # CPU, interpret mode, tiny shapes (~1 min)
+    # the Hopper kernel (Mosaic GPU) beside the Triton kernel and XLA, with profiler device times:
+    python3 bench/bench_attention_gpu.py --segments --contexts 1024 32768 --verify-t 16 65 \
+        --prefill-t 0 --no-sweep --hopper --profile --split-kernels 0
 
 Writes ``attention_<device>_<date>.json`` and ``.md`` to ``--out`` (default bench/results).
 Every variant runs in its own try/except: a failure is reported and the rest runs.
