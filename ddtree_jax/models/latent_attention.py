@@ -143,7 +143,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
 
     Kernels: with ``hopper`` and where ``hopper_runs`` says so (compiled on an sm_90 GPU, bf16
     caches, shapes the kernel takes, blocks of at most ``HOPPER_MAX_BLOCK`` tokens),
-    ``prefix_block_attention`` (the Mosaic GPU kernel: 2.6-3.3x the Triton kernel's speed at 32k
+    ``prefix_block_attention`` (the Mosaic GPU kernel: 2.6-3.5x the Triton kernel's speed at 32k
     context on the H200); otherwise the Triton kernel with its fixed segments (bitwise the same
     for a row whatever the batch: the batch-invariant mode passes ``hopper=False``).
 
