@@ -235,7 +235,7 @@ class Bench:
                 self.fail(f"{name} {variant}", e)
                 self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
         for n in hopper_splits:
-            variant = f"hopper n_split={n}" + (f"({auto_splits(b, t * self.H)})" if n == "auto" else "")
+            variant = f"hopper n_split={n}" + (f"({auto_splits(b, t * self.H, max_len)})" if n == "auto" else "")
             try:
                 us = dev_time(self.hopper_fn(None if n == "auto" else n), ql, self.n_dev,
                               (qr, lat, kr, st, within)) * 1e6

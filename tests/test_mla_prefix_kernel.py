@@ -93,8 +93,11 @@ def test_kernel_lowers_for_cuda():
 
 
 def test_split_heuristics_and_shape_rules():
-    assert auto_splits(1, 64) == 132 and auto_splits(16, 64) == 8 and auto_splits(1, 65 * 64) == 2
-    assert auto_splits(16, 16 * 64) == 1
+    s = 36864
+    assert auto_splits(1, 64, s) == 132 and auto_splits(16, 64, s) == 8 and auto_splits(1, 65 * 64, s) == 2
+    assert auto_splits(16, 16 * 64, s) == 1
+    assert auto_splits(1, 64, 4096) == 16  # a 4k cache holds 16 splits of MIN_SPLIT_KEYS: no more CTAs
+    assert auto_splits(1, 64, 100) == 1
     assert int(split_size(jnp.asarray([32769]), 132)[0]) == 256  # 249 -> a whole tile -> 256
     assert int(split_size(jnp.asarray([32769, 5]), 8)[0]) == 4160  # the longest row, in whole tiles
     assert supports(64, 512, 64, jnp.bfloat16) and not supports(64, 512, 64, jnp.float32)

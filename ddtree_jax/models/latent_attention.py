@@ -257,7 +257,7 @@ def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None,
     dr = q_rope.shape[-1]
     dt, f32 = latent.dtype, jnp.float32
     qn, qr = q_latent.reshape(b, t * h, r).astype(dt), q_rope.reshape(b, t * h, dr).astype(dt)
-    n = n_split or auto_splits(b, t * h)
+    n = n_split or auto_splits(b, t * h, latent.shape[1])
     end = start + 1 if t == 1 else start
     split = split_size(end, n, block_k=block_k)
     o, lse = prefix_attention(qn, qr, latent, k_rope, end, split, scale=scale, n_split=n, block_k=block_k,

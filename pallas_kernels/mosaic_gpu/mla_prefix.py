@@ -268,10 +268,12 @@ def split_size(end: jax.Array, n_split: int, *, block_k: int = 64, min_keys: int
     return jnp.maximum(keys, min_keys).reshape(1)
 
 
-def auto_splits(batch: int, q_rows: int, *, num_sms: int = _NUM_SMS) -> int:
+def auto_splits(batch: int, q_rows: int, cache_len: int, *, num_sms: int = _NUM_SMS) -> int:
     """How many key splits a call gets: enough CTAs (one per SM: a CTA takes most of an SM's
-    shared memory) to fill the SMs once, ``batch * q_rows / 64 * n <= num_sms``, at least 1."""
-    return max(1, num_sms // (batch * pl.cdiv(q_rows, _BM)))
+    shared memory) to fill the SMs once, ``batch * q_rows / 64 * n <= num_sms``, at least 1, and
+    no more than ``cache_len`` holds splits of ``MIN_SPLIT_KEYS`` (more could never be reached:
+    they would only cost empty CTAs and partials the merge reads)."""
+    return max(1, min(num_sms // (batch * pl.cdiv(q_rows, _BM)), pl.cdiv(cache_len, MIN_SPLIT_KEYS)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret"))
