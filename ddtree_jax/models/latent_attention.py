@@ -277,7 +277,9 @@ def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None,
         m_blk = s.max(-1)
         p = jnp.exp2(s - m_blk[..., None])
         den_blk = p.sum(-1)
-        o_blk = jnp.einsum("bqk,bkr->bqr", p, lat_blk.astype(f32)) / den_blk[..., None]
+        # float32 probabilities in an IEEE product (XLA's default on a GPU would round them to tf32)
+        o_blk = jnp.einsum("bqk,bkr->bqr", p, lat_blk.astype(f32), precision=jax.lax.Precision.HIGHEST) / den_blk[
+            ..., None]
         lse_parts.append((m_blk + jnp.log2(den_blk))[:, None])
     lse_all = jnp.concatenate(lse_parts, axis=1)  # [B, n (+1), R]
     w = jnp.exp2(lse_all - lse_all.max(1, keepdims=True))
