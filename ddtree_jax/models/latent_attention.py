@@ -283,7 +283,9 @@ def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None,
         lse_parts.append((m_blk + jnp.log2(den_blk))[:, None])
     lse_all = jnp.concatenate(lse_parts, axis=1)  # [B, n (+1), R]
     w = jnp.exp2(lse_all - lse_all.max(1, keepdims=True))
-    total = jnp.einsum("bnq,bnqr->bqr", w[:, :n], jnp.where(written[..., None], o, 0.0))  # unwritten: garbage
+    # a weighted sum over the splits (elementwise float32: a reduction, never a tf32 product);
+    # unwritten splits hold garbage, zeroed before the weights (0 * NaN would be NaN)
+    total = (w[:, :n, :, None] * jnp.where(written[..., None], o, 0.0)).sum(1)
     if t > 1:
         total = total + w[:, n, :, None] * o_blk
     out = total / w.sum(1)[..., None]
