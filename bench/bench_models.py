@@ -87,6 +87,7 @@ from ddtree_jax.models.latent_attention import (  # noqa: E402
     PER_HEAD_PREFILL,
     SEGMENT_GROUP,
     SEGMENT_KEYS,
+    hopper_runs,
     latent_attention,
 )
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
@@ -331,8 +332,12 @@ def part_attention(args, report, cfg, bw, rate):
     h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     scale = cfg.softmax_scale()
     kernels = resolve_backend(impl_of("kernels", args.smoke))
-    variants = [(f"kernel, {SEGMENT_KEYS}-key segments x{SEGMENT_GROUP}", kernels, SEGMENT_KEYS),
-                ("kernel, shape-dependent split", kernels, 0), ("dense reference", resolve_backend("reference"), 0)]
+    # the Hopper kernel (the default where it runs), the Triton kernel with the model's fixed segments
+    # (the batch-invariant mode's) and with its shape-dependent split, XLA's dense reference
+    variants = [("Hopper kernel (mosaic_gpu)", kernels, SEGMENT_KEYS, True),
+                (f"Triton kernel, {SEGMENT_KEYS}-key segments x{SEGMENT_GROUP}", kernels, SEGMENT_KEYS, False),
+                ("Triton kernel, shape-dependent split", kernels, 0, False),
+                ("dense reference", resolve_backend("reference"), 0, False)]
     for context in args.contexts:
         for b, t in args.attention_cases:
             max_len = context + max(t for _, t in args.attention_cases)
@@ -351,11 +356,13 @@ def part_attention(args, report, cfg, bw, rate):
             read = b * (context + t) * (r + dr) * 2
             floor = max(read / bw, attention_flops(cfg, b, t, context, False) / rate)
             case = "decode step" if t == 1 else f"verify T={t}"
-            for name, backend, seg in variants:
+            for name, backend, seg, hopper in variants:
                 if past_deadline(args):
                     return
-                fn = jax.jit(lambda *a, backend=backend, seg=seg: latent_attention(
-                    *a[:4], BlockMask(a[4], a[5]), scale=scale, backend=backend, segment_keys=seg))
+                if hopper and not hopper_runs(backend, t, h, r, dr, jnp.bfloat16, max_len):
+                    continue  # off an sm_90 GPU (or at shapes it does not take): it would be the Triton kernel
+                fn = jax.jit(lambda *a, backend=backend, seg=seg, hopper=hopper: latent_attention(
+                    *a[:4], BlockMask(a[4], a[5]), scale=scale, backend=backend, segment_keys=seg, hopper=hopper))
                 row = {"case": case, "context": context, "B": b, "T": t, "variant": name}
                 variant_call(fn, (ql, qr, lat, kr, start, within), row, floor, report, "attention")
             del ql, qr, lat, kr
