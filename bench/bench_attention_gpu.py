@@ -207,60 +207,59 @@ class Bench:
                 except Exception as e:  # noqa: BLE001
                     self.fail(name + " reference", e)
                     self.rows.append(dict(base, variant="reference", note="failed (see errors)"))
+        args = (ql, qr, lat, kr, st, within)
         # every split with the default tiles, then every other tile config with the auto split
         for split, cfg in [(sp, None) for sp in splits] + [("auto", c) for c in cfgs if c is not None]:
             tiles = dict(self.tiles, **{k: v for k, v in (cfg or {}).items() if k in ("block_m", "block_k")})
             sk = auto_split_keys(b, t * self.H, max_len, **tiles) if split == "auto" else split
             variant = f"kernel split={split}" + (f"({sk})" if split == "auto" else "") + (
                 "" if cfg is None else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
-            try:
-                fn = self.kernel_fn(within is None, sk, cfg)
-                us = dev_time(fn, ql, self.n_dev, (qr, lat, kr, st, within)) * 1e6
-                row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6,
-                           x_floor=us / floor / 1e6)
-                if self.a.split_kernels and ctx >= self.a.split_kernels and not self.interp:
-                    # device time of the attention and merge launches apart (a profiler trace)
-                    per, _ = device_kernels(jax.jit(fn), (ql, qr, lat, kr, st, within), calls=5)
-                    merge = sum(ns for n, ns in per.items() if n.startswith("mla_attention_merge"))
-                    row["mla_attention_merge_us"] = merge / 1e3
-                    row["mla_attention_us"] = (sum(ns for n, ns in per.items() if n.startswith("mla_attention"))
-                                               - merge) / 1e3
-                if ref_us:
-                    row["reference_over_kernel"] = ref_us / us
-                self.rows.append(row)
-                log(f"{name} {variant}: {us:.1f} us, x cache floor {row['x_cache_floor']:.2f}, "
-                    f"x max(mem, flop) floor {row['x_floor']:.2f}"
-                    + (f", reference / kernel {ref_us / us:.2f}" if ref_us else ""))
-            except Exception as e:  # noqa: BLE001
-                self.fail(f"{name} {variant}", e)
-                self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
+            self.time_variant(name, variant, lambda sk=sk, cfg=cfg: self.kernel_fn(within is None, sk, cfg), args,
+                              base, ref_us, floor, self.triton_launches if ctx >= self.a.split_kernels > 0 else None)
         for n in hopper_splits:
             variant = f"hopper n_split={n}" + (f"({auto_splits(b, t * self.H, max_len)})" if n == "auto" else "")
-            try:
-                us = dev_time(self.hopper_fn(None if n == "auto" else n), ql, self.n_dev,
-                              (qr, lat, kr, st, within)) * 1e6
-                row = dict(base, variant=variant, us=us, x_cache_floor=us / cache_floor / 1e6, x_floor=us / floor / 1e6)
-                if ref_us:
-                    row["reference_over_kernel"] = ref_us / us
-                if self.a.profile and not self.interp:
-                    # device time per call from a profiler trace: every kernel of the call, and the
-                    # Mosaic GPU kernel's own (what the loop timing adds on top is launch/loop overhead)
-                    per, total = device_kernels(jax.jit(self.hopper_fn(None if n == "auto" else n)),
-                                                (ql, qr, lat, kr, st, within), calls=5)
-                    own = sum(ns for k, ns in per.items() if "prefix" in k.lower() or "mosaic" in k.lower())
-                    row.update(device_us=total / 1e3, prefix_kernel_us=own / 1e3,
-                               kernels={k: round(ns / 1e3, 2)
-                                        for k, ns in sorted(per.items(), key=lambda x: -x[1])[:6]})
-                    row["note"] = f"device {total / 1e3:.1f} us (kernel {own / 1e3:.1f}, x cache floor " \
-                                  f"{own / 1e3 / base['cache_floor_us']:.2f})"
-                self.rows.append(row)
-                log(f"{name} {variant}: {us:.1f} us, x cache floor {row['x_cache_floor']:.2f}, "
-                    f"x max(mem, flop) floor {row['x_floor']:.2f}"
-                    + (f", reference / kernel {ref_us / us:.2f}" if ref_us else ""))
-            except Exception as e:  # noqa: BLE001
-                self.fail(f"{name} {variant}", e)
-                self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
+            self.time_variant(name, variant, lambda n=n: self.hopper_fn(None if n == "auto" else n), args, base,
+                              ref_us, floor, self.hopper_launches if self.a.profile else None)
 
+    def time_variant(self, name, variant, make_fn, args, base, ref_us, floor, launches=None):
+        """Time ``make_fn()`` on ``args``, append its row (``launches(fn, args, row)``: add a profiler
+        trace's per-launch times; skipped in interpret mode) and log it; a failure is reported and
+        recorded as the row instead."""
+        try:
+            fn = make_fn()
+            us = dev_time(fn, args[0], self.n_dev, args[1:]) * 1e6
+            row = dict(base, variant=variant, us=us, x_cache_floor=us / base["cache_floor_us"],
+                       x_floor=us / floor / 1e6)
+            if launches is not None and not self.interp:
+                launches(fn, args, row)
+            if ref_us:
+                row["reference_over_kernel"] = ref_us / us
+            self.rows.append(row)
+            log(f"{name} {variant}: {us:.1f} us, x cache floor {row['x_cache_floor']:.2f}, "
+                f"x max(mem, flop) floor {row['x_floor']:.2f}"
+                + (f", reference / kernel {ref_us / us:.2f}" if ref_us else ""))
+        except Exception as e:  # noqa: BLE001
+            self.fail(f"{name} {variant}", e)
+            self.rows.append(dict(base, variant=variant, note="failed (see errors)"))
+
+    @staticmethod
+    def triton_launches(fn, args, row):
+        """Device time of the Triton kernel's attention and merge launches apart (a profiler trace)."""
+        per, _ = device_kernels(jax.jit(fn), args, calls=5)
+        merge = sum(ns for n, ns in per.items() if n.startswith("mla_attention_merge"))
+        row["mla_attention_merge_us"] = merge / 1e3
+        row["mla_attention_us"] = (sum(ns for n, ns in per.items() if n.startswith("mla_attention")) - merge) / 1e3
+
+    @staticmethod
+    def hopper_launches(fn, args, row):
+        """Device time per call from a profiler trace: every kernel of the call, and the Mosaic GPU
+        kernel's own (what the loop timing adds on top is launch/loop overhead)."""
+        per, total = device_kernels(jax.jit(fn), args, calls=5)
+        own = sum(ns for k, ns in per.items() if "prefix" in k.lower() or "mosaic" in k.lower())
+        row.update(device_us=total / 1e3, prefix_kernel_us=own / 1e3,
+                   kernels={k: round(ns / 1e3, 2) for k, ns in sorted(per.items(), key=lambda x: -x[1])[:6]})
+        row["note"] = (f"device {total / 1e3:.1f} us (kernel {own / 1e3:.1f}, x cache floor "
+                       f"{own / 1e3 / row['cache_floor_us']:.2f})")
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
