@@ -106,11 +106,10 @@ def test_fused_sampler_keeps_the_reference_set(V, dtype):
     assert (logp[np.arange(rows), tok] > -np.inf).all(), "a draw outside the reference's kept set"
     greedy = temp == 0
     np.testing.assert_array_equal(tok[greedy], np.argmax(np.asarray(x.astype(jnp.float32)), axis=-1)[greedy])
-    # round 1's pass in a second check launch: draws in the kept set, greedy unchanged
-    two = np.asarray(fused_sample_debug(x, params.temperature, params.top_k, params.top_p, params.min_p, seeds,
-                                        check_rounds=2)["token"])
-    assert (logp[np.arange(rows), two] > -np.inf).all(), "check_rounds=2: a draw outside the kept set"
-    np.testing.assert_array_equal(two[greedy], tok[greedy])
+    # round 1's pass in the select program (not in a second check launch): the same tokens
+    one = np.asarray(fused_sample_debug(x, params.temperature, params.top_k, params.top_p, params.min_p, seeds,
+                                        check_rounds=1)["token"])
+    np.testing.assert_array_equal(one, tok, err_msg="check_rounds=1 and 2 give different tokens")
 
 
 def test_fused_sampler_rows_do_not_depend_on_the_batch():

@@ -339,12 +339,12 @@ def test_chi_square_later_rounds_over_segments():
 
 
 def test_second_check_launch_serves_round_one():
-    """check_rounds=2 (a second check launch runs round 1's pass for rows whose first pivot was
-    rejected, spread over programs) against the default check_rounds=1 (round 1 in the select
+    """check_rounds=2 (the default: a second check launch runs round 1's pass for rows whose first
+    pivot was rejected, spread over programs) against check_rounds=1 (round 1 in the select
     program): the same tokens, paths, rounds and passes on the rejection batch, with 1 and 4
     programs per row (the rounds' draws are the same; only where the pass runs changes)."""
     x, pb = _rejection_batch()
-    one = _run(x, pb, _seeds(8, 9), 64)
+    one = _run(x, pb, _seeds(8, 9), 64, check_rounds=1)
     assert (one["rounds"] >= 2).sum() >= 2, one["rounds"]  # round 1 is served for some rows
     for c in (1, 4):
         two = _run(x, pb, _seeds(8, 9), 64, check_splits=c, check_rounds=2)

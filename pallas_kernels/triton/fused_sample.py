@@ -894,7 +894,7 @@ def fused_sample_debug(
     compact: str = "scatter",
     max_rounds: int = MAX_ROUNDS,
     check_splits: int | None = None,
-    check_rounds: int = 1,
+    check_rounds: int = 2,
 ) -> dict:
     """The kernel with its per-row thresholds (for tests): dict of ``[R]`` arrays ``token``,
     ``tau`` (kept requires ``z >= tau``), ``q_thr`` (kept requires ``exp(z)/norm >= q_thr``),
@@ -912,10 +912,9 @@ def fused_sample_debug(
     bits for any value). ``check_rounds`` (1 or 2): rejection rounds whose passes run in check
     launches spread over programs (2: a second check launch runs round 1 for rows with top-k or
     top-p whose first pivot was rejected; later rounds run in the select program). Measured on
-    the H200 (docs/kernels.md): 2 is faster for top-p 0.95 (R=64 80 -> 72 us) and slower by the
-    extra launch for greedy and min-p rows (R=16 greedy 15 -> 19 us); the default stays 1 until
-    the version that skips min-p rows is timed. ``num_warps``/``num_stages`` also set the check
-    launches'.
+    the H200 (docs/kernels.md): 2 is 6-13% faster for top-p 0.95 at R=16 and 64 (R=64 79 -> 73
+    us), within +-3 us for greedy and top-k 1000, and up to 5 us slower for min-p 0.1 (the extra
+    launch; min-p rows skip it). ``num_warps``/``num_stages`` also set the check launches'.
 
     The defaults do not depend on the row count, and must not: a block reduction's rounding
     depends on the warps that hold the block, so a row's masses (and, at a rounding boundary, its
