@@ -87,6 +87,7 @@ from ddtree_jax.models.latent_attention import (  # noqa: E402
     PER_HEAD_PREFILL,
     SEGMENT_GROUP,
     SEGMENT_KEYS,
+    cache_slots,
     hopper_runs,
     latent_attention,
 )
@@ -340,7 +341,7 @@ def part_attention(args, report, cfg, bw, rate):
                 ("dense reference", resolve_backend("reference"), 0, False)]
     for context in args.contexts:
         for b, t in args.attention_cases:
-            max_len = context + max(t for _, t in args.attention_cases)
+            max_len = cache_slots(context + max(t for _, t in args.attention_cases))  # as init_cache allocates
             ql = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.bfloat16)
             qr = jnp.asarray(rng.standard_normal((b, t, h, dr)), jnp.bfloat16)
             lat = jnp.asarray(rng.standard_normal((b, max_len, r)), jnp.bfloat16)

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from ddtree_jax.backend import Backend
-from ddtree_jax.models.latent_attention import hopper_runs, latent_attention_reference, prefix_block_attention
+from ddtree_jax.models.latent_attention import (
+    cache_slots,
+    hopper_runs,
+    latent_attention_reference,
+    prefix_block_attention,
+)
 from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
 from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits, prefix_attention, split_size, supports
 
@@ -106,6 +111,24 @@ def test_split_heuristics_and_shape_rules():
     # off an sm_90 GPU (here: interpret mode, the CPU) latent_attention keeps the Triton kernel
     assert not hopper_runs(Backend(kernels=True, interpret=True), 1, 64, 512, 64, jnp.bfloat16, 4096)
     assert not hopper_runs(Backend(kernels=False), 1, 64, 512, 64, jnp.bfloat16, 4096)
+
+
+def test_caches_are_allocated_in_whole_tma_tiles():
+    """Any max_len takes the kernel: init_cache rounds the slots up to a multiple of 8 (the TMA
+    tiling), and the rounded cache gives the same logits (the extra slots are never read)."""
+    from ddtree_jax.models.kimi import KVCache
+    from tests._model_fixtures import tiny_kimi
+
+    assert [cache_slots(n) for n in (1, 8, 9, 1089, 32833)] == [8, 8, 16, 1096, 32840]
+    model = tiny_kimi()
+    cache = model.init_cache(2, 13)
+    assert cache.max_len == 16 and all(a.shape[1] == 16 for a in (*cache.latent, *cache.k_rope))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 5)), jnp.int32)
+    lens = jnp.asarray([5, 3], jnp.int32)
+    got = model.prefill(ids, lens, cache)[0]
+    exact = KVCache(tuple(a[:, :13] for a in cache.latent), tuple(a[:, :13] for a in cache.k_rope), cache.lengths)
+    want = model.prefill(ids, lens, exact)[0]  # a cache of exactly 13 slots (not allocated by init_cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_bad_shapes_are_refused_by_name():

@@ -43,6 +43,7 @@ from ddtree_jax.models.latent_attention import (
     SEGMENT_GROUP,
     SEGMENT_KEYS,
     AttentionMesh,
+    cache_slots,
     latent_attention,
     per_head_causal_attention,
 )
@@ -490,8 +491,11 @@ class KimiForCausalLM(nnx.Module):
         return logits, hidden
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        """An empty cache of ``batch`` slots of ``max_len`` tokens (``dtype`` defaults to the weights')."""
+        """An empty cache of ``batch`` slots of at least ``max_len`` tokens (``dtype`` defaults to the
+        weights'): the length is rounded up to a multiple of ``CACHE_SLOT_MULTIPLE`` (8), which
+        the Hopper attention kernel needs (``cache_slots``; the extra slots are scratch)."""
         cfg = self.config
+        max_len = cache_slots(max_len)
         dtype = dtype or self.model.embed_tokens.weight.dtype
         layers = range(cfg.num_hidden_layers)
         return KVCache(

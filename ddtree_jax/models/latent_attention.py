@@ -23,9 +23,21 @@ from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
-__all__ = ["HOPPER_MAX_BLOCK", "SEGMENT_GROUP", "SEGMENT_KEYS", "AttentionMesh", "hopper_runs", "latent_attention",
-           "latent_attention_reference", "per_head_causal_attention", "prefix_block_attention", "PER_HEAD_PAD",
-           "PER_HEAD_PREFILL"]
+__all__ = [
+    "CACHE_SLOT_MULTIPLE",
+    "HOPPER_MAX_BLOCK",
+    "cache_slots",
+    "SEGMENT_GROUP",
+    "SEGMENT_KEYS",
+    "AttentionMesh",
+    "hopper_runs",
+    "latent_attention",
+    "latent_attention_reference",
+    "per_head_causal_attention",
+    "prefix_block_attention",
+    "PER_HEAD_PAD",
+    "PER_HEAD_PREFILL",
+]
 
 
 def latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array,
@@ -218,6 +230,16 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
 # The Hopper path's block part builds ``[B, T*H, T]`` float32 scores in XLA: blocks up to this
 # many tokens (tree verifies, decode steps, short chunks) take it, longer ones the Triton kernel.
 HOPPER_MAX_BLOCK = 512
+# The Hopper kernel's TMA copies tile the cache by this many slots: caches are allocated in whole
+# multiples (``cache_slots``), so that any ``max_len`` a caller asks for can take the kernel.
+CACHE_SLOT_MULTIPLE = 8
+
+
+def cache_slots(max_len: int) -> int:
+    """The slots a latent cache of ``max_len`` tokens is allocated with: ``max_len`` rounded up to
+    a multiple of ``CACHE_SLOT_MULTIPLE`` (the extra slots are scratch, like every slot past a
+    row's length)."""
+    return -(-int(max_len) // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
 
 
 @functools.cache
@@ -232,7 +254,7 @@ def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_
     heads, ranks ``r``/``dr`` over a ``dtype`` cache of ``cache_len`` slots under ``backend``."""
     if not (backend.kernels and backend.family == "triton" and not backend.interpret) or t > HOPPER_MAX_BLOCK:
         return False
-    if cache_len < 64 or cache_len % 8:  # the kernel's TMA copies tile the cache by 8 slots
+    if cache_len < 64 or cache_len % CACHE_SLOT_MULTIPLE:  # see cache_slots
         return False
     from pallas_kernels.mosaic_gpu.mla_prefix import supports
 
