@@ -1,0 +1,244 @@
+"""Probe (issue 14): can a Hopper W4A16 expert product with the dequantised weights as the
+``wgmma`` A operand in registers run the INT4 gate/up launch near its weight-read floor at tree
+verify sizes (about 22 token copies per expert), where the Triton kernel is 2.2x its floor?
+
+The Triton kernel (``pallas_kernels/triton/moe_grouped_matmul.py``) multiplies 32-token tiles by
+dequantised weight tiles that reach its MMAs through shared memory, as eight K=16 dots per chunk.
+This probe lays the product out the other way round: ``out^T [features, tokens] = W [features,
+K] @ x^T [K, tokens]``, so that the weights are the 64-row A operand of a ``wgmma`` and can come
+from registers, and the tokens are the small N (here 32) read from shared memory. Per K-chunk a
+compute warpgroup loads its ``[64, BK]`` INT4 tile with Mosaic GPU's 4-bit upcast layout,
+converts it to bf16 in registers, multiplies each 32-input group by its per-row scale and issues
+one ``wgmma`` per group against the matching 32 columns of the token tile. A memory warpgroup
+streams the tiles with TMA.
+
+Simplifications against the real launch (what a kernel for the library would still need): every
+expert gets exactly ``--tokens`` token rows (no routing, no gather of token rows, no partial
+tiles), the weights are in the checkpoint's ``[out, in]`` orientation as signed int4 (the
+library stores offset nibbles as ``[E, in/8, out]`` words), scales as ``[E, in/G, out]``, and
+the output is ``silu(gate) * up`` stored feature-major ``[E, I, tokens]``.
+
+Run on an H100/H200: ``python bench/probe_w4a16_wgmma.py --out bench/results``; it checks the
+probe against a plain-JAX reference, times it, and times the library's Triton INT4 launch on
+``--routed-tokens`` randomly routed tokens in the same process (profiler: the gate/up launch
+apart). ``--lower-only`` lowers the probe for CUDA (works on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+GROUP = 32  # inputs per scale
+ROWS = 64  # features per compute warpgroup (one wgmma M tile)
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages):
+    (x_smem, w_smem, s_smem), bars, consumed = scoped
+    e, j, wg = lax.axis_index("e"), lax.axis_index("j"), lax.axis_index("wg")
+    nk = K // BK
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        rows = pl.ds(wg * ROWS, ROWS)
+
+        def step(k, carry):
+            slot = lax.rem(k, stages)
+            plgpu.barrier_wait(bars.at[slot])
+
+            def product(accs):
+                for m in range(2):  # gate, up
+                    a = plgpu.load(w_smem.at[slot, m, rows], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                    a = plgpu.layout_cast(a, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                    for g in range(BK // GROUP):
+                        s = plgpu.load(s_smem.at[slot, m, g, rows], (), layout=row_layout)
+                        ag = a[:, g * GROUP:(g + 1) * GROUP] * lax.broadcast_in_dim(s, (ROWS, GROUP), [0])
+                        plgpu.wgmma(accs[m], ag, x_smem.at[slot, :, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))
+
+            carry = pl.run_state(product)(tuple(plgpu.ACC.init(c) for c in carry))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+        zero = plgpu.layout_cast(jnp.zeros((ROWS, NT), jnp.float32), plgpu.Layout.WGMMA)
+        gate, up = lax.fori_loop(0, nk, step, (zero, zero))
+        h = gate / (1.0 + jnp.exp(-gate)) * up
+        h_ref.at[e, pl.ds(j * 2 * ROWS + wg * ROWS, ROWS)][...] = h.astype(h_ref.dtype)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        cols = pl.ds(j * 2 * ROWS, 2 * ROWS)
+        up_cols = pl.ds(INTER + j * 2 * ROWS, 2 * ROWS)
+
+        def fetch(k, slot):
+            ks = pl.ds(k * BK, BK)
+            gs = pl.ds(k * (BK // GROUP), BK // GROUP)
+            plgpu.copy_gmem_to_smem(x_ref.at[e, :, ks], x_smem.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[e, cols, ks], w_smem.at[slot, 0], bars.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[e, up_cols, ks], w_smem.at[slot, 1], bars.at[slot])
+            plgpu.copy_gmem_to_smem(s_ref.at[e, gs, cols], s_smem.at[slot, 0], bars.at[slot])
+            plgpu.copy_gmem_to_smem(s_ref.at[e, gs, up_cols], s_smem.at[slot, 1], bars.at[slot])
+
+        for i in range(stages):
+            pl.when(i < nk)(functools.partial(fetch, i, i))
+
+        def refill(k, _):
+            slot = lax.rem(k, stages)
+            plgpu.barrier_wait(consumed.at[slot])
+            fetch(k, slot)
+
+        lax.fori_loop(stages, max(nk, stages), refill, None)
+
+        def drain(k, _):
+            plgpu.barrier_wait(consumed.at[lax.rem(k, stages)])
+
+        lax.fori_loop(max(nk - stages, 0), nk, drain, None)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "stages"))
+def gate_up_w4a16(x, w, s, *, block_k=256, stages=3):
+    """``x [E, NT, K]`` bf16, ``w [E, 2I, K]`` int4 (gate rows, then up), ``s [E, K/32, 2I]`` bf16
+    -> ``silu(x Wg^T) * (x Wu^T)`` feature-major ``[E, I, NT]`` bf16."""
+    E, NT, K = x.shape
+    INTER = w.shape[1] // 2
+    wsw = plgpu.find_swizzle(block_k * 4)
+    xsw = 64  # 32 bf16 inputs: each group's K-slice of the token tile is one swizzle tile
+    scratch = (
+        plgpu.SMEM((stages, NT, block_k), jnp.bfloat16,
+                   transforms=(plgpu.TilingTransform((8, xsw // 2)), plgpu.SwizzleTransform(xsw))),
+        plgpu.SMEM((stages, 2, 2 * ROWS, block_k), jnp.int4,
+                   transforms=(plgpu.TilingTransform((8, wsw * 2)), plgpu.SwizzleTransform(wsw))),
+        plgpu.SMEM((stages, 2, block_k // GROUP, 2 * ROWS), jnp.bfloat16),
+    )
+    body = functools.partial(_kernel, K=K, INTER=INTER, BK=block_k, NT=NT, stages=stages)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *sc: body(*refs, sc), scratch,
+                      plgpu.Barrier(num_arrivals=5, num_barriers=stages),
+                      plgpu.Barrier(num_arrivals=2, num_barriers=stages), collective_axes="wg")
+
+    return plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct((E, INTER, NT), jnp.bfloat16), grid=(E, INTER // (2 * ROWS)),
+        grid_names=("e", "j"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(x, w, s)
+
+
+def reference(x, w, s):
+    E, twoI, K = w.shape
+    wd = (w.astype(jnp.float32).reshape(E, twoI, K // GROUP, GROUP)
+          * jnp.swapaxes(s, 1, 2).astype(jnp.float32)[..., None]).reshape(E, twoI, K).astype(jnp.bfloat16)
+    y = jnp.einsum("etk,efk->eft", x, wd, preferred_element_type=jnp.float32)
+    g, u = jnp.split(y, 2, axis=1)
+    return (jax.nn.silu(g) * u).astype(jnp.bfloat16)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=32, help="token rows per expert (the wgmma N)")
+    ap.add_argument("--routed-tokens", type=int, default=1040, help="tokens of the Triton comparison (top-8)")
+    ap.add_argument("--block-k", type=int, nargs="+", default=[256])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3])
+    ap.add_argument("--lower-only", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    E, H, INTER, NT = a.experts, a.hidden, a.inter, a.tokens
+    shapes = (jax.ShapeDtypeStruct((E, NT, H), jnp.bfloat16), jax.ShapeDtypeStruct((E, 2 * INTER, H), jnp.int4),
+              jax.ShapeDtypeStruct((E, H // GROUP, 2 * INTER), jnp.bfloat16))
+    if a.lower_only:
+        for bk in a.block_k:
+            for st in a.stages:
+                f = functools.partial(gate_up_w4a16, block_k=bk, stages=st)
+                txt = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+                log(f"lowered block_k={bk} stages={st}: {len(txt)} chars")
+        return
+    from bench._common import device_kernels
+    from bench._timing import time_it
+    from ddtree_jax.models.int4 import Int4Format, random_packed_weight
+    from ddtree_jax.models.moe import experts_grouped_matmul, route_tokens
+    from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
+
+    dev = jax.devices()[0]
+    log("device", dev.device_kind, "jax", jax.__version__)
+    rows = {"device": dev.device_kind, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+            "command": " ".join(["python"] + sys.argv), "cases": []}
+    key = jax.random.key(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (E, NT, H), jnp.float32).astype(jnp.bfloat16)
+    w = jax.jit(lambda k: jax.random.randint(k, (E, 2 * INTER, H), -8, 8, jnp.int8).astype(jnp.int4))(k2)
+    s = jax.random.uniform(k3, (E, H // GROUP, 2 * INTER), jnp.float32, 0.5, 1.5) / (4.6 * H**0.5)
+    s = s.astype(jnp.bfloat16)
+    floor_bytes = E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2
+    floor_ms = floor_bytes / 4.2e12 * 1e3
+    want = np.asarray(reference(x[:4], w[:4], s[:4]), np.float32)
+    for bk in a.block_k:
+        for st in a.stages:
+            name = f"wgmma probe block_k={bk} stages={st}"
+            try:
+                f = jax.jit(functools.partial(gate_up_w4a16, block_k=bk, stages=st))
+                got = np.asarray(f(x, w, s)[:4], np.float32)
+                err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+                ms = time_it(f, [(x, w, s)]) * 1e3
+                per, _ = device_kernels(f, (x, w, s), 5)
+                kms = max(per.values()) / 1e6
+                row = {"variant": name, "rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms,
+                       "x_floor": kms / floor_ms}
+            except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
+                row = {"variant": name, "failed": f"{type(ex).__name__}: {str(ex)[:300]}"}
+            log(json.dumps(row))
+            rows["cases"].append(row)
+    # the library's Triton INT4 launches on routed tokens (same weight count), gate/up apart
+    fmt = Int4Format(group_size=GROUP, symmetric=True)
+    from flax import nnx
+
+    # drawn on the device under jit (the host would take longer than the run)
+    gate_up = jax.jit(lambda: random_packed_weight(nnx.Rngs(1), (E, H, 2 * INTER), fmt, jnp.bfloat16))()
+    down = jax.jit(lambda: random_packed_weight(nnx.Rngs(2), (E, INTER, H), fmt, jnp.bfloat16))()
+    n = a.routed_tokens
+    xr = jax.random.normal(k1, (n, H), jnp.float32).astype(jnp.bfloat16)
+    ids = jnp.argsort(jax.random.uniform(k2, (n, E)), axis=1)[:, :8].astype(jnp.int32)
+    wts = jnp.full((n, 8), 0.125, jnp.float32)
+    blocks = choose_blocks(n * 8, E, int4=True)
+
+    @jax.jit
+    def triton(xr, wts, ids, gate_up, down):  # weights as arguments: not captured as constants
+        routing = route_tokens(wts, ids, E, block_m=blocks.block_m)
+        return experts_grouped_matmul(xr, gate_up, down, routing, blocks)
+
+    per, total = device_kernels(triton, (xr, wts, ids, gate_up, down), 5)
+    gu = {k: v / 1e6 for k, v in per.items() if "gate_up" in k}
+    row = {"variant": f"Triton INT4 launches, {n} tokens x top-8 routed ({blocks})", "kernels_ms": gu,
+           "all_ms": total / 1e6, "floor_ms": floor_ms}
+    log(json.dumps(row))
+    rows["cases"].append(row)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "w4a16_wgmma_probe.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
