@@ -132,7 +132,11 @@ def int4_sweep(args, results, kernel, dtype, interpret, rate):
         changes = [] if small else [
             dict(block_k=256), dict(block_k=512), dict(block_k=256, num_stages=4),
             dict(block_n_gate_up=64, block_n_down=128), dict(block_n_gate_up=256, block_n_down=512),
-            dict(block_k=256, num_warps=8), dict(block_m=16, block_n_gate_up=128, block_n_down=256)]
+            dict(block_k=256, num_warps=8), dict(block_m=16, block_n_gate_up=128, block_n_down=256),
+            # wider column blocks at 32-row tiles: each program's token tile then serves twice the
+            # weight columns (at 1,040 tokens with 64 gate/up columns the token rows a program reads
+            # are as many bytes as its INT4 weights)
+            dict(block_n_gate_up=128, block_n_down=256), dict(block_n_gate_up=128, block_n_down=256, block_k=256)]
         variants = [base] + [dataclasses.replace(base, **c) for c in changes]
         for blocks in dict.fromkeys(variants):  # distinct, in order
             fn = jax.jit(lambda x, w, ids, gu, dn, blocks=blocks: routed_experts(x, gu, dn, w, ids, backend=kernel,

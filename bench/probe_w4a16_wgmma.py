@@ -18,8 +18,8 @@ tiles), the weights are in the checkpoint's ``[out, in]`` orientation as signed 
 library stores offset nibbles as ``[E, in/8, out]`` words), scales as ``[E, in/G, out]``, and
 the output is ``silu(gate) * up`` stored feature-major ``[E, I, tokens]``.
 
-Run on an H100/H200: ``python bench/probe_w4a16_wgmma.py --out bench/results``; it checks the
-probe against a plain-JAX reference, times it, and times the library's Triton INT4 launch on
+Run on an H100/H200: ``python bench/probe_w4a16_wgmma.py --out bench/results``; it checks each
+``--variants`` against a plain-JAX reference, times it, and times the library's Triton INT4 launch on
 ``--routed-tokens`` randomly routed tokens in the same process (profiler: the gate/up launch
 apart). ``--lower-only`` lowers the probe for CUDA (works on a CPU).
 """
@@ -51,48 +51,63 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages):
+def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages, m_tiles, overlap):
     (x_smem, w_smem, s_smem), bars, consumed = scoped
     e, j, wg = lax.axis_index("e"), lax.axis_index("j"), lax.axis_index("wg")
     nk = K // BK
+    cta_rows = 2 * ROWS * m_tiles  # gate rows (and as many up rows) per CTA: m_tiles per warpgroup
+    groups = BK // GROUP
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        rows = pl.ds(wg * ROWS, ROWS)
 
-        def step(k, carry):
-            slot = lax.rem(k, stages)
-            plgpu.barrier_wait(bars.at[slot])
-
-            def product(accs):
-                for m in range(2):  # gate, up
+        def issue(slot, accs):
+            """Dequantise this warpgroup's tiles of the K-chunk in ``slot`` and issue their products."""
+            for m in range(2):  # gate, up
+                for t in range(m_tiles):
+                    rows = pl.ds((wg * m_tiles + t) * ROWS, ROWS)
                     a = plgpu.load(w_smem.at[slot, m, rows], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     a = plgpu.layout_cast(a, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                    for g in range(BK // GROUP):
-                        s = plgpu.load(s_smem.at[slot, m, g, rows], (), layout=row_layout)
-                        ag = a[:, g * GROUP:(g + 1) * GROUP] * lax.broadcast_in_dim(s, (ROWS, GROUP), [0])
-                        plgpu.wgmma(accs[m], ag, x_smem.at[slot, :, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))
+                    for g in range(groups):
+                        sc = plgpu.load(s_smem.at[slot, m, g, rows], (), layout=row_layout)
+                        ag = a[:, g * GROUP:(g + 1) * GROUP] * lax.broadcast_in_dim(sc, (ROWS, GROUP), [0])
+                        plgpu.wgmma(accs[m * m_tiles + t], ag,
+                                    x_smem.at[slot, :, pl.ds(g * GROUP, GROUP)].transpose((1, 0)))
 
-            carry = pl.run_state(product)(tuple(plgpu.ACC.init(c) for c in carry))
-            plgpu.barrier_arrive(consumed.at[slot])
-            return carry
+        def body(*accs):
+            def step(k, _):
+                slot = lax.rem(k, stages)
+                plgpu.barrier_wait(bars.at[slot])
+                issue(slot, accs)
+                if overlap:  # the previous chunk's products are done: release its slot
+                    plgpu.wgmma_wait(2 * m_tiles * groups)
+                    pl.when(k > 0)(lambda: plgpu.barrier_arrive(consumed.at[lax.rem(k + stages - 1, stages)]))
+                else:
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
 
-        zero = plgpu.layout_cast(jnp.zeros((ROWS, NT), jnp.float32), plgpu.Layout.WGMMA)
-        gate, up = lax.fori_loop(0, nk, step, (zero, zero))
-        h = gate / (1.0 + jnp.exp(-gate)) * up
-        h_ref.at[e, pl.ds(j * 2 * ROWS + wg * ROWS, ROWS)][...] = h.astype(h_ref.dtype)
+            lax.fori_loop(0, nk, step, None)
+            if overlap:
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[(nk - 1) % stages])
+            for t in range(m_tiles):
+                gate, up = accs[t][...], accs[m_tiles + t][...]
+                h = gate / (1.0 + jnp.exp(-gate)) * up
+                h_ref.at[e, pl.ds(j * cta_rows + (wg * m_tiles + t) * ROWS, ROWS)][...] = h.astype(h_ref.dtype)
+
+        pl.run_scoped(body, *[plgpu.ACC((ROWS, NT), jnp.float32) for _ in range(2 * m_tiles)])
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        cols = pl.ds(j * 2 * ROWS, 2 * ROWS)
-        up_cols = pl.ds(INTER + j * 2 * ROWS, 2 * ROWS)
+        cols = pl.ds(j * cta_rows, cta_rows)
+        up_cols = pl.ds(INTER + j * cta_rows, cta_rows)
 
         def fetch(k, slot):
             ks = pl.ds(k * BK, BK)
-            gs = pl.ds(k * (BK // GROUP), BK // GROUP)
+            gs = pl.ds(k * groups, groups)
             plgpu.copy_gmem_to_smem(x_ref.at[e, :, ks], x_smem.at[slot], bars.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[e, cols, ks], w_smem.at[slot, 0], bars.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[e, up_cols, ks], w_smem.at[slot, 1], bars.at[slot])
@@ -115,22 +130,30 @@ def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages):
         lax.fori_loop(max(nk - stages, 0), nk, drain, None)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "stages"))
-def gate_up_w4a16(x, w, s, *, block_k=256, stages=3):
+@functools.partial(jax.jit, static_argnames=("block_k", "stages", "m_tiles", "overlap"))
+def gate_up_w4a16(x, w, s, *, block_k=256, stages=3, m_tiles=1, overlap=False):
     """``x [E, NT, K]`` bf16, ``w [E, 2I, K]`` int4 (gate rows, then up), ``s [E, K/32, 2I]`` bf16
-    -> ``silu(x Wg^T) * (x Wu^T)`` feature-major ``[E, I, NT]`` bf16."""
+    -> ``silu(x Wg^T) * (x Wu^T)`` feature-major ``[E, I, NT]`` bf16. ``m_tiles``: 64-row weight
+    tiles per compute warpgroup (a CTA covers ``128 * m_tiles`` gate and as many up rows, and
+    reads the token tile once for them); ``overlap``: a chunk's slot is released one chunk later,
+    after ``wgmma_wait`` leaves only the current chunk's products in flight (its dequantisation
+    then overlaps the previous chunk's products), instead of waiting for every product."""
     E, NT, K = x.shape
     INTER = w.shape[1] // 2
+    cta_rows = 2 * ROWS * m_tiles
+    if INTER % cta_rows or K % block_k:
+        raise ValueError(f"gate_up_w4a16: I={INTER} must split into {cta_rows}-row blocks, K={K} into {block_k}")
     wsw = plgpu.find_swizzle(block_k * 4)
     xsw = 64  # 32 bf16 inputs: each group's K-slice of the token tile is one swizzle tile
     scratch = (
         plgpu.SMEM((stages, NT, block_k), jnp.bfloat16,
                    transforms=(plgpu.TilingTransform((8, xsw // 2)), plgpu.SwizzleTransform(xsw))),
-        plgpu.SMEM((stages, 2, 2 * ROWS, block_k), jnp.int4,
+        plgpu.SMEM((stages, 2, cta_rows, block_k), jnp.int4,
                    transforms=(plgpu.TilingTransform((8, wsw * 2)), plgpu.SwizzleTransform(wsw))),
-        plgpu.SMEM((stages, 2, block_k // GROUP, 2 * ROWS), jnp.bfloat16),
+        plgpu.SMEM((stages, 2, block_k // GROUP, cta_rows), jnp.bfloat16),
     )
-    body = functools.partial(_kernel, K=K, INTER=INTER, BK=block_k, NT=NT, stages=stages)
+    body = functools.partial(_kernel, K=K, INTER=INTER, BK=block_k, NT=NT, stages=stages, m_tiles=m_tiles,
+                             overlap=overlap)
 
     def entry(*refs):
         pl.run_scoped(lambda *sc: body(*refs, sc), scratch,
@@ -138,7 +161,7 @@ def gate_up_w4a16(x, w, s, *, block_k=256, stages=3):
                       plgpu.Barrier(num_arrivals=2, num_barriers=stages), collective_axes="wg")
 
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((E, INTER, NT), jnp.bfloat16), grid=(E, INTER // (2 * ROWS)),
+        entry, out_type=jax.ShapeDtypeStruct((E, INTER, NT), jnp.bfloat16), grid=(E, INTER // cta_rows),
         grid_names=("e", "j"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(x, w, s)
@@ -160,20 +183,24 @@ def main():
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=32, help="token rows per expert (the wgmma N)")
     ap.add_argument("--routed-tokens", type=int, default=1040, help="tokens of the Triton comparison (top-8)")
-    ap.add_argument("--block-k", type=int, nargs="+", default=[256])
-    ap.add_argument("--stages", type=int, nargs="+", default=[3])
+    ap.add_argument("--variants", nargs="+", metavar="BK,STAGES,M_TILES,OVERLAP",
+                    default=["256,4,1,0", "256,2,2,0", "128,4,2,0", "256,4,1,1", "256,2,2,1", "128,4,2,1"],
+                    help="block_k, stages, 64-row tiles per compute warpgroup, overlap (0/1)")
     ap.add_argument("--lower-only", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     E, H, INTER, NT = a.experts, a.hidden, a.inter, a.tokens
     shapes = (jax.ShapeDtypeStruct((E, NT, H), jnp.bfloat16), jax.ShapeDtypeStruct((E, 2 * INTER, H), jnp.int4),
               jax.ShapeDtypeStruct((E, H // GROUP, 2 * INTER), jnp.bfloat16))
+    variants = []
+    for v in a.variants:
+        bk, st, mt, ov = (int(t) for t in v.split(","))
+        variants.append((f"wgmma probe block_k={bk} stages={st} m_tiles={mt} overlap={ov}",
+                         functools.partial(gate_up_w4a16, block_k=bk, stages=st, m_tiles=mt, overlap=bool(ov))))
     if a.lower_only:
-        for bk in a.block_k:
-            for st in a.stages:
-                f = functools.partial(gate_up_w4a16, block_k=bk, stages=st)
-                txt = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-                log(f"lowered block_k={bk} stages={st}: {len(txt)} chars")
+        for name, f in variants:
+            txt = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+            log(f"lowered {name}: {len(txt)} chars")
         return
     from bench._common import device_kernels
     from bench._timing import time_it
@@ -194,22 +221,20 @@ def main():
     floor_bytes = E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2
     floor_ms = floor_bytes / 4.2e12 * 1e3
     want = np.asarray(reference(x[:4], w[:4], s[:4]), np.float32)
-    for bk in a.block_k:
-        for st in a.stages:
-            name = f"wgmma probe block_k={bk} stages={st}"
-            try:
-                f = jax.jit(functools.partial(gate_up_w4a16, block_k=bk, stages=st))
-                got = np.asarray(f(x, w, s)[:4], np.float32)
-                err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-                ms = time_it(f, [(x, w, s)]) * 1e3
-                per, _ = device_kernels(f, (x, w, s), 5)
-                kms = max(per.values()) / 1e6
-                row = {"variant": name, "rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms,
-                       "x_floor": kms / floor_ms}
-            except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
-                row = {"variant": name, "failed": f"{type(ex).__name__}: {str(ex)[:300]}"}
-            log(json.dumps(row))
-            rows["cases"].append(row)
+    for name, f in variants:
+        try:
+            f = jax.jit(f)
+            got = np.asarray(f(x, w, s)[:4], np.float32)
+            err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+            ms = time_it(f, [(x, w, s)]) * 1e3
+            per, _ = device_kernels(f, (x, w, s), 5)
+            kms = max(per.values()) / 1e6
+            row = {"variant": name, "rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms,
+                   "x_floor": kms / floor_ms}
+        except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
+            row = {"variant": name, "failed": f"{type(ex).__name__}: {str(ex)[:300]}"}
+        log(json.dumps(row))
+        rows["cases"].append(row)
     # the library's Triton INT4 launches on routed tokens (same weight count), gate/up apart
     fmt = Int4Format(group_size=GROUP, symmetric=True)
     from flax import nnx
