@@ -43,6 +43,8 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from pallas_kernels.mosaic_gpu._stream import stream_tiles  # noqa: E402
+
 GROUP = 32  # inputs per scale
 ROWS = 64  # features per compute warpgroup (one wgmma M tile)
 
@@ -114,20 +116,7 @@ def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages, m_t
             plgpu.copy_gmem_to_smem(s_ref.at[e, gs, cols], s_smem.at[slot, 0], bars.at[slot])
             plgpu.copy_gmem_to_smem(s_ref.at[e, gs, up_cols], s_smem.at[slot, 1], bars.at[slot])
 
-        for i in range(stages):
-            pl.when(i < nk)(functools.partial(fetch, i, i))
-
-        def refill(k, _):
-            slot = lax.rem(k, stages)
-            plgpu.barrier_wait(consumed.at[slot])
-            fetch(k, slot)
-
-        lax.fori_loop(stages, max(nk, stages), refill, None)
-
-        def drain(k, _):
-            plgpu.barrier_wait(consumed.at[lax.rem(k, stages)])
-
-        lax.fori_loop(max(nk - stages, 0), nk, drain, None)
+        stream_tiles(fetch, nk, stages, consumed)
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "stages", "m_tiles", "overlap"))

@@ -61,6 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mosaic_gpu._stream import stream_tiles
+
 __all__ = ["MIN_SPLIT_KEYS", "auto_splits", "prefix_attention", "split_size", "supports"]
 
 _NEG = -1e30
@@ -242,20 +244,7 @@ def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref,
                                         k_bars.at[slot])
             plgpu.copy_gmem_to_smem(kr_ref.at[b, keys], kr_smem.at[slot], k_bars.at[slot])
 
-        for i in range(stages):
-            pl.when(i < n_tiles)(functools.partial(fetch, i, i))
-
-        def refill(t, _):
-            slot = lax.rem(t, stages)
-            plgpu.barrier_wait(consumed.at[slot])
-            fetch(t, slot)
-
-        lax.fori_loop(stages, jnp.maximum(n_tiles, stages), refill, None)
-
-        def drain(t, _):  # observe the last consumption of every slot (each phase is waited on once)
-            plgpu.barrier_wait(consumed.at[lax.rem(t, stages)])
-
-        lax.fori_loop(jnp.maximum(n_tiles - stages, 0), n_tiles, drain, None)
+        stream_tiles(fetch, n_tiles, stages, consumed)
 
 
 def split_size(end: jax.Array, n_split: int, *, block_k: int = 64, min_keys: int = MIN_SPLIT_KEYS) -> jax.Array:
