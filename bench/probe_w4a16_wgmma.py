@@ -18,10 +18,16 @@ tiles), the weights are in the checkpoint's ``[out, in]`` orientation as signed 
 library stores offset nibbles as ``[E, in/8, out]`` words), scales as ``[E, in/G, out]``, and
 the output is ``silu(gate) * up`` stored feature-major ``[E, I, tokens]``.
 
-Run on an H100/H200: ``python bench/probe_w4a16_wgmma.py --out bench/results``; it checks each
-``--variants`` against a plain-JAX reference, times it, and times the library's Triton INT4 launch on
-``--routed-tokens`` randomly routed tokens in the same process (profiler: the gate/up launch
-apart). ``--lower-only`` lowers the probe for CUDA (works on a CPU).
+Run on an H100/H200: ``python bench/probe_w4a16_wgmma.py --out bench/results``; at each
+``--tokens NT:ROUTED`` pair it checks every ``--variants`` against a plain-JAX reference (4
+experts) and times it, then times the library's Triton INT4 launches on ROUTED randomly routed
+tokens (top-8) in the same process (profiler: the gate/up launch apart). The defaults pair 32
+rows with 1,040 tokens (a B=16 verify of 64 nodes: about 22 copies per expert) and 8 rows with
+256 (B=16, 15 nodes: about 5). ``--lower-only`` lowers the probe for CUDA (works on a CPU).
+
+Measured so far (bench/results/w4a16_wgmma_probe_h200_20261130.md, the first version: one
+64-row tile per warpgroup, a full wait per K-chunk): 2.70 ms at 32 rows, 1.79x the floor,
+against 2.84 ms for the Triton launch.
 """
 
 from __future__ import annotations
@@ -165,32 +171,62 @@ def reference(x, w, s):
     return (jax.nn.silu(g) * u).astype(jnp.bfloat16)
 
 
+def _probe_rows(variants, nt, E, H, INTER, keys, time_it, device_kernels):
+    """Each variant at ``nt`` token rows per expert: checked on 4 experts, timed, profiled."""
+    k1, k2, k3 = keys
+    x = jax.random.normal(k1, (E, nt, H), jnp.float32).astype(jnp.bfloat16)
+    w = jax.jit(lambda k: jax.random.randint(k, (E, 2 * INTER, H), -8, 8, jnp.int8).astype(jnp.int4))(k2)
+    s = jax.random.uniform(k3, (E, H // GROUP, 2 * INTER), jnp.float32, 0.5, 1.5) / (4.6 * H**0.5)
+    s = s.astype(jnp.bfloat16)
+    floor_ms = (E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2) / 4.2e12 * 1e3
+    want = np.asarray(reference(x[:4], w[:4], s[:4]), np.float32)
+    for name, f in variants:
+        row = {"variant": name, "tokens_per_expert": nt}
+        try:
+            f = jax.jit(f)
+            got = np.asarray(f(x, w, s)[:4], np.float32)
+            err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+            ms = time_it(f, [(x, w, s)]) * 1e3
+            per, _ = device_kernels(f, (x, w, s), 5)
+            kms = max(per.values()) / 1e6
+            row |= {"rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms, "x_floor": kms / floor_ms}
+        except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
+            row["failed"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        log(json.dumps(row))
+        yield row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--inter", type=int, default=2048)
-    ap.add_argument("--tokens", type=int, default=32, help="token rows per expert (the wgmma N)")
-    ap.add_argument("--routed-tokens", type=int, default=1040, help="tokens of the Triton comparison (top-8)")
+    ap.add_argument("--tokens", nargs="+", default=["32:1040", "8:256"], metavar="NT:ROUTED",
+                    help="token rows per expert (the wgmma N) : tokens of the Triton comparison (top-8 routed)")
     ap.add_argument("--variants", nargs="+", metavar="BK,STAGES,M_TILES,OVERLAP",
                     default=["256,4,1,0", "256,2,2,0", "128,4,2,0", "256,4,1,1", "256,2,2,1", "128,4,2,1"],
                     help="block_k, stages, 64-row tiles per compute warpgroup, overlap (0/1)")
     ap.add_argument("--lower-only", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    E, H, INTER, NT = a.experts, a.hidden, a.inter, a.tokens
-    shapes = (jax.ShapeDtypeStruct((E, NT, H), jnp.bfloat16), jax.ShapeDtypeStruct((E, 2 * INTER, H), jnp.int4),
-              jax.ShapeDtypeStruct((E, H // GROUP, 2 * INTER), jnp.bfloat16))
+    E, H, INTER = a.experts, a.hidden, a.inter
+    pairs = [tuple(int(t) for t in p.split(":")) for p in a.tokens]
     variants = []
     for v in a.variants:
         bk, st, mt, ov = (int(t) for t in v.split(","))
         variants.append((f"wgmma probe block_k={bk} stages={st} m_tiles={mt} overlap={ov}",
                          functools.partial(gate_up_w4a16, block_k=bk, stages=st, m_tiles=mt, overlap=bool(ov))))
     if a.lower_only:
-        for name, f in variants:
-            txt = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-            log(f"lowered {name}: {len(txt)} chars")
+        for nt, _ in pairs:
+            shapes = (jax.ShapeDtypeStruct((E, nt, H), jnp.bfloat16),
+                      jax.ShapeDtypeStruct((E, 2 * INTER, H), jnp.int4),
+                      jax.ShapeDtypeStruct((E, H // GROUP, 2 * INTER), jnp.bfloat16))
+            for name, f in variants:
+                txt = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+                log(f"lowered {name} at {nt} rows: {len(txt)} chars")
         return
+    from flax import nnx
+
     from bench._common import device_kernels
     from bench._timing import time_it
     from ddtree_jax.models.int4 import Int4Format, random_packed_weight
@@ -201,53 +237,32 @@ def main():
     log("device", dev.device_kind, "jax", jax.__version__)
     rows = {"device": dev.device_kind, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
             "command": " ".join(["python"] + sys.argv), "cases": []}
-    key = jax.random.key(0)
-    k1, k2, k3 = jax.random.split(key, 3)
-    x = jax.random.normal(k1, (E, NT, H), jnp.float32).astype(jnp.bfloat16)
-    w = jax.jit(lambda k: jax.random.randint(k, (E, 2 * INTER, H), -8, 8, jnp.int8).astype(jnp.int4))(k2)
-    s = jax.random.uniform(k3, (E, H // GROUP, 2 * INTER), jnp.float32, 0.5, 1.5) / (4.6 * H**0.5)
-    s = s.astype(jnp.bfloat16)
-    floor_bytes = E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2
-    floor_ms = floor_bytes / 4.2e12 * 1e3
-    want = np.asarray(reference(x[:4], w[:4], s[:4]), np.float32)
-    for name, f in variants:
-        try:
-            f = jax.jit(f)
-            got = np.asarray(f(x, w, s)[:4], np.float32)
-            err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-            ms = time_it(f, [(x, w, s)]) * 1e3
-            per, _ = device_kernels(f, (x, w, s), 5)
-            kms = max(per.values()) / 1e6
-            row = {"variant": name, "rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms,
-                   "x_floor": kms / floor_ms}
-        except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
-            row = {"variant": name, "failed": f"{type(ex).__name__}: {str(ex)[:300]}"}
-        log(json.dumps(row))
-        rows["cases"].append(row)
-    # the library's Triton INT4 launches on routed tokens (same weight count), gate/up apart
+    keys = jax.random.split(jax.random.key(0), 3)
+    for nt, _ in pairs:
+        rows["cases"].extend(_probe_rows(variants, nt, E, H, INTER, keys, time_it, device_kernels))
+    # the library's Triton INT4 launches on routed tokens (same weights), gate/up apart; drawn on the
+    # device under jit (the host would take longer than the run)
     fmt = Int4Format(group_size=GROUP, symmetric=True)
-    from flax import nnx
-
-    # drawn on the device under jit (the host would take longer than the run)
     gate_up = jax.jit(lambda: random_packed_weight(nnx.Rngs(1), (E, H, 2 * INTER), fmt, jnp.bfloat16))()
     down = jax.jit(lambda: random_packed_weight(nnx.Rngs(2), (E, INTER, H), fmt, jnp.bfloat16))()
-    n = a.routed_tokens
-    xr = jax.random.normal(k1, (n, H), jnp.float32).astype(jnp.bfloat16)
-    ids = jnp.argsort(jax.random.uniform(k2, (n, E)), axis=1)[:, :8].astype(jnp.int32)
-    wts = jnp.full((n, 8), 0.125, jnp.float32)
-    blocks = choose_blocks(n * 8, E, int4=True)
+    floor_ms = (E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2) / 4.2e12 * 1e3
+    for _, n in pairs:
+        xr = jax.random.normal(keys[0], (n, H), jnp.float32).astype(jnp.bfloat16)
+        ids = jnp.argsort(jax.random.uniform(keys[1], (n, E)), axis=1)[:, :8].astype(jnp.int32)
+        wts = jnp.full((n, 8), 0.125, jnp.float32)
+        blocks = choose_blocks(n * 8, E, int4=True)
 
-    @jax.jit
-    def triton(xr, wts, ids, gate_up, down):  # weights as arguments: not captured as constants
-        routing = route_tokens(wts, ids, E, block_m=blocks.block_m)
-        return experts_grouped_matmul(xr, gate_up, down, routing, blocks)
+        @jax.jit
+        def triton(xr, wts, ids, gate_up, down, blocks=blocks):  # weights as arguments: not constants
+            routing = route_tokens(wts, ids, E, block_m=blocks.block_m)
+            return experts_grouped_matmul(xr, gate_up, down, routing, blocks)
 
-    per, total = device_kernels(triton, (xr, wts, ids, gate_up, down), 5)
-    gu = {k: v / 1e6 for k, v in per.items() if "gate_up" in k}
-    row = {"variant": f"Triton INT4 launches, {n} tokens x top-8 routed ({blocks})", "kernels_ms": gu,
-           "all_ms": total / 1e6, "floor_ms": floor_ms}
-    log(json.dumps(row))
-    rows["cases"].append(row)
+        per, total = device_kernels(triton, (xr, wts, ids, gate_up, down), 5)
+        gu = {k: v / 1e6 for k, v in per.items() if "gate_up" in k}
+        row = {"variant": f"Triton INT4 launches, {n} tokens x top-8 routed ({blocks})", "kernels_ms": gu,
+               "all_ms": total / 1e6, "floor_ms": floor_ms, "touched_experts": int(jnp.unique(ids).size)}
+        log(json.dumps(row))
+        rows["cases"].append(row)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "w4a16_wgmma_probe.json"), "w") as fh:
