@@ -1,6 +1,7 @@
 """Probe (issue 14): can a Hopper W4A16 expert product with the dequantised weights as the
-``wgmma`` A operand in registers run the INT4 gate/up launch near its weight-read floor at tree
-verify sizes (about 22 token copies per expert), where the Triton kernel is 2.2x its floor?
+``wgmma`` A operand in registers run the INT4 expert launches (gate/up and down) near their
+weight-read floor at tree verify sizes (5-22 token copies per expert), where the Triton kernel
+is 1.45-2.2x its floor?
 
 The Triton kernel (``pallas_kernels/triton/moe_grouped_matmul.py``) multiplies 32-token tiles by
 dequantised weight tiles that reach its MMAs through shared memory, as eight K=16 dots per chunk.
@@ -16,7 +17,8 @@ Simplifications against the real launch (what a kernel for the library would sti
 expert gets exactly ``--tokens`` token rows (no routing, no gather of token rows, no partial
 tiles), the weights are in the checkpoint's ``[out, in]`` orientation as signed int4 (the
 library stores offset nibbles as ``[E, in/8, out]`` words), scales as ``[E, in/G, out]``, and
-the output is ``silu(gate) * up`` stored feature-major ``[E, I, tokens]``.
+the outputs are stored feature-major: ``silu(gate) * up`` as ``[E, I, tokens]`` bf16, the down
+product as ``[E, H, tokens]`` float32 (no routing weights).
 
 Run on an H100/H200: ``python bench/probe_w4a16_wgmma.py --out bench/results``; at each
 ``--tokens NT:ROUTED`` pair it checks every ``--variants`` against a plain-JAX reference (4
@@ -59,11 +61,11 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages, m_tiles, overlap):
+def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, N, BK, NT, stages, m_tiles, overlap, mats):
     (x_smem, w_smem, s_smem), bars, consumed = scoped
     e, j, wg = lax.axis_index("e"), lax.axis_index("j"), lax.axis_index("wg")
     nk = K // BK
-    cta_rows = 2 * ROWS * m_tiles  # gate rows (and as many up rows) per CTA: m_tiles per warpgroup
+    cta_rows = 2 * ROWS * m_tiles  # rows of each matrix per CTA: m_tiles per compute warpgroup
     groups = BK // GROUP
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -73,7 +75,7 @@ def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages, m_t
 
         def issue(slot, accs):
             """Dequantise this warpgroup's tiles of the K-chunk in ``slot`` and issue their products."""
-            for m in range(2):  # gate, up
+            for m in range(mats):  # gate and up, or down
                 for t in range(m_tiles):
                     rows = pl.ds((wg * m_tiles + t) * ROWS, ROWS)
                     a = plgpu.load(w_smem.at[slot, m, rows], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
@@ -90,7 +92,7 @@ def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages, m_t
                 plgpu.barrier_wait(bars.at[slot])
                 issue(slot, accs)
                 if overlap:  # the previous chunk's products are done: release its slot
-                    plgpu.wgmma_wait(2 * m_tiles * groups)
+                    plgpu.wgmma_wait(mats * m_tiles * groups)
                     pl.when(k > 0)(lambda: plgpu.barrier_arrive(consumed.at[lax.rem(k + stages - 1, stages)]))
                 else:
                     plgpu.wgmma_wait(0)
@@ -101,99 +103,113 @@ def _kernel(x_ref, w_ref, s_ref, h_ref, scoped, *, K, INTER, BK, NT, stages, m_t
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed.at[(nk - 1) % stages])
             for t in range(m_tiles):
-                gate, up = accs[t][...], accs[m_tiles + t][...]
-                h = gate / (1.0 + jnp.exp(-gate)) * up
-                h_ref.at[e, pl.ds(j * cta_rows + (wg * m_tiles + t) * ROWS, ROWS)][...] = h.astype(h_ref.dtype)
+                if mats == 2:
+                    gate, up = accs[t][...], accs[m_tiles + t][...]
+                    out = gate / (1.0 + jnp.exp(-gate)) * up
+                else:
+                    out = accs[t][...]
+                h_ref.at[e, pl.ds(j * cta_rows + (wg * m_tiles + t) * ROWS, ROWS)][...] = out.astype(h_ref.dtype)
 
-        pl.run_scoped(body, *[plgpu.ACC((ROWS, NT), jnp.float32) for _ in range(2 * m_tiles)])
+        pl.run_scoped(body, *[plgpu.ACC((ROWS, NT), jnp.float32) for _ in range(mats * m_tiles)])
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        cols = pl.ds(j * cta_rows, cta_rows)
-        up_cols = pl.ds(INTER + j * cta_rows, cta_rows)
 
         def fetch(k, slot):
             ks = pl.ds(k * BK, BK)
             gs = pl.ds(k * groups, groups)
             plgpu.copy_gmem_to_smem(x_ref.at[e, :, ks], x_smem.at[slot], bars.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[e, cols, ks], w_smem.at[slot, 0], bars.at[slot])
-            plgpu.copy_gmem_to_smem(w_ref.at[e, up_cols, ks], w_smem.at[slot, 1], bars.at[slot])
-            plgpu.copy_gmem_to_smem(s_ref.at[e, gs, cols], s_smem.at[slot, 0], bars.at[slot])
-            plgpu.copy_gmem_to_smem(s_ref.at[e, gs, up_cols], s_smem.at[slot, 1], bars.at[slot])
+            for m in range(mats):
+                cols = pl.ds(m * N + j * cta_rows, cta_rows)
+                plgpu.copy_gmem_to_smem(w_ref.at[e, cols, ks], w_smem.at[slot, m], bars.at[slot])
+                plgpu.copy_gmem_to_smem(s_ref.at[e, gs, cols], s_smem.at[slot, m], bars.at[slot])
 
         stream_tiles(fetch, nk, stages, consumed)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "stages", "m_tiles", "overlap"))
-def gate_up_w4a16(x, w, s, *, block_k=256, stages=3, m_tiles=1, overlap=False):
-    """``x [E, NT, K]`` bf16, ``w [E, 2I, K]`` int4 (gate rows, then up), ``s [E, K/32, 2I]`` bf16
-    -> ``silu(x Wg^T) * (x Wu^T)`` feature-major ``[E, I, NT]`` bf16. ``m_tiles``: 64-row weight
-    tiles per compute warpgroup (a CTA covers ``128 * m_tiles`` gate and as many up rows, and
-    reads the token tile once for them); ``overlap``: a chunk's slot is released one chunk later,
-    after ``wgmma_wait`` leaves only the current chunk's products in flight (its dequantisation
-    then overlaps the previous chunk's products), instead of waiting for every product."""
+@functools.partial(jax.jit, static_argnames=("mats", "block_k", "stages", "m_tiles", "overlap"))
+def expert_product_w4a16(x, w, s, *, mats, block_k=256, stages=3, m_tiles=1, overlap=False):
+    """``x [E, NT, K]`` bf16, ``w [E, mats*N, K]`` int4, ``s [E, K/32, mats*N]`` bf16 -> feature-major
+    ``[E, N, NT]``: ``mats=2`` (gate rows, then up) ``silu(x Wg^T) * (x Wu^T)`` in bf16, ``mats=1``
+    (down) ``x W^T`` in float32. ``m_tiles``: 64-row weight tiles per compute warpgroup (a CTA
+    covers ``128 * m_tiles`` rows of each matrix and reads the token tile once for them);
+    ``overlap``: a chunk's slot is released one chunk later, after ``wgmma_wait`` leaves only the
+    current chunk's products in flight (its dequantisation then overlaps the previous chunk's
+    products), instead of waiting for every product."""
     E, NT, K = x.shape
-    INTER = w.shape[1] // 2
+    N = w.shape[1] // mats
     cta_rows = 2 * ROWS * m_tiles
-    if INTER % cta_rows or K % block_k:
-        raise ValueError(f"gate_up_w4a16: I={INTER} must split into {cta_rows}-row blocks, K={K} into {block_k}")
+    if N % cta_rows or K % block_k:
+        raise ValueError(f"expert_product_w4a16: N={N} must split into {cta_rows}-row blocks, K={K} into {block_k}")
     wsw = plgpu.find_swizzle(block_k * 4)
     xsw = 64  # 32 bf16 inputs: each group's K-slice of the token tile is one swizzle tile
     scratch = (
         plgpu.SMEM((stages, NT, block_k), jnp.bfloat16,
                    transforms=(plgpu.TilingTransform((8, xsw // 2)), plgpu.SwizzleTransform(xsw))),
-        plgpu.SMEM((stages, 2, cta_rows, block_k), jnp.int4,
+        plgpu.SMEM((stages, mats, cta_rows, block_k), jnp.int4,
                    transforms=(plgpu.TilingTransform((8, wsw * 2)), plgpu.SwizzleTransform(wsw))),
-        plgpu.SMEM((stages, 2, block_k // GROUP, cta_rows), jnp.bfloat16),
+        plgpu.SMEM((stages, mats, block_k // GROUP, cta_rows), jnp.bfloat16),
     )
-    body = functools.partial(_kernel, K=K, INTER=INTER, BK=block_k, NT=NT, stages=stages, m_tiles=m_tiles,
-                             overlap=overlap)
+    body = functools.partial(_kernel, K=K, N=N, BK=block_k, NT=NT, stages=stages, m_tiles=m_tiles,
+                             overlap=overlap, mats=mats)
 
     def entry(*refs):
         pl.run_scoped(lambda *sc: body(*refs, sc), scratch,
-                      plgpu.Barrier(num_arrivals=5, num_barriers=stages),
+                      plgpu.Barrier(num_arrivals=1 + 2 * mats, num_barriers=stages),
                       plgpu.Barrier(num_arrivals=2, num_barriers=stages), collective_axes="wg")
 
+    out_dtype = jnp.bfloat16 if mats == 2 else jnp.float32
     return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((E, INTER, NT), jnp.bfloat16), grid=(E, INTER // cta_rows),
+        entry, out_type=jax.ShapeDtypeStruct((E, N, NT), out_dtype), grid=(E, N // cta_rows),
         grid_names=("e", "j"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(x, w, s)
 
 
-def reference(x, w, s):
-    E, twoI, K = w.shape
-    wd = (w.astype(jnp.float32).reshape(E, twoI, K // GROUP, GROUP)
-          * jnp.swapaxes(s, 1, 2).astype(jnp.float32)[..., None]).reshape(E, twoI, K).astype(jnp.bfloat16)
+def reference(x, w, s, mats):
+    E, rows, K = w.shape
+    wd = (w.astype(jnp.float32).reshape(E, rows, K // GROUP, GROUP)
+          * jnp.swapaxes(s, 1, 2).astype(jnp.float32)[..., None]).reshape(E, rows, K).astype(jnp.bfloat16)
     y = jnp.einsum("etk,efk->eft", x, wd, preferred_element_type=jnp.float32)
+    if mats == 1:
+        return y
     g, u = jnp.split(y, 2, axis=1)
     return (jax.nn.silu(g) * u).astype(jnp.bfloat16)
 
 
+def _shapes(mats, nt, E, H, INTER):
+    """(x, w, s) shapes of gate/up (``mats=2``: K = hidden, N = intermediate) or down (K and N swapped)."""
+    k, n = (H, INTER) if mats == 2 else (INTER, H)
+    return ((E, nt, k), jnp.bfloat16), ((E, mats * n, k), jnp.int4), ((E, k // GROUP, mats * n), jnp.bfloat16)
+
+
 def _probe_rows(variants, nt, E, H, INTER, keys, time_it, device_kernels):
-    """Each variant at ``nt`` token rows per expert: checked on 4 experts, timed, profiled."""
+    """Each variant of both products at ``nt`` token rows per expert: checked on 4 experts, timed,
+    profiled, against the read floor of all experts' INT4 words and scales."""
     k1, k2, k3 = keys
-    x = jax.random.normal(k1, (E, nt, H), jnp.float32).astype(jnp.bfloat16)
-    w = jax.jit(lambda k: jax.random.randint(k, (E, 2 * INTER, H), -8, 8, jnp.int8).astype(jnp.int4))(k2)
-    s = jax.random.uniform(k3, (E, H // GROUP, 2 * INTER), jnp.float32, 0.5, 1.5) / (4.6 * H**0.5)
-    s = s.astype(jnp.bfloat16)
-    floor_ms = (E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2) / 4.2e12 * 1e3
-    want = np.asarray(reference(x[:4], w[:4], s[:4]), np.float32)
-    for name, f in variants:
-        row = {"variant": name, "tokens_per_expert": nt}
-        try:
-            f = jax.jit(f)
-            got = np.asarray(f(x, w, s)[:4], np.float32)
-            err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
-            ms = time_it(f, [(x, w, s)]) * 1e3
-            per, _ = device_kernels(f, (x, w, s), 5)
-            kms = max(per.values()) / 1e6
-            row |= {"rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms, "x_floor": kms / floor_ms}
-        except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
-            row["failed"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-        log(json.dumps(row))
-        yield row
+    for mats, what in ((2, "gate/up"), (1, "down")):
+        (xs, _), (ws, _), (ss, _) = _shapes(mats, nt, E, H, INTER)
+        x = jax.random.normal(k1, xs, jnp.float32).astype(jnp.bfloat16)
+        w = jax.jit(lambda k, ws=ws: jax.random.randint(k, ws, -8, 8, jnp.int8).astype(jnp.int4))(k2)
+        s = (jax.random.uniform(k3, ss, jnp.float32, 0.5, 1.5) / (4.6 * xs[-1] ** 0.5)).astype(jnp.bfloat16)
+        floor_ms = (ws[0] * ws[1] * ws[2] // 2 + ss[0] * ss[1] * ss[2] * 2) / 4.2e12 * 1e3
+        want = np.asarray(reference(x[:4], w[:4], s[:4], mats), np.float32)
+        for name, f in variants:
+            row = {"product": what, "variant": name, "tokens_per_expert": nt}
+            try:
+                f = jax.jit(functools.partial(f, mats=mats))
+                got = np.asarray(f(x, w, s)[:4], np.float32)
+                err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+                ms = time_it(f, [(x, w, s)]) * 1e3
+                per, _ = device_kernels(f, (x, w, s), 5)
+                kms = max(per.values()) / 1e6
+                row |= {"rel_err": err, "ms": ms, "kernel_ms": kms, "floor_ms": floor_ms, "x_floor": kms / floor_ms}
+            except Exception as ex:  # noqa: BLE001 - a failing variant is a row, not the end of the run
+                row["failed"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            log(json.dumps(row))
+            yield row
+        del x, w, s
 
 
 def main():
@@ -215,15 +231,16 @@ def main():
     for v in a.variants:
         bk, st, mt, ov = (int(t) for t in v.split(","))
         variants.append((f"wgmma probe block_k={bk} stages={st} m_tiles={mt} overlap={ov}",
-                         functools.partial(gate_up_w4a16, block_k=bk, stages=st, m_tiles=mt, overlap=bool(ov))))
+                         functools.partial(expert_product_w4a16, block_k=bk, stages=st, m_tiles=mt,
+                                           overlap=bool(ov))))
     if a.lower_only:
         for nt, _ in pairs:
-            shapes = (jax.ShapeDtypeStruct((E, nt, H), jnp.bfloat16),
-                      jax.ShapeDtypeStruct((E, 2 * INTER, H), jnp.int4),
-                      jax.ShapeDtypeStruct((E, H // GROUP, 2 * INTER), jnp.bfloat16))
-            for name, f in variants:
-                txt = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-                log(f"lowered {name} at {nt} rows: {len(txt)} chars")
+            for mats in (2, 1):
+                shapes = [jax.ShapeDtypeStruct(*sd) for sd in _shapes(mats, nt, E, H, INTER)]
+                for name, f in variants:
+                    txt = jax.jit(functools.partial(f, mats=mats)).trace(*shapes).lower(
+                        lowering_platforms=("cuda",)).as_text()
+                    log(f"lowered {name} mats={mats} at {nt} rows: {len(txt)} chars")
         return
     from flax import nnx
 
@@ -245,7 +262,7 @@ def main():
     fmt = Int4Format(group_size=GROUP, symmetric=True)
     gate_up = jax.jit(lambda: random_packed_weight(nnx.Rngs(1), (E, H, 2 * INTER), fmt, jnp.bfloat16))()
     down = jax.jit(lambda: random_packed_weight(nnx.Rngs(2), (E, INTER, H), fmt, jnp.bfloat16))()
-    floor_ms = (E * 2 * INTER * H // 2 + E * (H // GROUP) * 2 * INTER * 2) / 4.2e12 * 1e3
+    floor_ms = 3 * (E * INTER * H // 2 + E * (H // GROUP) * INTER * 2) / 4.2e12 * 1e3  # both launches
     for _, n in pairs:
         xr = jax.random.normal(keys[0], (n, H), jnp.float32).astype(jnp.bfloat16)
         ids = jnp.argsort(jax.random.uniform(keys[1], (n, E)), axis=1)[:, :8].astype(jnp.int32)
@@ -258,7 +275,7 @@ def main():
             return experts_grouped_matmul(xr, gate_up, down, routing, blocks)
 
         per, total = device_kernels(triton, (xr, wts, ids, gate_up, down), 5)
-        gu = {k: v / 1e6 for k, v in per.items() if "gate_up" in k}
+        gu = {k: v / 1e6 for k, v in per.items() if "ddtree_moe" in k}
         row = {"variant": f"Triton INT4 launches, {n} tokens x top-8 routed ({blocks})", "kernels_ms": gu,
                "all_ms": total / 1e6, "floor_ms": floor_ms, "touched_experts": int(jnp.unique(ids).size)}
         log(json.dumps(row))
