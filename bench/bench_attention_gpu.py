@@ -288,6 +288,8 @@ def main():
                    help="also trace each Hopper variant: device time per call, its kernel's own time")
     p.add_argument("--tag", default="", help="suffix of the result files' names")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="timings only (the checks against the float32 reference take about 100 s on an H200)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -307,13 +309,15 @@ def main():
     small = a.smoke
     ml = 80 if small else 4096
     st = [0, 37] if small else [0, 2999]
-    for split in (0, 32 if small else 512):
+    for split in () if a.skip_checks else (0, 32 if small else 512):
         bench.check("decode", 2, 1, ml, st, False, split, jnp.bfloat16, 2e-2)
         bench.check("verify", 2, 5 if small else 65, ml, st, True, split, jnp.bfloat16, 2e-2)
-    bench.check("prefill", 2, 12 if small else 256, ml, [0, 41] if small else [0, 1500], False, 0, jnp.bfloat16, 2e-2)
-    bench.check("verify-f32", 2, 5 if small else 17, ml, st, True, 0, jnp.float32, 1e-4)
+    if not a.skip_checks:
+        bench.check("prefill", 2, 12 if small else 256, ml, [0, 41] if small else [0, 1500], False, 0, jnp.bfloat16,
+                    2e-2)
+        bench.check("verify-f32", 2, 5 if small else 17, ml, st, True, 0, jnp.float32, 1e-4)
     hopper = a.hopper is not None and not small
-    if hopper:
+    if hopper and not a.skip_checks:
         # the Hopper kernel: decode in the kernel, blocks in the JAX part, a cache not a multiple of
         # 64 slots (its TMA copies need a multiple of 8) with a row ending at its last slot, a block
         # with no prefix
