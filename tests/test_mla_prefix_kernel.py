@@ -131,6 +131,19 @@ def test_caches_are_allocated_in_whole_tma_tiles():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_a_cache_the_hopper_kernel_refuses_is_said(monkeypatch):
+    """On a Hopper GPU (pretended here) a cache not in whole TMA tiles keeps the Triton kernel, and
+    says so once instead of silently running the slower path."""
+    import ddtree_jax.models.latent_attention as la
+
+    monkeypatch.setattr(la, "_hopper_gpu", lambda: True)
+    compiled = Backend(kernels=True, interpret=False)
+    assert hopper_runs(compiled, 1, 64, 512, 64, jnp.bfloat16, 1096)
+    with pytest.warns(UserWarning, match="a cache of 1089 slots takes the Triton kernel"):
+        assert not hopper_runs(compiled, 1, 64, 512, 64, jnp.bfloat16, 1089)
+    assert not hopper_runs(compiled, 1, 64, 512, 64, jnp.bfloat16, 40)  # too short for the kernel: no warning
+
+
 def test_bad_shapes_are_refused_by_name():
     z = jnp.zeros
     with pytest.raises(ValueError, match="a cache of 100 slots"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import chex
 import jax
@@ -254,11 +255,15 @@ def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_
     heads, ranks ``r``/``dr`` over a ``dtype`` cache of ``cache_len`` slots under ``backend``."""
     if not (backend.kernels and backend.family == "triton" and not backend.interpret) or t > HOPPER_MAX_BLOCK:
         return False
-    if cache_len < 64 or cache_len % CACHE_SLOT_MULTIPLE:  # see cache_slots
-        return False
     from pallas_kernels.mosaic_gpu.mla_prefix import supports
 
-    return supports(t * h, r, dr, dtype) and _hopper_gpu()
+    if not (supports(t * h, r, dr, dtype) and _hopper_gpu()):
+        return False
+    if cache_len >= 64 and cache_len % CACHE_SLOT_MULTIPLE:  # a cache not allocated by init_cache
+        warnings.warn(f"latent_attention: a cache of {cache_len} slots takes the Triton kernel, not the Hopper one "
+                      f"(it needs a multiple of {CACHE_SLOT_MULTIPLE} slots; KimiForCausalLM.init_cache allocates "
+                      "so)", stacklevel=2)
+    return cache_len >= 64 and cache_len % CACHE_SLOT_MULTIPLE == 0
 
 
 def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, n_split=None, block_k=64,
