@@ -261,6 +261,7 @@ class Bench:
         row["note"] = (f"device {total / 1e3:.1f} us (kernel {own / 1e3:.1f}, x cache floor "
                        f"{own / 1e3 / row['cache_floor_us']:.2f})")
 
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

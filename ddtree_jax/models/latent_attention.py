@@ -227,7 +227,6 @@ def _kernel(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, caus
     return out.astype(q_latent.dtype)
 
 
-
 # The Hopper path's block part builds ``[B, T*H, T]`` float32 scores in XLA: blocks up to this
 # many tokens (tree verifies, decode steps, short chunks) take it, longer ones the Triton kernel.
 HOPPER_MAX_BLOCK = 512
@@ -259,11 +258,14 @@ def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_
 
     if not (supports(t * h, r, dr, dtype) and _hopper_gpu()):
         return False
-    if cache_len >= 64 and cache_len % CACHE_SLOT_MULTIPLE:  # a cache not allocated by init_cache
+    if cache_len < 64:  # shorter than one key tile
+        return False
+    tiled = cache_len % CACHE_SLOT_MULTIPLE == 0
+    if not tiled:  # a cache not allocated by init_cache
         warnings.warn(f"latent_attention: a cache of {cache_len} slots takes the Triton kernel, not the Hopper one "
                       f"(it needs a multiple of {CACHE_SLOT_MULTIPLE} slots; KimiForCausalLM.init_cache allocates "
                       "so)", stacklevel=2)
-    return cache_len >= 64 and cache_len % CACHE_SLOT_MULTIPLE == 0
+    return tiled
 
 
 def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, n_split=None, block_k=64,
