@@ -1,5 +1,5 @@
-"""The memory warpgroup's loop shared by the Mosaic GPU kernels: stream ``n`` tiles through
-``stages`` shared-memory slots.
+"""The memory warpgroup's loop of the Mosaic GPU kernels (today the attention kernel's): stream
+``n`` tiles through ``stages`` shared-memory slots.
 
 ``fetch(t, slot)`` starts the TMA copies of tile ``t`` into ``slot`` (arriving on that slot's
 "ready" barrier); the consumers arrive on ``consumed.at[slot]`` when they are done with a slot.
