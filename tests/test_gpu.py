@@ -197,7 +197,7 @@ def test_moe_grouped_matmul_int4_equals_reference(n, e, k, h, i, symmetric):
     fmt = Int4Format(32, symmetric)
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 0.02)):
         gu, dn = quantize_int4(gate_up, fmt, dtype), quantize_int4(down, fmt, dtype)
-        blocks = choose_blocks(n * k, e, int4=True)
+        blocks = choose_blocks(n * k, e, int4=True, act_bytes=jnp.dtype(dtype).itemsize)
         got = jax.jit(lambda *a, blocks=blocks: routed_experts(*a, backend=Backend(kernels=True), valid=valid,
                                                                blocks=blocks))(x.astype(dtype), gu, dn, weights, ids)
         with jax.default_matmul_precision("highest"):  # the reference in IEEE float32, not tf32

@@ -121,6 +121,12 @@ def test_block_choice():
     assert choose_blocks(16 * 8, 384).block_m == 16     # a 16-node tree
     assert choose_blocks(16384 * 8, 384).block_m == 128  # prefill
     assert max_row_tiles(8, 384, 16) == 8
+    # INT4: wide column blocks with 16-row tiles, and with 32-row tiles of bf16 activations only
+    # (float32 ones would overflow the H200's shared memory)
+    assert choose_blocks(8, 384, int4=True).block_n_gate_up == 128
+    assert choose_blocks(1040 * 8, 384, int4=True).block_n_gate_up == 128
+    assert choose_blocks(1040 * 8, 384, int4=True, act_bytes=4).block_n_gate_up == 64
+    assert choose_blocks(16384 * 8, 384, int4=True).block_n_gate_up == 64
 
 
 def _tree_inputs(b, t, seed):

@@ -205,7 +205,7 @@ def _experts_kernel(x, gate_up, down, weights, ids, valid, backend: Backend, out
 
     n, k = ids.shape
     e = gate_up.shape[0]
-    blocks = blocks or choose_blocks(n * k, e, int4=isinstance(gate_up, PackedWeight))
+    blocks = blocks or choose_blocks(n * k, e, int4=isinstance(gate_up, PackedWeight), act_bytes=x.dtype.itemsize)
     routing = route_tokens(weights, ids, e, valid=valid, block_m=blocks.block_m)
     return experts_grouped_matmul(x, gate_up, down, routing, blocks, interpret=backend.interpret,
                                   out_dtype=out_dtype)

@@ -92,17 +92,18 @@ class MoEBlocks:
     num_stages: int = 3
 
 
-def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False) -> MoEBlocks:
-    """Blocks for ``num_rows`` token copies (tokens x top-k) over ``num_experts`` experts.
-    ``int4``: for ``moe_grouped_matmul_int4``; with 16- and 32-row tiles (decode and tree verify)
-    its column blocks are twice as wide (128 for gate/up, 256 for down): a K-chunk's words then
-    cover as many bytes as a bf16 chunk's. Measured on the H200 at K2 shapes: 16-row tiles
-    (bench/results/moe_gpu_h200_int4_sweep_20261130.md) 0.41 -> 0.26 ms at 1 token, 3.92 -> 3.85
-    ms at 65, equal at 16; 32-row tiles at 1,040 tokens (a B=16 verify of 64 nodes) 6.69 -> 6.48
-    ms in that run and 5.26 -> 4.52 ms in bench/results/moe_gpu_h200_int4_bm32_20261201.md. Larger
-    row tiles keep the bf16 widths: with float32 activations and 128 rows the wider tiles overflow
-    shared memory. The column blocks never change a row's arithmetic (``block_k`` and ``block_m``
-    do)."""
+def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False, act_bytes: int = 2) -> MoEBlocks:
+    """Blocks for ``num_rows`` token copies (tokens x top-k) over ``num_experts`` experts, with
+    activations of ``act_bytes`` bytes.
+    ``int4``: for ``moe_grouped_matmul_int4``; with 16-row tiles, and 32-row tiles of 2-byte
+    activations (decode and tree verify), its column blocks are twice as wide (128 for gate/up, 256
+    for down): a K-chunk's words then cover as many bytes as a bf16 chunk's. Measured on the H200
+    at K2 shapes: 16-row tiles (bench/results/moe_gpu_h200_int4_sweep_20261130.md) 0.41 -> 0.26 ms
+    at 1 token, 3.92 -> 3.85 ms at 65, equal at 16; 32-row tiles at 1,040 tokens (a B=16 verify of
+    64 nodes), device time of the two launches 4.72 -> 4.47 ms
+    (bench/results/moe_gpu_h200_int4_bm32_20261201.md). Other tiles keep the bf16 widths: with
+    float32 activations, 32 rows ask for 238 KB of shared memory (the H200 has 227 KB) and 128 rows
+    more. The column blocks never change a row's arithmetic (``block_k`` and ``block_m`` do)."""
     per_expert = num_rows / num_experts
     if per_expert <= 16:
         blocks = MoEBlocks(block_m=16, num_warps=4)
@@ -112,7 +113,7 @@ def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False) -> MoE
         blocks = MoEBlocks(block_m=64, block_k=64, num_warps=4)
     else:
         blocks = MoEBlocks(block_m=128, block_k=64, num_warps=8)
-    if int4 and blocks.block_m <= 32:
+    if int4 and (blocks.block_m == 16 or (blocks.block_m == 32 and act_bytes <= 2)):
         blocks = dataclasses.replace(blocks, block_n_gate_up=2 * blocks.block_n_gate_up,
                                      block_n_down=2 * blocks.block_n_down)
     return blocks
