@@ -183,9 +183,9 @@ def test_moe_grouped_matmul_equals_reference(n, e, k, h, i):
 @pytest.mark.parametrize("n,e,k,h,i,symmetric", [(1, 8, 2, 256, 128, True), (37, 64, 4, 512, 256, False),
                                                   (200, 16, 2, 256, 128, False), (700, 8, 2, 256, 128, True)])
 def test_moe_grouped_matmul_int4_equals_reference(n, e, k, h, i, symmetric):
-    """The W4A16 kernel compiled (decode, verify (16- and 32-row tiles) and prefill block sizes; group 32, as Kimi K2
-    Thinking): float32 within 1e-5 of the IEEE float32
-    reference on the dequantised weights, bf16 within 2%; invalid tokens zero."""
+    """The W4A16 kernel compiled (decode, verify (16- and 32-row tiles) and prefill block sizes;
+    group 32, as Kimi K2 Thinking): float32 within 1e-5 of the IEEE float32 reference on the
+    dequantised weights, bf16 within 2%; invalid tokens zero."""
     from ddtree_jax.backend import Backend
     from ddtree_jax.models.int4 import Int4Format, dequantize, quantize_int4
     from ddtree_jax.models.moe import experts_reference, routed_experts

@@ -102,8 +102,8 @@ def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False, act_by
     at 1 token, 3.92 -> 3.85 ms at 65, equal at 16; 32-row tiles at 1,040 tokens (a B=16 verify of
     64 nodes), device time of the two launches 4.72 -> 4.47 ms
     (bench/results/moe_gpu_h200_int4_bm32_20261201.md). Other tiles keep the bf16 widths: with
-    float32 activations, 32 rows ask for 238 KB of shared memory (the H200 has 227 KB) and 128 rows
-    more. The column blocks never change a row's arithmetic (``block_k`` and ``block_m`` do)."""
+    float32 activations, 32 rows ask for 232 KiB of shared memory (the H200 allows 227 KiB) and 128
+    rows more. The column blocks never change a row's arithmetic (``block_k`` and ``block_m`` do)."""
     per_expert = num_rows / num_experts
     if per_expert <= 16:
         blocks = MoEBlocks(block_m=16, num_warps=4)
