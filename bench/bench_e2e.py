@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax.generate import generate  # noqa: E402
+from ddtree_jax.generation import generate  # noqa: E402
 from ddtree_jax.sampling import SamplingParams  # noqa: E402
 
 SETTINGS = {

@@ -6,9 +6,6 @@ line's argument checks do not pay for importing JAX.
 
 from __future__ import annotations
 
-import sys
-import types
-
 from ddtree_jax._lazy import lazy_exports
 
 __version__ = "0.1.0"
@@ -21,9 +18,9 @@ _EXPORTS = {
     "load_drafter": "ddtree_jax.checkpoints",
     "load_target": "ddtree_jax.checkpoints",
     "save_checkpoint": "ddtree_jax.checkpoints",
-    "GenerateOutput": "ddtree_jax.generate",
-    "RequestOutput": "ddtree_jax.generate",
-    "generate": "ddtree_jax.generate",
+    "GenerateOutput": "ddtree_jax.generation",
+    "RequestOutput": "ddtree_jax.generation",
+    "generate": "ddtree_jax.generation",
     "DFlashConfig": "ddtree_jax.models",
     "DFlashDrafter": "ddtree_jax.models",
     "DraftCache": "ddtree_jax.models",
@@ -52,16 +49,3 @@ __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
-
-class _Package(types.ModuleType):
-    """Importing the submodule ``ddtree_jax.generate`` makes Python set the package attribute
-    ``generate`` to that module, which would shadow the function of the same name: keep exported
-    names pointing at what ``_EXPORTS`` says."""
-
-    def __setattr__(self, name, value):
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -39,7 +39,7 @@ __all__ = [
     "top_p",
 ]
 
-# ddtree_jax.generate.METHODS, restated so that argument checking does not import JAX
+# ddtree_jax.generation.METHODS, restated so that argument checking does not import JAX
 # (tests/test_cli.py checks that the two agree).
 METHODS = ("ddtree", "dflash", "ar")
 

@@ -208,7 +208,7 @@ class _Run:
 
 def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: list[int], sampling) -> _Run:
     from ddtree_jax.compilation_cache import CompileWatch
-    from ddtree_jax.generate import generate
+    from ddtree_jax.generation import generate
 
     # Streaming: the prompt is echoed with the first tokens, so no message lands glued to it.
     shown = {"echoed": False, "chars": 0}

@@ -69,7 +69,7 @@ def train_drafter(drafter, target, stream: np.ndarray, *, steps: int = 400, batc
     first (root) token, and as labels the target's own greedy continuation after it, made with
     ``generate(method="ar")``.
     """
-    from ddtree_jax.generate import generate
+    from ddtree_jax.generation import generate
 
     cfg = drafter.config
     bs = cfg.block_size

@@ -197,7 +197,7 @@ def test_checkpoint_error_after_loading_is_one_line(default_dir, tmp_path, capsy
 
 
 def test_preflight_ranges_agree_with_sampling_params():
-    from ddtree_jax.generate import METHODS
+    from ddtree_jax.generation import METHODS
     from ddtree_jax.sampling import SamplingParams
 
     assert pf.METHODS == METHODS

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from ddtree_jax.generate import generate
+from ddtree_jax.generation import generate
 from ddtree_jax.testing import BigramOracleDrafter, make_bigram
 from tests._model_fixtures import tiny_dflash, tiny_kimi
 from tests._reference import chisquare_pvalue, filtered_probs

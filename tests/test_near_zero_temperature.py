@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from ddtree_jax.generate import generate
+from ddtree_jax.generation import generate
 from ddtree_jax.sampling import GREEDY_BELOW, SamplingBatch, batch_sampling, canonical_temperature, target_logprobs
 from pallas_kernels.triton import fused_sample as fs
 from tests._model_fixtures import tiny_dflash, tiny_kimi

@@ -1,33 +1,22 @@
 """The public API: every exported name resolves, importing the package does not import JAX, the
-submodule ``ddtree_jax.generate`` does not shadow the function, the old ``verify`` module warns."""
+function ``ddtree_jax.generate`` stays the function after its module is imported."""
 
 import os
 import subprocess
 import sys
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_import_is_light_and_every_export_resolves():
     code = ("import sys, ddtree_jax as dt; assert 'jax' not in sys.modules, 'importing the package imported jax'; "
-            "import ddtree_jax.generate, ddtree_jax.decode_round; "
-            "assert callable(dt.generate) and dt.generate.__module__ == 'ddtree_jax.generate'; "
+            "import ddtree_jax.generation, ddtree_jax.decode_round; "
+            "assert callable(dt.generate) and dt.generate.__module__ == 'ddtree_jax.generation'; "
             "missing = [n for n in dt.__all__ if getattr(dt, n, None) is None]; assert not missing, missing; "
             "print('OK')")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert "OK" in result.stdout, result.stderr[-2000:]
-
-
-def test_verify_module_is_a_deprecated_alias():
-    sys.modules.pop("ddtree_jax.verify", None)
-    with pytest.warns(DeprecationWarning, match="ddtree_jax.accept"):
-        from ddtree_jax.verify import accept_path
-    import ddtree_jax as dt
-
-    assert accept_path is dt.accept_path
 
 
 def test_preflight_knows_the_registered_architectures():

@@ -61,7 +61,7 @@ def make_continuations(target, stream: np.ndarray, *, count: int, prompt_len: in
     """``count`` prompts of ``prompt_len`` tokens at random places of ``stream``, continued by the
     target to ``seq_len`` tokens (``temperature`` 0: greedy). Returns ``tokens int32 [count, seq_len]``
     and per row ``prompt_len`` and ``temperature``."""
-    from ddtree_jax.generate import generate
+    from ddtree_jax.generation import generate
     from ddtree_jax.sampling import SamplingParams
 
     rng = np.random.default_rng([seed, prompt_len])
