@@ -1,6 +1,6 @@
 """Engine metrics: counters, gauges and histograms kept by the engine, read by the server.
 
-Plain Python (no dependency): the HTTP server turns a ``snapshot()`` into the prometheus text
+Plain Python and numpy: the HTTP server turns a ``snapshot()`` into the prometheus text
 format (``ddtree_jax.serving.server``). Histograms have fixed bucket bounds (cumulative counts as
 prometheus expects), a sum and a count.
 """
@@ -12,6 +12,8 @@ import collections
 import dataclasses
 import threading
 import time
+
+import numpy as np
 
 __all__ = ["EngineMetrics", "Histogram"]
 
@@ -37,6 +39,16 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += n
         self.total += value * n
         self.count += n
+
+    def observe_many(self, values) -> None:
+        """Observe every value of ``values`` (a numpy array)."""
+        values = np.asarray(values, np.float64).ravel()
+        if values.size:
+            idx = np.searchsorted(np.asarray(self.bounds), values, side="left")
+            for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
+                self.counts[int(i)] += int(c)
+            self.total += float(values.sum())
+            self.count += int(values.size)
 
     def cumulative(self) -> list[tuple[float, int]]:
         """``(upper bound, observations <= it)`` per bucket, ``+Inf`` last."""
@@ -84,6 +96,10 @@ class EngineMetrics:
     def observe(self, name: str, value: float, n: int = 1) -> None:
         with self._lock:
             getattr(self, name).observe(value, n)
+
+    def observe_many(self, name: str, values) -> None:
+        with self._lock:
+            getattr(self, name).observe_many(values)
 
     def count(self, field: str, key: str | None = None, n: int = 1) -> None:
         with self._lock:
