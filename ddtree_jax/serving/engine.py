@@ -264,6 +264,7 @@ class Engine:
         self.metrics = EngineMetrics(slots)
         self._emitter = Emitter(self.metrics)
         self._inflight = None  # the last dispatched rounds, not yet read back
+        self._waited = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -392,6 +393,8 @@ class Engine:
         tokens and hand them to the emitter: the host's work runs while the device computes the
         rounds just dispatched. A request's tokens therefore reach its stream one engine step after
         the rounds that made them ran; ``drain`` reads the last dispatch back."""
+        t0 = time.perf_counter()
+        self._waited = 0.0
         stopped = self._emitter.take_stopped()
         with self._lock:
             cancelled_queued = [r for r in self._queue if r.handle.cancel_requested]
@@ -426,6 +429,8 @@ class Engine:
             items += self._read_back(*previous)
         self._emitter.submit(items, time.perf_counter())
         self.metrics.count("engine_steps")
+        self.metrics.count("wait_seconds", n=self._waited)
+        self.metrics.count("host_seconds", n=time.perf_counter() - t0 - self._waited)
         with self._lock:
             self._update_load()
         return True
@@ -524,7 +529,9 @@ class Engine:
     def _read_back(self, packed, snapshot: list[_Request | None]) -> list[Emit]:
         """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose
         request ended on the device are freed (host side now, device side at the next step)."""
+        t0 = time.perf_counter()
         got = np.asarray(self._fetch(packed))
+        self._waited += time.perf_counter() - t0
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
         T = self.sync_every * self.tokens_per_round
         live = np.array([r is not None and not r.retired for r in snapshot])

@@ -78,6 +78,8 @@ class EngineMetrics:
         self.generated_tokens = 0
         self.rounds = 0  # request-rounds (one request running one round)
         self.engine_steps = 0
+        self.host_seconds = 0.0  # engine-thread time in steps, not counting waits for the device
+        self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(LATENCY_BUCKETS)
         self.accept = Histogram(ACCEPT_BUCKETS)
@@ -123,6 +125,7 @@ class EngineMetrics:
                 free_slots=self.slots - self.running - self.prefilling, requests=dict(self.requests),
                 rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
+                host_seconds=self.host_seconds, wait_seconds=self.wait_seconds,
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
             )
