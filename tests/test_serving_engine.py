@@ -256,3 +256,39 @@ def test_bad_engine_settings(models, kwargs, match):
     kwargs = {"drafter": drafter, **kwargs}
     with pytest.raises(ValueError, match=match):
         Engine(target, kwargs.pop("drafter"), **{**SHAPE, **kwargs})
+
+
+def test_overlapped_loop_under_many_streams_loses_and_duplicates_nothing(models, reference):
+    """The background loop (rounds dispatched before the previous ones are read back, the emitter on
+    its own thread) under 40 concurrent streams over 2 slots, with stop strings and cancellations
+    mid-flight: every finished request has generate()'s tokens, every cancelled one a prefix of them,
+    every stream's chunks join up to exactly its result, and the slots end free on the device."""
+    tok = char_tokenizer()
+    eng = engine(models, slots=2, tokenizer=tok).start()
+    assert eng._emitter.threaded
+    try:
+        full = [tok.decode(t) for t in reference.tokens]
+        jobs = []
+        for n in range(40):
+            i = n % 5
+            stop = [full[i][4:6]] if n % 7 == 3 else []
+            jobs.append((i, stop, eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS, stop=stop)))
+            if n % 9 == 4:
+                jobs[-1][2].cancel()
+        for i, stop, h in jobs:
+            chunks = list(h.stream(timeout=300))
+            res = chunks[-1].result
+            assert [t for c in chunks for t in c.token_ids] == res.tokens
+            assert "".join(c.text for c in chunks) == res.text
+            assert res.tokens == reference.tokens[i][: len(res.tokens)]
+            if res.finish_reason == "stop":
+                assert stop and res.text == full[i][: full[i].find(stop[0])]
+            elif res.finish_reason == "length":
+                assert not stop and res.tokens == reference.tokens[i]
+            else:
+                assert res.finish_reason == "cancelled"
+        assert sum(h.result().finish_reason == "cancelled" for _, _, h in jobs) >= 1
+    finally:
+        eng.stop()
+    assert np.all([h is None for h in eng._slot])
+    assert (np.asarray(eng._state.finish) == FREE).all()

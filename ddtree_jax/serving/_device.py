@@ -1,4 +1,4 @@
-"""The engine's compiled operations on a ``DecodeState`` of fixed slots (besides ``run_rounds``).
+"""The engine's compiled operations on a ``DecodeState`` of fixed slots.
 
 Every function takes ``rows [R]``: the slots it touches, with ``R`` padded up to a power of two
 by repeating the first entry *with identical data*, so that duplicate scatter writes agree and
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.decode_round import DecodePlan, Models
+from ddtree_jax.decode_round import DecodePlan, Models, run_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
 
@@ -73,17 +73,26 @@ def release(state: DecodeState, rows) -> DecodeState:
     return dataclasses.replace(state, finish=state.finish.at[rows].set(FREE))
 
 
-@functools.partial(jax.jit, static_argnames=("tokens", "rounds"))
-def harvest(state: DecodeState, token_starts, round_starts, *, tokens: int, rounds: int):
-    """What the host reads after a batch of rounds, in one small transfer: per slot ``generated``,
-    ``finish``, ``rounds``, the next ``tokens`` output tokens from ``token_starts [B]`` and the next
-    ``rounds`` acceptance lengths from ``round_starts [B]`` (clipped at the capacity)."""
+HARVEST_FIELDS = 3  # columns before the tokens in ``rounds_and_harvest``'s packed rows
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds", "tokens"), donate_argnames=("state",))
+def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, *,
+                       rounds: int, tokens: int):
+    """Up to ``rounds`` rounds (``run_rounds``), and what the host needs of them in ONE int32 array
+    ``[B, HARVEST_FIELDS + tokens + rounds]`` per slot: tokens committed by these rounds, rounds
+    run, finish code, then the committed tokens (``tokens`` columns, the first ``n`` valid) and the
+    rounds' acceptance lengths (``rounds`` columns). Returns ``(state, packed)``."""
+    gen0, rnd0 = state.generated, state.rounds
+    state = run_rounds(models, tparams, dparams, plan, state, base_key, rounds)
     C = state.capacity
-    tok_idx = jnp.clip(token_starts[:, None] + jnp.arange(tokens)[None], 0, C - 1)
-    rnd_idx = jnp.clip(round_starts[:, None] + jnp.arange(rounds)[None], 0, C - 1)
-    return dict(generated=state.generated, finish=state.finish, rounds=state.rounds,
-                tokens=jnp.take_along_axis(state.out, tok_idx, axis=1),
-                accept=jnp.take_along_axis(state.accept_lengths, rnd_idx, axis=1))
+    tok_idx = jnp.clip(gen0[:, None] + jnp.arange(tokens)[None], 0, C - 1)
+    rnd_idx = jnp.clip(rnd0[:, None] + jnp.arange(rounds)[None], 0, C - 1)
+    packed = jnp.concatenate([
+        (state.generated - gen0)[:, None], (state.rounds - rnd0)[:, None], state.finish[:, None],
+        jnp.take_along_axis(state.out, tok_idx, axis=1), jnp.take_along_axis(state.accept_lengths, rnd_idx, axis=1),
+    ], axis=1).astype(jnp.int32)
+    return state, packed
 
 
 def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, capacity: int, stop_width: int,

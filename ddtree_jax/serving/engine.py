@@ -1,17 +1,19 @@
 """``Engine``: continuous batching of streamed requests over a fixed number of decoding slots.
 
-One ``DecodeState`` of ``slots`` rows lives on the device for the engine's lifetime. Between
-batches of compiled rounds (``decode_round.run_rounds``, ``sync_every`` rounds at a time) the host
+One ``DecodeState`` of ``slots`` rows lives on the device for the engine's lifetime. Each engine
+step (``step()``)
 
-(a) retires requests: finished on the device (stop token, length, error), finished on the host
-    (a stop string), or cancelled; a retired slot is marked ``FREE`` on the device (it commits
-    nothing more) and takes the next request;
-(b) admits queued requests into free slots and prefills them in chunks of at most
-    ``prefill_chunk`` prompt tokens per engine step (so that a long prompt does not stall the
-    running streams), up to ``prefill_batch`` slots per step, padded to a power of two (each
-    (rows, chunk) shape compiles once); a slot whose prompt is in starts decoding (``activate``);
-(c) runs the rounds and streams each running request's newly committed tokens (one small
-    device-to-host transfer per batch of rounds).
+(a) frees the slots of requests that ended on the host (cancelled, or a stop string) and admits
+    queued requests into free slots;
+(b) prefills admitted requests in chunks of at most ``prefill_chunk`` prompt tokens per step (a
+    long prompt does not stall the running streams), up to ``prefill_batch`` slots per step,
+    padded to a power of two (each (rows, chunk) shape compiles once); a slot whose prompt is in
+    starts decoding (``activate``);
+(c) dispatches ``sync_every`` compiled rounds without waiting for them, and then reads back the
+    previous step's rounds: one packed device-to-host transfer, per-slot work only for slots with
+    news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks), so
+    the host's work runs while the device computes. Admission and retirement take effect at the
+    next round boundary.
 
 A request's random stream depends on its seed (or, unseeded, a global request counter), never
 on its slot or its neighbours, and greedy requests give exactly ``generate()``'s tokens whatever
@@ -39,10 +41,11 @@ import numpy as np
 from flax import nnx
 
 from ddtree_jax.backend import Backend, resolve_backend
-from ddtree_jax.decode_round import METHODS, DecodePlan, Models, run_rounds
+from ddtree_jax.decode_round import METHODS, DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
+from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk
 from ddtree_jax.serving.metrics import EngineMetrics
 from ddtree_jax.serving.text import TextStream
 
@@ -65,56 +68,6 @@ class RequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestResult:
-    """A finished request.
-
-    Attributes:
-      request_id: the engine's id (also keys an unseeded request's random stream).
-      prompt_tokens: number of prompt tokens.
-      tokens: generated token ids (ends with the stop token for a stop-token finish; with the token
-        that completed the stop string for a stop-string finish).
-      text: decoded text (stop string excluded), ``""`` without a tokenizer.
-      finish_reason: ``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"`` or ``"error: ..."``.
-      acceptance_lengths: tokens accepted per round (bonus included).
-      ttft: seconds from submission to the first token (``None`` if there was none).
-      seconds: seconds from submission to the end.
-    """
-
-    request_id: int
-    prompt_tokens: int
-    tokens: list[int]
-    text: str
-    finish_reason: str
-    acceptance_lengths: list[int]
-    ttft: float | None
-    seconds: float
-
-    @property
-    def rounds(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length per round (bonus token included)."""
-        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamChunk:
-    """What one engine step produced for a request: new tokens and new text; the last chunk
-    carries ``finish_reason`` and ``result``."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    result: RequestResult | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class RequestHandle:
@@ -206,8 +159,8 @@ class _Request:
     slot: int = -1
     prefilled: int = 0  # prompt tokens (of prompt[:-1]) in the slot's caches
     running: bool = False
-    read_tokens: int = 0  # device tokens read back so far
-    read_rounds: int = 0
+    retired: bool = False  # the engine is done with it (its slot is free or being freed)
+    ended: bool = False  # the emitter has sent its last chunk
     acceptance: list[int] = dataclasses.field(default_factory=list)
     first_token: float | None = None
     last_emit: float | None = None
@@ -309,6 +262,9 @@ class Engine:
         self._slot: list[_Request | None] = [None] * slots
         self._admitted: list[_Request] = []  # prefilling, in admission order
         self.metrics = EngineMetrics(slots)
+        self._emitter = Emitter(self.metrics)
+        self._inflight = None  # the last dispatched rounds, not yet read back
+        self._waited = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -426,18 +382,31 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._queue) or any(r is not None for r in self._slot)
+            return bool(self._queue) or self._inflight is not None or any(r is not None for r in self._slot)
 
     def step(self) -> bool:
-        """One engine step: retire, admit, prefill one chunk, run ``sync_every`` rounds, stream.
-        Returns whether there was anything to do."""
+        """One engine step; returns whether there was anything to do.
+
+        In order: free the slots of requests that ended on the host (cancelled, or a stop string
+        found by the emitter), admit queued requests into free slots, prefill one chunk, dispatch
+        ``sync_every`` rounds (asynchronously), and only then read back the PREVIOUS dispatch's
+        tokens and hand them to the emitter: the host's work runs while the device computes the
+        rounds just dispatched. A request's tokens therefore reach its stream one engine step after
+        the rounds that made them ran; ``drain`` reads the last dispatch back."""
+        t0 = time.perf_counter()
+        self._waited = 0.0
+        stopped = self._emitter.take_stopped()
         with self._lock:
             cancelled_queued = [r for r in self._queue if r.handle.cancel_requested]
             for r in cancelled_queued:
                 self._queue.remove(r)
-            cancelled = [r for r in self._slot if r is not None and r.handle.cancel_requested]
-            for r in cancelled:
-                self._slot[r.slot] = None
+            cancelled = [r for r in self._slot if r is not None and r.handle.cancel_requested and not r.retired]
+            freed = []
+            for r in cancelled + stopped:
+                r.retired = True
+                if r.slot >= 0 and self._slot[r.slot] is r:
+                    self._slot[r.slot] = None
+                    freed.append(r)
                 if r in self._admitted:
                     self._admitted.remove(r)
             for i in range(self.slots):
@@ -448,21 +417,31 @@ class Engine:
                     self._admitted.append(req)
             self._update_load()
             busy = any(r is not None for r in self._slot)
-        for r in cancelled_queued:
-            self._finish(r, "cancelled")
-        running_cancelled = [r for r in cancelled if r.running]
-        if running_cancelled:
-            self._release([r.slot for r in running_cancelled])
-        for r in cancelled:
-            self._finish(r, "cancelled")
-        if not busy:
-            return bool(cancelled_queued or cancelled)
+        ended = [Emit(r, [], [], "cancelled") for r in cancelled_queued + cancelled]
+        self._release([r.slot for r in freed if r.running])
+        if not busy and self._inflight is None:
+            self._emitter.submit(ended, time.perf_counter())
+            return bool(ended or stopped)
         self._prefill_step()
-        self._decode_step()
+        previous, self._inflight = self._inflight, self._dispatch_rounds()
+        items = ended
+        if previous is not None:
+            items += self._read_back(*previous)
+        self._emitter.submit(items, time.perf_counter())
         self.metrics.count("engine_steps")
+        self.metrics.count("wait_seconds", n=self._waited)
+        self.metrics.count("host_seconds", n=time.perf_counter() - t0 - self._waited)
         with self._lock:
             self._update_load()
         return True
+
+    def drain(self) -> None:
+        """Read back the rounds dispatched last (if any) and wait for the emitter: afterwards every
+        committed token has reached its stream."""
+        previous, self._inflight = self._inflight, None
+        if previous is not None:
+            self._emitter.submit(self._read_back(*previous), time.perf_counter())
+        self._emitter.wait()
 
     def _rows(self, slots: list[int]) -> np.ndarray:
         """Slot indices padded to a power of two by repeating the first (with identical data)."""
@@ -483,7 +462,8 @@ class Engine:
         return multihost_utils.process_allgather(tree, tiled=True)
 
     def _release(self, slots: list[int]) -> None:
-        self._state = _device.release(self._state, self._rows(slots))
+        if slots:
+            self._state = _device.release(self._state, self._rows(slots))
 
     def _prefill_step(self) -> None:
         with self._lock:
@@ -532,76 +512,61 @@ class Engine:
                 r.running = True
                 self._admitted.remove(r)
 
-    def _decode_step(self) -> None:
+    def _dispatch_rounds(self):
+        """Dispatch ``sync_every`` rounds for the running slots (not waiting for them); returns
+        ``(packed harvest on the device, the slots' requests at dispatch)`` or ``None``."""
         with self._lock:
-            running = [r for r in self._slot if r is not None and r.running]
-        if not running:
-            return
-        self._state = run_rounds(self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
-                                 self.sync_every)
-        tok_starts = np.zeros((self.slots,), np.int32)
-        rnd_starts = np.zeros((self.slots,), np.int32)
-        for r in running:
-            tok_starts[r.slot], rnd_starts[r.slot] = r.read_tokens, r.read_rounds
-        got = self._fetch(_device.harvest(self._state, tok_starts, rnd_starts,
-                                             tokens=self.sync_every * self.tokens_per_round, rounds=self.sync_every))
-        now = time.perf_counter()
-        release = []
-        for r in running:
-            s = r.slot
-            n_new, n_rounds = int(got["generated"][s]) - r.read_tokens, int(got["rounds"][s]) - r.read_rounds
-            new = got["tokens"][s, :n_new].tolist()
-            accepted = got["accept"][s, :n_rounds].tolist()
-            r.read_tokens += n_new
-            r.read_rounds += n_rounds
-            r.acceptance += accepted
-            self.metrics.count("rounds", n=n_rounds)
-            for a in accepted:
-                self.metrics.observe("accept", a)
-            kept, text = r.text.add(new)
-            if kept:
-                self.metrics.tokens(len(kept), now)
-                if r.first_token is None:
-                    r.first_token = now
-                    self.metrics.observe("ttft", now - r.submitted)
-                    if len(kept) > 1:
-                        self.metrics.observe("itl", 0.0, len(kept) - 1)
-                else:
-                    self.metrics.observe("itl", (now - r.last_emit) / len(kept), len(kept))
-                r.last_emit = now
-            code = int(got["finish"][s])
-            if r.text.stopped:
-                release.append(s)
-                self._finish(r, "stop", kept, text)
-            elif code != RUNNING:
-                release.append(s)
-                self._finish(r, FINISH_REASONS[code], kept, text + r.text.flush())
-            elif kept or text:
-                r.handle._push(StreamChunk(kept, text))
-        if release:
-            self._release(release)
+            snapshot = [r if r is not None and r.running and not r.retired else None for r in self._slot]
+        if not any(snapshot):
+            return None
+        self._state, packed = _device.rounds_and_harvest(
+            self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
+            rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
+        if jax.process_count() == 1:
+            packed.copy_to_host_async()
+        return packed, snapshot
 
-    def _finish(self, r: _Request, reason: str, tokens: list[int] | None = None, text: str = "") -> None:
-        """Retire ``r``: free its slot (host side) and send its last chunk."""
-        with self._lock:
-            if r.slot >= 0 and self._slot[r.slot] is r:
-                self._slot[r.slot] = None
-            if r in self._admitted:
-                self._admitted.remove(r)
-        now = time.perf_counter()
-        result = RequestResult(
-            request_id=r.handle.request_id, prompt_tokens=int(r.prompt.size), tokens=list(r.text.tokens),
-            text=r.text.text, finish_reason=reason, acceptance_lengths=list(r.acceptance),
-            ttft=None if r.first_token is None else r.first_token - r.submitted, seconds=now - r.submitted)
-        self.metrics.count("requests", reason.split(":")[0])
-        r.handle._push(StreamChunk(list(tokens or []), text, reason, result))
+    def _read_back(self, packed, snapshot: list[_Request | None]) -> list[Emit]:
+        """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose
+        request ended on the device are freed (host side now, device side at the next step)."""
+        t0 = time.perf_counter()
+        got = np.asarray(self._fetch(packed))
+        self._waited += time.perf_counter() - t0
+        n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
+        T = self.sync_every * self.tokens_per_round
+        live = np.array([r is not None and not r.retired for r in snapshot])
+        n_rounds = np.where(live, n_rounds, 0)
+        self.metrics.count("rounds", n=int(n_rounds.sum()))
+        accept = got[:, _device.HARVEST_FIELDS + T:]
+        self.metrics.observe_many("accept", accept[np.arange(self.sync_every)[None] < n_rounds[:, None]])
+        items, done = [], []
+        for s in np.flatnonzero(live & ((n_new > 0) | (finish != RUNNING))):
+            r = snapshot[s]
+            code = int(finish[s])
+            reason = None if code == RUNNING else FINISH_REASONS[code]
+            items.append(Emit(r, got[s, _device.HARVEST_FIELDS : _device.HARVEST_FIELDS + n_new[s]].tolist(),
+                              accept[s, : n_rounds[s]].tolist(), reason))
+            if reason is not None:
+                done.append(r)
+        if done:
+            with self._lock:
+                for r in done:
+                    r.retired = True
+                    if self._slot[r.slot] is r:
+                        self._slot[r.slot] = None
+            self._release([r.slot for r in done])
+        return items
 
     # ------------------------------------------------------------------------------------ thread
 
     def start(self) -> Engine:
-        """Step in a background thread while there is work (idle otherwise)."""
+        """Step in a background thread while there is work (idle otherwise); the emitter gets a
+        thread of its own (on one process: with several, the lockstep driver steps the engine and
+        the emitter stays inline so that every process takes the same decisions)."""
         if self._thread is None:
             self._stopping = False
+            if jax.process_count() == 1 and not self._emitter.threaded:
+                self._emitter = Emitter(self.metrics, threaded=True)
             self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
             self._thread.start()
         return self
@@ -609,7 +574,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                self._work.wait_for(lambda: self._stopping or bool(self._queue)
+                self._work.wait_for(lambda: self._stopping or bool(self._queue) or self._inflight is not None
                                     or any(r is not None for r in self._slot))
                 if self._stopping:
                     return
@@ -620,25 +585,32 @@ class Engine:
                 self._fail_all(f"error: engine step failed: {type(e).__name__}: {e}")
 
     def _fail_all(self, reason: str) -> None:
+        self._inflight = None
         with self._lock:
             active = [r for r in self._slot if r is not None]
+            self._slot = [None] * self.slots
+            self._admitted.clear()
         for r in active:
-            self._finish(r, reason)
+            r.retired = True
+        self._emitter.submit([Emit(r, [], [], reason) for r in active], time.perf_counter())
         self._state = self._empty_state()
 
     def stop(self) -> None:
-        """Stop the background thread; requests still queued or running finish with ``"abort"``."""
+        """Stop the background thread; requests still queued or running finish with ``"abort"``
+        (after every token already committed for them)."""
         with self._lock:
             self._stopping = True
             self._work.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.drain()
         with self._lock:
-            pending = list(self._queue) + [r for r in self._slot if r is not None]
+            pending = list(self._queue) + [r for r in self._slot if r is not None and not r.retired]
             self._queue.clear()
-        for r in pending:
-            self._finish(r, "abort")
+        self._emitter.submit([Emit(r, [], [], "abort") for r in pending], time.perf_counter())
+        self._emitter.close()
+        self._emitter = Emitter(self.metrics)
 
     def warmup(self) -> None:
         """Compile the common shapes before serving: a round, and the prefill and activation of every
@@ -655,3 +627,4 @@ class Engine:
                 h.result()
             R *= 2
         self.metrics = EngineMetrics(self.slots)  # the warm-up requests are not traffic
+        self._emitter.metrics = self.metrics

@@ -1,6 +1,6 @@
 """Engine metrics: counters, gauges and histograms kept by the engine, read by the server.
 
-Plain Python (no dependency): the HTTP server turns a ``snapshot()`` into the prometheus text
+Plain Python and numpy: the HTTP server turns a ``snapshot()`` into the prometheus text
 format (``ddtree_jax.serving.server``). Histograms have fixed bucket bounds (cumulative counts as
 prometheus expects), a sum and a count.
 """
@@ -12,6 +12,8 @@ import collections
 import dataclasses
 import threading
 import time
+
+import numpy as np
 
 __all__ = ["EngineMetrics", "Histogram"]
 
@@ -37,6 +39,16 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += n
         self.total += value * n
         self.count += n
+
+    def observe_many(self, values) -> None:
+        """Observe every value of ``values`` (a numpy array)."""
+        values = np.asarray(values, np.float64).ravel()
+        if values.size:
+            idx = np.searchsorted(np.asarray(self.bounds), values, side="left")
+            for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
+                self.counts[int(i)] += int(c)
+            self.total += float(values.sum())
+            self.count += int(values.size)
 
     def cumulative(self) -> list[tuple[float, int]]:
         """``(upper bound, observations <= it)`` per bucket, ``+Inf`` last."""
@@ -66,6 +78,8 @@ class EngineMetrics:
         self.generated_tokens = 0
         self.rounds = 0  # request-rounds (one request running one round)
         self.engine_steps = 0
+        self.host_seconds = 0.0  # engine-thread time in steps, not counting waits for the device
+        self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(LATENCY_BUCKETS)
         self.accept = Histogram(ACCEPT_BUCKETS)
@@ -84,6 +98,10 @@ class EngineMetrics:
     def observe(self, name: str, value: float, n: int = 1) -> None:
         with self._lock:
             getattr(self, name).observe(value, n)
+
+    def observe_many(self, name: str, values) -> None:
+        with self._lock:
+            getattr(self, name).observe_many(values)
 
     def count(self, field: str, key: str | None = None, n: int = 1) -> None:
         with self._lock:
@@ -107,6 +125,7 @@ class EngineMetrics:
                 free_slots=self.slots - self.running - self.prefilling, requests=dict(self.requests),
                 rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
+                host_seconds=self.host_seconds, wait_seconds=self.wait_seconds,
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
             )

@@ -1,0 +1,164 @@
+"""The serving engine against ``generate()`` at the same batch, in one process.
+
+    python bench/bench_engine.py --default [--batches 1 16 64] [--methods ar ddtree] [--budget 16]
+    python bench/bench_engine.py --smoke          # the shipped pair at tiny sizes on the CPU: checks the pipeline
+
+For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`` requests of
+``--prompt-len`` random prompt tokens and ``--new`` new tokens each (greedy, no stop tokens):
+
+* ``generate()``: the requests in batches of ``B`` (prefill included), tokens/s;
+* the ``Engine`` with ``B`` slots, ``sync_every=1``, driven by its background thread (the emitter
+  on its own thread, the shipped tokenizer detokenising), every request submitted at once:
+  tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
+  outside the waits for the device) beside its wait time per step;
+* the compiled round's device time per round, from a ``generate()`` run at batch ``B``
+  (wall time of the decoding rounds / rounds, with ``profile`` off: an upper bound).
+
+Every shape runs once untimed first (compilation). The engine's greedy tokens are checked against
+``generate()``'s. Writes ``bench/results/engine_<device>_<date>.{json,md}`` with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+from ddtree_jax.generation import generate
+from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.serving import Engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _models():
+    from tokenizers import Tokenizer
+
+    import ddtree_jax as dt
+
+    pair = os.path.join(os.path.dirname(dt.__file__), "default_pair")
+    target = dt.load_target(os.path.join(pair, "target"))
+    drafter = dt.load_drafter(os.path.join(pair, "drafter"), target)
+    return target, drafter, Tokenizer.from_file(os.path.join(pair, "tokenizer.json"))
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, vocab, size=(n, length)).tolist()
+
+
+def _generate(target, drafter, prompts, B, method, budget, new):
+    t0 = time.perf_counter()
+    tokens, rounds = [], 0
+    for i in range(0, len(prompts), B):
+        out = generate(target, drafter, prompts[i : i + B], method=method, budget=budget, max_new_tokens=new,
+                       sync_every=8, compact=False, max_len=len(prompts[0]) + new + 64)
+        tokens += out.tokens
+        rounds += max(len(r.acceptance_lengths) for r in out.requests)
+    return time.perf_counter() - t0, tokens, rounds
+
+
+def _engine_run(eng: Engine, prompts, new):
+    m0 = eng.metrics.snapshot()
+    t0 = time.perf_counter()
+    handles = [eng.submit(p, SamplingParams(temperature=0.0), max_tokens=new, ignore_eos=True) for p in prompts]
+    results = [h.result(timeout=3600) for h in handles]
+    dt_ = time.perf_counter() - t0
+    m1 = eng.metrics.snapshot()
+    steps = m1["engine_steps"] - m0["engine_steps"]
+    return dict(seconds=dt_, tokens=[r.tokens for r in results], steps=steps,
+                host_ms_per_step=1e3 * (m1["host_seconds"] - m0["host_seconds"]) / max(steps, 1),
+                wait_ms_per_step=1e3 * (m1["wait_seconds"] - m0["wait_seconds"]) / max(steps, 1))
+
+
+def run_case(target, drafter, tokenizer, method, B, args) -> dict:
+    budget = args.budget if method == "ddtree" else 0
+    n = max(args.requests_per_slot * B, 2)
+    prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
+    warm = prompts[: min(B, n)]
+    _generate(target, drafter, warm, B, method, budget, args.new)  # compile
+    g_s, g_tokens, g_rounds = _generate(target, drafter, prompts, B, method, budget, args.new)
+
+    eng = Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1), slots=B,
+                 tokenizer=tokenizer, max_model_len=args.prompt_len + args.new + 1, sync_every=1,
+                 prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()))
+    eng.warmup()
+    eng.start()
+    try:
+        _engine_run(eng, prompts[: min(len(prompts), 2 * B)], args.new)  # compile the admission shapes
+        e = _engine_run(eng, prompts, args.new)
+    finally:
+        eng.stop()
+    total = n * args.new
+    same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
+    row = dict(method=method, budget=budget, batch=B, requests=n, new=args.new,
+               generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
+               engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
+               host_ms_per_step=e["host_ms_per_step"], wait_ms_per_step=e["wait_ms_per_step"],
+               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), greedy_equal=f"{same}/{n}")
+    log(json.dumps(row))
+    return row
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"# Engine vs generate(), {report['device']}, {report['date']}", "", f"`{report['command']}`", "",
+             "| method | batch | generate tok/s | engine tok/s | engine / generate | host ms / step | "
+             "wait ms / step | generate ms / round | greedy equal |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
+        lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
+                     f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
+                     f"| {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--default", action="store_true", help="the shipped pair (ddtree_jax/default_pair)")
+    ap.add_argument("--smoke", action="store_true", help="the shipped pair at tiny sizes (CPU check)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--methods", nargs="+", default=["ar", "ddtree"], choices=["ar", "dflash", "ddtree"])
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--requests-per-slot", type=int, default=4)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.batches, args.new, args.prompt_len, args.requests_per_slot = [1, 2], 8, 8, 2
+    elif not args.default:
+        ap.error("pass --default (the shipped pair) or --smoke")
+    target, drafter, tokenizer = _models()
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    report = dict(device=device, date=datetime.date.today().isoformat(), host=platform.node(),
+                  command="python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  jax=jax.__version__, rows=[])
+    for method in args.methods:
+        for B in args.batches:
+            log(f"{method} batch {B} ...")
+            report["rows"].append(run_case(target, drafter, tokenizer, method, B, args))
+    if not args.smoke:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"engine_{device.lower()}_{report['date'].replace('-', '')}")
+        with open(stem + ".json", "w") as f:
+            json.dump(report, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(_markdown(report))
+        log(f"wrote {stem}.md")
+    print(_markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""``Emitter``: turns the token ids an engine step committed into what clients see.
+
+The engine thread only moves token ids: after each batch of rounds it hands the emitter one list of
+``Emit`` items (a request, its new tokens and acceptance lengths, and the finish reason when the
+request ends). The emitter detokenises, applies stop strings, keeps the per-request metrics
+(first token, inter-token latency, tokens/s), builds the ``RequestResult`` and pushes the chunks to
+the request handles. It runs inline (``threaded=False``: the batch is done when ``submit``
+returns) or on its own thread (a FIFO queue: every request's chunks still go out in order).
+
+A request whose text completes a stop string ends here, not on the device: the emitter finishes it
+and reports it through ``take_stopped`` so that the engine frees its slot at its next step. Items
+for a request that has already ended are dropped (the engine may have committed a few more tokens
+for it before it learned of the stop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ddtree_jax.serving.engine import _Request
+    from ddtree_jax.serving.metrics import EngineMetrics
+
+__all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk"]
+
+log = logging.getLogger("ddtree_jax.serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestResult:
+    """A finished request.
+
+    Attributes:
+      request_id: the engine's id (also keys an unseeded request's random stream).
+      prompt_tokens: number of prompt tokens.
+      tokens: generated token ids (ends with the stop token for a stop-token finish; with the token
+        that completed the stop string for a stop-string finish).
+      text: decoded text (stop string excluded), ``""`` without a tokenizer.
+      finish_reason: ``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"`` or ``"error: ..."``.
+      acceptance_lengths: tokens accepted per round (bonus included).
+      ttft: seconds from submission to the first token (``None`` if there was none).
+      seconds: seconds from submission to the end.
+    """
+
+    request_id: int
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    acceptance_lengths: list[int]
+    ttft: float | None
+    seconds: float
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length per round (bonus token included)."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """What one engine step produced for a request: new tokens and new text; the last chunk
+    carries ``finish_reason`` and ``result``."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    result: RequestResult | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+
+@dataclasses.dataclass
+class Emit:
+    """One request's news from one engine step. ``finish``: the finish reason when the request
+    ends with this item (``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"``, ``"error: ..."``)."""
+
+    request: _Request
+    tokens: list[int]
+    acceptance: list[int]
+    finish: str | None = None
+
+
+class Emitter:
+    """Detokenisation, stop strings, results and client chunks for one engine (see the module
+    docstring). ``seen`` is the host time the items' tokens reached the host (latency metrics)."""
+
+    def __init__(self, metrics: EngineMetrics, *, threaded: bool = False):
+        self.metrics = metrics
+        self.threaded = threaded
+        self._stopped: list[_Request] = []
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="ddtree-emitter", daemon=True)
+            self._thread.start()
+
+    def submit(self, items: list[Emit], seen: float) -> None:
+        """Hand over one step's items (inline: processed before returning)."""
+        if not items:
+            return
+        if not self.threaded:
+            self._process(items, seen)
+            return
+        with self._lock:
+            self._pending += 1
+        self._queue.put((items, seen))
+
+    def wait(self) -> None:
+        """Block until every submitted batch is processed."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def take_stopped(self) -> list[_Request]:
+        """Requests finished by a stop string since the last call (their slots are still taken)."""
+        with self._lock:
+            out, self._stopped = self._stopped, []
+        return out
+
+    def close(self) -> None:
+        """Process what is queued, then end the thread (if any)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+            self.threaded = False
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._process(*job)
+            except Exception:  # never leave the engine waiting on a dead emitter
+                log.exception("emitter failed on a batch")
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _process(self, items: list[Emit], seen: float) -> None:
+        for item in items:
+            r = item.request
+            if r.ended:
+                continue
+            r.acceptance += item.acceptance
+            kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
+            if kept:
+                self._latency(r, len(kept), seen)
+            if r.text.stopped:
+                self._end(r, "stop", kept, text)
+                with self._lock:
+                    self._stopped.append(r)
+            elif item.finish is not None:
+                self._end(r, item.finish, kept, text + r.text.flush())
+            elif kept or text:
+                r.handle._push(StreamChunk(kept, text))
+
+    def _latency(self, r: _Request, n: int, now: float) -> None:
+        self.metrics.tokens(n, now)
+        if r.first_token is None:
+            r.first_token = now
+            self.metrics.observe("ttft", now - r.submitted)
+            if n > 1:
+                self.metrics.observe("itl", 0.0, n - 1)
+        else:
+            self.metrics.observe("itl", (now - r.last_emit) / n, n)
+        r.last_emit = now
+
+    def _end(self, r: _Request, reason: str, tokens: list[int], text: str) -> None:
+        r.ended = True
+        now = time.perf_counter()
+        result = RequestResult(
+            request_id=r.handle.request_id, prompt_tokens=int(r.prompt.size), tokens=list(r.text.tokens),
+            text=r.text.text, finish_reason=reason, acceptance_lengths=list(r.acceptance),
+            ttft=None if r.first_token is None else r.first_token - r.submitted, seconds=now - r.submitted)
+        self.metrics.count("requests", reason.split(":")[0])
+        r.handle._push(StreamChunk(list(tokens), text, reason, result))
