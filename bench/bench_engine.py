@@ -144,18 +144,17 @@ def main(argv=None) -> dict:
     report = dict(device=device, date=datetime.date.today().isoformat(), host=platform.node(),
                   command="python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   jax=jax.__version__, rows=[])
+    stem = os.path.join(args.out, f"engine_{device.lower()}_{report['date'].replace('-', '')}")
     for method in args.methods:
         for B in args.batches:
             log(f"{method} batch {B} ...")
             report["rows"].append(run_case(target, drafter, tokenizer, method, B, args))
-    if not args.smoke:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"engine_{device.lower()}_{report['date'].replace('-', '')}")
-        with open(stem + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(_markdown(report))
-        log(f"wrote {stem}.md")
+            if not args.smoke:  # after every case: a run cut short keeps what it measured
+                os.makedirs(args.out, exist_ok=True)
+                with open(stem + ".json", "w") as f:
+                    json.dump(report, f, indent=1)
+                with open(stem + ".md", "w") as f:
+                    f.write(_markdown(report))
     print(_markdown(report))
     return report
 
