@@ -54,12 +54,81 @@ class DecodePlan:
     backend: Backend
 
 
-@dataclasses.dataclass(frozen=True)
+class _Static:
+    """A static value whose hash is computed once: a compiled call hashes its static arguments and
+    its pytrees' structure on every call, and an nnx graph's hash walks the whole graph."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Static) and self._hash == other._hash and self.value == other.value)
+
+
+@jax.tree_util.register_pytree_node_class
+class Params:
+    """A module's parameters as a flat tuple of arrays with their structure (static, hashed once):
+    a compiled call flattens it in one step instead of walking an ``nnx.State``."""
+
+    __slots__ = ("leaves", "structure")
+
+    def __init__(self, leaves: tuple, structure: _Static):
+        self.leaves, self.structure = leaves, structure
+
+    @classmethod
+    def of(cls, state) -> Params:
+        leaves, treedef = jax.tree.flatten(state)
+        return cls(tuple(leaves), _Static(treedef))
+
+    def tree_flatten(self):
+        return self.leaves, self.structure
+
+    @classmethod
+    def tree_unflatten(cls, structure, leaves) -> Params:
+        return cls(tuple(leaves), structure)
+
+    def state(self):
+        return jax.tree.unflatten(self.structure.value, self.leaves)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Models:
-    """Graph definitions (static) of the target and drafter; their parameters travel apart."""
+    """Graph definitions (static) of the target and drafter; their parameters travel apart (as
+    ``nnx.State`` or, cheaper to pass to a compiled call, ``Params``: ``Models.split``). Equal
+    graphs compare equal; the hash is computed once."""
 
     target: nnx.GraphDef
     drafter: nnx.GraphDef | None
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.target, self.drafter)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, Models) and self._hash == other._hash
+                                 and (self.target, self.drafter) == (other.target, other.drafter))
+
+    @classmethod
+    def split(cls, target, drafter=None) -> tuple[Models, Params, Params | None]:
+        """``(models, target params, drafter params)`` of two modules (``drafter`` may be None)."""
+        tgraph, tstate = nnx.split(target)
+        dgraph, dstate = nnx.split(drafter) if drafter is not None else (None, None)
+        return cls(tgraph, dgraph), Params.of(tstate), None if dstate is None else Params.of(dstate)
+
+    def merge(self, tparams, dparams):
+        """The modules back from their parameters (``Params`` or ``nnx.State``), inside a trace."""
+        state = lambda p: p.state() if isinstance(p, Params) else p
+        target = nnx.merge(self.target, state(tparams))
+        drafter = nnx.merge(self.drafter, state(dparams)) if self.drafter is not None else None
+        return target, drafter
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -74,13 +143,12 @@ def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths
     lengths, ``roots [B]`` the prompts' last tokens; per-row ``max_new_tokens [B]``,
     ``stop_ids [B, S]``, ``sampling`` and ``request_ids [B]``.
     """
-    target = nnx.merge(models.target, tparams)
+    target, drafter = models.merge(tparams, dparams)
     B = prompts.shape[0]
     _, hidden, tcache = target.prefill(prompts, lengths, target.init_cache(B, max_len),
                                        hidden_layer_ids=plan.hidden_layer_ids)
     dcache = None
     if plan.hidden_layer_ids:
-        drafter = nnx.merge(models.drafter, dparams)
         dcache = drafter.append_context(drafter.init_cache(B, max_len), jnp.concatenate(hidden, axis=-1), lengths)
     return DecodeState.start(tcache, dcache, roots, capacity=capacity, max_new_tokens=max_new_tokens,
                              stop_ids=stop_ids, sampling=sampling, request_ids=request_ids)
@@ -161,14 +229,8 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
 STAGES = (("draft", _draft), ("tree", _tree), ("verify", _verify), ("sample", _sample), ("commit", _commit))
 
 
-def _merge(models: Models, tparams, dparams):
-    target = nnx.merge(models.target, tparams)
-    drafter = nnx.merge(models.drafter, dparams) if models.drafter is not None else None
-    return target, drafter
-
-
 def _round(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key) -> DecodeState:
-    target, drafter = _merge(models, tparams, dparams)
+    target, drafter = models.merge(tparams, dparams)
     work = {}
     for _, stage in STAGES:
         work = stage(target, drafter, plan, state, base_key, work)
@@ -194,5 +256,5 @@ def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: Decode
 @functools.partial(jax.jit, static_argnames=("name", "models", "plan"))
 def run_stage(name: str, models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, work):
     """One stage of a round alone (the same code ``run_rounds`` runs), to time the split."""
-    target, drafter = _merge(models, tparams, dparams)
+    target, drafter = models.merge(tparams, dparams)
     return dict(STAGES)[name](target, drafter, plan, state, base_key, work)

@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.decode_round import METHODS, STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
@@ -261,9 +260,7 @@ def generate(
     uses_drafter = method != "ar"
     plan = DecodePlan(method=method, budget=checked.budget, backend=backend,
                       hidden_layer_ids=tuple(drafter.config.target_layer_ids) if uses_drafter else ())
-    tgraph, tparams = nnx.split(target)
-    dgraph, dparams = nnx.split(drafter) if uses_drafter else (None, None)
-    models = Models(tgraph, dgraph)
+    models, tparams, dparams = Models.split(target, drafter if uses_drafter else None)
     capacity = int(checked.max_new_tokens.max())
 
     t0 = time.perf_counter()

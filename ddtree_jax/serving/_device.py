@@ -12,7 +12,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from ddtree_jax.decode_round import DecodePlan, Models, run_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
@@ -31,12 +30,11 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
     written after the first ``starts [R]`` prompt tokens already in those slots' caches (0 for a
     prompt's first chunk, which discards whatever the slot held). Finish codes do not change: a
     slot being filled is not ``RUNNING`` and the rounds leave it alone."""
-    target = nnx.merge(models.target, tparams)
+    target, drafter = models.merge(tparams, dparams)
     tcache = _set_lengths(state.target_cache, rows, starts).take_rows(rows)
     _, hidden, tcache = target.prefill(ids, counts, tcache, hidden_layer_ids=plan.hidden_layer_ids)
     new = dict(target_cache=state.target_cache.put_rows(rows, tcache))
     if plan.hidden_layer_ids:
-        drafter = nnx.merge(models.drafter, dparams)
         dcache = _set_lengths(state.draft_cache, rows, starts).take_rows(rows)
         dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), counts)
         new["draft_cache"] = state.draft_cache.put_rows(rows, dcache)

@@ -38,7 +38,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.decode_round import METHODS, DecodePlan, Models
@@ -244,9 +243,7 @@ class Engine:
         self.max_stop_ids = max(max_stop_ids, len(self.stop_token_ids))
         self.plan = DecodePlan(method=method, budget=budget, backend=resolve_backend(impl),
                                hidden_layer_ids=tuple(drafter.config.target_layer_ids) if method != "ar" else ())
-        tgraph, self._tparams = nnx.split(target)
-        dgraph, self._dparams = nnx.split(drafter) if method != "ar" else (None, None)
-        self._models = Models(tgraph, dgraph)
+        self._models, self._tparams, self._dparams = Models.split(target, drafter if method != "ar" else None)
         self._target, self._drafter = target, drafter
         # The cache holds a prompt + its tokens, and one verify block (or one prompt chunk) of scratch.
         # (a commit writes depth + 1 positions: more than the verify block when budget < depth)
