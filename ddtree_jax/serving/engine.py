@@ -440,9 +440,11 @@ class Engine:
             self._emitter.submit(self._read_back(*previous), time.perf_counter())
         self._emitter.wait()
 
-    def _rows(self, slots: list[int]) -> np.ndarray:
-        """Slot indices padded to a power of two by repeating the first (with identical data)."""
-        return np.array(slots + [slots[0]] * (_pow2(len(slots)) - len(slots)), np.int32)
+    def _rows(self, slots: list[int], n: int | None = None) -> np.ndarray:
+        """Slot indices padded to ``n`` (default: a power of two) by repeating the first (with
+        identical data)."""
+        n = _pow2(len(slots)) if n is None else n
+        return np.array(slots + [slots[0]] * (n - len(slots)), np.int32)
 
     @staticmethod
     def _pad(rows: np.ndarray, n: int) -> np.ndarray:
@@ -460,7 +462,7 @@ class Engine:
 
     def _release(self, slots: list[int]) -> None:
         if slots:
-            self._state = _device.release(self._state, self._rows(slots))
+            self._state = _device.release(self._state, self._rows(slots, self.slots))
 
     def _prefill_step(self) -> None:
         with self._lock:
@@ -489,7 +491,7 @@ class Engine:
             self._activate(ready)
 
     def _activate(self, reqs: list[_Request]) -> None:
-        R = _pow2(len(reqs))
+        R = self.slots  # one compiled activation whatever the number of newcomers (a cheap scatter)
         stop_ids = np.full((len(reqs), self.max_stop_ids), NO_STOP, np.int32)
         for i, r in enumerate(reqs):
             stop_ids[i, : len(r.stop_ids)] = r.stop_ids
@@ -500,7 +502,7 @@ class Engine:
                                  seed=pad(np.array([r.sampling.seed or 0 for r in reqs], np.uint32)),
                                  has_seed=pad(np.array([r.sampling.seed is not None for r in reqs], bool)))
         self._state = _device.activate(
-            self._state, self._rows([r.slot for r in reqs]), pad([r.prompt[-1] for r in reqs]),
+            self._state, self._rows([r.slot for r in reqs], R), pad([r.prompt[-1] for r in reqs]),
             pad(np.array([r.prompt.size - 1 for r in reqs], np.int32)),
             pad(np.array([r.max_tokens for r in reqs], np.int32)), pad(stop_ids), sampling,
             pad(np.array([r.handle.request_id for r in reqs], np.uint32)))
