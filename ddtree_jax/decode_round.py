@@ -253,6 +253,17 @@ def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: Decode
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
+def unrolled_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                    rounds: int) -> DecodeState:
+    """``rounds`` rounds one after the other, for use inside a compiled function. Unlike
+    ``run_rounds`` there is no device-side loop with a data-dependent end (on a GPU such a loop
+    makes the host wait for each iteration's predicate, so the call would return only once the
+    rounds are done); rows that are not running commit nothing, so no round needs skipping."""
+    for _ in range(rounds):
+        state = _round(models, tparams, dparams, plan, state, base_key)
+    return state
+
+
 @functools.partial(jax.jit, static_argnames=("name", "models", "plan"))
 def run_stage(name: str, models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, work):
     """One stage of a round alone (the same code ``run_rounds`` runs), to time the split."""

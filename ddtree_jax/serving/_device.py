@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.decode_round import DecodePlan, Models, run_rounds
+from ddtree_jax.decode_round import DecodePlan, Models, unrolled_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
 
@@ -77,12 +77,12 @@ HARVEST_FIELDS = 3  # columns before the tokens in ``rounds_and_harvest``'s pack
 @functools.partial(jax.jit, static_argnames=("models", "plan", "rounds", "tokens"), donate_argnames=("state",))
 def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, *,
                        rounds: int, tokens: int):
-    """Up to ``rounds`` rounds (``run_rounds``), and what the host needs of them in ONE int32 array
-    ``[B, HARVEST_FIELDS + tokens + rounds]`` per slot: tokens committed by these rounds, rounds
+    """``rounds`` rounds (``unrolled_rounds``: the call returns before they finish), and what the
+    host needs of them in ONE int32 array ``[B, HARVEST_FIELDS + tokens + rounds]`` per slot: tokens committed by these rounds, rounds
     run, finish code, then the committed tokens (``tokens`` columns, the first ``n`` valid) and the
     rounds' acceptance lengths (``rounds`` columns). Returns ``(state, packed)``."""
     gen0, rnd0 = state.generated, state.rounds
-    state = run_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+    state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
     C = state.capacity
     tok_idx = jnp.clip(gen0[:, None] + jnp.arange(tokens)[None], 0, C - 1)
     rnd_idx = jnp.clip(rnd0[:, None] + jnp.arange(rounds)[None], 0, C - 1)
