@@ -78,9 +78,10 @@ HARVEST_FIELDS = 3  # columns before the tokens in ``rounds_and_harvest``'s pack
 def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, *,
                        rounds: int, tokens: int):
     """``rounds`` rounds (``unrolled_rounds``: the call returns before they finish), and what the
-    host needs of them in ONE int32 array ``[B, HARVEST_FIELDS + tokens + rounds]`` per slot: tokens committed by these rounds, rounds
-    run, finish code, then the committed tokens (``tokens`` columns, the first ``n`` valid) and the
-    rounds' acceptance lengths (``rounds`` columns). Returns ``(state, packed)``."""
+    host needs of them in ONE int32 array ``[B, HARVEST_FIELDS + tokens + rounds]``; per slot:
+    tokens committed by these rounds, rounds run, finish code, then the committed tokens
+    (``tokens`` columns, the first ``n`` valid) and the rounds' acceptance lengths (``rounds``
+    columns). Returns ``(state, packed)``."""
     gen0, rnd0 = state.generated, state.rounds
     state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
     C = state.capacity

@@ -4,8 +4,8 @@ The engine thread only moves token ids: after each batch of rounds it hands the 
 ``Emit`` items (a request, its new tokens and acceptance lengths, and the finish reason when the
 request ends). The emitter detokenises, applies stop strings, keeps the per-request metrics
 (first token, inter-token latency, tokens/s), builds the ``RequestResult`` and pushes the chunks to
-the request handles. It runs inline (``threaded=False``: the batch is done when ``submit``
-returns) or on its own thread (a FIFO queue: every request's chunks still go out in order).
+the request handles, on the engine thread (a thread of its own measured slower: it contends
+with the engine thread for the interpreter lock; docs/serving.md).
 
 A request whose text completes a stop string ends here, not on the device: the emitter finishes it
 and reports it through ``take_stopped`` so that the engine frees its slot at its next step. Items
@@ -16,9 +16,6 @@ for it before it learned of the stop).
 from __future__ import annotations
 
 import dataclasses
-import logging
-import queue
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -29,8 +26,6 @@ if TYPE_CHECKING:
     from ddtree_jax.serving.metrics import EngineMetrics
 
 __all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk"]
-
-log = logging.getLogger("ddtree_jax.serving")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,81 +94,35 @@ class Emitter:
     """Detokenisation, stop strings, results and client chunks for one engine (see the module
     docstring). ``seen`` is the host time the items' tokens reached the host (latency metrics)."""
 
-    def __init__(self, metrics: EngineMetrics, *, threaded: bool = False):
+    def __init__(self, metrics: EngineMetrics):
         self.metrics = metrics
-        self.threaded = threaded
         self._stopped: list[_Request] = []
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
-        self._thread: threading.Thread | None = None
-        if threaded:
-            self._thread = threading.Thread(target=self._run, name="ddtree-emitter", daemon=True)
-            self._thread.start()
 
     def submit(self, items: list[Emit], seen: float) -> None:
-        """Hand over one step's items (inline: processed before returning)."""
-        if not items:
-            return
-        if not self.threaded:
-            self._process(items, seen)
-            return
-        with self._lock:
-            self._pending += 1
-        self._queue.put((items, seen))
-
-    def wait(self) -> None:
-        """Block until every submitted batch is processed."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
+        """Process one step's items, in order."""
+        for item in items:
+            self._process(item, seen)
 
     def take_stopped(self) -> list[_Request]:
         """Requests finished by a stop string since the last call (their slots are still taken)."""
-        with self._lock:
-            out, self._stopped = self._stopped, []
+        out, self._stopped = self._stopped, []
         return out
 
-    def close(self) -> None:
-        """Process what is queued, then end the thread (if any)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-            self.threaded = False
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._process(*job)
-            except Exception:  # never leave the engine waiting on a dead emitter
-                log.exception("emitter failed on a batch")
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-
-    def _process(self, items: list[Emit], seen: float) -> None:
-        for item in items:
-            r = item.request
-            if r.ended:
-                continue
-            r.acceptance += item.acceptance
-            kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
-            if kept:
-                self._latency(r, len(kept), seen)
-            if r.text.stopped:
-                self._end(r, "stop", kept, text)
-                with self._lock:
-                    self._stopped.append(r)
-            elif item.finish is not None:
-                self._end(r, item.finish, kept, text + r.text.flush())
-            elif kept or text:
-                r.handle._push(StreamChunk(kept, text))
-
+    def _process(self, item: Emit, seen: float) -> None:
+        r = item.request
+        if r.ended:
+            return
+        r.acceptance += item.acceptance
+        kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
+        if kept:
+            self._latency(r, len(kept), seen)
+        if r.text.stopped:
+            self._end(r, "stop", kept, text)
+            self._stopped.append(r)
+        elif item.finish is not None:
+            self._end(r, item.finish, kept, text + r.text.flush())
+        elif kept or text:
+            r.handle._push(StreamChunk(kept, text))
     def _latency(self, r: _Request, n: int, now: float) -> None:
         self.metrics.tokens(n, now)
         if r.first_token is None:

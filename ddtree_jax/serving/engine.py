@@ -11,8 +11,8 @@ step (``step()``)
     starts decoding (``activate``);
 (c) dispatches ``sync_every`` compiled rounds without waiting for them, and then reads back the
     previous step's rounds: one packed device-to-host transfer, per-slot work only for slots with
-    news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks), so
-    the host's work runs while the device computes. Admission and retirement take effect at the
+    news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks): the
+    host's work runs while the device computes the rounds just dispatched. Admission and retirement take effect at the
     next round boundary.
 
 A request's random stream depends on its seed (or, unseeded, a global request counter), never
@@ -433,12 +433,11 @@ class Engine:
         return True
 
     def drain(self) -> None:
-        """Read back the rounds dispatched last (if any) and wait for the emitter: afterwards every
-        committed token has reached its stream."""
+        """Read back the rounds dispatched last (if any): afterwards every committed token has
+        reached its stream."""
         previous, self._inflight = self._inflight, None
         if previous is not None:
             self._emitter.submit(self._read_back(*previous), time.perf_counter())
-        self._emitter.wait()
 
     def _rows(self, slots: list[int], n: int | None = None) -> np.ndarray:
         """Slot indices padded to ``n`` (default: a power of two) by repeating the first (with
@@ -559,13 +558,9 @@ class Engine:
     # ------------------------------------------------------------------------------------ thread
 
     def start(self) -> Engine:
-        """Step in a background thread while there is work (idle otherwise); the emitter gets a
-        thread of its own (on one process: with several, the lockstep driver steps the engine and
-        the emitter stays inline so that every process takes the same decisions)."""
+        """Step in a background thread while there is work (idle otherwise)."""
         if self._thread is None:
             self._stopping = False
-            if jax.process_count() == 1 and not self._emitter.threaded:
-                self._emitter = Emitter(self.metrics, threaded=True)
             self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
             self._thread.start()
         return self
@@ -608,8 +603,6 @@ class Engine:
             pending = list(self._queue) + [r for r in self._slot if r is not None and not r.retired]
             self._queue.clear()
         self._emitter.submit([Emit(r, [], [], "abort") for r in pending], time.perf_counter())
-        self._emitter.close()
-        self._emitter = Emitter(self.metrics)
 
     def warmup(self) -> None:
         """Compile the common shapes before serving: a round, and the prefill and activation of every
