@@ -56,31 +56,6 @@ def one_layer_drafter_config(tcfg):
     )
 
 
-class ModuleFn:
-    """``body(module, *args)`` compiled on the module's state, split once: ``ModuleFn(body).bind(model)``
-    gives ``f(*args)`` (and ``f.lower(*args)``), what the compiled round does. ``nnx.jit`` would
-    walk the module's graph on the host at every call, milliseconds per call
-    (``bench/profile_pass.py`` times both) that a benchmark would take for the GPU's time."""
-
-    def __init__(self, body):
-        self._jit = jax.jit(lambda graph, state, *a: body(nnx.merge(graph, state), *a), static_argnums=0)
-
-    def bind(self, model):
-        graph, state = nnx.split(model)
-        return _Bound(self._jit, graph, state)
-
-
-class _Bound:
-    def __init__(self, fn, graph, state):
-        self._fn, self._graph, self._state = fn, graph, state
-
-    def __call__(self, *a):
-        return self._fn(self._graph, self._state, *a)
-
-    def lower(self, *a):
-        return self._fn.lower(self._graph, self._state, *a)
-
-
 def prefill_every_layer(m, ids, n, c, dense_experts=False):
     """A prefill (as ``m.prefill``) that returns every layer's output and the cache, for timing:
     returning the cache alone lets XLA drop the last layer's MoE (no cache needs it), which in a

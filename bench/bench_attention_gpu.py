@@ -31,24 +31,22 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import _timing  # noqa: E402  (bench/ is the script's folder)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench._common import device_kernels  # noqa: E402
-from ddtree_jax.models.latent_attention import (  # noqa: E402
+from bench import _timing
+from bench._common import device_kernels
+from ddtree_jax.models.latent_attention import (
     SEGMENT_GROUP,
     SEGMENT_KEYS,
     latent_attention_reference,
     prefix_block_attention,
     segmented_split,
 )
-from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
-from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits  # noqa: E402
-from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention  # noqa: E402
+from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
+from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits
+from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 
 
 def log(*a):

@@ -37,25 +37,23 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-if "--smoke" in sys.argv:
-    os.environ["JAX_PLATFORMS"] = "cpu"
+import ddtree_jax as dt
+from bench._common import Report, k2_slice, log, past_deadline
+from ddtree_jax.backend import resolve_backend
+from ddtree_jax.models._layers import Linear, dense_product
+from ddtree_jax.models.latent_attention import latent_attention
+from ddtree_jax.models.moe import experts_ragged_dot, route_tokens, routed_experts
+from ddtree_jax.models.tree_cache import BlockMask, causal_block_mask
+from ddtree_jax.testing import ContinuationOracleDrafter
+from pallas_kernels.triton.moe_grouped_matmul import MoEBlocks
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import ddtree_jax as dt  # noqa: E402
-from bench._common import Report, k2_slice, log, past_deadline  # noqa: E402
-from ddtree_jax.backend import resolve_backend  # noqa: E402
-from ddtree_jax.models._layers import Linear, dense_product  # noqa: E402
-from ddtree_jax.models.latent_attention import latent_attention  # noqa: E402
-from ddtree_jax.models.moe import experts_ragged_dot, route_tokens, routed_experts  # noqa: E402
-from ddtree_jax.models.tree_cache import BlockMask, causal_block_mask  # noqa: E402
-from ddtree_jax.testing import ContinuationOracleDrafter  # noqa: E402
-from pallas_kernels.triton.moe_grouped_matmul import MoEBlocks  # noqa: E402
+if "--smoke" in sys.argv:  # the CPU (set before JAX starts a backend)
+    jax.config.update("jax_platforms", "cpu")
 
 
 def target_config(args) -> dt.KimiConfig:

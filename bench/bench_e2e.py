@@ -41,14 +41,12 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ddtree_jax.generation import generate  # noqa: E402
-from ddtree_jax.sampling import SamplingParams  # noqa: E402
+from ddtree_jax.generation import generate
+from ddtree_jax.sampling import SamplingParams
 
 SETTINGS = {
     "T=0": SamplingParams(temperature=0.0),
@@ -90,9 +88,9 @@ def random_pair_like(run: str, size: str, dest: str) -> None:
 
     from ddtree_jax.checkpoints import save_checkpoint
     from ddtree_jax.models import DFlashDrafter, KimiForCausalLM
-    from ddtree_jax.training._common import RunFolder
     from ddtree_jax.training.configs import SIZES, drafter_config, target_config
     from ddtree_jax.training.export import export_pair
+    from ddtree_jax.training.run import RunFolder
 
     folder = RunFolder(run)
     scratch = dest.rstrip("/") + "_run"

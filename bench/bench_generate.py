@@ -26,15 +26,13 @@ import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import ddtree_jax as dt  # noqa: E402
-from ddtree_jax.testing import BigramOracleDrafter, make_bigram  # noqa: E402
+import ddtree_jax as dt
+from ddtree_jax.testing import BigramOracleDrafter, make_bigram
 
 
 def kimi_slice(args) -> dt.KimiConfig:

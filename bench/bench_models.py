@@ -52,24 +52,17 @@ Writes ``models_<device>_<date>.{json,md}`` to ``--out`` (default bench/results)
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-if "--smoke" in sys.argv:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import ddtree_jax as dt  # noqa: E402
-from bench._common import (  # noqa: E402
-    ModuleFn,
+import ddtree_jax as dt
+from bench._common import (
     Report,
     copy_bandwidth,
     k2_slice,
@@ -82,8 +75,9 @@ from bench._common import (  # noqa: E402
     time_call,
     weight_read_bytes,
 )
-from ddtree_jax.backend import resolve_backend  # noqa: E402
-from ddtree_jax.models.latent_attention import (  # noqa: E402
+from ddtree_jax.backend import resolve_backend
+from ddtree_jax.compiled import CompiledFn
+from ddtree_jax.models.latent_attention import (
     PER_HEAD_PREFILL,
     SEGMENT_GROUP,
     SEGMENT_KEYS,
@@ -91,7 +85,10 @@ from ddtree_jax.models.latent_attention import (  # noqa: E402
     hopper_runs,
     latent_attention,
 )
-from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask  # noqa: E402
+from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
+
+if "--smoke" in sys.argv:  # the CPU (set before JAX starts a backend)
+    jax.config.update("jax_platforms", "cpu")
 
 VARIANTS = ("kernels", "ragged_dot", "dense")
 PARTS = ("passes", "round", "prefill", "int4", "attention")
@@ -159,16 +156,17 @@ def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, sectio
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(budgets) + 8
     head_bytes = model.lm_head.kernel[...].nbytes
-    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2])
-    verify = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
-    verify_dense = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0])
+    prefill = lambda m, ids, n, c: m.prefill(ids, n, c)[2]
+    verify = lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]
+    verify_dense = lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c, dense_experts=True)[0]
     for b in args.batches:
         if past_deadline(args):
             return
         model.set_impl(impl_of("kernels", args.smoke))
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, args.prompt)), jnp.int32)
         try:
-            cache = prefill.bind(model)(ids, jnp.full((b,), args.prompt, jnp.int32), model.init_cache(b, max_len))
+            cache = CompiledFn(prefill, reads=(model,))(ids, jnp.full((b,), args.prompt, jnp.int32),
+                                                        model.init_cache(b, max_len))
         except Exception as e:  # noqa: BLE001
             log(f"  B={b} prefill failed: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -184,7 +182,7 @@ def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, sectio
                 if past_deadline(args):
                     return
                 model.set_impl(impl_of(variant, args.smoke))
-                fn = (verify_dense if variant == "dense" else verify).bind(model)
+                fn = CompiledFn(verify_dense if variant == "dense" else verify, reads=(model,))
                 row = {"pass": name, "B": b, "tokens": tokens, "variant": variant, **(extra or {})}
                 variant_call(fn, (tok, depths, anc, cache), row, floor, report, section)
                 if "ms" in row:
@@ -303,8 +301,6 @@ def part_prefill(args, report, model, cfg, bw, rate):
     rng = np.random.default_rng(4)
     params, nbytes = active_weights(model, cfg)
     layers = cfg.num_hidden_layers
-    prefill = ModuleFn(prefill_every_layer)
-    prefill_dense = ModuleFn(functools.partial(prefill_every_layer, dense_experts=True))
     for t in args.prefill:
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (1, t)), jnp.int32)
         for variant in args.variants:
@@ -318,7 +314,7 @@ def part_prefill(args, report, model, cfg, bw, rate):
                 flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True, per_head=min_tokens > 0)
                 floor = max(flops / rate, nbytes / bw)
                 model.set_per_head_prefill(min_tokens)
-                fn = (prefill_dense if variant == "dense" else prefill).bind(model)  # (bind splits the graph)
+                fn = CompiledFn(prefill_every_layer, reads=(model,), dense_experts=variant == "dense")
                 row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": label, "tflop": flops / 1e12}
                 variant_call(fn, (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
                              "prefill")

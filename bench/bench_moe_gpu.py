@@ -34,23 +34,21 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from bench._common import device_kernels  # noqa: E402
-from bench._timing import time_it  # noqa: E402
-from ddtree_jax.backend import Backend  # noqa: E402
-from ddtree_jax.models.int4 import Int4Format, PackedWeight, dequantize, random_packed_weight  # noqa: E402
-from ddtree_jax.models.moe import (  # noqa: E402
+from bench._common import device_kernels
+from bench._timing import time_it
+from ddtree_jax.backend import Backend
+from ddtree_jax.models.int4 import Int4Format, PackedWeight, dequantize, random_packed_weight
+from ddtree_jax.models.moe import (
     experts_grouped_matmul,
     experts_reference,
     route_tokens,
     routed_experts,
 )
-from pallas_kernels.triton.moe_grouped_matmul import choose_blocks  # noqa: E402
+from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
 
 COPY_BW = 4.2e12  # bytes/s, measured copy bandwidth of the H200 (docs/kernels.md)
 T0 = time.perf_counter()

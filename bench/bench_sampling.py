@@ -32,15 +32,13 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from _timing import time_it  # noqa: E402  (bench/ is the script's folder)
-
-from ddtree_jax.sampling import SamplingBatch, reference_sample, target_logprobs  # noqa: E402
-from pallas_kernels.triton import fused_sample as fs  # noqa: E402
+from bench._timing import time_it
+from ddtree_jax.sampling import SamplingBatch, reference_sample, target_logprobs
+from pallas_kernels.triton import fused_sample as fs
 
 V = 163840
 ROWS = [16, 64, 512, 2048]  # (--rows / --configs select subsets)

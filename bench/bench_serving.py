@@ -35,7 +35,6 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 PROMPTS = [
     "Speculative decoding lets a large model",
@@ -103,10 +102,9 @@ class Server:
         for flag in ("max_model_len", "mesh", "dtype"):
             if getattr(args, flag):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.log_path = os.path.join(log_dir, f"server_{method}.log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)  # -m: ROOT's package
 
     def wait(self, timeout: float) -> dict:
         import httpx

@@ -45,20 +45,13 @@ import re
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-if "--smoke" in sys.argv:  # before jax starts: four CPU devices
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import ddtree_jax as dt  # noqa: E402
-from bench._common import (  # noqa: E402
-    ModuleFn,
+import ddtree_jax as dt
+from bench._common import (
     Report,
     copy_bandwidth,
     k2_slice,
@@ -69,8 +62,13 @@ from bench._common import (  # noqa: E402
     time_call,
     weight_read_bytes,
 )
-from ddtree_jax.serving import Engine  # noqa: E402
-from ddtree_jax.serving.sharding import make_mesh, state_sharding  # noqa: E402
+from ddtree_jax.compiled import CompiledFn
+from ddtree_jax.serving import Engine
+from ddtree_jax.serving.sharding import make_mesh, state_sharding
+
+if "--smoke" in sys.argv:  # four CPU devices (set before JAX starts a backend)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
@@ -225,9 +223,9 @@ def part_passes(args, report, dtype, n_dev, bw):
     target, drafter = make_models(tcfg, mesh, dtype, args.impl)
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(args.budgets) + 8
-    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2]).bind(target)
-    step = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[0]).bind(target)
-    verify = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]).bind(target)
+    prefill = CompiledFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2], reads=(target,))
+    step = CompiledFn(lambda m, ids, n, c: m.prefill(ids, n, c)[0], reads=(target,))
+    verify = CompiledFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0], reads=(target,))
     for b in args.batches:
         if past_deadline(args):
             break

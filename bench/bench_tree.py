@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import ddtree_jax as dt  # noqa: E402
+import ddtree_jax as dt
 
 
 def heapq_build(logq: np.ndarray, budget: int) -> list[tuple[int, int]]:

@@ -25,23 +25,21 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import _timing  # noqa: E402  (bench/ is the script's folder)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import ddtree_jax as dt  # noqa: E402
-from ddtree_jax.backend import Backend  # noqa: E402
-from ddtree_jax.topk import exact_top_k  # noqa: E402
-from ddtree_jax.tree import (  # noqa: E402
+import ddtree_jax as dt
+from bench import _timing
+from ddtree_jax.backend import Backend
+from ddtree_jax.topk import exact_top_k
+from ddtree_jax.tree import (
     _tree_from_tables,
     ancestor_mask_doubling,
     ancestor_mask_from_parents,
     draft_logprobs,
 )
-from pallas_kernels.triton import tree_builder, vocab_top_k  # noqa: E402
+from pallas_kernels.triton import tree_builder, vocab_top_k
 
 B, BUDGET, L, V = 16, 256, 15, 163840
 GOAL_US = 200.0

@@ -24,14 +24,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
 
-import jax  # noqa: E402
-from _timing import time_it  # noqa: E402
-
-from bench.bench_sampling import CONFIGS, DEV_N, V, batch_params, kernel_dev_fn, make_logits, seeds_for  # noqa: E402
-from pallas_kernels.triton import fused_sample as current  # noqa: E402
+from bench._timing import time_it
+from bench.bench_sampling import CONFIGS, DEV_N, V, batch_params, kernel_dev_fn, make_logits, seeds_for
+from pallas_kernels.triton import fused_sample as current
 
 
 def log(*a):

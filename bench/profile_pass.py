@@ -19,18 +19,13 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-if "--smoke" in sys.argv:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import ddtree_jax as dt  # noqa: E402
-from bench._common import (  # noqa: E402
-    ModuleFn,
+import ddtree_jax as dt
+from bench._common import (
     Report,
     device_kernels,
     k2_slice,
@@ -39,6 +34,10 @@ from bench._common import (  # noqa: E402
     random_tree,
     time_call,
 )
+from ddtree_jax.compiled import CompiledFn
+
+if "--smoke" in sys.argv:  # the CPU (set before JAX starts a backend)
+    jax.config.update("jax_platforms", "cpu")
 
 
 def main():
@@ -67,9 +66,9 @@ def main():
                                                        experts_int4=int4))
     rng = np.random.default_rng(0)
     verify_nnx = nnx.jit(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0])
-    verify_split = ModuleFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0]).bind(model)
-    prefill_all = ModuleFn(prefill_every_layer).bind(model)
-    prefill = ModuleFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2]).bind(model)
+    verify_split = CompiledFn(lambda m, tok, dep, anc, c: m.verify(tok, dep, anc, c)[0], reads=(model,))
+    prefill_all = CompiledFn(prefill_every_layer, reads=(model,))
+    prefill = CompiledFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2], reads=(model,))
     for case in args.cases:
         kind, size = case.split(":")
         if kind == "P":  # a prefill of ``size`` tokens into an empty row

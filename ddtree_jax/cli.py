@@ -320,7 +320,7 @@ def run_demo(args, parser=None) -> None:
         _fail(parser, str(e))
     _log(f"[ddtree_jax] compilation cache: {cache or 'off'}")
     from ddtree_jax.compilation_cache import CompileWatch
-    from ddtree_jax.default_model import make_default
+    from ddtree_jax.training.recipe import make_default
 
     t0 = time.perf_counter()
     if shipped:

@@ -18,7 +18,7 @@ import os
 import jax
 import pytest
 
-from ddtree_jax.default_model import make_default
+from ddtree_jax.training.recipe import make_default
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,12 +39,12 @@ def _drop_compiled_programs_after_the_module():
 
 @pytest.fixture(scope="session")
 def default_dir(tmp_path_factory):
-    """The built-in default pair and tokenizer (``ddtree_jax.default_model``) with short training
+    """The CPU recipe's pair and tokenizer (``ddtree_jax.training.recipe``) with short training
     (the demo trains longer): enough that both losses fall (tests/test_cli.py checks) and that the
     drafter's trees get tokens accepted. ~1 min on 2 CPU cores, once per run: under pytest-xdist
     the workers share this run's base directory, and the first to lock it trains while the others
     wait, then load what it wrote (``make_default`` returns a finished folder as it is)."""
-    kw = dict(vocab_size=300, target_steps=30, drafter_steps=30, drafter_contexts=(8,), log=lambda msg: None)
+    kw = dict(vocab_size=300, target_steps=30, drafter_steps=30, drafter_prompt_lengths=(8,), log=lambda msg: None)
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return make_default(str(tmp_path_factory.mktemp("default")), **kw)
     shared = tmp_path_factory.getbasetemp().parent  # this run's directory, common to its workers

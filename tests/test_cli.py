@@ -13,7 +13,7 @@ import pytest
 
 from ddtree_jax import _preflight as pf
 from ddtree_jax import cli, compilation_cache, load_drafter, load_target
-from ddtree_jax.default_model import default_configs, make_default
+from ddtree_jax.training.recipe import default_configs, make_default
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "python -m ddtree_jax"

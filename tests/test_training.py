@@ -1,5 +1,6 @@
 """The GPU training stages at tiny sizes on the CPU: data listing and split, tokenizer, sharded
-state, one target and one drafter step lowering the loss, resuming = not stopping."""
+state, one target and one drafter step lowering the loss, the loop's hooks and stops, resuming =
+not stopping. The CPU recipe that uses the same pieces: tests/test_cli.py (``default_dir``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from ddtree_jax.compiled import CompiledFn
 from ddtree_jax.models import DFlashDrafter, KimiForCausalLM
 from ddtree_jax.training import data
-from ddtree_jax.training._common import CompiledStep, make_optimizer
 from ddtree_jax.training.configs import SIZES, drafter_config, target_config
-from ddtree_jax.training.drafter import drafter_train_step, sample_anchors
+from ddtree_jax.training.drafter import drafter_batch, drafter_train_step, sample_anchors
+from ddtree_jax.training.loop import train_steps
+from ddtree_jax.training.optim import make_optimizer
+from ddtree_jax.training.run import Clock
 from ddtree_jax.training.state import load_state, save_state
 from ddtree_jax.training.target import TRAINABLE, init_target, target_train_step, train_target_stage
 from ddtree_jax.training.tokenizer import EOS, MASK, build_tokenizer, prepare_data
@@ -91,7 +95,7 @@ def test_target_step_lowers_the_loss(run_folder):
     opt = make_optimizer(model, TRAINABLE, **TARGET_OPT)  # as in the resume test: one compilation serves both
     ids = jnp.asarray(np.load(os.path.join(run_folder, "train_tokens.npy"))[: 4 * 33].reshape(4, 33).astype(np.int32))
     bias = model.model.layers[1].mlp.gate.e_score_correction_bias[...]
-    step = CompiledStep(target_train_step, (model, opt), compute_dtype=jnp.float32, bias_rate=1e-3)
+    step = CompiledFn(target_train_step, updates=(model, opt), compute_dtype=jnp.float32, bias_rate=1e-3)
     losses = _repeat_steps(lambda: step(ids), 6)
     assert losses[-1] < losses[0] - 0.3
     step.sync()  # the carried state back into the modules
@@ -108,9 +112,41 @@ def test_drafter_step_lowers_the_loss():
     tokens = jnp.asarray(rng.integers(2, 300, (2, 40)), jnp.int32)
     anchors = jnp.asarray(sample_anchors(rng, np.array([8, 20]), 40, 3, 16))
     assert int(anchors.min()) >= 7 and int(anchors.max()) <= 40 - 16
-    step = CompiledStep(drafter_train_step, (drafter, opt), (target,))
+    step = CompiledFn(drafter_train_step, updates=(drafter, opt), reads=(target,))
     losses = _repeat_steps(lambda: step(tokens, anchors), 6)
     assert losses[-1] < losses[0] - 0.3
+
+
+def test_drafter_batch_depends_on_the_step_only():
+    rng = np.random.default_rng(0)
+    d = dict(tokens=rng.integers(0, 300, (10, 40)).astype(np.int32), prompt_len=np.array([8, 20] * 5, np.int32))
+    kw = dict(seed=3, batch=4, anchors=5, block_size=16)
+    tokens, anchors = drafter_batch(d, 7, **kw)
+    assert tokens.shape == (4, 40) and anchors.shape == (4, 5)
+    np.testing.assert_array_equal(drafter_batch(d, 7, **kw)[1], anchors)
+    assert not np.array_equal(drafter_batch(d, 8, **kw)[1], anchors)
+    plen = np.asarray([d["prompt_len"][np.flatnonzero((d["tokens"] == np.asarray(t)).all(1))[0]] for t in tokens])
+    assert (np.asarray(anchors) >= plen[:, None] - 1).all() and (np.asarray(anchors) <= 40 - 16).all()
+
+
+def test_train_steps_hooks_and_stops():
+    losses = iter([5.0, 4.0, 3.0, 2.0, 1.0, float("nan")])
+    calls, lines, records = [], [], []
+    batch_of = lambda s: (s,)  # noqa: E731
+    step = lambda s: (calls.append(("step", s)), next(losses))[1]  # noqa: E731
+    evaluate = lambda: (calls.append(("eval", info["step"])), 0.0)[1]  # noqa: E731
+    info = {"step": 0}
+    out = train_steps("m", step, batch_of, info, steps=6, limit=5, log=lines.append, log_every=2,
+                      record=records.append, evaluate=evaluate, eval_every=2)
+    assert out == [5.0, 4.0, 3.0, 2.0, 1.0] and info["step"] == 5
+    assert calls == [("step", 0), ("step", 1), ("eval", 2), ("step", 2), ("step", 3), ("eval", 4), ("step", 4)]
+    assert [r["step"] for r in records] == [1, 2, 4, 5] and [r["train_loss"] for r in records] == [5.0, 4.0, 2.5, 1.0]
+    assert lines[0].startswith("[m] step 1/6 loss 5.0000 (mean of 1)") and "(step 1 compiles)" in lines[0]
+    with pytest.raises(SystemExit, match="loss is nan at step 6"):
+        train_steps("m", step, batch_of, info, steps=6, log=lines.append)
+    stopped = {"step": 2}
+    assert train_steps("m", step, batch_of, stopped, steps=6, clock=Clock(1.0, reserve_s=60.0), log=lines.append) == []
+    assert stopped["step"] == 2 and "stopping before the 1-minute limit at step 2" in lines[-1]
 
 
 def test_target_resume_equals_uninterrupted_training(run_folder, tmp_path):

@@ -1,4 +1,6 @@
-"""Training the shipped target and drafter on a GPU, in resumable stages (one command each):
+"""Training the target and drafter: the shipped pair's GPU stages and the small CPU recipe.
+
+The GPU stages, resumable (one command each):
 
 1. ``python -m ddtree_jax.training.tokenizer --out RUN``: the standard library's source as data
    (``data``), a byte-level BPE tokenizer, token streams and ``data.json``.
@@ -9,5 +11,9 @@
    and the tokenizer, ready to ship.
 
 Each training command stops before its ``--minutes`` and resumes where it stopped when run again.
-``ddtree_jax.train`` keeps the small CPU recipe of the built-in default.
+``recipe.make_default`` is the same recipe at a small size on a built-in corpus, on the CPU
+(``python -m ddtree_jax demo --retrain``). Shared by all: the optimiser and mixed precision
+(``optim``), the loop (``loop``), the compiled step (``ddtree_jax.compiled``); the stages' run
+folder and clock are in ``run``, their resumable state in ``state``, their sizes in ``configs``.
+Importing this package imports nothing else.
 """

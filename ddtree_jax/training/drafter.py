@@ -37,23 +37,17 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ddtree_jax.compiled import CompiledFn
 from ddtree_jax.models import DFlashDrafter
-from ddtree_jax.training._common import (
-    Clock,
-    CompiledStep,
-    RunFolder,
-    cast_params,
-    compute_dtype_for,
-    enable_compilation_cache,
-    make_optimizer,
-    param_count,
-)
 from ddtree_jax.training.configs import SIZES, drafter_config
 from ddtree_jax.training.data import write_json
+from ddtree_jax.training.loop import train_steps
+from ddtree_jax.training.optim import cast_params, compute_dtype_for, make_optimizer, param_count
+from ddtree_jax.training.run import Clock, RunFolder, enable_compilation_cache
 from ddtree_jax.training.state import MAX_SHARD_BYTES, load_state, read_info, save_state
 
-__all__ = ["acceptance_by_depth", "drafter_train_step", "main", "make_continuations", "sample_anchors",
-           "train_drafter_stage"]
+__all__ = ["acceptance_by_depth", "drafter_batch", "drafter_train_step", "main", "make_continuations",
+           "sample_anchors", "train_drafter_stage"]
 
 
 def make_continuations(target, stream: np.ndarray, *, count: int, prompt_len: int, seq_len: int, temperature: float,
@@ -83,6 +77,16 @@ def sample_anchors(rng: np.random.Generator, prompt_len: np.ndarray, seq_len: in
             ).astype(np.int32)
 
 
+def drafter_batch(data: dict, step: int, *, seed: int, batch: int, anchors: int, block_size: int):
+    """The batch of training step ``step`` (a function of ``(seed, step)`` alone): ``batch`` rows of
+    ``data`` (``make_continuations``' fields, rows stacked) and ``anchors`` anchors per row
+    (``sample_anchors``), as ``(tokens int32 [batch, S], anchors int32 [batch, anchors])``."""
+    rng = np.random.default_rng([seed, step])
+    rows = rng.integers(0, len(data["tokens"]), batch)
+    anc = sample_anchors(rng, data["prompt_len"][rows], data["tokens"].shape[1], anchors, block_size)
+    return jnp.asarray(data["tokens"][rows]), jnp.asarray(anc)
+
+
 def _target_features(target, tokens, layer_ids):
     _, hidden = target.forward_uncached(tokens, hidden_layer_ids=layer_ids, dense_experts=True)
     return jax.lax.stop_gradient(jnp.concatenate(hidden, axis=-1))
@@ -103,7 +107,8 @@ def _block_loss(drafter, target, tokens, anchors, compute_dtype, gamma):
 
 def drafter_train_step(drafter, opt, target, tokens, anchors, *, compute_dtype=jnp.float32, gamma: float = 7.0):
     """One step on ``tokens int32 [B, S]`` with ``anchors int32 [B, A]``; returns the loss (before the step).
-    Compiled by ``CompiledStep(drafter_train_step, (drafter, opt), (target,), compute_dtype=..., gamma=...)``."""
+    Compiled by ``CompiledFn(drafter_train_step, updates=(drafter, opt), reads=(target,), compute_dtype=...,
+    gamma=...)``."""
     grad_fn = nnx.value_and_grad(lambda d: _block_loss(d, target, tokens, anchors, compute_dtype, gamma)[0])
     loss, grads = grad_fn(drafter)
     opt.update(drafter, grads)
@@ -237,7 +242,7 @@ def train_drafter_stage(run: str, *, size: str = "h200", minutes: float = 8.0, s
             f"block {cfg.block_size}, target layers {cfg.target_layer_ids}); {len(data['tokens'])} sequences of "
             f"{seq_len} tokens; {steps} steps of {batch} sequences x {anchors} anchors")
 
-    step = CompiledStep(drafter_train_step, (drafter, opt), (target,), compute_dtype=dtype, gamma=gamma)
+    step = CompiledFn(drafter_train_step, updates=(drafter, opt), reads=(target,), compute_dtype=dtype, gamma=gamma)
 
     def save(reason: str):
         t = time.perf_counter()
@@ -270,38 +275,13 @@ def train_drafter_stage(run: str, *, size: str = "h200", minutes: float = 8.0, s
             f"{' (best: saved drafter_best)' if improved else ''} ({time.perf_counter() - t:.1f}s)")
         return time.perf_counter() - t
 
-    tokens_all, plen_all = data["tokens"], data["prompt_len"]
-    start_step, last_save, since, step_s, eval_s = info["step"], time.perf_counter(), [], 0.0, 10.0
-    limit = steps if max_steps_this_call is None else min(steps, start_step + max_steps_this_call)
-    if start_step == 0 and not info["evals"]:
-        eval_s = evaluate()
-    t_log = time.perf_counter()
-    while info["step"] < limit:
-        if clock.should_stop(step_s + (eval_s if (info["step"] + 1) % eval_every == 0 else 0.0)):
-            log(f"[drafter] stopping before the {minutes:g}-minute limit at step {info['step']}; run the same command "
-                "again to continue")
-            break
-        rng = np.random.default_rng([seed, info["step"]])
-        rows = rng.integers(0, len(tokens_all), batch)
-        anc = sample_anchors(rng, plen_all[rows], seq_len, anchors, cfg.block_size)
-        t = time.perf_counter()
-        loss = float(step(jnp.asarray(tokens_all[rows]), jnp.asarray(anc)))
-        step_s = time.perf_counter() - t if info["step"] > start_step else step_s
-        info["step"] += 1
-        since.append(loss)
-        if not math.isfinite(loss):
-            raise SystemExit(f"[drafter] loss is {loss} at step {info['step']}: lower --lr")
-        if info["step"] == start_step + 1 or info["step"] % 50 == 0:
-            log(f"[drafter] step {info['step']}/{steps} loss {np.mean(since):.4f} (mean of {len(since)}), "
-                f"{(time.perf_counter() - t_log) / len(since) * 1e3:.0f} ms/step, {clock.elapsed():.0f}s"
-                + (" (step 1 compiles)" if info["step"] == start_step + 1 else ""))
-            folder.log_line("drafter", dict(step=info["step"], train_loss=float(np.mean(since)), time=time.time()))
-            since, t_log = [], time.perf_counter()
-        if info["step"] % eval_every == 0 or info["step"] == steps:
-            eval_s = evaluate()
-        if time.perf_counter() - last_save > save_every_s:
-            save("periodic")
-            last_save = time.perf_counter()
+    start_step = info["step"]
+    eval_s = evaluate() if start_step == 0 and not info["evals"] else 10.0
+    train_steps("drafter", step,
+                lambda s: drafter_batch(data, s, seed=seed, batch=batch, anchors=anchors, block_size=cfg.block_size),
+                info, steps=steps, limit=None if max_steps_this_call is None else start_step + max_steps_this_call,
+                log=log, clock=clock, record=lambda r: folder.log_line("drafter", r), evaluate=evaluate,
+                eval_every=eval_every, eval_s=eval_s, save=save, save_every_s=save_every_s)
     if info["step"] > start_step or read_info(state_dir) is None:
         save("end of command" if info["step"] < steps else "finished")
     if info["step"] >= steps:

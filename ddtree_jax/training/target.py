@@ -30,20 +30,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from ddtree_jax.compiled import CompiledFn
 from ddtree_jax.models import KimiForCausalLM
 from ddtree_jax.models.kimi import MoE, Router
-from ddtree_jax.training._common import (
-    Clock,
-    CompiledStep,
-    RunFolder,
-    cast_params,
-    compute_dtype_for,
-    enable_compilation_cache,
-    make_optimizer,
-    param_count,
-)
 from ddtree_jax.training.configs import SIZES, target_config
 from ddtree_jax.training.data import TokenWindows, heldout_windows
+from ddtree_jax.training.loop import train_steps
+from ddtree_jax.training.optim import cast_params, compute_dtype_for, make_optimizer, param_count
+from ddtree_jax.training.run import Clock, RunFolder, enable_compilation_cache
 from ddtree_jax.training.state import load_state, read_info, save_state
 
 __all__ = ["TRAINABLE", "evaluate_target", "init_target", "main", "target_train_step", "train_target_stage"]
@@ -92,7 +86,7 @@ def _cross_entropy(model, ids, compute_dtype):
 
 def target_train_step(model, opt, ids, *, compute_dtype=jnp.float32, bias_rate: float = 1e-3):
     """One optimiser step on ``ids int32 [B, T+1]``; returns the batch's loss (before the step).
-    Compiled by ``CompiledStep(target_train_step, (model, opt), compute_dtype=..., bias_rate=...)``."""
+    Compiled by ``CompiledFn(target_train_step, updates=(model, opt), compute_dtype=..., bias_rate=...)``."""
     grad_fn = nnx.value_and_grad(lambda m: _cross_entropy(m, ids, compute_dtype), argnums=nnx.DiffState(0, TRAINABLE),
                                  has_aux=True)
     (loss, loads), grads = grad_fn(model)
@@ -172,7 +166,7 @@ def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, st
     log(f"[target] data: {len(windows.stream):,} training tokens ({windows.steps_per_epoch} steps per epoch), "
         f"{len(heldout)} held-out windows")
 
-    step = CompiledStep(target_train_step, (model, opt), compute_dtype=dtype, bias_rate=bias_rate)
+    step = CompiledFn(target_train_step, updates=(model, opt), compute_dtype=dtype, bias_rate=bias_rate)
 
     def save(reason: str):
         t = time.perf_counter()
@@ -197,34 +191,12 @@ def train_target_stage(run: str, *, size: str = "h200", minutes: float = 8.0, st
             f"({time.perf_counter() - t:.1f}s)")
         return time.perf_counter() - t
 
-    start_step, last_save, since, step_s, eval_s = info["step"], time.perf_counter(), [], 0.0, 10.0
-    limit = steps if max_steps_this_call is None else min(steps, start_step + max_steps_this_call)
-    t_log = time.perf_counter()
-    while info["step"] < limit:
-        if clock.should_stop(step_s + (eval_s if (info["step"] + 1) % eval_every == 0 else 0.0)):
-            log(f"[target] stopping before the {minutes:g}-minute limit at step {info['step']} "
-                f"({clock.elapsed():.0f}s); run the same command again to continue")
-            break
-        t = time.perf_counter()
-        loss = float(step(jnp.asarray(windows.batch_at(info["step"]))))
-        step_s = time.perf_counter() - t if info["step"] > start_step else step_s
-        info["step"] += 1
-        since.append(loss)
-        if not math.isfinite(loss):
-            raise SystemExit(f"[target] loss is {loss} at step {info['step']}: lower --lr")
-        if info["step"] == start_step + 1 or info["step"] % 50 == 0:
-            done = info["step"] - start_step
-            log(f"[target] step {info['step']}/{steps} loss {np.mean(since):.4f} (mean of {len(since)}), "
-                f"{(time.perf_counter() - t_log) / len(since) * 1e3:.0f} ms/step, epoch "
-                f"{info['step'] / windows.steps_per_epoch:.1f}, {clock.elapsed():.0f}s"
-                + (" (step 1 compiles)" if done == 1 else ""))
-            folder.log_line("target", dict(step=info["step"], train_loss=float(np.mean(since)), time=time.time()))
-            since, t_log = [], time.perf_counter()
-        if info["step"] % eval_every == 0 or info["step"] == steps:
-            eval_s = evaluate()
-        if time.perf_counter() - last_save > save_every_s:
-            save("periodic")
-            last_save = time.perf_counter()
+    start_step = info["step"]
+    train_steps("target", step, lambda s: (jnp.asarray(windows.batch_at(s)),), info, steps=steps,
+                limit=None if max_steps_this_call is None else start_step + max_steps_this_call, log=log, clock=clock,
+                note=lambda s: f"epoch {s / windows.steps_per_epoch:.1f}",
+                record=lambda r: folder.log_line("target", r), evaluate=evaluate, eval_every=eval_every, save=save,
+                save_every_s=save_every_s)
     if info["step"] == steps and (not info["evals"] or info["evals"][-1]["step"] != steps):
         evaluate()
     if info["step"] > start_step or read_info(state_dir) is None:
