@@ -1,76 +1,16 @@
-"""Fused per-row sampling for TPUs: the canonical pipeline (temperature, top-k, top-p, min-p) and
-one exact draw per row, without sorting. Reference: ``ddtree_jax.sampling.target_logprobs`` (the
-law) and ``reference_sample`` (a draw from it); the Triton version is
-``pallas_kernels.triton.fused_sample`` (same thresholds, tie rules and random streams).
+"""Fused per-row sampling for TPUs (Pallas Mosaic TPU), sort-free, with the Triton sampler's
+contract (``pallas_kernels.triton.fused_sample``: the same thresholds, tie rules, random streams
+and ``fused_sample_debug`` fields).
 
-Backend: Pallas' Mosaic TPU lowering. Checked in TPU interpret mode on a CPU (``interpret=True``
-here means ``pltpu.InterpretParams()``), and lowered for a TPU with ``jax.export`` (Pallas' Mosaic
-lowering, which checks block shapes and that every operation lowers); it has never been compiled
-by the Mosaic compiler or run on a TPU, so there is no TPU timing.
-
-Layout. Rows are padded to a multiple of ``block_rows`` (16 by default: one bf16 (16, 128) tile,
-two f32 (8, 128) tiles) and the vocabulary to a multiple of ``tile`` (a multiple of 128; 4096 by
-default, the Triton version's tile, so both pick the same tile with the same uniform); padding is
--inf. Every pass runs on the grid ``(row blocks, vocabulary tiles)``, the tile axis last and
-"arbitrary" (a reduction): each step holds one lane-dense ``(block_rows, tile)`` block in VMEM
-(rows on sublanes, vocabulary on lanes); per-row accumulators live in VMEM scratch or in an output
-block that stays resident across the tile axis, and per-tile results go into their lane with a
-one-hot select (no dynamic lane offsets). Per-row parameters and results travel packed, one column
-each, in one ``(block_rows, 128)`` block per call. Scalars that steer the pipeline are
-scalar-prefetched into SMEM and read by the index maps: whether a row block still has an
-undecided row (an inactive block's index map returns the block it already holds, so nothing is
-copied) and, for the draw, each block's list of tiles to fetch.
-
-Passes (each a ``pallas_call``; the per-row logic between them works on ``[rows]`` and
-``[rows, tiles]`` arrays in plain JAX, which XLA runs on the TPU as small fused ops):
-
-1. ``_stats_kernel``: row max and argmax (lowest index on ties: the greedy token), validity
-   (NaN / +inf / all -inf), and per tile ``m_t`` (max) and ``s_t = sum exp2((x - m_t) log2(e)/T)``.
-2. Temperature only: a tile by inverse CDF over ``w_t = s_t exp((m_t - M)/T)`` with uniform
-   stream 0, then ``_draw_kernel`` picks inside that tile with stream 1. The draw pass fetches, for
-   each row block, only the distinct tiles its rows chose (a scalar-prefetched list; the remaining
-   grid steps repeat the last index, so the pipeline skips them): at most ``min(block_rows,
-   tiles)`` tile reads per block instead of a full pass.
-3. Any filter: pivot rejection (the Triton version's ``PATH_REJECT``, same rounds and streams
-   2 + 2i, 3 + 2i): draw v from exp(z) restricted to ``U = {z > P, z >= zfl}`` (tile, then the draw
-   pass), then one ``_check_kernel`` pass for ``z_v`` decides ``v in K`` exactly:
-   ``#{z > z_v} < k``, ``mass{z > z_v} < top_p * S`` and ``z_v >= log(min_p)``; the same pass
-   stores the per-tile masses of the next ``U``. Top-k with top-p: the bounds
-   ``mass{z >= z_v} <= S_k <= total`` decide most rows; otherwise ``S_k`` is computed exactly once
-   per row (for all undecided top-k + top-p rows of the batch at once, at the first round where
-   one needs it). After ``max_rounds`` rejections the row falls back to exact threshold searches
-   over float bit patterns with full-row ``_bisect_kernel`` passes (``PATH_SLOW``, streams 0, 1;
-   also the path of every filtered row with ``max_rounds=0``).
-
-What differs from the Triton version (``pallas_kernels.triton.fused_sample``):
-
-* No top-k candidate path (``PATH_CANDIDATES``, k <= 128): it gathers the candidate 64-column
-  chunks with pointer loads and lists them with data-dependent loops; Mosaic has no vector
-  gathers, so top-k rows take the pivot-rejection path here. A top-k <= 128 row therefore draws
-  from the same law with another mapping of its uniforms to tokens; every other row uses the same
-  uniforms in the same way (temperature-only and rejection-path rows give the same token as the
-  Triton version, up to float32 rounding of the masses at a boundary).
-* Threshold searches are radix 16, not bisections: each pass tests ``PIVOTS`` = 16 keys per row
-  (~9 passes per 32-bit threshold where a bisection takes 32: a quarter of the reads for 16x the
-  compares per element).
-* Row-wise control flow (``lax.cond`` per row, a loop of rounds per program) becomes per-pass:
-  the rejection rounds are a ``lax.while_loop`` over passes that run while any row is undecided;
-  a pass does work only for row blocks with an undecided row.
-* Inverse CDF inside a tile (the Triton version's ``cumsum``): a binary search over the prefix
-  index, each step one masked sum over the tile (log2(tile) reductions). argmax: max, then the
-  minimum index where equal. Integer halving is ``>> 1`` (floor division lowers through ``sign``,
-  whose Mosaic lowering needs a TPU to ask which generation it targets).
-* Division: ``z = (x - M) / T`` is one expression used by every pass, so thresholds found in one
-  pass compare equal in another; in interpret mode it sits between optimization barriers (XLA:CPU
-  may otherwise turn it into ``x * (1/T)`` in one fusion only), as in the Triton version. Whether
-  the TPU's f32 division is correctly rounded has not been checked (no TPU): the kept sets are
-  self-consistent either way, and equal to the reference's when both divide the same way.
-* Token ids and counts ride as float32 in the packed result blocks (exact below 2**24; larger
-  vocabularies are refused).
-
-Random numbers: exactly the Triton version's: ``_uniform(k0, k1, stream)``, a murmur3-finaliser
-hash of the row's two seed words and the stream index (24-bit uniforms), computed with the same
-uint32 operations (in the wrapper, on ``[rows]`` vectors).
+``fused_sample(logits [R, V] f32|bf16, temperature, top_k, top_p, min_p [R], seeds u32 [R, 2])``
+-> i32 ``[R]`` (``INVALID_TOKEN`` for rows with no law); ``V < 2**24`` (token ids and counts ride
+as float32). Rows are padded to ``block_rows``, the vocabulary to whole tiles, with -inf; each
+pass is a ``pallas_call`` over ``(row blocks, tiles)`` and the per-row logic between passes is
+plain JAX on ``[rows]`` arrays. Paths: greedy/invalid; temperature only (a tile by its mass, one
+draw pass); pivot rejection for any filter (no top-k candidate path: Mosaic has no vector
+gathers, so top-k <= 128 rows draw the same law with another mapping of the uniforms); exact
+radix-16 threshold searches as its fallback. Checked in TPU interpret mode and lowered for a TPU
+(``jax.export``); not run on one. Design: docs/kernels.md, "TPU kernels".
 """
 
 from __future__ import annotations

@@ -823,7 +823,8 @@ def _select_kernel(x_ref, params, stats, round0: _PassRefs, round1: _PassRefs, l
     use_cand = row.valid & ~row.greedy & row.cand_row
     n_cand, bound = jax.lax.cond(use_cand, lambda: _count_candidate_chunks(row, stats), lambda: (zi + BIG, zi))
     use_cand = use_cand & (n_cand <= CAND_CHUNKS)
-    # (Arithmetic, not nested jnp.where on scalar bools: that stored wrong values on jax 0.11 GPU.)
+    # (Arithmetic, not nested jnp.where on scalar bools: the compiled Triton kernel stored wrong
+    # values for that form.)
     other_path = PATH_REJECT if max_rounds > 0 else PATH_SLOW
     path = PATH_CANDIDATES + (~use_cand).astype(jnp.int32) * (other_path - PATH_CANDIDATES)
     round1 = round1._replace(seg_total=round0.seg_total)  # (round 1's pass reads round 0's total)
