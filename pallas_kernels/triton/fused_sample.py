@@ -149,7 +149,7 @@ class _Row(NamedTuple):
 
     x_ref: Any
     geo: _Geometry
-    exact_asm: bool
+    division: str
     r: Any
     temperature: Any
     top_k: Any
@@ -174,7 +174,7 @@ class _Row(NamedTuple):
 
     def z(self, x):
         """``z = (x - M) / T`` with IEEE division, as the reference computes it."""
-        return _div(x - self.row_max, jnp.full(x.shape, self.t_div, jnp.float32), self.exact_asm)
+        return _div(x - self.row_max, jnp.full(x.shape, self.t_div, jnp.float32), self.division)
 
     def uniform(self, stream):
         return _uniform(self.seed[0], self.seed[1], stream)
@@ -188,7 +188,7 @@ class _Row(NamedTuple):
         return _tile_loop(self.load_tile, 0, self.geo.n_tiles, body, init)
 
 
-def _load_row(x_ref, params: _ParamRefs, stats: _StatsRefs, geo: _Geometry, exact_asm: bool) -> _Row:
+def _load_row(x_ref, params: _ParamRefs, stats: _StatsRefs, geo: _Geometry, division: str) -> _Row:
     r = pl.program_id(0)
     T = params.temperature[r]
     k = params.top_k[r]
@@ -201,7 +201,7 @@ def _load_row(x_ref, params: _ParamRefs, stats: _StatsRefs, geo: _Geometry, exac
     inv_t = 1.0 / t_div
     zero_f = T * 0.0
     return _Row(
-        x_ref, geo, exact_asm, r, T, k, p, min_p, seed, M, argmax, valid, greedy, k_on, p_on, filtered,
+        x_ref, geo, division, r, T, k, p, min_p, seed, M, argmax, valid, greedy, k_on, p_on, filtered,
         k_on & (k <= CAND_CHUNKS), t_div, inv_t, inv_t * _LOG2E, jnp.log(min_p), k * 0, zero_f, zero_f - jnp.inf,
     )
 
@@ -209,11 +209,14 @@ def _load_row(x_ref, params: _ParamRefs, stats: _StatsRefs, geo: _Geometry, exac
 # ----------------------------------------------------------------------------- helpers
 
 
-def _div(a, b, exact_asm: bool):
-    """IEEE round-to-nearest division: ``div.rn.f32`` through inline PTX (Triton's '/' on f32 is
-    approximate), or (interpret mode) one division between optimization barriers."""
-    if not exact_asm:
+def _div(a, b, division: str):
+    """``a / b``: "ptx": IEEE round-to-nearest ``div.rn.f32`` through inline PTX; "approx":
+    Triton's '/' (approximate on f32); "interpret": one IEEE division between optimization
+    barriers."""
+    if division == "interpret":
         return _interpret_div(a, b)
+    if division == "approx":
+        return a / b
     b = jnp.broadcast_to(b, a.shape)
     return plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
@@ -492,13 +495,13 @@ def _finish_light_row(row: _Row, stats: _StatsRefs, out: _OutRefs):
 
 
 def _first_check_kernel(
-    x_ref, params, stats, round0: _PassRefs, light: _OutRefs, *, geo, segments_per_program, exact_asm, reject
+    x_ref, params, stats, round0: _PassRefs, light: _OutRefs, *, geo, segments_per_program, division, reject
 ):
     """Check launch 0, grid (rows, programs per row): program (r, 0) finishes the light rows
     (``_finish_light_row``; the select launch skips them); with ``reject``, every program runs its
     segments of round 0's pass for the row's first pivot (streams 2, 3; the select launch draws
     the same pivot bit for bit). Min-p-only rows whose pivot passes min-p need no pass."""
-    row = _load_row(x_ref, params, stats, geo, exact_asm)
+    row = _load_row(x_ref, params, stats, geo, division)
     program = pl.program_id(1)
 
     @pl.when((program == 0) & (~row.valid | row.greedy | ~row.filtered))
@@ -520,12 +523,12 @@ def _first_check_kernel(
 
 
 def _second_check_kernel(x_ref, params, stats, round0: _PassRefs, round1: _PassRefs, *, geo, segments_per_program,
-                         exact_asm):
+                         division):
     """Check launch 1: each program replays round 0 from launch 0's stored pass (the same draw and
     decision as the select launch) and, for rows with top-k or top-p whose pivot was rejected
     without needing the exact top-k mass, runs its segments of round 1's pass (streams 4, 5).
     (Min-p alone: round 1 draws from ``{z >= log(min_p)}``, which needs no test.)"""
-    row = _load_row(x_ref, params, stats, geo, exact_asm)
+    row = _load_row(x_ref, params, stats, geo, division)
     segments = (pl.program_id(1) * segments_per_program, segments_per_program)
     W0 = _first_draw_weights(row, stats)
 
@@ -813,12 +816,12 @@ def _rejection_path(row: _Row, stats: _StatsRefs, round0: _PassRefs, round1: _Pa
 
 
 def _select_kernel(x_ref, params, stats, round0: _PassRefs, round1: _PassRefs, light_in: _OutRefs, out: _OutRefs,
-                   scratch, *, geo, exact_asm, compact, interpret_mode, max_rounds, check_rounds):
+                   scratch, *, geo, division, compact, interpret_mode, max_rounds, check_rounds):
     """Rows with a filter, one program per row: the top-k candidate path, pivot rejection or the
     full-row bisections. ``light_in`` (the check launch's results, light rows written) is aliased
     to ``out``; ``scratch`` holds the candidate listing's slots."""
     del light_in
-    row = _load_row(x_ref, params, stats, geo, exact_asm)
+    row = _load_row(x_ref, params, stats, geo, division)
     zi = row.zero_i
     use_cand = row.valid & ~row.greedy & row.cand_row
     n_cand, bound = jax.lax.cond(use_cand, lambda: _count_candidate_chunks(row, stats), lambda: (zi + BIG, zi))
@@ -934,8 +937,9 @@ def fused_sample_debug(
     ``compact`` ("scatter" | "loop": how the candidate chunks are listed; the same list);
     ``num_warps`` / ``num_stages`` (stats and check launches), ``select_warps`` /
     ``select_stages`` (select launch): fixed, not chosen by row count, so a row's bits never
-    depend on the batch; ``exact_div_asm`` (compiled only: IEEE division through inline PTX;
-    False only to diagnose a toolchain without it). ``ValueError`` on an unknown knob value."""
+    depend on the batch. ``exact_div_asm`` (compiled only): IEEE division through inline PTX;
+    False: Triton's approximate division (thresholds then need not match the reference's), only
+    to diagnose a toolchain without inline PTX. ``ValueError`` on an unknown knob value."""
     if compact not in ("loop", "scatter"):
         raise ValueError(f"compact must be 'loop' or 'scatter', got {compact!r}")
     if check_rounds not in (1, 2):
@@ -954,7 +958,7 @@ def fused_sample_debug(
         segments_p2=pl.next_power_of_2(nseg),
         stats_splits=_splits_for(R, nt),
     )
-    exact_asm = exact_div_asm and not interpret
+    division = "interpret" if interpret else "ptx" if exact_div_asm else "approx"
     f32, i32 = jnp.float32, jnp.int32
     sd = jax.ShapeDtypeStruct
     top_k = top_k.astype(i32)
@@ -974,7 +978,7 @@ def fused_sample_debug(
 
     # with max_rounds = 0 no row takes the rejection path: one program per row finishes the light rows
     csplits = min(check_splits or _splits_for(R, nseg), nseg) if max_rounds > 0 else 1
-    check = dict(geo=geo, segments_per_program=pl.cdiv(nseg, csplits), exact_asm=exact_asm)
+    check = dict(geo=geo, segments_per_program=pl.cdiv(nseg, csplits), division=division)
     row_outs = _OutRefs(sd((R,), i32), sd((R,), f32), sd((R,), f32), sd((R,), f32), sd((R,), i32), sd((R,), i32),
                         sd((R,), i32))
     round0, light = launch(
@@ -1001,7 +1005,7 @@ def fused_sample_debug(
     first_light = len(jax.tree.leaves(args[:-1]))
     out, _ = launch(
         functools.partial(
-            _select_kernel, geo=geo, exact_asm=exact_asm, compact=compact, interpret_mode=interpret,
+            _select_kernel, geo=geo, division=division, compact=compact, interpret_mode=interpret,
             max_rounds=max_rounds, check_rounds=rounds_in_checks,
         ),
         (R,), args, (row_outs, scratch), name="ddtree_sample_select",
