@@ -173,7 +173,7 @@ class _Row(NamedTuple):
     neg_inf: Any
 
     def z(self, x):
-        """``z = (x - M) / T`` with IEEE division, as the reference computes it."""
+        """``z = (x - M) / T``, the division IEEE (as the reference's) unless ``exact_div_asm`` is off."""
         return _div(x - self.row_max, jnp.full(x.shape, self.t_div, jnp.float32), self.division)
 
     def uniform(self, stream):
@@ -189,6 +189,7 @@ class _Row(NamedTuple):
 
 
 def _load_row(x_ref, params: _ParamRefs, stats: _StatsRefs, geo: _Geometry, division: str) -> _Row:
+    """The row of this program (``program_id(0)``) in a check or select launch."""
     r = pl.program_id(0)
     T = params.temperature[r]
     k = params.top_k[r]
