@@ -1,16 +1,15 @@
-"""Pallas kernels for the hot loops of tree speculative decoding, organised by backend.
+"""Pallas kernels for the hot loops of tree speculative decoding, one kernel per file, by backend.
 
 Each kernel takes and returns plain arrays and imports only JAX; its plain-JAX reference, the
-dispatch and the result types live in ``ddtree_jax`` (see ``ddtree_jax.backend``).
+dispatch and the result types live in ``ddtree_jax`` (``ddtree_jax.backend``). ``interpret=True``
+runs a kernel on a CPU (how the tests run them).
 
-* ``pallas_kernels.triton``: NVIDIA GPUs through Pallas' Triton lowering (``interpret=True`` runs
-  them on a CPU for tests): ``fused_sample`` (filters + one exact draw per row), ``tree_builder``
-  (the DDTree pop loop), ``accept_walk`` (the accept walk), ``vocab_top_k`` (the tree's per-depth
-  top-k of the draft log-probabilities), ``moe_grouped_matmul`` (a MoE layer's
-  routed experts over token copies sorted by expert), ``mla_attention`` (the target's MLA
-  attention over the latent cache: decode, tree verify, prefill).
-* ``pallas_kernels.mosaic_tpu``: TPUs through Pallas' Mosaic TPU lowering, the sampler, the tree
-  builder, the accept walk and the vocabulary top-k with the same contracts (``interpret=True``
-  runs them in TPU interpret mode on a CPU; they have not run on a TPU). The target's MoE and
-  attention kernels exist for Triton only; on a TPU those run their plain-JAX paths.
+* ``pallas_kernels.triton`` (NVIDIA GPUs, Pallas Triton lowering): ``fused_sample``,
+  ``tree_builder``, ``accept_walk``, ``vocab_top_k``, ``moe_grouped_matmul``, ``mla_attention``,
+  ``dense_matmul``.
+* ``pallas_kernels.mosaic_gpu`` (Hopper, Pallas Mosaic GPU): ``mla_prefix``, the MLA fast path.
+* ``pallas_kernels.mosaic_tpu`` (TPUs, Pallas Mosaic TPU): ``fused_sample``, ``tree_builder``,
+  ``accept_walk`` and ``vocab_top_k`` with the Triton versions' contracts; on a TPU the MoE and
+  attention run their plain-JAX paths.
+Design notes and measurements: docs/kernels.md.
 """

@@ -350,3 +350,20 @@ def test_second_check_launch_serves_round_one():
         two = _run(x, pb, _seeds(8, 9), 64, check_splits=c, check_rounds=2)
         for key in ("token", "path", "rounds", "passes"):
             np.testing.assert_array_equal(two[key], one[key], err_msg=f"check_splits={c} {key}")
+
+
+def test_exact_div_argument_reaches_the_cuda_lowering():
+    """``exact_div_asm`` is threaded to every launch: lowered for CUDA (on the CPU: the Triton
+    lowering rules run, no GPU needed), the default divides with inline ``div.rn.f32`` and
+    ``exact_div_asm=False`` lowers without it (Triton's own division)."""
+    R, V = 4, 37
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((R, V)).astype(np.float32))
+    pb = sampling_batch([0.7, 1.0, 0.8, 1.2], [0, 5, 0, 20], [1.0, 0.9, 0.8, 1.0], [0.0, 0.0, 0.1, 0.0])
+
+    def lowered(**kw):
+        f = jax.jit(lambda *a: fused_sample_debug(*a, tile=64, **kw))
+        args = (x, pb.temperature, pb.top_k, pb.top_p, pb.min_p, _seeds(R, 0))
+        return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lowered().count("div.rn.f32") > 0
+    assert lowered(exact_div_asm=False).count("div.rn.f32") == 0

@@ -1,4 +1,4 @@
-"""The memory warpgroup's loop of the Mosaic GPU kernels (today the attention kernel's): stream
+"""The memory warpgroup's loop of the Mosaic GPU kernels (``mla_prefix`` uses it): stream
 ``n`` tiles through ``stages`` shared-memory slots.
 
 ``fetch(t, slot)`` starts the TMA copies of tile ``t`` into ``slot`` (arriving on that slot's

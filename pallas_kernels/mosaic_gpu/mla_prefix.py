@@ -1,53 +1,17 @@
-"""MLA attention of a block's queries over the committed prefix of the latent cache (Hopper).
+"""MLA attention of a block's queries over the committed prefix of the latent cache (Pallas Mosaic
+GPU on Hopper: ``wgmma``, TMA, warp-specialised warpgroups): the fast path of
+``ddtree_jax.models.latent_attention.prefix_block_attention``.
 
-Contract (the plain references are in tests/test_mla_prefix_kernel.py; the caller,
-``ddtree_jax.models.latent_attention.prefix_block_attention``, is checked against
-``latent_attention_reference``):
-
-* ``q_latent [B,R,r]`` and ``q_rope [B,R,dr]`` (bf16): a block's ``R = T*H`` query rows,
-  token-major (``q_nope`` already multiplied by ``W_UK``); the cache ``latent [B,S,r]``,
-  ``k_rope [B,S,dr]``; ``end [B] int32``: every query row of batch row b sees the cache
-  positions ``[0, end[b])`` (keys every token of the block sees alike).
-* Split ``s`` covers positions ``[s * split, (s + 1) * split)`` (``split``: int32 ``[1]``, chosen
-  at run time from the longest row by ``split_size``; ``n_split`` static). Returns ``o [B,n,R,r]``
-  float32, each split's softmax-weighted mean of its latents, and ``lse [B,n,R]`` float32, its
-  base-2 log-sum-exp of the scaled scores ``scale * log2(e) * (q_latent.latent + q_rope.k_rope)``.
-  Only the splits a row's ``end`` reaches are written; the caller merges those.
-
-Why a second attention kernel. The Triton kernel (``pallas_kernels/triton/mla_attention.py``)
-holds a ``[64, 512]`` float32 accumulator per program and runs Triton's products on it: on the
-H200 at 32k context it stayed 13x from the cache-read floor at decode B=1 and 5x from the FLOP
-floor at verify B=16, slower than XLA's dense einsums. This kernel is laid out for Hopper, in
-the pattern of FlashAttention-3 and DeepSeek's FlashMLA:
-
-* one CTA per (64 query rows, key split, batch row) with three warpgroups. A memory warpgroup
-  streams ``[64 keys, 576]`` tiles into two shared-memory slots with TMA and refills a slot once
-  both compute warpgroups have arrived on its "consumed" barrier; the queries stay in shared
-  memory for the whole split.
-* Warpgroup 0 computes the ``[64, 64]`` score tile once (``wgmma``; the contraction over ``r +
-  dr`` as three products into one accumulator), the online softmax, and hands the bf16
-  probabilities and the rows' rescale factors to warpgroup 1 through shared memory
-  (``p_ready``/``p_free`` barriers); each warpgroup then multiplies them with its half of the
-  tile's 512 value columns, so each holds a ``[64, 256]`` float32 accumulator (128 registers a
-  thread) where one warpgroup would need 256. A last message carries ``1 / den``.
-* Measured against computing the scores in both warpgroups (no hand-off, 1.5x the flops; H200,
-  32k context, bench/results/attention_nvidia_h200_20261130_hopper_one_score.md): kernel time
-  decode B=16 179 -> 149 us, verify B=16 T=16 2.49 -> 1.92 ms, verify B=1 T=65 617 -> 475 us.
-  Shared memory: queries 72 KiB + two key slots 144 KiB + probabilities 8 KiB, so no reduction
-  scratch (a row's scores live in one warp: no cross-warp reduction needs it).
-
-The block's own keys (positions ``[start, start+T)`` under the tree's ancestor mask or causal)
-are not read here for blocks of several tokens: ``prefix_block_attention`` folds them in with
-plain JAX (a decode step's one key is read here: ``end = start + 1``). The key splits are a
-speed choice, and unlike the Triton kernel's fixed segments a row's bits depend on them, so the
-batch-invariant mode keeps the Triton kernel.
-
-Backend: Pallas Mosaic GPU (``plgpu.kernel``, sm_90: ``wgmma``, TMA), lane-level lowering
-semantics set explicitly (the default changed between jax 0.10 and 0.11). The cache must have a
-multiple of 8 slots (the TMA copies' tiling) and at least 64. Imports only JAX. Off the GPU the
-kernel runs in the Mosaic GPU interpreter (``interpret=InterpretGPUParams()``), which has no rules
-for ``wgmma``, layout hints or register reallocation: there the products are plain dots
-(``_scores``, ``_accumulate``) and the hints are skipped; everything else is the same code.
+``prefix_attention(q_latent [B,R,r], q_rope [B,R,dr] bf16 (R = T*H rows, token-major), latent
+[B,S,r], k_rope [B,S,dr], end [B])``: every query row of batch row b sees cache positions
+``[0, end[b])``; split s covers ``[s * split, (s + 1) * split)`` (``split_size``). Returns per
+split ``o [B,n,R,r]`` (softmax-weighted mean of its latents) and ``lse [B,n,R]`` (base-2
+log-sum-exp of ``scale * log2(e) * scores``), float32; only the splits a row reaches are written,
+and the caller merges them. ``supports``: the shapes it takes (at least 64 cache slots, a multiple
+of 8). One CTA per (64 query rows, split, batch row): a memory warpgroup streams key tiles,
+warpgroup 0 computes scores and softmax and hands the probabilities to warpgroup 1, each
+multiplies its half of the value columns. A row's bits depend on the splits (not batch-invariant).
+Plain references: tests/test_mla_prefix_kernel.py. Design: docs/kernels.md, "The Hopper kernel".
 """
 
 from __future__ import annotations
@@ -69,12 +33,11 @@ _NEG = -1e30
 _LOG2E = math.log2(math.e)
 # Query rows per CTA: one wgmma M tile (64 rows: one token's heads at K2 shapes).
 _BM = 64
-# Shared memory a CTA may take on an H200 (227 KiB), less room for barriers and alignment.
+# Shared memory a CTA may take on Hopper (227 KiB), less room for barriers and alignment.
 _SMEM_BYTES = 227 * 1024 - 1024
-# Streaming multiprocessors of an H200 (sizes the split heuristic).
+# Streaming multiprocessors the split heuristic fills (a 132-SM Hopper GPU).
 _NUM_SMS = 132
-# The shortest key split: at decode B=1 over 32k keys, 256-key splits (128 CTAs) took 56 us
-# against 60 for 512 and 78 for 1024 (H200, prefix kernel + block part + merge).
+# The shortest key split (the measured choice: docs/kernels.md, "The Hopper kernel").
 MIN_SPLIT_KEYS = 256
 
 
@@ -270,7 +233,7 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
                      split: jax.Array, *, scale: float, n_split: int, block_k: int = 64, stages: int = 2,
                      interpret=False) -> tuple[jax.Array, jax.Array]:
     """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
-    ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see the module notes): ``(o [B,n,R,r]
+    ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see ``split_size``): ``(o [B,n,R,r]
     float32, lse [B,n,R] float32)``. Split ``s`` covers ``[s * split, (s + 1) * split)`` (``split``:
     int32 ``[1]``, a multiple of ``block_k``, see ``split_size``); only the splits a row's
     ``end`` reaches are written (the rest of ``o`` and ``lse`` is left unwritten: read a row's

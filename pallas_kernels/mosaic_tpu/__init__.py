@@ -1,4 +1,4 @@
 """Kernels for TPUs through Pallas' Mosaic TPU lowering (``pl.pallas_call`` +
 ``jax.experimental.pallas.tpu``); one file per kernel. Off a TPU they run in Pallas' TPU interpret
-mode (``interpret=pltpu.InterpretParams()``), which is how the CPU tests check them: no TPU timing
-exists for them yet."""
+mode (``interpret=pltpu.InterpretParams()``), which is how the CPU tests check them; they have not
+run on a TPU (docs/kernels.md, "TPU kernels")."""

@@ -1,17 +1,12 @@
-"""The accept walk for TPUs, one Pallas program per request.
+"""The accept walk for TPUs (Pallas Mosaic TPU), one program per request.
 
-Contract (as the Triton version, ``pallas_kernels.triton.accept_walk``; the plain-JAX reference is
-``ddtree_jax.accept.accept_path(impl="reference")``): from the root (node 0), while the target's
-draw at the current node is the token of one of its valid children, move to that child (the
-lowest-index match; children carry distinct tokens, so there is at most one); the first draw
-that matches no child is the bonus.
-
-Backend: Pallas' Mosaic TPU lowering; checked only in TPU interpret mode on a CPU.
-
-Layout and what differs from the Triton version: the node arrays are lane-dense ``(1, Mp)`` rows
-(``Mp`` = node count rounded up to a multiple of 128, padded with non-matching values); the path
-and the committed tokens are built as ``(1, Lp)`` vectors with one-hot selects and stored once
-(the Triton version stores one scalar per step, which a TPU does to SMEM, not to VMEM outputs).
+``accept_walk`` with the Triton version's contract (``pallas_kernels.triton.accept_walk``;
+reference ``ddtree_jax.accept.accept_path(impl="reference")``): from the root (node 0), while the
+target's draw at the current node is the token of one of its valid children, move to that child
+(the lowest-index match); the first draw that matches no child is the bonus. Node arrays are
+lane-dense ``(1, Mp)`` rows (``Mp``: the node count rounded up to a multiple of 128, padded with
+non-matching values); the path and the committed tokens are built as vectors and stored once.
+Checked in TPU interpret mode only. Design: docs/kernels.md, "TPU kernels".
 """
 
 from __future__ import annotations

@@ -1,76 +1,16 @@
-"""Fused per-row sampling for TPUs: the canonical pipeline (temperature, top-k, top-p, min-p) and
-one exact draw per row, without sorting. Reference: ``ddtree_jax.sampling.target_logprobs`` (the
-law) and ``reference_sample`` (a draw from it); the Triton version is
-``pallas_kernels.triton.fused_sample`` (same thresholds, tie rules and random streams).
+"""Fused per-row sampling for TPUs (Pallas Mosaic TPU), sort-free, with the Triton sampler's
+contract (``pallas_kernels.triton.fused_sample``: the same thresholds, tie rules, random streams
+and ``fused_sample_debug`` fields).
 
-Backend: Pallas' Mosaic TPU lowering. Checked in TPU interpret mode on a CPU (``interpret=True``
-here means ``pltpu.InterpretParams()``), and lowered for a TPU with ``jax.export`` (Pallas' Mosaic
-lowering, which checks block shapes and that every operation lowers); it has never been compiled
-by the Mosaic compiler or run on a TPU, so there is no TPU timing.
-
-Layout. Rows are padded to a multiple of ``block_rows`` (16 by default: one bf16 (16, 128) tile,
-two f32 (8, 128) tiles) and the vocabulary to a multiple of ``tile`` (a multiple of 128; 4096 by
-default, the Triton version's tile, so both pick the same tile with the same uniform); padding is
--inf. Every pass runs on the grid ``(row blocks, vocabulary tiles)``, the tile axis last and
-"arbitrary" (a reduction): each step holds one lane-dense ``(block_rows, tile)`` block in VMEM
-(rows on sublanes, vocabulary on lanes); per-row accumulators live in VMEM scratch or in an output
-block that stays resident across the tile axis, and per-tile results go into their lane with a
-one-hot select (no dynamic lane offsets). Per-row parameters and results travel packed, one column
-each, in one ``(block_rows, 128)`` block per call. Scalars that steer the pipeline are
-scalar-prefetched into SMEM and read by the index maps: whether a row block still has an
-undecided row (an inactive block's index map returns the block it already holds, so nothing is
-copied) and, for the draw, each block's list of tiles to fetch.
-
-Passes (each a ``pallas_call``; the per-row logic between them works on ``[rows]`` and
-``[rows, tiles]`` arrays in plain JAX, which XLA runs on the TPU as small fused ops):
-
-1. ``_stats_kernel``: row max and argmax (lowest index on ties: the greedy token), validity
-   (NaN / +inf / all -inf), and per tile ``m_t`` (max) and ``s_t = sum exp2((x - m_t) log2(e)/T)``.
-2. Temperature only: a tile by inverse CDF over ``w_t = s_t exp((m_t - M)/T)`` with uniform
-   stream 0, then ``_draw_kernel`` picks inside that tile with stream 1. The draw pass fetches, for
-   each row block, only the distinct tiles its rows chose (a scalar-prefetched list; the remaining
-   grid steps repeat the last index, so the pipeline skips them): at most ``min(block_rows,
-   tiles)`` tile reads per block instead of a full pass.
-3. Any filter: pivot rejection (the Triton version's ``PATH_REJECT``, same rounds and streams
-   2 + 2i, 3 + 2i): draw v from exp(z) restricted to ``U = {z > P, z >= zfl}`` (tile, then the draw
-   pass), then one ``_check_kernel`` pass for ``z_v`` decides ``v in K`` exactly:
-   ``#{z > z_v} < k``, ``mass{z > z_v} < top_p * S`` and ``z_v >= log(min_p)``; the same pass
-   stores the per-tile masses of the next ``U``. Top-k with top-p: the bounds
-   ``mass{z >= z_v} <= S_k <= total`` decide most rows; otherwise ``S_k`` is computed exactly once
-   per row (for all undecided top-k + top-p rows of the batch at once, at the first round where
-   one needs it). After ``max_rounds`` rejections the row falls back to exact threshold searches
-   over float bit patterns with full-row ``_bisect_kernel`` passes (``PATH_SLOW``, streams 0, 1;
-   also the path of every filtered row with ``max_rounds=0``).
-
-What differs from the Triton version (``pallas_kernels.triton.fused_sample``):
-
-* No top-k candidate path (``PATH_CANDIDATES``, k <= 128): it gathers the candidate 64-column
-  chunks with pointer loads and lists them with data-dependent loops; Mosaic has no vector
-  gathers, so top-k rows take the pivot-rejection path here. A top-k <= 128 row therefore draws
-  from the same law with another mapping of its uniforms to tokens; every other row uses the same
-  uniforms in the same way (temperature-only and rejection-path rows give the same token as the
-  Triton version, up to float32 rounding of the masses at a boundary).
-* Threshold searches are radix 16, not bisections: each pass tests ``PIVOTS`` = 16 keys per row
-  (~9 passes per 32-bit threshold where a bisection takes 32: a quarter of the reads for 16x the
-  compares per element).
-* Row-wise control flow (``lax.cond`` per row, a loop of rounds per program) becomes per-pass:
-  the rejection rounds are a ``lax.while_loop`` over passes that run while any row is undecided;
-  a pass does work only for row blocks with an undecided row.
-* Inverse CDF inside a tile (the Triton version's ``cumsum``): a binary search over the prefix
-  index, each step one masked sum over the tile (log2(tile) reductions). argmax: max, then the
-  minimum index where equal. Integer halving is ``>> 1`` (floor division lowers through ``sign``,
-  whose Mosaic lowering needs a TPU to ask which generation it targets).
-* Division: ``z = (x - M) / T`` is one expression used by every pass, so thresholds found in one
-  pass compare equal in another; in interpret mode it sits between optimization barriers (XLA:CPU
-  may otherwise turn it into ``x * (1/T)`` in one fusion only), as in the Triton version. Whether
-  the TPU's f32 division is correctly rounded has not been checked (no TPU): the kept sets are
-  self-consistent either way, and equal to the reference's when both divide the same way.
-* Token ids and counts ride as float32 in the packed result blocks (exact below 2**24; larger
-  vocabularies are refused).
-
-Random numbers: exactly the Triton version's: ``_uniform(k0, k1, stream)``, a murmur3-finaliser
-hash of the row's two seed words and the stream index (24-bit uniforms), computed with the same
-uint32 operations (in the wrapper, on ``[rows]`` vectors).
+``fused_sample(logits [R, V] f32|bf16, temperature, top_k, top_p, min_p [R], seeds u32 [R, 2])``
+-> i32 ``[R]`` (``INVALID_TOKEN`` for rows with no law); ``V < 2**24`` (token ids and counts ride
+as float32). Rows are padded to ``block_rows``, the vocabulary to whole tiles, with -inf; each
+pass is a ``pallas_call`` over ``(row blocks, tiles)`` and the per-row logic between passes is
+plain JAX on ``[rows]`` arrays. Paths: greedy/invalid; temperature only (a tile by its mass, one
+draw pass); pivot rejection for any filter (no top-k candidate path: Mosaic has no vector
+gathers, so top-k <= 128 rows draw the same law with another mapping of the uniforms); exact
+radix-16 threshold searches as its fallback. Checked in TPU interpret mode and lowered for a TPU
+(``jax.export``); not run on one. Design: docs/kernels.md, "TPU kernels".
 """
 
 from __future__ import annotations
@@ -83,43 +23,64 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._shared import _key_to_float, _uniform, _zkey
+from pallas_kernels._shared import (
+    BIG,
+    INT_MIN,
+    INVALID_TOKEN,
+    MAX_ROUNDS,
+    MAX_TILE,
+    PATH_NONE,
+    PATH_REJECT,
+    PATH_SLOW,
+    PATH_TEMPERATURE,
+    _interpret_div,
+    _key_threshold,
+    _pick,
+    _pivot_bound,
+    _pivot_kept,
+    _row_filters,
+    _tile_weights,
+    _top_k_mass_undecided,
+    _uniform,
+    _zkey,
+)
 
 __all__ = ["INVALID_TOKEN", "MAX_ROUNDS", "fused_sample", "fused_sample_debug"]
 
-INVALID_TOKEN = -1
-MAX_TILE = 4096
-MAX_ROUNDS = 16  # pivot-rejection rounds before the exact bisection fallback (PATH_SLOW)
 LANES = 128
 PIVOTS = 16  # keys tested per pass by the threshold searches (radix 16)
-PATH_NONE, PATH_TEMPERATURE, PATH_CANDIDATES, PATH_SLOW, PATH_REJECT = 0, 1, 2, 3, 4  # as the Triton version
-_INT_MIN = np.int32(np.iinfo(np.int32).min)
-_BIG = np.int32(2**30)
 _LOG2E = np.float32(np.log2(np.e))
 
 
-# ----------------------------------------------------------------------------- shared helpers
+# ----------------------------------------------------------------------------- helpers
 
 
 def _zof(x, M, Ts, barrier: bool):
-    """``(x - M) / T``: the one division every pass uses (see the module doc)."""
+    """``(x - M) / T``: the one division every pass uses (between barriers in interpret mode)."""
     a, b = x - M, jnp.broadcast_to(Ts, x.shape)
     if barrier:
-        a, b = jax.lax.optimization_barrier((a, b))
-        return jax.lax.optimization_barrier(a / b)
+        return _interpret_div(a, b)
     return a / b
 
 
-def _pick_rows(w, u):
-    """[R, n] weights, [R] uniforms -> [R] index of the first ``cumsum(w) > u * total`` among
-    positive weights, else the last positive weight (float prefix sums need not be monotone),
-    -1 if none (the Triton version's ``_pick``, on small per-row arrays in plain JAX)."""
-    cw = jnp.cumsum(w, axis=1)
-    total = jnp.max(cw, axis=1, keepdims=True)
-    iota = jnp.arange(w.shape[1], dtype=jnp.int32)
-    first = jnp.min(jnp.where((cw > u[:, None] * total) & (w > 0), iota, _BIG), axis=1)
-    last = jnp.max(jnp.where(w > 0, iota, -1), axis=1)
-    return jnp.where(first < _BIG, first, last)
+def _radix_pivots(lo, hi):
+    """``[R]`` search intervals ``(lo, hi]`` of int32 keys -> ``[R, PIVOTS]`` keys splitting each
+    into PIVOTS parts (``floor(lo + d * b / 16)``, b = 1..16, without overflow; == lo where the
+    interval is too narrow)."""
+    b16 = jnp.arange(1, PIVOTS + 1, dtype=jnp.uint32)[None, :]
+    d = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)  # exact mod 2**32
+    off = (d >> 4)[:, None] * b16 + (((d & 15)[:, None] * b16) >> 4)
+    return (lo.astype(jnp.uint32)[:, None] + off).astype(jnp.int32)
+
+
+def _radix_update(lo, hi, piv, pred, live):
+    """One radix step of a search for the smallest key with ``pred`` (false at lo, true at hi):
+    the new ``(lo, hi]`` from the pivots' ``pred [R, PIVOTS]``, for the ``live`` rows."""
+    fresh = piv > lo[:, None]
+    ok = fresh & (pred | (piv >= hi[:, None]))
+    nlo = jnp.max(jnp.where(fresh & ~ok, piv, lo[:, None]), axis=1)
+    nhi = jnp.min(jnp.where(ok, piv, hi[:, None]), axis=1)
+    return jnp.where(live, nlo, lo), jnp.where(live, nhi, hi)
 
 
 # ----------------------------------------------------------------------------- pass 1: stats
@@ -166,7 +127,7 @@ def _stats_kernel(x_ref, prm_ref, out_ref, tm_ref, ts_ref, acc_s, *, tile):
     ts_ref[...] = jnp.where(lane == t, s, ts_ref[...])
     m, am, bad, fin = (_c(acc_s, j) for j in range(4))
     better = tmax > m
-    targ = jnp.min(jnp.where(x == tmax, cols, _BIG), axis=1, keepdims=True).astype(jnp.float32)
+    targ = jnp.min(jnp.where(x == tmax, cols, BIG), axis=1, keepdims=True).astype(jnp.float32)
     bad = jnp.maximum(bad, ((s != s) | (tmax == jnp.inf)).astype(jnp.float32))
     fin = jnp.maximum(fin, (tmax > -jnp.inf).astype(jnp.float32))
     acc_s[...] = _packed([jnp.where(better, tmax, m), jnp.where(better, targ, am), bad, fin], rows)
@@ -481,20 +442,17 @@ def fused_sample_debug(
     opts = dict(tile=tile, rows=block_rows, interpret=interpret)
 
     M, argmax, valid, tm, ts = _stats_pass(x, T, **opts)
-    greedy = T == 0.0
+    greedy, k_on, p_on, filtered = _row_filters(T, k, p, minp, V)
     Ts = jnp.where(greedy, 1.0, T)
     inv_t = 1.0 / Ts
-    k_on = (k > 0) & (k < V)
-    p_on = p < 1.0
-    filtered = k_on | p_on | (minp > 0.0)
     sampled = valid & ~greedy
     neg_inf = jnp.full((Rp,), -jnp.inf, f32)
     zeros, ones, izeros = jnp.zeros((Rp,), f32), jnp.ones((Rp,), f32), jnp.zeros((Rp,), i32)
     u1, u2 = _uniform(s0, s1, 0), _uniform(s0, s1, 1)
-    W0 = jnp.where(tm > -jnp.inf, ts * jnp.exp((tm - M[:, None]) * inv_t[:, None]), 0.0)
+    W0 = _tile_weights(tm, ts, M[:, None], inv_t[:, None])
 
     def draw(active, W, u_t, u_e, P, zlo, S, qthr):
-        t = jnp.maximum(_pick_rows(W, u_t), 0)
+        t = jnp.maximum(_pick(W, u_t), 0)
         tok, zv, ev = _draw_pass(x, active, t, M, Ts, P, zlo, S, qthr, u_e, **opts)
         ok = tok >= 0  # (j < 0 cannot happen when W_t > 0; the argmax is kept anyway)
         return jnp.where(ok, tok, argmax), jnp.where(ok, zv, 0.0), jnp.where(ok, ev, 1.0)
@@ -510,20 +468,7 @@ def fused_sample_debug(
     # 0 the key of z_(k) (radix search on #{key > K} < k), 1 S = mass{z >= z_(k)},
     # 2 whether top-p cuts at all (mass above the lowest key >= p), 3 the top-p key (radix search
     # on mass{key > K} / S < p), 4 the per-tile masses of the kept set. ``last`` = 2 stops after S.
-    int_min = jnp.full((Rp,), _INT_MIN, i32)
-    b16 = jnp.arange(1, PIVOTS + 1, dtype=jnp.uint32)[None, :]
-
-    def radix_pivots(lo, hi):
-        d = hi.astype(jnp.uint32) - lo.astype(jnp.uint32)  # exact mod 2**32
-        off = (d >> 4)[:, None] * b16 + (((d & 15)[:, None] * b16) >> 4)  # floor(d * b / 16), no overflow
-        return (lo.astype(jnp.uint32)[:, None] + off).astype(jnp.int32)  # in (lo, hi]; == lo where off = 0
-
-    def radix_update(lo, hi, piv, pred, live):
-        fresh = piv > lo[:, None]  # pred is known false at lo and true at hi
-        ok = fresh & (pred | (piv >= hi[:, None]))
-        nlo = jnp.max(jnp.where(fresh & ~ok, piv, lo[:, None]), axis=1)
-        nhi = jnp.min(jnp.where(ok, piv, hi[:, None]), axis=1)
-        return jnp.where(live, nlo, lo), jnp.where(live, nhi, hi)
+    int_min = jnp.full((Rp,), INT_MIN, i32)
 
     def thresholds(rows, last):
         """-> dict(K_k, tau0, S, K_p, tau, qthr, W, passes) for ``rows`` (phases 0 .. last - 1)."""
@@ -538,12 +483,11 @@ def fused_sample_debug(
             ph = c["phase"]
             act = act_of(c)
             any_act = jnp.any(act)
-            tau0 = jnp.where(c["K_k"] == _INT_MIN, -jnp.inf, _key_to_float(c["K_k"]))
-            K_t = jnp.maximum(c["K_k"], c["K_p"])
-            tau = jnp.where(K_t == _INT_MIN, -jnp.inf, _key_to_float(K_t))
+            tau0 = _key_threshold(c["K_k"])
+            tau = _key_threshold(jnp.maximum(c["K_k"], c["K_p"]))
             qthr = minp * (1.0 / c["S"])
-            piv = radix_pivots(c["lo"], c["hi"])
-            K = jnp.where((ph == 0) | (ph == 3), piv, jnp.where(ph == 2, _INT_MIN, 0))
+            piv = _radix_pivots(c["lo"], c["hi"])
+            K = jnp.where((ph == 0) | (ph == 3), piv, jnp.where(ph == 2, INT_MIN, 0))
             t0 = jnp.where(ph == 0, -jnp.inf, jnp.where(ph == 4, -jnp.inf, tau0))
             S = jnp.where(ph <= 1, 1.0, c["S"])
             tt, qq = jnp.where(ph == 4, tau, -jnp.inf), jnp.where(ph == 4, qthr, 0.0)
@@ -553,16 +497,16 @@ def fused_sample_debug(
             c = dict(c, passes=c["passes"] + act.astype(i32))
             # phase 0 / 3: one radix step; the phase ends when no row is left in it
             pred = jnp.where(ph == 0, cnt < k[:, None], above < p[:, None])
-            lo, hi = radix_update(c["lo"], c["hi"], piv, pred, act & ((ph == 0) | (ph == 3)))
+            lo, hi = _radix_update(c["lo"], c["hi"], piv, pred, act & ((ph == 0) | (ph == 3)))
             c = dict(c, lo=lo, hi=hi)
             searching = ((ph == 0) | (ph == 3)) & jnp.any(act_of(c))
             done0 = (ph == 0) & ~searching
             done3 = (ph == 3) & ~searching
-            c["K_k"] = jnp.where(done0, jnp.where(rows & k_on, c["hi"], _INT_MIN), c["K_k"])
+            c["K_k"] = jnp.where(done0, jnp.where(rows & k_on, c["hi"], INT_MIN), c["K_k"])
             c["S"] = jnp.where(ph == 1, jnp.where(rows, mass, 1.0), c["S"])
             need = rows & p_on & (above[:, 0] >= p)
             c["need"] = jnp.where(ph == 2, need, c["need"])
-            c["K_p"] = jnp.where(done3, jnp.where(c["need"], c["hi"], _INT_MIN), c["K_p"])
+            c["K_p"] = jnp.where(done3, jnp.where(c["need"], c["hi"], INT_MIN), c["K_p"])
             c["W"] = jnp.where(ph == 4, W, c["W"])
             # entering phase 3: a fresh search interval
             c["lo"] = jnp.where(done0 | (ph == 2), int_min, c["lo"])
@@ -573,9 +517,8 @@ def fused_sample_debug(
         init = dict(phase=jnp.int32(0), lo=int_min, hi=izeros, K_k=int_min, K_p=int_min, S=ones,
                     need=jnp.zeros((Rp,), bool), W=jnp.zeros_like(W0), passes=izeros)
         c = jax.lax.while_loop(lambda c: c["phase"] < last, body, init)
-        tau0 = jnp.where(c["K_k"] == _INT_MIN, -jnp.inf, _key_to_float(c["K_k"]))
-        K_t = jnp.maximum(c["K_k"], c["K_p"])
-        tau = jnp.where(K_t == _INT_MIN, -jnp.inf, _key_to_float(K_t))
+        tau0 = _key_threshold(c["K_k"])
+        tau = _key_threshold(jnp.maximum(c["K_k"], c["K_p"]))
         return dict(c, tau0=tau0, tau=tau, qthr=minp * (1.0 / c["S"]))
 
     def p_slow(rows):
@@ -605,12 +548,9 @@ def fused_sample_debug(
         Wn = jnp.where(ran[:, None], Wc, W)
         cnt, tot = jnp.where(ran, cnt, 0), jnp.where(ran, tot, 1.0)
         m_gt = jnp.sum(Wn, axis=1)  # = mass{z > zv} whenever v passes min-p
-        in_k = ~k_on | (cnt < k)
         # top-p with top-k: S_k >= mass{z >= zv} >= m_gt + ev decides acceptance, S_k <= tot
         # rejection; otherwise S_k exactly (a radix-16 search, once per row).
-        sure_acc = m_gt < p * (m_gt + ev)
-        sure_rej = m_gt >= p * tot
-        need_sk = ran & k_on & p_on & ok_m & in_k & (have_sk == 0) & ~sure_acc & ~sure_rej
+        need_sk = _top_k_mass_undecided(zv, ev, ran, cnt, m_gt, tot, k, p, k_on, p_on, tau_m, have_sk)
 
         # Computed for every undecided top-k + top-p row at once (a pass costs the same for one row
         # of a block as for all; the decisions do not depend on when S_k became known).
@@ -625,7 +565,7 @@ def fused_sample_debug(
         S_k = jnp.where(got, S_new, S_k)
         have_sk = jnp.where(got, 1, have_sk)
         S_p = jnp.where(have_sk > 0, S_k, tot)
-        acc = active & ok_m & in_k & (~p_on | (m_gt < p * S_p))
+        acc = active & _pivot_kept(zv, cnt, m_gt, S_p, k, p, k_on, p_on, tau_m)
         rej = active & ~acc
         passes = passes + ran.astype(i32) + jnp.where(got, n_sk, 0)
         # Rejected: every u with z_u <= z_v is out of the kept set (an upper set in z).
@@ -640,8 +580,7 @@ def fused_sample_debug(
     fell = rej_rows & ~done
     tok_s, tau_s, qthr_s, S_s, passes_s = run_slow(fell)
     # accepted: kept requires z > P (tau = the next float above P; P < 0) and z >= log(min_p)
-    above = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(P, i32) - 1, f32)
-    tau_r = jnp.where(P > -jnp.inf, above, -jnp.inf)
+    tau_r = _pivot_bound(P)
 
     path = jnp.where(sampled, jnp.where(filtered, jnp.where(fell, PATH_SLOW, PATH_REJECT), PATH_TEMPERATURE),
                      PATH_NONE)

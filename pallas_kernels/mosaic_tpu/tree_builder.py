@@ -1,21 +1,12 @@
-"""On-device DDTree best-first pop loop for TPUs: the whole loop in ONE Pallas program per request.
+"""On-device DDTree best-first pop loop for TPUs (Pallas Mosaic TPU), one program per request.
 
-Contract (as the Triton version, ``pallas_kernels.triton.tree_builder``; the plain-JAX reference is
-``ddtree_jax.tree.build_draft_tree(impl="reference")``, and the tests compare all three): given each
-depth's top-K draft log-probabilities (sorted descending) and their token ids, pop ``budget``
-nodes best first. Equal scores pop in creation order (first pushed, first popped), a pop pushes
-the new node's next sibling before its first child, ``-inf``/NaN entries are never pushed, and
-scores are single float32 additions, so the output equals the reference bit for bit.
-
-Backend: Pallas' Mosaic TPU lowering; checked only in TPU interpret mode on a CPU.
-
-Layout and what differs from the Triton version: the frontier and the node arrays are lane-dense
-``(1, Mp)`` vectors (``Mp`` = budget + 1 rounded up to a power of two >= 128) carried through the
-loop and updated with one-hot selects, as there. The ``[L, K]`` top-K table of the request sits in
-VMEM (one ``(L, Kp)`` block, K padded to a multiple of 128 with -inf); the Triton version's three
-scalar loads per pop become a dynamic sublane slice (the depth's row) and a one-hot lane
-reduction (the rank), since a TPU loads vectors, not scalars, from VMEM. Results are written once,
-as ``(1, Mp)`` rows, after the loop.
+``build_tree`` and ``supports`` with the Triton version's contract
+(``pallas_kernels.triton.tree_builder``; reference ``ddtree_jax.tree.build_draft_tree(impl=
+"reference")``, bit for bit): pop ``budget`` nodes best first from per-depth top-K tables, equal
+scores in creation order, a node's next sibling pushed before its first child, ``-inf``/NaN
+entries never pushed, scores single float32 additions. The frontier and node arrays are
+lane-dense ``(1, Mp)`` vectors updated by one-hot selects; the request's ``[L, K]`` table sits in
+VMEM. Checked in TPU interpret mode only. Design: docs/kernels.md, "TPU kernels".
 """
 
 from __future__ import annotations

@@ -1,95 +1,15 @@
-"""Exact top-K of each row's log-softmax over a large vocabulary for TPUs, sort-free: the per-depth
-tables of the DDTree builder (``ddtree_jax.tree``) straight from the draft logits.
+"""Exact top-K of each row's log-softmax for TPUs (Pallas Mosaic TPU), sort-free: the DDTree
+builder's per-depth tables from the draft logits.
 
-Contract (as the Triton version, ``pallas_kernels.triton.vocab_top_k``; the plain-JAX reference is
-``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)``, and tests/test_tpu_kernels.py compares):
-for each row of ``logits [..., V]`` (bf16 or f32) the ``k`` largest log-probabilities
-``z = (x - m) - lse`` in descending order, ties by lower index, and their column indices. Rows
-with a NaN, a +inf or only -inf have an all-NaN log-softmax: their values are NaN and their
-indices ``0 .. k-1``. Requires ``1 <= k <= V``.
-
-``lse`` (where the normaliser comes from): both modes are ported, for the same reasons as there:
-``"xla"`` is bit-exact, ``"kernel"`` saves XLA's read of the logits (one of three here).
-
-* ``"xla"`` (the tree's mode): ``log(sum(exp(x - m)))`` by XLA between the launches with the
-  kernel's exact row max and the sum in the fixed order the reference also uses
-  (``pallas_kernels._shared.xla_log_sum_exp``), so the values are the reference's bit for bit on
-  any backend. One more read of the logits.
-* ``"kernel"`` (fused): the stats pass also sums ``exp2((x - chunk max) * log2 e)`` per chunk, so
-  XLA does not read the row. The value agrees with XLA's to about an ulp, not bit for bit; the
-  top-K is exact for the kernel's own ``lse`` (``vocab_top_k_debug`` returns it).
-
-Backend: Pallas' Mosaic TPU lowering; checked in TPU interpret mode on a CPU and lowered for a TPU
-with ``jax.export`` (block shapes, and that every operation has a Mosaic lowering). Never compiled
-by the Mosaic compiler or run on a TPU: no TPU timing exists.
-
-Layout. Rows on sublanes, vocabulary on lanes, as the sampler (``fused_sample``): rows padded to
-``block_rows`` (16: one bf16 (16, 128) tile), the vocabulary to ``nt`` tiles of ``tile = G * 128``
-columns (G = ``CHUNK`` = 32 unless the vocabulary is smaller), padding -inf. A tile of a row block
-is G lane-dense ``(block_rows, 128)`` vreg columns. A *chunk* is one lane of one tile: column
-``t * tile + j * 128 + l`` for ``j < G`` (tile t, lane l), G values strided by 128. Per-tile and
-per-chunk arrays are ``(tiles, rows, 128)``: the tile on the leading axis, so a kernel indexes it
-dynamically (a leading index) and never slices lanes at a dynamic offset.
-
-Algorithm (two launches, each streaming the row once through VMEM, grid ``(row blocks, tiles)``):
-
-1. stats: the maximum of every chunk (G - 1 elementwise maxima of vreg columns per tile: no
-   cross-lane work) and, fused lse, its sum of exp. Both grid axes parallel.
-2. top-k, the tile axis a reduction; per row block:
-
-   * at the first tile, select: ``m`` (the max of the chunk maxima) and ``lse``; the chunk maxima
-     become log-probabilities (``x -> (x - m) - lse`` is non-decreasing, so a chunk's max z is z
-     of its max x); the K-th largest chunk key ``T0`` by bisection over order-preserving int32
-     keys (32 count reductions over the ``V / G`` maxima, no sort). The chosen chunks: every chunk
-     with key ``> T0`` (fewer than K), and the chunks with key ``== T0`` in the tiles up to ``t*``,
-     the first tile by which there are enough of them (K minus the first count; a bisection over
-     tiles). They hold the top-K set: a top-K value above T0 lies in a chunk above T0; if the K-th
-     value is T0 the kept T0-values are the lowest-index ones, and a T0-value in a later tile has
-     at least that many T0-values before it (one in each T0-chunk of the tiles up to ``t*``).
-     Tiles, not chunks, break the ties because a tile's chunks interleave by column (the Triton
-     version's contiguous chunks can be ordered by column; these could only be ordered by the
-     column of their first T0-value, which needs z, which the stats pass cannot compute before
-     ``lse``). So at most ``K + 127`` chunks (``K`` plus one tile's); exact with ties, no fallback.
-   * every tile: the chosen chunks move into a VMEM buffer of ``K + 127`` chunk slots, in chunk
-     order. The tile's chosen lanes get consecutive slots after the ones before (an inclusive
-     lane prefix count: 7 rotate-and-add steps, ``pltpu.roll``); each slot finds its source lane
-     by halving over that count (7 steps, each a lane gather ``take_along_axis``, Mosaic's
-     ``tpu.dynamic_gather`` within a vreg), and all G vreg columns are gathered with that lane
-     map at once. Only the slot windows the block's rows reach in this tile are visited, and a
-     tile none of the block's rows chose a chunk from is not computed on.
-   * at the last tile, on the ``G (K + 127)`` candidates in VMEM: the exact K-th key T (bisection,
-     32 counts), the column cut among values equal to T (a bisection over columns: the
-     lowest-index ones, ``lax.top_k``'s tie rule), the K kept pairs compacted by the same
-     prefix-count-and-gather step, and the order by counting: each kept pair's rank is the number
-     of kept pairs before it (larger value, or equal value and lower column), placed with a
-     one-hot select (K steps over K lanes).
-
-What differs from the Triton version and why (TPU):
-
-* Strided chunks (a lane of a tile) instead of 32 contiguous columns: the chunk maxima are then
-  elementwise maxima of vreg columns; contiguous chunks would need segmented cross-lane
-  reductions. Their column ranges interleave, hence the tie rule by tile above and up to 127
-  more chunk slots than K.
-* A second streaming read instead of gathering K chunks of 32 from L2: Mosaic gathers only within
-  a vreg (``take_along_axis`` along lanes or sublanes), and a DMA per strided chunk would be 32
-  single-element copies. The second launch reads each tile once per row block, moves the chosen
-  lanes with in-vreg gathers and keeps the candidates in VMEM, so the selection, compaction and
-  ordering never go back to HBM.
-* No cumsum or scatter (Mosaic has neither): stable compaction is an inclusive prefix count by
-  ``pltpu.roll`` and an inverse map by halving with lane gathers; the final placement is a one-hot
-  select per kept pair.
-* No scalar prefetch. The per-row values (``m``, ``lse``, a bad-row flag) are vector operands
-  (``(rows, 1)`` columns of a packed ``(block_rows, 128)`` block, as in the sampler), and no index
-  map depends on data: a scalar-prefetched list of the tiles a row block needs would let the
-  second read skip tiles, but it needs the selection finished in a launch of its own, and it
-  would rarely skip anything: a row block's 16 rows choose 16 K chunks spread over the tiles (at
-  K = 8 and 163,840 columns, 128 chunks over 40 tiles miss a given tile with probability ~4%).
-  The selection runs at the first step of the second launch instead.
-
-Reads at the target's size (B*L = 240 rows x 163,840 bf16 = 78 MB): the row twice (stats, top-k),
-plus XLA's read for ``lse="xla"``; the Triton version reads it once plus 5% (plus XLA's).
-Everything else works on the ``V / 32`` chunk maxima and the ``32 (K + 127)`` candidates of a row
-block in VMEM (VMEM need grows with K: past ~12 MiB the scoped limit is raised).
+``vocab_top_k`` / ``vocab_top_k_debug`` with the Triton version's contract
+(``pallas_kernels.triton.vocab_top_k``; reference ``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)``;
+tests/test_tpu_kernels.py): the ``k`` largest log-probabilities, descending, ties by lower index,
+NaN rows NaN with indices ``0 .. k-1``; ``lse="xla"`` bit-exact, ``"kernel"`` fused (about an ulp
+off). Two launches over ``(row blocks, tiles)``, each streaming the row once through VMEM: stats
+(maxima of strided chunks, a chunk being one lane of a tile), then top-k (select at the first
+tile, the chosen chunks gathered into VMEM at every tile, the exact cut and the order at the
+last). Exact with any ties, no fallback. Checked in TPU interpret mode and lowered for a TPU
+(``jax.export``); not run on one. Design: docs/kernels.md, "TPU kernels".
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""The accept walk as a tiny Pallas kernel, one program per request.
+"""The accept walk as a small Pallas Triton kernel, one program per request.
 
-Contract (the plain-JAX reference is ``ddtree_jax.accept.accept_path(impl="reference")``; the
-tests compare both): from the root (node 0), while the target's draw at the current node is the
-token of one of its valid children, move to that child (the lowest-index match; children carry
-distinct tokens, so there is at most one); the first draw that matches no child is the bonus.
-
-Backend: Pallas Triton lowering (one program per request, vectors of the padded node count,
-``draft_len`` serial steps). The walk is latency-bound (L dependent steps over <= 1025 nodes); any
-backend pays one launch plus L short reductions, and Triton has the min-index reductions and
-dynamic scalar stores the walk needs.
+``accept_walk(tokens, parents, valid, node_samples [B, M], draft_len=L)`` -> ``(path [B, L+1],
+num_accepted [B], bonus [B], committed [B, L+1])``. Contract (reference:
+``ddtree_jax.accept.accept_path(impl="reference")``; the tests compare both): from the root
+(node 0), while the target's draw at the current node is the token of one of its valid children,
+move to that child (the lowest-index match; children carry distinct tokens, so there is at most
+one); the first draw that matches no child is the bonus. Design: docs/kernels.md, "Accept walk".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""A dense product ``y = x @ w`` whose every row is computed the same way whatever the row count.
+"""A batch-invariant dense product ``y = x @ w`` (Pallas Triton): every row is computed the same
+way whatever the row count (XLA's dot picks an algorithm by shape).
 
-Why: XLA hands a dense product to cuBLAS (GPU) or Eigen (CPU), which pick an algorithm by shape,
-so a one-row product (a decode step) and the same row among 16 or 65 rows (a tree verify) can sum
-the K products in different orders and round differently. Greedy tree decoding then commits
-tokens other than greedy autoregressive decoding's wherever two logits are that close. Measured
-by ``bench/bench_batch_invariance.py``: on the H200 XLA's bf16 product of a projection agreed at
-16 rows but not at 2,056, and on the CPU the float32 router and the LM head's float32
-accumulation differ between 1 and 16 rows.
-
-The order here: each output element accumulates in float32 over K in chunks of ``block_k``,
-ascending; a chunk is one dot of the row's ``[block_k]`` slice with the weight's
-``[block_k, block_n]`` tile. ``block_k`` is a function of K alone, and a row never meets another
-row's data, so the row count only changes how many row tiles the grid has (the MoE kernel, built
-the same way, measured bitwise batch-invariant across its block sizes on the H200).
-
-Grid ``(G, M_padded / block_m, N / block_n)``: program ``(g, i, j)`` writes rows
-``[i*bm, (i+1)*bm)`` and columns ``[j*bn, (j+1)*bn)`` of group g (G = 1 for one weight; G heads
-for the absorbed attention's per-head products). ``x`` is padded with zero rows to a multiple of
-``block_m`` (the activations are small; the weight is never copied); ``block_n`` and ``block_k``
-are powers of two that divide N and K, at least 16 on the GPU (the tensor-core dot's smallest K
-and N). The cost
-is the weight read once per row tile: at the decode and verify sizes (a few row tiles) it is
-memory bound, as the product is.
-
-``dense_matmul_reference`` is the plain product (``jnp.einsum`` with float32 accumulation).
+``dense_matmul(x [..., K], w [K, N])`` -> ``[..., N]``, or per group ``x [..., G, K]``,
+``w [G, K, N]`` -> ``[..., G, N]``; ``dense_matmul_reference`` is the plain product. Order: each
+output element accumulates in float32 over K in ascending chunks of ``block_k`` (a function of K
+alone), one dot per chunk of the row's slice and the weight's ``[block_k, block_n]`` tile. Rows
+never meet, so the row count only sets how many row tiles the grid ``(G, M_padded / block_m,
+N / block_n)`` has. ``x`` is padded to whole row tiles (the weight is never copied); ``block_n``
+and ``block_k`` are powers of two dividing N and K, at least 16 on the GPU. Design and
+measurements: docs/kernels.md, "Batch-invariant dense products".
 """
 
 from __future__ import annotations

@@ -1,68 +1,17 @@
-"""MLA attention in the absorbed form, straight from the latent cache (decode, tree verify, prefill).
+"""MLA attention in the absorbed form straight from the latent cache (Pallas Triton): decode,
+tree verify and prefill blocks.
 
-Contract (the plain-JAX reference is ``ddtree_jax.models.latent_attention.latent_attention``
-with ``impl="reference"``; tests/test_mla_kernel.py compares both on random inputs):
-
-* ``q_latent [B,T,H,r]`` (``q_nope`` already multiplied by ``W_UK``; r = kv_lora_rank),
-  ``q_rope [B,T,H,dr]``, the cache ``latent [B,S,r]`` and ``k_rope [B,S,dr]`` (the block's own
-  latents already written at ``[start, start+T)``), ``start [B] int32`` (committed prefix per row),
-  and either ``causal=True`` or ``block_mask [B,T,T] bool`` (tree: ancestors and the diagonal).
-* Block token i of row b sees cache positions ``[0, start[b])`` and block positions
-  ``start[b] + j`` where ``block_mask[b,i,j]`` (causal: ``j <= i``). Every token must see at least
-  one key (it always sees itself in this package); ``start + T <= S``.
-* Output ``[B,T,H,r]`` in the query dtype: ``softmax(scale * (q_latent.latent + q_rope.k_rope))``
-  times ``latent`` (``W_UV`` and ``o_proj`` are applied outside). Float32 accumulators.
-
-Algorithm: FlashAttention-2 style online softmax (base-2 exponentials, ``scale * log2 e`` folded
-into the scores) over key tiles of ``block_k`` positions; no score tensor beyond one
-``[block_m, block_k]`` tile exists. All heads of a row share the keys (MLA is MQA-like in the
-absorbed form), so the query rows of a row are flattened to ``T*H`` (token-major) and a program
-owns ``block_m`` of them: one ``[block_m, r+dr] x [r+dr, block_k]`` score product and one
-``[block_m, block_k] x [block_k, r]`` value product per key tile, with each key tile loaded once
-for all its heads. The key loop stops at each row's own ``start + T`` (causal: at the last token
-of the program's tile), a dynamic trip count: the cache is read up to the current length, never
-to ``S``. Tiles entirely inside the committed prefix need no mask and run a lean loop; only the
-few tiles that touch the block are masked. The tree mask is applied without gathers: the tile's
-``[tokens, block_k]`` slice of the block mask (a contiguous 2-D load from a copy padded by
-``block_k`` on both sides, so the slice offset is never negative) is expanded to the
-``[block_m, block_k]`` query rows by a product with a one-hot ``[block_m, tokens]`` matrix.
-
-Split keys (flash-decoding): with few programs (decode and small verify blocks at small batch)
-one program per row tile cannot pull the cache at HBM speed, so ``split_keys`` cuts the key
-range at fixed multiples of ``split_keys`` positions; each split writes its unnormalised
-``(o, m, den)`` in float32 and a second small kernel merges, per row tile and block of 64 value
-columns, only the splits its length reached (in split order). The boundaries depend only on the
-positions, not on ``B`` or ``T``: with the same ``split_keys`` a row's reductions run in the same
-order whatever the batch.
-
-Fixed segments (batch invariance): with ``segment_keys`` the reduction itself is cut at fixed
-multiples of ``segment_keys`` positions whether or not the key range is split over programs:
-each segment runs from a fresh ``(o, m, den)`` and is folded into the running total in segment
-order with the same expressions (``_merge``) as the merge kernel. Running the segments one after
-another in one program or one per program (``split_keys == segment_keys``) then gives the same
-bits, so whether to split is a pure speed choice made from ``B`` and ``T`` and a row's result
-does not depend on them (a decode step and a verify block reduce a row's keys alike). Caveat:
-this relies on the GPU compiler contracting the same expressions the same way in both kernels
-(float32 multiply-adds); bench/bench_batch_invariance.py checks it on the device.
-
-Backend: the Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``),
-like the other kernels here: it has dynamic-trip-count loops, masked 2-D loads with dynamic
-offsets and ``dot`` on tensor cores, which is all this kernel needs. Not measured against a
-Mosaic GPU version.
-
-Tiles for the H200 (``default_tiles``; bench/bench_attention_gpu.py sweeps alternatives): bf16
-``block_m = 64`` query rows (one token's 64 heads at K2 shapes: decode needs no padding and each
-latent tile serves 64 rows), ``block_k = 64`` keys (a 64 x 512 bf16 latent tile, 64 KiB, two
-stages), ``num_warps = 8`` (the 64 x 512 float32 accumulator is 128 registers a thread). Measured
-at 32k context with the model's fixed segments (bench/results/attention_h200_segments_20261130.md):
-the best of nine tile settings at decode B=16 and at verify T=16 (B=1 and 16), 9-17% faster than
-32-key tiles; at decode B=1 16-row tiles with more splits were faster still (112 against 142 us),
-but not used: a 16-row decode and a 64-row verify round differently, which broke greedy DDTree =
-greedy AR (34 of 64 tokens; docs/kernels.md), so decode and verify share one tile shape.
-16 warps were 2-3x slower everywhere. float32 inputs (tests) take 32 x 32 tiles, one stage.
-The absorbed form does ``2 * H * (2r + dr)`` flops per key and query token (139 kflop at K2
-shapes) against ``2 * (r + dr)`` bytes of cache per key, so a decode step is already near the
-tensor-core balance point and verify/prefill blocks are compute-bound.
+``mla_attention(q_latent [B,T,H,r], q_rope [B,T,H,dr], latent [B,S,r], k_rope [B,S,dr], start [B],
+block_mask [B,T,T] or causal)`` -> ``[B,T,H,r]`` in the query dtype: ``softmax(scale *
+(q_latent.latent + q_rope.k_rope)) @ latent`` (``W_UV`` and ``o_proj`` are applied outside),
+float32 accumulators. Block token i of row b sees ``[0, start[b])`` and the block positions its
+mask allows; every token sees at least one key; ``start + T <= S``. Reference:
+``ddtree_jax.models.latent_attention.latent_attention(impl="reference")``; tests/test_mla_kernel.py.
+FlashAttention-2 online softmax over key tiles; the ``T*H`` query rows are flattened (all heads
+share the keys) and each row's key loop stops at its length. Optional key splits (``split_keys``,
+merged by a second kernel) and fixed segments (``segment_keys``): with segments a row's bits
+depend only on its data and the tiles, not on ``B``, ``T`` or the split. Design and
+measurements: docs/kernels.md, "MLA attention".
 """
 
 from __future__ import annotations
@@ -82,7 +31,7 @@ _NEG = -1e30
 # Value columns per merge program: a [64, 64] float32 tile is 32 registers a thread at 4 warps
 # (the whole [64, 512] accumulator would be 256 and spill).
 _MERGE_COLS = 64
-# Streaming multiprocessors of an H200 (used only to size the split-keys heuristic).
+# Streaming multiprocessors the split-keys heuristic sizes for (a 132-SM GPU).
 _NUM_SMS = 132
 
 
@@ -266,7 +215,9 @@ def merge_block(batch: int, rows: int, r: int, block_m: int, *, num_sms: int = _
 
 
 def default_tiles(dtype) -> dict:
-    """``block_m, block_k, num_warps, num_stages`` for caches of ``dtype`` (see the module notes)."""
+    """``block_m, block_k, num_warps, num_stages`` for caches of ``dtype``: bf16 64 query rows (one
+    token's 64 heads at K2 shapes), 64 keys, 8 warps, 2 stages; float32 (tests) 32 x 32, 4 warps,
+    1 stage. Decode and verify share one tile shape (their rounding must agree)."""
     if jnp.dtype(dtype).itemsize >= 4:
         return dict(block_m=32, block_k=32, num_warps=4, num_stages=1)
     return dict(block_m=64, block_k=64, num_warps=8, num_stages=2)

@@ -1,64 +1,16 @@
-"""Routed MoE experts as two grouped matmuls over token copies sorted by expert.
+"""Routed MoE experts as two grouped matmuls over token copies sorted by expert (Pallas Triton):
+bf16/f32 weights (``moe_grouped_matmul``) or INT4 W4A16 weights (``moe_grouped_matmul_int4``).
 
-Contract (the plain-JAX references are ``ddtree_jax.models.moe.experts_reference`` (every expert
-dense, masked) and ``experts_ragged_dot``; tests/test_moe_kernel.py compares): given the token
-copies sorted by expert (``sorted_token [R]``: which row of ``x`` the r-th copy reads,
-``sorted_weight [R]`` its routing weight) and a list of row tiles (``tile_expert``,
-``tile_start``, ``tile_end``: tile t covers sorted rows ``[tile_start[t], tile_end[t])``, all
-routed to expert ``tile_expert[t]``; at most ``block_m`` rows, empty for the unused tail of the
-list), return for every sorted row r inside a tile
-
-    y[r] = sorted_weight[r] * (silu(x[tok] @ Wg[e]) * (x[tok] @ Wu[e])) @ Wd[e],  tok = sorted_token[r]
-
-in float32. Rows outside every tile are left unwritten (the caller masks them: invalid tokens and
-the padding rows). The routing metadata is computed once per layer by the caller
-(``ddtree_jax.models.moe.route_tokens``); the combine (the k copies of a token summed back into
-its row) is a gather and a sum of k rows in plain JAX, in a fixed order (no atomics, so the result
-does not depend on scheduling).
-
-Backend: the Pallas Triton lowering. The kernel needs per-tile dynamic expert ids (scalar loads
-that select a weight slab), row gathers of ``x`` by token index, and early exit for the unused
-tail of a static grid; Triton has all three and its ``dot`` runs bf16 MMA with float32
-accumulation. Mosaic GPU (wgmma, TMA) would be the route to the last fraction of Hopper's matmul
-rate in prefill, but its TMA loads cannot gather rows by index; not built.
-
-Algorithm (two launches; grid = (row tiles upper bound, output column blocks)):
-
-1. ``_gate_up_kernel``: program (t, j) gathers the ``block_m`` token rows of tile t chunk by chunk
-   along the hidden dim, multiplies them by the gate AND up columns ``[j*bn, (j+1)*bn)`` of its
-   expert (``gate_up [E, H, 2I]``: gate columns first, then up), and stores
-   ``silu(gate) * up`` (the activation dtype) into ``h [R, I]`` at the tile's sorted rows.
-2. ``_down_kernel``: program (t, j) reads the tile's rows of ``h`` and the down columns
-   ``[j*bn, (j+1)*bn)`` of its expert, scales each row by its routing weight and stores float32
-   into ``y [R, H]``.
-
-Every program of tile t reads only its expert's weights, so an expert that received no token is
-never read, and an expert's weights are read once per row tile of its tokens (decode: one tile
-per touched expert). The grid is static: ``min(E, R) + R // block_m`` row tiles bound the real
-count ``sum_e ceil(count_e / block_m)``; programs past the real count exit at once. Nothing of
-size ``[E, R, ...]`` is materialised; the intermediates are ``h [R, I]`` and ``y [R, H]``.
-
-INT4 weights (``moe_grouped_matmul_int4``, W4A16): the same launches, grid and tiles; only the
-product of one K-chunk differs (``_chunk_cols`` / ``_chunk_weights``). Weights packed eight
-4-bit values to an int32 along the contraction dim (``[E, K/8, N]``; word row j of a chunk holds
-inputs ``k0 + 8j .. k0 + 8j + 7``, nibble p = input ``k0 + 8j + p``, offset 8) with one scale (and
-optionally a zero point) per group of G inputs (``[E, K/G, N]``). A chunk loads one
-``[block_k/8, bn]`` tile of words and one gathered row of scales per word row, dequantises nibble
-p in registers (``((w >> 4p) & 0xF) - 8 - zero) * scale`` rounded once to x's dtype: in float32,
-or, for bf16 activations with bf16 scales and no zero points, two weights per instruction in
-packed bf16 by inline PTX, the same bits (``_bf16_dequant_ptx``)) and multiplies it with the x
-columns ``k0 + 8j + p``: eight dots of K = ``block_k / 8`` per chunk, no
-interleaving of the unpacked values, and a weight layout that does not depend on the block sizes.
-The activations (x before the first launch, h between the two) are reordered once per call in
-XLA (``_nibble_major``) so that nibble p's columns of a chunk are contiguous: plain loads instead
-of stride-8 gathers in the K loop. ``block_k`` is at least 128 there (K >= 16 per dot on the GPU).
-
-Block sizes (``choose_blocks``): ``block_m`` follows the expected copies per expert
-(``R / E``): 16 (Triton's smallest MMA tile) for decode and tree verify, where a touched expert
-gets about one token and the pass is bound by reading the weights; up to 128 for prefill, where
-the MMA rate matters and larger M tiles re-read each expert's weights fewer times. The column
-blocks stay small enough (64 for gate/up, which keeps two accumulators; 128 for down) that a
-decode step with 8 touched experts still launches hundreds of programs to fill the GPU's SMs.
+Contract (references ``ddtree_jax.models.moe.experts_reference`` and ``experts_ragged_dot``;
+tests/test_moe_kernel.py): given the copies sorted by expert (``sorted_token``, ``sorted_weight``
+``[R]``) and row tiles (``tile_expert``, ``tile_start``, ``tile_end``: at most ``block_m`` rows of
+one expert each, empty past the real count), every sorted row r inside a tile gets, in float32,
+``y[r] = sorted_weight[r] * (silu(x[tok] @ Wg[e]) * (x[tok] @ Wu[e])) @ Wd[e]``; rows outside
+every tile are unspecified. Two launches: gate/up (``silu(gate) * up`` into ``h [R, I]``), then
+down (into ``y [R, H]``); a program reads only its tile's expert. Routing (``route_tokens``) and
+the combine (a fixed-order sum of a token's k rows) are the caller's. A row's arithmetic depends
+on ``block_m`` and ``block_k``, never on other rows. Design and measurements: docs/kernels.md,
+"MoE experts (grouped matmul)" and "INT4 experts (W4A16)".
 """
 
 from __future__ import annotations
@@ -97,13 +49,9 @@ def choose_blocks(num_rows: int, num_experts: int, *, int4: bool = False, act_by
     activations of ``act_bytes`` bytes.
     ``int4``: for ``moe_grouped_matmul_int4``; with 16-row tiles, and 32-row tiles of 2-byte
     activations (decode and tree verify), its column blocks are twice as wide (128 for gate/up, 256
-    for down): a K-chunk's words then cover as many bytes as a bf16 chunk's. Measured on the H200
-    at K2 shapes: 16-row tiles (bench/results/moe_gpu_h200_int4_sweep_20261130.md) 0.41 -> 0.26 ms
-    at 1 token, 3.92 -> 3.85 ms at 65, equal at 16; 32-row tiles at 1,040 tokens (a B=16 verify of
-    64 nodes), device time of the two launches 4.72 -> 4.47 ms
-    (bench/results/moe_gpu_h200_int4_bm32_20261201.md). Other tiles keep the bf16 widths: with
-    float32 activations, 32 rows ask for 232 KiB of shared memory (the H200 allows 227 KiB) and 128
-    rows more. The column blocks never change a row's arithmetic (``block_k`` and ``block_m`` do)."""
+    for down): a K-chunk's words then cover as many bytes as a bf16 chunk's. Other tiles keep the
+    bf16 widths (with float32 activations the wide blocks exceed a GPU's shared memory). The
+    column blocks never change a row's arithmetic (``block_k`` and ``block_m`` do)."""
     per_expert = num_rows / num_experts
     if per_expert <= 16:
         blocks = MoEBlocks(block_m=16, num_warps=4)
@@ -198,7 +146,7 @@ def _dequant_words(wp, scale, zero, dtype, asm):
     # A nibble n becomes a float without an integer convert (a quarter-rate instruction on the
     # GPU, once per weight): the bits 0x4B000000 | n are the float 2^23 + n, and subtracting
     # 2^23 + 8 + zero leaves n - 8 - zero exactly (integers below 2^24). The product with the
-    # scale then rounds once, as before: the same bits.
+    # scale then rounds once, as after an integer convert: the same bits.
     offset = jnp.float32(_MAGIC + _INT4_OFFSET)
     if zero is not None:  # one convert per (word row, column), shared by the row's eight nibbles
         offset = offset + zero.astype(jnp.float32)

@@ -1,50 +1,16 @@
-"""On-device DDTree best-first pop loop: the whole loop in ONE Pallas program per request.
+"""On-device DDTree best-first pop loop, the whole loop in one Pallas Triton program per request.
 
-Contract (the plain-JAX reference is ``ddtree_jax.tree.build_draft_tree(impl="reference")``; the
-tests compare both on random inputs): given each depth's top-K draft log-probabilities (sorted
-descending) and their token ids, pop ``budget`` nodes best first. Equal scores pop in creation
-order (first pushed, first popped), a pop pushes the new node's next sibling before its first
-child, ``-inf``/NaN entries are never pushed, and scores are single float32 additions
-(sibling = score(parent) + lq[d, r+1], child = score(node) + lq[d+1, 0]), so the reference
-reproduces them bit for bit.
-
-How: the frontier's keys are one loop-carried register vector; everything else about an entry
-(its parent and depth, its rank and previous sibling, its parent's score) is written by scalar
-stores into a by-slot scratch buffer when the entry is pushed and read back by scalar loads when
-it is popped. Node ``i``'s own fields are stored once, when it is popped; a node's first child and
-next sibling once, when that child or sibling is popped. Per pop:
-
-1. one two-operand reduction, ``argmax`` over int32 keys. Frontier entries sit in push order
-   (entry ``j`` is the ``j``-th pushed; a popped slot is never reused), so the lowest index among
-   equal keys is the FIFO tie rule with no separate tie-break pass. The key is the float32 score
-   mapped to an int32 that orders like the float (``-0.0`` folded into ``+0.0``); popped and unused
-   slots hold the smallest int32, which no score maps to. A live-entry counter, not the key,
-   says whether the frontier is empty.
-2. three independent scalar loads of the popped slot's fields. The argmax ends in a block barrier
-   (``bar.sync``, which orders global memory among the block's threads), so a slot pushed by the
-   previous pop is read back correctly: hence ``num_warps >= 2``.
-3. four independent scalar loads from the (L1-resident) ``[L, K]`` tables: the token, the entry's
-   own log-prob (its score is recomputed as ``parent score + log-prob``, the very addition that
-   made it), the next sibling's and the first child's.
-
-The entries that can still be popped are the root and the pushes of pops ``1..N-1``: at most
-``2N - 1`` slots. Slots never decide anything beyond the FIFO order they encode, so the output is
-identical to the reference. Measured on the H200 at B=16, N=256, L=15 (device time): ~17
-reductions per pop, 407 us (bench/results/tree_gpu_h200_20261129.md); an argmax and three
-one-hot gathers of register vectors, 157 us (tree_gpu_h200_20261130.md); the fields in the
-scratch, 108 us (tree_gpu_h200_scratch_pop_loop_20261130.md); as here (the first child's rank
-word zeroed up front instead of stored, ``valid`` derived from the depth), 103 us, against 111
-for the previous form and 120 for one that reads the parent's score from the node rather than
-the slot (a freshly stored line: one more L2 round trip on the critical path), all in one run
-(tree_gpu_h200_pop_loop_variants_20261130.md). 4 warps is best (2: 137 us, 8: 157). Writing
-the ancestor mask in the loop as well (node i's row = its parent's row loaded back, plus i,
-stored one pop later) took 152 us against 104 without it in one run
-(tree_gpu_h200_ancestor_in_loop_order_warps_20261130.md): the parent row's round trip through L2
-stalls every pop, while XLA's pointer doubling after the loop costs 8-13 us; not kept.
-
-Backend: Pallas Triton lowering. The loop is a chain of small dependent reductions; Triton gives
-the reductions and dynamic loops directly; Mosaic GPU's warpgroup model has no benefit for
-512-wide vectors.
+``build_tree(top_lq [B, L, K] f32, top_ids [B, L, K] i32, budget=N)`` -> the tree's node arrays
+``[B, N + 1]`` (node 0 the root, nodes in creation order); ``supports`` says which sizes it takes
+(larger trees use the reference). Contract (``ddtree_jax.tree.build_draft_tree(impl="reference")``,
+bit for bit): given each depth's top-K draft log-probabilities (sorted descending) and token ids,
+pop ``budget`` nodes best first; equal scores pop in creation order, a pop pushes the new node's
+next sibling before its first child, ``-inf``/NaN entries are never pushed, and scores are single
+float32 additions (sibling = score(parent) + lq[d, r+1], child = score(node) + lq[d+1, 0]).
+The frontier is one int32 key vector in push order (its argmax is best first with the FIFO tie
+rule); entries' other fields go through a by-slot scratch by scalar stores and loads, ordered by
+the argmax's block barrier, so ``num_warps >= 2``. Design and measurements: docs/kernels.md,
+"Tree builder".
 """
 
 from __future__ import annotations

@@ -1,75 +1,15 @@
-"""Exact top-K of each row's log-softmax over a large vocabulary, sort-free: the per-depth tables of
-the DDTree builder (``ddtree_jax.tree``) straight from the draft logits.
+"""Exact top-K of each row's log-softmax over a large vocabulary, sort-free (Pallas Triton): the
+DDTree builder's per-depth tables (``ddtree_jax.tree``) straight from the draft logits.
 
-Contract (the plain-JAX reference is ``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)``, which
-``ddtree_jax.topk.exact_top_k`` also reproduces; tests/test_vocab_top_k.py compares): for each row
-of ``logits [..., V]`` (bf16 or f32) return the ``k`` largest log-probabilities
-``z = (x - m) - lse`` (``m`` the row max, ``lse = log(sum(exp(x - m)))``, the expression of
-``jax.nn.log_softmax`` with the sum in ``pallas_kernels._shared.fixed_order_sum``'s order) in
-descending order, ties by lower index, and their
-column indices. Rows with a NaN, a +inf or only -inf have an all-NaN log-softmax; for them the
-values are NaN and the indices ``0 .. k-1`` (what ``lax.top_k`` gives when those NaNs are all
-alike; it orders NaNs by sign and payload, which follow the platform's NaN propagation: on the CPU
-an input NaN stays positive while the NaNs log_softmax makes are negative, so there the input
-NaN's index comes first. The tree builder adds no node from a NaN row either way).
-Requires ``1 <= k <= V``.
-
-Where ``lse`` comes from (``lse=``):
-
-* ``"kernel"`` (fused): the statistics pass also sums ``exp2((x - tile max) * log2 e)`` per tile,
-  so the row is read once. The value agrees with XLA's to about 1 ulp, not bit for bit: a float32
-  sum in another order, with another ``exp``. The top-K is exact for the kernel's own ``lse`` (the
-  order and tie rule of ``lax.top_k`` on ``(x - m) - lse``), but a tree built from it can differ
-  from the reference build by the rounding of the scores.
-* ``"xla"``: ``lse`` is ``log(sum(exp(x - m)))`` computed by XLA between the launches with the
-  kernel's (exact) row max, the sum in the fixed order the reference also uses
-  (``xla_log_sum_exp``), so the values are the reference's bit for bit on any backend. (With a plain
-  ``jnp.sum`` this held on the CPU but the first H200 run's equality tests failed, most likely
-  because XLA's GPU emitter sums a row in another order outside the reference's fused
-  ``log_softmax``.) Costs one more read of the logits.
-
-Algorithm (four launches; only the first reads the whole row):
-
-1. stats, grid ``(rows, splits)``: each program reads its share of the row in tiles of ``tile``
-   columns and stores the maximum of every chunk of ``chunk`` (16) columns, the tile maxima and
-   (fused lse) the tile sums of exp. Several programs per row: 240 rows alone would fill the 132
-   SMs only 1.8 times.
-2. chunks, grid ``(rows,)``: ``m``, ``lse``; the chunk maxima become log-probabilities (the map
-   ``x -> (x - m) - lse`` is non-decreasing, so the max of a chunk's z is z of its max); the K-th
-   largest chunk maximum ``T0`` by bisection over order-preserving int32 keys (32 count
-   reductions over the row's ``V / chunk`` maxima, no sort). The chunks are then exactly K: every
-   chunk with maximum ``> T0`` (fewer than K) and, in column order, the first chunks with maximum
-   ``== T0`` up to K. They hold the whole top-K set: at least K chunks reach ``T0``, so the K-th
-   value is ``>= T0``; a top-K value ``> T0`` lies in a chunk with maximum ``> T0``, and if the
-   K-th value is ``T0`` the kept elements equal to ``T0`` are the first ones by index, which lie
-   in the first chunks with maximum ``== T0`` (no more of them than there are places). So no
-   fallback is needed for ties (rounded or masked rows). The chosen chunk ids are listed in column
-   order by a cumsum and a scatter (a stable partition).
-3. candidates, grid ``(rows,)``: gathers the K chunks (K * chunk = 4096 values at K = 256, from
-   L2), the exact K-th key by bisection (32 count reductions), keeps ``key > T`` and the first
-   ``key == T`` by index up to K, and compacts the K kept (value, index) pairs in column order
-   (cumsum + scatter).
-4. order, grid ``(rows, K / 32)``: the rank of each of the K pairs by counting the pairs before
-   it (larger value, or equal value and lower index: ``lax.top_k``'s order); program (r, b) takes
-   pairs ``32b .. 32b + 31`` (a ``[32, K]`` block of the ``K x K`` comparison) and scatters them
-   to their ranks. (One program per row looping over the blocks took 23 us of device time at
-   240 rows and K = 256 on the H200.)
-
-Why this shape on the H200 (B*L = 240 rows x 163,840 bf16 = 78 MB; one read is ~19 us at
-4.2 TB/s): the full-row work is one streaming read with a max per element (plus one ``ex2`` for
-the fused lse), which such passes run near copy bandwidth (docs/kernels.md); everything after it
-touches ``V / 16`` float32 maxima (12.5% of the row's bytes) and ``16 K`` candidates (2.5% of
-the row at K = 256). A histogram/radix
-select over the full row would need per-element atomics or ``V x bins`` compares in Triton
-(no shared-memory histogram in the Pallas Triton lowering), and a second full read per digit; the
-chunk maxima bound the threshold with no extra full read. The bisections are 32 dependent
-reductions each over a few thousand values in one program per row: a few microseconds, paid
-once per row.
-
-Backend: Pallas Triton lowering (``pl.pallas_call`` + ``jax.experimental.pallas.triton``): it has
-the gathers, the scatters and cumsum this needs; Mosaic GPU on our jax versions has no cumsum and
-no integer gathers (docs/kernels.md). Every array in a kernel has a power-of-two shape (padded and
-masked).
+``vocab_top_k(logits [..., V] bf16|f32, k, lse="kernel"|"xla")`` -> ``(values f32 [..., k],
+indices i32 [..., k])``: the ``k`` largest ``z = (x - m) - lse``, descending, ties by lower
+index, as ``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)`` (tests/test_vocab_top_k.py). Rows
+with a NaN, +inf or only -inf: values NaN, indices ``0 .. k-1``. Requires ``1 <= k <= V``.
+``lse="xla"``: the normaliser by XLA in ``_shared.fixed_order_sum``'s order, the reference's bits;
+``"kernel"``: fused into the stats pass (one read of the row, about an ulp off XLA's; the top-K
+is exact for its own ``lse``, which ``vocab_top_k_debug`` returns). Four launches: stats (chunk
+and tile maxima), chunks (the K chunks that provably hold the top-K, ties included), candidates
+(their exact top-K), order (ranks by counting). Design: docs/kernels.md, "Tree builder".
 """
 
 from __future__ import annotations
@@ -86,15 +26,13 @@ from pallas_kernels._shared import LSE_MODES, _bisect, _bisect_while, _zkey, che
 
 __all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
 
-# Columns per chunk maximum. 16 rather than 32: half the candidates (16 K) for twice the chunk
-# maxima; the whole top-k 145 -> 127 us of device time on the H200 at 240 rows x 163,840, K = 256
-# (bench/results/tree_gpu_h200_20261130.md, the chunk16 row, in the same run); 64 was slower.
+# Columns per chunk maximum (16: 16 K candidates for V / 16 chunk maxima; docs/kernels.md).
 CHUNK = 16
 MAX_TILE = 4096  # columns per load in the stats pass
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BIG = np.int32(2**30)
 _LOG2E = np.float32(np.log2(np.e))
-# Stats launch: aim for about four programs per SM of the H200 (132 SMs).
+# Stats launch: aim for about four programs per SM (of a 132-SM GPU).
 _TARGET_PROGRAMS = 512
 _MAX_SPLITS = 16
 _RANK_BLOCK = 32  # rows of the K x K comparison per program of the order launch
@@ -288,8 +226,7 @@ def vocab_top_k_debug(
     i32 ``[..., k]``, ``max`` and ``lse`` f32 ``[...]`` (the ``m`` and ``lse`` the values use).
     Tuning knobs (all exact): ``chunk`` (columns per chunk maximum, a power of two), ``tile``
     (columns per load of the stats pass), ``num_warps`` (stats pass), ``select_warps`` (chunks and
-    candidates), ``order_warps`` (the order launch: 2 warps, 109 us for the whole top-k against 121 with 8,
-    in one H200 run, bench/results/tree_gpu_h200_ancestor_in_loop_order_warps_20261130.md),
+    candidates), ``order_warps`` (the order launch),
     ``part`` (lanes per register vector of chunk maxima in the chunks launch, a power of two)."""
     check_top_k_args(logits.shape, k, lse)
     *lead, V = logits.shape
