@@ -82,9 +82,16 @@ def default_stop_ids(target_dir: str, tokenizer, tokenizer_path: str) -> list[in
     return [tid] if tid is not None else []
 
 
-def _engine_config(args) -> EngineConfig:
+def _fail(parser, message: str):
+    """Exit with one line naming the option: the parser's error (status 2), or ``SystemExit``."""
+    if parser is None:
+        raise SystemExit(message)
+    parser.error(message)
+
+
+def _engine_config(args, parser) -> EngineConfig:
     """The ``EngineConfig`` of parsed ``serve`` arguments (stop ids: ``--stop-token-id`` only),
-    checked before anything loads; a bad value exits with one line naming the option."""
+    checked before anything loads."""
     try:
         config = EngineConfig(
             decode=DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every, seed=args.seed,
@@ -93,13 +100,14 @@ def _engine_config(args) -> EngineConfig:
             prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch)
         config.decode.check_for(None, has_drafter=bool(args.drafter))
     except ConfigError as e:
-        raise SystemExit(str(option_error(e))) from None
+        _fail(parser, str(option_error(e)))
     return config
 
 
-def build_engine(args):
-    """Loads the models (on the mesh) and tokenizer and returns ``(engine, model name, template, specials)``."""
-    config = _engine_config(args)  # before anything heavy loads
+def build_engine(args, parser=None):
+    """Loads the models (on the mesh) and tokenizer and returns ``(engine, model name, template,
+    specials)``. A bad option exits with one line naming it (through ``parser.error`` if given)."""
+    config = _engine_config(args, parser)  # before anything heavy loads
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
@@ -109,12 +117,12 @@ def build_engine(args):
     from ddtree_jax.serving.sharding import make_mesh, state_sharding
 
     if not os.path.isfile(args.tokenizer):
-        raise SystemExit(f"--tokenizer: no such file {args.tokenizer!r}")
+        _fail(parser, f"--tokenizer: no such file {args.tokenizer!r}")
     tokenizer = Tokenizer.from_file(args.tokenizer)
     try:
         mesh = make_mesh(args.mesh)
     except ValueError as e:
-        raise SystemExit(f"--mesh: {e}") from None
+        _fail(parser, f"--mesh: {e}")
     dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     target = load_target(args.target, mesh=mesh, dtype=dtype)
@@ -131,19 +139,20 @@ def build_engine(args):
         engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh))
     except ConfigError as e:
         if e.field == "stop_token_ids":  # the EOS ids joined the option's
-            raise SystemExit(f"--stop-token-id or the EOS ids of {args.target}: {e.message}") from None
-        raise SystemExit(str(option_error(e))) from None
+            _fail(parser, f"--stop-token-id or the EOS ids of {args.target}: {e.message}")
+        _fail(parser, str(option_error(e)))
     _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
          f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return engine, name, template, specials
 
 
-def run_serve(args) -> None:
-    """Runs the server for parsed ``serve`` arguments (blocks until interrupted)."""
+def run_serve(args, parser=None) -> None:
+    """Runs the server for parsed ``serve`` arguments (blocks until interrupted); option errors
+    go through ``parser.error`` if given."""
     from ddtree_jax.serving.server import serve
 
-    engine, name, template, specials = build_engine(args)
+    engine, name, template, specials = build_engine(args, parser)
     if not args.no_warmup:
         t0 = time.perf_counter()
         engine.warmup()
@@ -157,7 +166,7 @@ def run_serve(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ddtree_jax.serving.cli", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    run_serve(ap.parse_args(argv))
+    run_serve(ap.parse_args(argv), ap)
 
 
 if __name__ == "__main__":
