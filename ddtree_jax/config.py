@@ -9,9 +9,11 @@
   ``KimiForCausalLM.with_execution``. Placement on a mesh is an argument of ``load_target`` /
   ``init_on_mesh``, not a setting.
 
-A bad value raises ``ConfigError`` (a ``ValueError``) whose ``field`` names it. Checks that need
-the models (stop ids inside the vocabulary, a drafter for the speculative methods, the context
-length, the backend of batch invariance) are methods run by the code that has them.
+A bad value raises ``ConfigError`` (a ``ValueError``) whose ``field`` names it. The checks that
+need the models run where the models are: ``DecodeConfig.check_for`` / ``EngineConfig.check_for``
+(stop ids inside the vocabulary, a drafter for the drafting methods, the context length; called by
+``generate``, the ``Engine`` and the command line) and ``KimiForCausalLM`` (batch invariance needs
+the Triton kernels on one device).
 
 This module imports no JAX: the command line validates its options through it before anything
 heavy loads (``ddtree_jax/_preflight.py``).
