@@ -150,9 +150,9 @@ def build_engine(args, parser=None):
 def run_serve(args, parser=None) -> None:
     """Runs the server for parsed ``serve`` arguments (blocks until interrupted); option errors
     go through ``parser.error`` if given."""
+    engine, name, template, specials = build_engine(args, parser)
     from ddtree_jax.serving.server import serve
 
-    engine, name, template, specials = build_engine(args, parser)
     if not args.no_warmup:
         t0 = time.perf_counter()
         engine.warmup()
