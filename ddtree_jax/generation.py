@@ -140,8 +140,6 @@ def _decode_config(config: DecodeConfig | None, **keywords) -> DecodeConfig:
     error naming them."""
     given = {k: v for k, v in keywords.items() if v is not None}
     if config is None:
-        if "stop_token_ids" in given:
-            given["stop_token_ids"] = tuple(given["stop_token_ids"])
         return DecodeConfig(**given)
     if not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
