@@ -88,7 +88,7 @@ def part_agreement(args, report, target, tcfg, dtype):
     for label in args.impls:
         # "<impl>+fixed": the target's dense products through the fixed-order kernel as well
         impl = label.removesuffix("+fixed")
-        target.set_impl(impl).set_batch_invariant(label.endswith("+fixed"))
+        model = target.with_execution(dt.ExecutionConfig(impl=impl, batch_invariant=label.endswith("+fixed")))
         for b in args.batches:
             if past_deadline(args):
                 return
@@ -98,7 +98,7 @@ def part_agreement(args, report, target, tcfg, dtype):
             # budget is below the block size (seen on main, CPU, float32: a bug outside this script).
             kw = dict(max_new_tokens=args.new, impl=impl, max_len=args.prompt + args.new + max(args.budget, 16) + 16)
             try:
-                ar = dt.generate(target, None, prompts, method="ar", **kw).tokens
+                ar = dt.generate(model, None, prompts, method="ar", **kw).tokens
             except Exception as e:  # noqa: BLE001 - report and go on
                 log(f"  {label} B={b} AR failed: {type(e).__name__}: {str(e)[:200]}")
                 report.add("agreement", dict(impl=label, B=b, drafter="-", error=f"{type(e).__name__}: {str(e)[:120]}"))
@@ -115,7 +115,7 @@ def part_agreement(args, report, target, tcfg, dtype):
                         d = ContinuationOracleDrafter(table, block_size=16, vocab_size=tcfg.vocab_size)
                     else:
                         d = drafter
-                    out = dt.generate(target, d, prompts, method="ddtree", budget=args.budget, **kw)
+                    out = dt.generate(model, d, prompts, method="ddtree", budget=args.budget, **kw)
                     prefix, same = agreement(out.tokens, ar)
                     row.update(agree_prefix_mean=float(np.mean(prefix)), agree_prefix_min=int(min(prefix)),
                                equal_positions_mean=float(np.mean(same)),
@@ -285,7 +285,7 @@ def main():
     ap.add_argument("--drafters", nargs="+", default=["oracle", "random"], choices=("oracle", "random"))
     ap.add_argument("--impls", nargs="+", default=None,
                     help="default: auto+fixed auto reference (smoke: pallas+fixed pallas reference); +fixed: the "
-                         "target's dense products through the fixed-order kernel (set_batch_invariant)")
+                         "target's dense products through the fixed-order kernel (ExecutionConfig.batch_invariant)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds; later configurations are skipped (default 500 on a GPU, none on a CPU)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

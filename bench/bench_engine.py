@@ -31,6 +31,7 @@ import time
 import jax
 import numpy as np
 
+from ddtree_jax.config import DecodeConfig, EngineConfig
 from ddtree_jax.generation import generate
 from ddtree_jax.sampling import SamplingParams
 from ddtree_jax.serving import Engine
@@ -90,9 +91,10 @@ def run_case(target, drafter, tokenizer, method, B, args) -> dict:
     _generate(target, drafter, warm, B, method, budget, args.new)  # compile
     g_s, g_tokens, g_rounds = _generate(target, drafter, prompts, B, method, budget, args.new)
 
-    eng = Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1), slots=B,
-                 tokenizer=tokenizer, max_model_len=args.prompt_len + args.new + 1, sync_every=1,
-                 prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()))
+    config = EngineConfig(decode=DecodeConfig(method=method, budget=max(budget, 1), sync_every=1), slots=B,
+                          max_model_len=args.prompt_len + args.new + 1,
+                          prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()))
+    eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     eng.warmup()
     eng.start()
     try:

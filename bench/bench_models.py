@@ -78,7 +78,6 @@ from bench._common import (
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.compiled import CompiledFn
 from ddtree_jax.models.latent_attention import (
-    PER_HEAD_PREFILL,
     SEGMENT_GROUP,
     SEGMENT_KEYS,
     cache_slots,
@@ -162,11 +161,11 @@ def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, sectio
     for b in args.batches:
         if past_deadline(args):
             return
-        model.set_impl(impl_of("kernels", args.smoke))
+        kernels = model.with_execution(dt.ExecutionConfig(impl=impl_of("kernels", args.smoke)))
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size - 1, (b, args.prompt)), jnp.int32)
         try:
-            cache = CompiledFn(prefill, reads=(model,))(ids, jnp.full((b,), args.prompt, jnp.int32),
-                                                        model.init_cache(b, max_len))
+            cache = CompiledFn(prefill, reads=(kernels,))(ids, jnp.full((b,), args.prompt, jnp.int32),
+                                                          kernels.init_cache(b, max_len))
         except Exception as e:  # noqa: BLE001
             log(f"  B={b} prefill failed: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -181,8 +180,8 @@ def time_passes(args, report, model, cfg, bw, rate, *, budgets, variants, sectio
             for variant in variants:
                 if past_deadline(args):
                     return
-                model.set_impl(impl_of(variant, args.smoke))
-                fn = CompiledFn(verify_dense if variant == "dense" else verify, reads=(model,))
+                variant_model = model.with_execution(dt.ExecutionConfig(impl=impl_of(variant, args.smoke)))
+                fn = CompiledFn(verify_dense if variant == "dense" else verify, reads=(variant_model,))
                 row = {"pass": name, "B": b, "tokens": tokens, "variant": variant, **(extra or {})}
                 variant_call(fn, (tok, depths, anc, cache), row, floor, report, section)
                 if "ms" in row:
@@ -215,7 +214,7 @@ def part_round(args, report, model, cfg, bw):
     read floor (its own weights and the shared LM head at ``bw``): the drafter takes at least that.
     """
     impl = impl_of("kernels", args.smoke)
-    model.set_impl(impl)
+    model = model.with_execution(dt.ExecutionConfig(impl=impl))
     dcfg = one_layer_drafter_config(cfg)
     drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16))
     draft_floor_ms = 1e3 * (sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(drafter)))
@@ -306,22 +305,22 @@ def part_prefill(args, report, model, cfg, bw, rate):
         for variant in args.variants:
             if past_deadline(args):
                 return
-            model.set_impl(impl_of(variant, args.smoke))
             # the kernels also with the attention in the per-head form (its own flops and floor)
             per_head = variant == "kernels" and args.per_head_prefill and t >= args.per_head_prefill
             for label, min_tokens in [(variant, 0)] + ([("kernels, per-head attention", args.per_head_prefill)]
                                                        if per_head else []):
                 flops = 2 * t * params + layers * attention_flops(cfg, 1, t, 0, True, per_head=min_tokens > 0)
                 floor = max(flops / rate, nbytes / bw)
-                model.set_per_head_prefill(min_tokens)
-                fn = CompiledFn(prefill_every_layer, reads=(model,), dense_experts=variant == "dense")
+                execution = dt.ExecutionConfig(impl=impl_of(variant, args.smoke),
+                                               per_head_prefill_min_tokens=min_tokens)
+                fn = CompiledFn(prefill_every_layer, reads=(model.with_execution(execution),),
+                                dense_experts=variant == "dense")
                 row = {"pass": f"prefill {t}", "B": 1, "tokens": t, "variant": label, "tflop": flops / 1e12}
                 variant_call(fn, (ids, jnp.full((1,), t, jnp.int32), model.init_cache(1, t)), row, floor, report,
                              "prefill")
                 if "ms" in row:
                     row["matmul_rate_share"] = flops / rate / (row["ms"] / 1e3)
                     report.write()
-            model.set_per_head_prefill(PER_HEAD_PREFILL)
 
 
 def part_attention(args, report, cfg, bw, rate):

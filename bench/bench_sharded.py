@@ -36,6 +36,7 @@ configurations that would start after it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import glob
 import gzip
@@ -144,10 +145,11 @@ def part_equal(args, report, dtype, n_dev):
     prompts = [rng.integers(0, tcfg.vocab_size - 1, n).tolist() for n in lengths]
     params = [dt.SamplingParams(temperature=0.0) if i % 2 == 0 else
               dt.SamplingParams(temperature=0.9, top_p=0.95, seed=10 + i) for i in range(len(prompts))]
-    shape = dict(method="ddtree", budget=args.eq_budget, slots=len(prompts), max_model_len=256, prefill_chunk=64)
+    shape = dt.EngineConfig(decode=dt.DecodeConfig(method="ddtree", budget=args.eq_budget), slots=len(prompts),
+                            max_model_len=256, prefill_chunk=64)
     log(f"equal: one GPU, {tcfg.num_hidden_layers} layers")
     one_t, one_d = make_models(tcfg, None, dtype, args.impl)
-    want = [r.tokens for r in Engine(one_t, one_d, **shape).generate(prompts, params, max_tokens=args.eq_tokens)]
+    want = [r.tokens for r in Engine(one_t, one_d, shape).generate(prompts, params, max_tokens=args.eq_tokens)]
     log(f"  one GPU: {sum(map(len, want))} tokens")
     for spec in args.meshes:
         if past_deadline(args):
@@ -156,7 +158,8 @@ def part_equal(args, report, dtype, n_dev):
         log(f"equal: mesh {spec} = {dict(mesh.shape)}")
         st, sd = make_models(tcfg, mesh, dtype, args.impl)
         data = mesh.shape.get("data", 1)
-        eng = Engine(st, sd, shard_state=state_sharding(mesh), **dict(shape, slots=-(-len(prompts) // data) * data))
+        eng = Engine(st, sd, dataclasses.replace(shape, slots=-(-len(prompts) // data) * data),
+                     shard_state=state_sharding(mesh))
         got = [r.tokens for r in eng.generate(prompts, params, max_tokens=args.eq_tokens)]
         copies = {}
         for shard in eng._state.out.addressable_shards:

@@ -11,6 +11,9 @@ one-line message in well under a second instead of a traceback after the models 
   (``config.json`` present and readable, the architecture of that role, weights present).
 * ``check_pair(target_cfg, drafter_cfg)``: the drafter was made for this target.
 * ``resolve_tokenizer(path)``: a ``tokenizer.json`` file, or a folder holding one.
+* ``option_error(e)``: a ``ddtree_jax.config.ConfigError`` (the settings the commands build from
+  their options, checked by the same dataclasses as ``generate`` and the ``Engine``) as the option
+  that set the value.
 
 Each failure raises ``PreflightError`` whose message names the option and the path or value.
 """
@@ -24,6 +27,8 @@ import math
 import os
 import struct
 
+from ddtree_jax.config import METHODS, ConfigError
+
 __all__ = [
     "METHODS",
     "PreflightError",
@@ -31,6 +36,7 @@ __all__ = [
     "check_pair",
     "min_p",
     "nonnegative_int",
+    "option_error",
     "positive_int",
     "resolve_tokenizer",
     "seed",
@@ -38,10 +44,6 @@ __all__ = [
     "top_k",
     "top_p",
 ]
-
-# ddtree_jax.generation.METHODS, restated so that argument checking does not import JAX
-# (tests/test_cli.py checks that the two agree).
-METHODS = ("ddtree", "dflash", "ar")
 
 TARGET_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 TARGET_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -52,6 +54,15 @@ _EXPECTED = {"target": "a target (DeepseekV3ForCausalLM, model_type deepseek_v3 
 
 class PreflightError(ValueError):
     """A bad option value, path or model folder; the message names the option."""
+
+
+# config fields set by an option not named ``--<field with dashes>``
+_OPTIONS = {"stop_token_ids": "--stop-token-id"}
+
+
+def option_error(e: ConfigError) -> PreflightError:
+    """``e`` with the option that set its field: ``--budget: must be an integer >= 1, got 0``."""
+    return PreflightError(f"{_OPTIONS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
 
 
 # ---- argparse type= functions (argparse reports "argument --name: <message>") ---------------

@@ -2,7 +2,8 @@
 references.
 
 Public functions take ``impl`` (a string below, or an already resolved ``Backend``) and resolve it
-ONCE; everything below them receives the ``Backend``.
+ONCE; everything below them receives the ``Backend``. Importing this module does not import JAX
+(``ddtree_jax.config`` validates ``impl`` through it); ``resolve_backend`` does.
 
 * ``"auto"``: the kernels of the platform's backend (``pallas_kernels/triton`` on NVIDIA GPUs,
   ``pallas_kernels/mosaic_tpu`` on TPUs), the references elsewhere (CPU).
@@ -19,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-
-import jax
 
 __all__ = ["FAMILIES", "IMPLS", "Backend", "has_kernel", "kernel_module", "resolve_backend"]
 
@@ -57,6 +56,8 @@ def resolve_backend(impl: str | Backend) -> Backend:
         return impl
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} (or a Backend), got {impl!r}")
+    import jax
+
     platform = jax.default_backend()
     native = next((f for f, p in FAMILIES.items() if p == platform), None)
     if impl == "reference" or (impl == "auto" and native is None):

@@ -40,6 +40,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ddtree_jax.backend import Backend
+from ddtree_jax.config import ExecutionConfig, execution_of
 from ddtree_jax.models.int4 import Int4Format, pack_int4, unpack_int4_np
 from ddtree_jax.models.registry import lookup_architecture
 from ddtree_jax.quant_config import QuantConfigError, int4_experts_format, int4_quantization_config
@@ -270,9 +272,15 @@ def init_on_mesh(factory: Callable[[], nnx.Module], mesh: Mesh | None = None, *,
                  else jax.tree.map(lambda v: _sharding(v, mesh, mesh_axes), abstract, is_leaf=is_var))
     state = jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)()
     model = nnx.merge(graphdef, state)
-    if mesh is not None and hasattr(model, "set_mesh"):  # the model's sharded kernel paths
-        model.set_mesh(mesh, mesh_axes)
+    _tell_placement(model, mesh, mesh_axes)
     return model
+
+
+def _tell_placement(model: nnx.Module, mesh: Mesh | None, mesh_axes: dict[str, str]) -> None:
+    """A model with sharded kernel paths (``KimiForCausalLM``) learns the mesh its weights were
+    just placed on."""
+    if mesh is not None and hasattr(model, "_learn_placement"):
+        model._learn_placement(mesh, mesh_axes)
 
 
 def _load_into(
@@ -399,7 +407,8 @@ def load_target(
     mesh: Mesh | None = None,
     dtype="auto",
     mesh_axes: dict[str, str] = DEFAULT_MESH_AXES,
-    impl="auto",
+    execution: ExecutionConfig | None = None,
+    impl: str | Backend | None = None,
 ):
     """Load a target checkpoint directory; its class comes from ``architectures`` in config.json
     (``ddtree_jax.models.registry.TARGETS``: ``DeepseekV3ForCausalLM``, model type ``deepseek_v3``
@@ -409,18 +418,21 @@ def load_target(
     weights stay float32. A compressed-tensors ``quantization_config`` with INT4 routed experts
     (the module docstring) gives a model whose experts stay packed (``experts_int4``; their scales
     in ``dtype``); anything it names that is not supported raises ``CheckpointError``. With
-    ``mesh``, weights are placed with the shardings their logical axes give under ``mesh_axes``.
-    ``impl`` picks the model's kernels or references (``ddtree_jax.backend``; ``"auto"``: the
-    kernels on a GPU).
+    ``mesh``, weights are placed with the shardings their logical axes give under ``mesh_axes``,
+    and the model runs its kernels sharded accordingly. ``execution``: how the model computes
+    (``ddtree_jax.config.ExecutionConfig``; default ``ExecutionConfig()``, whose ``impl`` "auto"
+    runs the kernels on a GPU); ``impl=`` alone is shorthand for ``ExecutionConfig(impl=impl)``.
     """
     raw = _read_config(path)
     arch = lookup_architecture(raw, "target", path)
     cfg = arch.config_class.from_hf_dict(raw)
     dtype = _resolve_dtype(dtype, raw, path)
-    model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    execution = execution_of(execution, impl)
+    model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype, execution=execution))
     int4 = _int4_format(raw, model, path)
     if int4 is not None:  # the same model with its routed experts packed
-        model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype, experts_int4=int4))
+        model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype, execution=execution,
+                                                        experts_int4=int4))
     mtp = re.compile(r"model\.layers\.(\d+)\.")
 
     def is_mtp(name):  # Multi-token-prediction layers follow the decoder layers; we do not run them.
@@ -428,9 +440,8 @@ def load_target(
         return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
     _load_into(model, path, skip=is_mtp, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
-    if mesh is not None and hasattr(model, "set_mesh"):
-        model.set_mesh(mesh, mesh_axes)
-    return model.set_impl(impl)
+    _tell_placement(model, mesh, mesh_axes)
+    return model
 
 
 def load_drafter(

@@ -30,6 +30,7 @@ import time
 
 from ddtree_jax import _preflight as pf
 from ddtree_jax._preflight import METHODS, PreflightError
+from ddtree_jax.config import ConfigError, DecodeConfig, is_int, token_id_problem
 
 _EPILOG = ("exit status: 0 done; 2 bad option, path, model folder, tokenizer or checkpoint (one-line message); "
            "1 the demo's greedy outputs differ; 130 interrupted. Other failures are bugs and show a traceback.")
@@ -59,25 +60,27 @@ class _Checked:
     target_cfg: dict
     drafter_cfg: dict | None
     tokenizer_path: str
+    decode: DecodeConfig  # the options' decode settings (stop ids: --stop-token-id only)
 
 
 def _preflight_generate(args) -> _Checked:
-    if args.method != "ar" and not args.drafter:
-        raise PreflightError(f"--method {args.method} needs --drafter (a DFlash drafter folder); "
-                             "only --method ar runs without one")
-    target_cfg = pf.check_model_dir(args.target, "target")
-    drafter_cfg = None
-    if args.drafter:
-        drafter_cfg = pf.check_model_dir(args.drafter, "drafter")
-        pf.check_pair(target_cfg, drafter_cfg, args.target, args.drafter)
-    vocab = target_cfg.get("vocab_size")
-    for s in args.stop_token_id or []:
-        if isinstance(vocab, int) and s >= vocab:
-            raise PreflightError(f"--stop-token-id {s}: outside --target {args.target}'s vocabulary [0, {vocab})")
+    try:
+        decode = DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every,
+                              seed=args.seed or 0, stop_token_ids=tuple(args.stop_token_id or ()))
+        decode.check_for(None, has_drafter=bool(args.drafter))
+        target_cfg = pf.check_model_dir(args.target, "target")
+        drafter_cfg = None
+        if args.drafter:
+            drafter_cfg = pf.check_model_dir(args.drafter, "drafter")
+            pf.check_pair(target_cfg, drafter_cfg, args.target, args.drafter)
+        vocab = target_cfg.get("vocab_size")
+        decode.check_for(vocab if is_int(vocab) else None, has_drafter=bool(args.drafter))
+    except ConfigError as e:
+        raise pf.option_error(e) from None
     for i, p in enumerate(args.prompt):
         if not p:
             raise PreflightError(f"--prompt #{i + 1} is empty")
-    return _Checked(target_cfg, drafter_cfg, pf.resolve_tokenizer(args.tokenizer))
+    return _Checked(target_cfg, drafter_cfg, pf.resolve_tokenizer(args.tokenizer), decode)
 
 
 def _load_tokenizer(path: str, debug: bool):
@@ -131,7 +134,7 @@ def _stop_ids(args, checked: _Checked) -> list[int]:
                 raise _UserError(f"--target {args.target}: cannot read {cfg_path} ({e})") from None
             eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
             vocab = checked.target_cfg.get("vocab_size")
-            bad = [e for e in eos if not isinstance(e, int) or (isinstance(vocab, int) and not 0 <= e < vocab)]
+            bad = [e for e in eos if token_id_problem(e, vocab if is_int(vocab) else None)]
             if bad:
                 raise _UserError(f"--target {args.target}: eos_token_id {bad[0]!r} in {cfg_path} is not a token id "
                                  f"of its vocabulary [0, {vocab}) (--ignore-eos skips it)")
@@ -206,7 +209,7 @@ class _Run:
     code: str  # where the compiled programs came from (CompileWatch.code)
 
 
-def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: list[int], sampling) -> _Run:
+def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, decode: DecodeConfig, sampling) -> _Run:
     from ddtree_jax.compilation_cache import CompileWatch
     from ddtree_jax.generation import generate
 
@@ -226,18 +229,17 @@ def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: li
             shown["chars"] = len(text)
         elif time.perf_counter() - last[0] >= 2.0 or int(gen.sum()) == total:
             last[0] = time.perf_counter()
-            _log(f"[ddtree_jax]   {args.method}: {int(gen.sum())}/{total} tokens "
+            _log(f"[ddtree_jax]   {decode.method}: {int(gen.sum())}/{total} tokens "
                  f"({time.perf_counter() - start:.0f}s)")
 
-    _log(f"[ddtree_jax] {args.method} ({_settings(args.method, args.budget, models.block)}): prefill + decoding "
+    _log(f"[ddtree_jax] {decode.method} ({_settings(decode.method, decode.budget, models.block)}): prefill + decoding "
          f"{len(prompts)} prompt(s) x {args.max_new_tokens} new tokens; the first call of each shape compiles ...")
     start = time.perf_counter()
     try:
         with CompileWatch(log=_log, prefix="[ddtree_jax]   ") as watch:
             result = generate(
-                models.target, models.drafter if args.method != "ar" else None, prompts, method=args.method,
-                budget=args.budget, sampling=sampling, max_new_tokens=args.max_new_tokens, stop_tokens=stop,
-                seed=args.seed or 0, sync_every=args.sync_every, profile=args.profile, on_progress=on_progress,
+                models.target, models.drafter if decode.uses_drafter else None, prompts, config=decode,
+                sampling=sampling, max_new_tokens=args.max_new_tokens, profile=args.profile, on_progress=on_progress,
             )
     finally:
         if stream and shown["echoed"]:
@@ -251,12 +253,12 @@ def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, stop: li
              f"tau={r.tau:.2f}")
     seconds = result.seconds + result.prefill_seconds
     tps = result.new_tokens / result.seconds if result.seconds > 0 else float("nan")
-    _log(f"[ddtree_jax] {result.method} ({_settings(result.method, args.budget, models.block)}): "
+    _log(f"[ddtree_jax] {result.method} ({_settings(result.method, decode.budget, models.block)}): "
          f"{result.new_tokens} tokens in {result.seconds:.2f}s + prefill {result.prefill_seconds:.2f}s "
          f"({tps:.1f} tok/s, {watch.summary()}), mean tau={result.mean_tau:.2f}")
     if result.time_split:
         _log("[ddtree_jax] time split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.time_split.items()))
-    return _Run(method=result.method, settings=_settings(result.method, args.budget, models.block),
+    return _Run(method=result.method, settings=_settings(result.method, decode.budget, models.block),
                 tokens=result.tokens, new_tokens=result.new_tokens, passes=sum(r.rounds for r in result.requests),
                 tau=result.mean_tau, seconds=seconds, compile_seconds=watch.seconds, code=watch.code())
 
@@ -271,11 +273,12 @@ def run_generate(args, parser=None) -> _Run:
         cache = _enable_cache(args)
         sampling = _sampling_from_args(args)
         _log(f"[ddtree_jax] compilation cache: {cache or 'off'}")
-        models = _load_models(args, need_drafter=args.method != "ar")
+        models = _load_models(args, need_drafter=checked.decode.uses_drafter)
     except (PreflightError, _UserError) as e:
         _fail(parser, str(e))
     stream = len(prompts) == 1 and not args.no_stream
-    return _decode(args, models, prompts, tokenizer, stream=stream, stop=stop, sampling=sampling)
+    decode = dataclasses.replace(checked.decode, stop_token_ids=tuple(stop))
+    return _decode(args, models, prompts, tokenizer, stream=stream, decode=decode, sampling=sampling)
 
 
 def _fail(parser, message: str):
@@ -357,8 +360,8 @@ def run_demo(args, parser=None) -> None:
     runs = []
     for method in METHODS:
         _log(f"[ddtree_jax] === method {method} ===")
-        runs.append(_decode(argparse.Namespace(**{**base, "method": method}), models, prompts, tokenizer,
-                            stream=False, stop=[], sampling=sampling))
+        runs.append(_decode(ns, models, prompts, tokenizer, stream=False,
+                            decode=dataclasses.replace(checked.decode, method=method), sampling=sampling))
     same = all(r.tokens == runs[-1].tokens for r in runs)
     _summary(runs, prompts, args.max_new_tokens, same)
     if not same:
@@ -467,7 +470,7 @@ def main(argv=None) -> None:
         elif args.command == "serve":
             from ddtree_jax.serving.cli import run_serve
 
-            run_serve(args)
+            run_serve(args, sub)
         else:
             run_demo(args, sub)
     except KeyboardInterrupt:

@@ -32,9 +32,7 @@ from ddtree_jax.rng import round_keys
 from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, _sample_tree_nodes
 from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
 
-__all__ = ["METHODS", "STAGES", "DecodePlan", "prefill", "run_rounds", "run_stage"]
-
-METHODS = ("ddtree", "dflash", "ar")
+__all__ = ["STAGES", "DecodePlan", "prefill", "run_rounds", "run_stage"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,6 @@ running ones are gathered into the next smaller power-of-two batch (caches inclu
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from collections.abc import Callable, Sequence
 
@@ -29,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.backend import Backend, resolve_backend
-from ddtree_jax.decode_round import METHODS, STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
+from ddtree_jax.config import METHODS, DecodeConfig, is_int
+from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
 from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 
@@ -121,10 +121,8 @@ class GenerateOutput:
 
 
 _GREEDY = SamplingParams(temperature=0.0)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+# generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner
+_SYNC_EVERY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +134,21 @@ class _Checked:
     max_len: int
 
 
-def _check_inputs(target, drafter, prompts, method, budget, max_new_tokens, stop_tokens, max_len) -> _Checked:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+def _decode_config(config: DecodeConfig | None, **keywords) -> DecodeConfig:
+    """``config``, or a ``DecodeConfig`` of the keywords given (``None``: its default); both is an
+    error naming them."""
+    given = {k: v for k, v in keywords.items() if v is not None}
+    if config is None:
+        return DecodeConfig(**given)
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
+    if given:
+        names = ", ".join("stop_tokens" if k == "stop_token_ids" else k for k in given)
+        raise ValueError(f"generate: pass config= or the keywords it holds, not both (got config and {names})")
+    return config
+
+
+def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens, max_len) -> _Checked:
     cfg = target.config
     V = cfg.vocab_size
     if isinstance(prompts, np.ndarray) or not isinstance(prompts, Sequence) or not prompts:
@@ -156,28 +166,17 @@ def _check_inputs(target, drafter, prompts, method, budget, max_new_tokens, stop
             raise ValueError(f"prompts[{i}] has token id {int(bad[0])} outside the vocabulary [0, {V})")
         checked.append(p.astype(np.int32))
     B = len(checked)
-    limits = [max_new_tokens] * B if _is_int(max_new_tokens) else list(max_new_tokens)
+    limits = [max_new_tokens] * B if is_int(max_new_tokens) else list(max_new_tokens)
     if len(limits) != B:
         raise ValueError(f"max_new_tokens has {len(limits)} entries for {B} prompts")
     for i, m in enumerate(limits):
-        if not _is_int(m) or m < 1:
-            raise ValueError(f"max_new_tokens{'' if _is_int(max_new_tokens) else f'[{i}]'} must be an integer >= 1, "
+        if not is_int(m) or m < 1:
+            raise ValueError(f"max_new_tokens{'' if is_int(max_new_tokens) else f'[{i}]'} must be an integer >= 1, "
                              f"got {m!r}")
-    stop = [int(s) for s in stop_tokens]
-    for s in stop:
-        if not 0 <= s < V:
-            raise ValueError(f"stop_tokens: {s} is outside the vocabulary [0, {V})")
-    if method != "ar":
-        if drafter is None:
-            raise ValueError(f"method={method!r} needs a drafter")
-        L = drafter.config.block_size - 1
-    else:
-        L = 0
-    if method == "ddtree":
-        if not _is_int(budget) or budget < 1:
-            raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-    else:
-        budget = L
+    decode.check_for(V, has_drafter=drafter is not None)
+    stop = list(decode.stop_token_ids)
+    L = drafter.config.block_size - 1 if decode.uses_drafter else 0
+    budget = decode.budget if decode.method == "ddtree" else L
     context = cfg.max_position_embeddings
     # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
     # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
@@ -200,43 +199,51 @@ def generate(
     drafter,
     prompts: Sequence[Sequence[int]] | np.ndarray,
     *,
-    method: str = "ddtree",
-    budget: int = 64,
+    method: str | None = None,
+    budget: int | None = None,
     sampling: SamplingParams | Sequence[SamplingParams] = _GREEDY,
     max_new_tokens: int | Sequence[int] = 64,
-    stop_tokens: Sequence[int] = (),
-    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    seed: int | None = None,
     max_len: int | None = None,
-    sync_every: int = 8,
+    sync_every: int | None = None,
     profile: bool = False,
     compact: bool = True,
-    impl: str | Backend = "auto",
+    impl: str | Backend | None = None,
     on_progress: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    config: DecodeConfig | None = None,
 ) -> GenerateOutput:
     """Generates continuations of ``prompts`` with the target's exact sampling law.
+
+    The decode settings come as ``config`` (a ``DecodeConfig``) or as the keywords ``method``,
+    ``budget``, ``stop_tokens``, ``seed``, ``sync_every`` and ``impl`` (each ``None``: the
+    ``DecodeConfig`` default), not both; a bad value raises ``ConfigError`` naming the field.
 
     Args:
       target: a target model (``ddtree_jax.models.TargetModel``, e.g. ``KimiForCausalLM``).
       drafter: a drafter (``ddtree_jax.models.DraftModel``, e.g. ``DFlashDrafter``) sharing the
         target's embedding and LM head; ``None`` for ``method="ar"``.
       prompts: one list of token ids per request (different lengths are fine).
-      method: ``"ddtree"`` (tree of ``budget`` nodes), ``"dflash"`` (the argmax chain of the
-        drafter's block) or ``"ar"`` (autoregressive, one token per target pass).
-      budget: DDTree node budget (non-root nodes per tree).
+      method: ``"ddtree"`` (default: a tree of ``budget`` nodes), ``"dflash"`` (the argmax chain
+        of the drafter's block) or ``"ar"`` (autoregressive, one token per target pass).
+      budget: DDTree node budget (non-root nodes per tree; default 64).
       sampling: one ``SamplingParams`` for all, or one per request (greedy and sampled mixed).
       max_new_tokens: one limit for all requests, or one per request.
-      stop_tokens: ids that end a request (the stop token is returned as its last token).
-      seed: the base key. A request's random stream is ``(seed, request seed or index, round)``
-        (``ddtree_jax.rng``), so a seeded request's output does not depend on the batch.
+      stop_tokens: ids that end a request (the stop token is returned as its last token);
+        ``DecodeConfig.stop_token_ids``.
+      seed: the base key (default 0). A request's random stream is ``(seed, request seed or
+        index, round)`` (``ddtree_jax.rng``), so a seeded request's output does not depend on the
+        batch.
       max_len: cache size per request; default: just what this call needs.
-      sync_every: rounds run on the device between host checks for completion.
+      sync_every: rounds run on the device between host checks for completion (default 8).
       profile: time each stage separately (see ``GenerateOutput.time_split``).
       compact: re-pack the running requests into a smaller batch once at most half are running.
-      impl: tree builder, sampler and walk: ``"auto"`` (Pallas kernels on GPU and TPU, plain-JAX
-        references elsewhere), ``"pallas"``, ``"pallas:triton"``, ``"pallas:mosaic_tpu"`` (that
-        backend's kernels, interpreted off its platform), ``"reference"`` or a resolved
-        ``Backend`` (``ddtree_jax.backend``).
+      impl: tree builder, sampler and walk: ``"auto"`` (default: Pallas kernels on GPU and TPU,
+        plain-JAX references elsewhere), ``"pallas"``, ``"pallas:triton"``,
+        ``"pallas:mosaic_tpu"`` (that backend's kernels, interpreted off its platform),
+        ``"reference"`` or a resolved ``Backend`` (``ddtree_jax.backend``).
       on_progress: called after each host sync with ``(tokens [B, max_new], generated [B])``.
+      config: the decode settings as one ``DecodeConfig`` instead of the keywords above.
 
     Returns:
       ``GenerateOutput``.
@@ -249,15 +256,14 @@ def generate(
     request first, the way the published DFlash/DDTree tables report tau. They differ most on
     short outputs (docs/acceptance-statistics.md).
     """
-    checked = _check_inputs(target, drafter, prompts, method, budget, max_new_tokens, stop_tokens, max_len)
-    backend = resolve_backend(impl)
-    if not _is_int(seed) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-    if not _is_int(sync_every) or sync_every < 1:
-        raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+    decode = _decode_config(config, method=method, budget=budget, stop_token_ids=stop_tokens, seed=seed,
+                            sync_every=sync_every, impl=impl)
+    checked = _check_inputs(target, drafter, prompts, decode, max_new_tokens, max_len)
+    method, sync_every = decode.method, decode.sync_every or _SYNC_EVERY
+    backend = resolve_backend(decode.impl)
     B = len(checked.prompts)
     sampling_batch = batch_sampling(sampling, B)
-    uses_drafter = method != "ar"
+    uses_drafter = decode.uses_drafter
     plan = DecodePlan(method=method, budget=checked.budget, backend=backend,
                       hidden_layer_ids=tuple(drafter.config.target_layer_ids) if uses_drafter else ())
     models, tparams, dparams = Models.split(target, drafter if uses_drafter else None)
@@ -276,7 +282,7 @@ def generate(
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
 
-    base_key = jax.random.key(seed)
+    base_key = jax.random.key(decode.seed)
     split = {name: 0.0 for name, _ in STAGES} if profile else None
     # Host copies of each request's results, by request index; slot_request maps slots to
     # requests (-1: a free slot).

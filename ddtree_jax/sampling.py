@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.backend import Backend, kernel_module, resolve_backend
+from ddtree_jax.config import is_int
 from ddtree_jax.rng import node_seed_words, request_keys
 
 INVALID_TOKEN = -1
@@ -59,10 +60,6 @@ __all__ = [
     "sample_tree_nodes",
     "target_logprobs",
 ]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_real(x) -> bool:
@@ -102,7 +99,7 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.temperature must be a finite number >= 0 (< {GREEDY_BELOW} = greedy), got {t!r}"
             )
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         p = self.top_p
         if not _is_real(p) or not (0.0 < p <= 1.0):
@@ -110,7 +107,7 @@ class SamplingParams:
         m = self.min_p
         if not _is_real(m) or not (0.0 <= m <= 1.0):
             raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 = off), got {m!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**32)):
+        if self.seed is not None and (not is_int(self.seed) or not (0 <= self.seed < 2**32)):
             raise ValueError(f"SamplingParams.seed must be None or an integer in [0, 2**32), got {self.seed!r}")
 
     @property

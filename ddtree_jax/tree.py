@@ -149,19 +149,14 @@ def _tree_from_tables(top_lq: jax.Array, top_ids: jax.Array, budget: int, backen
                      ancestor_mask=ancestor_mask_doubling(par, valid, L), draft_len=L)
 
 
-# Where the kernel path's log-softmax normaliser comes from (``vocab_top_k`` of either family):
-# "kernel" fuses it into the top-k's one pass over the logits: the compiled default (on the H200
-# at B=16, budget 256, L=15 the whole build took 191 us against 223 with "xla",
-# bench/results/tree_gpu_h200_topk_parts_20261130.md); its scores can differ from the reference
-# build's by the float32 rounding of the normaliser (about an ulp), and so its trees at near-ties.
-# "xla" computes it with the reference's expression (one more read of the logits), so the tables
-# and trees equal the reference build's bit for bit: the default under interpretation, where the
-# CPU tests compare the builds. None: chosen so, by the backend.
-KERNEL_TOPK_LSE = None
-
-
 def _topk_lse(backend: Backend) -> str:
-    return KERNEL_TOPK_LSE or ("xla" if backend.interpret else "kernel")
+    """Where the kernel path's log-softmax normaliser comes from (``vocab_top_k`` of either
+    family): compiled, ``"kernel"`` fuses it into the top-k's one pass over the logits (its scores
+    can differ from the reference build's by the float32 rounding of the normaliser, about an ulp,
+    and so its trees at near-ties); interpreted, ``"xla"`` computes it with the reference's
+    expression (one more read of the logits), so that the tables and trees equal the reference
+    build's bit for bit, which the CPU tests compare. Design note: docs/kernels.md, "Tree builder"."""
+    return "xla" if backend.interpret else "kernel"
 
 
 def _top_k_tables(draft_logits: jax.Array, k: int, backend: Backend):

@@ -26,15 +26,16 @@ from tokenizers import Tokenizer
 
 import ddtree_jax as dt
 from ddtree_jax.default_model import SHIPPED_DIR
-from ddtree_jax.serving import Engine
+from ddtree_jax.serving import Engine, EngineConfig
 
 path = SHIPPED_DIR
 target = dt.load_target(f"{path}/target")
 drafter = dt.load_drafter(f"{path}/drafter", target)
 tokenizer = Tokenizer.from_file(f"{path}/tokenizer.json")
 eos = tokenizer.token_to_id("<|endoftext|>")
-engine = Engine(target, drafter, method="ddtree", budget=32, slots=4, tokenizer=tokenizer, max_model_len=512,
-                stop_token_ids=[eos])
+config = EngineConfig(decode=dt.DecodeConfig(method="ddtree", budget=32, stop_token_ids=[eos]), slots=4,
+                      max_model_len=512)
+engine = Engine(target, drafter, config, tokenizer=tokenizer)
 
 if "--engine-only" in sys.argv:
     greedy = engine.submit(tokenizer.encode("def read_lines(path):\n").ids, max_tokens=32)

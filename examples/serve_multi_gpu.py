@@ -24,4 +24,4 @@ args = parser.parse_args()
 if not args.mesh:
     args.mesh = f"expert={jax.local_device_count()}"
 print(f"[serve_multi_gpu] {jax.local_device_count()} devices ({jax.devices()[0].platform}); mesh {args.mesh}")
-run_serve(args)
+run_serve(args, parser)

@@ -39,7 +39,7 @@ print(f"[serve_multi_host] process {jax.process_index()}/{jax.process_count()}: 
 from ddtree_jax.serving.multihost import LockstepEngine  # noqa: E402
 from ddtree_jax.serving.server import serve  # noqa: E402
 
-engine, name, template, specials = build_engine(args)
+engine, name, template, specials = build_engine(args, parser)
 if not args.no_warmup:
     engine.warmup()  # every process compiles and runs the same warm-up step
 driver = LockstepEngine(engine)

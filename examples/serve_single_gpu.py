@@ -18,4 +18,4 @@ add_arguments(parser)
 parser.set_defaults(slots=16)
 args = parser.parse_args()
 args.mesh = ""  # one device
-run_serve(args)
+run_serve(args, parser)

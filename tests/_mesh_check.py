@@ -11,9 +11,12 @@ sampling; one prompt long enough for chunked prefill."""
 
 from __future__ import annotations
 
+from ddtree_jax.config import DecodeConfig, EngineConfig
+
 PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(20, 45)), [9, 10, 11]]
 SAMPLING = [dict(temperature=0.0)] * 3 + [dict(temperature=0.9, top_p=0.9, seed=5)]
-SHAPE = dict(method="ddtree", budget=6, slots=2, max_model_len=64, prefill_chunk=16, prefill_batch=2)
+CONFIG = EngineConfig(decode=DecodeConfig(method="ddtree", budget=6), slots=2, max_model_len=64, prefill_chunk=16,
+                      prefill_batch=2)
 MAX_TOKENS = 10
 LOGIT_TOL = 1e-4
 
@@ -24,7 +27,7 @@ def one_device_tokens() -> list[list[int]]:
     from tests._model_fixtures import tiny_dflash, tiny_kimi
 
     target = tiny_kimi(0)
-    eng = Engine(target, tiny_dflash(target, 1), **SHAPE)
+    eng = Engine(target, tiny_dflash(target, 1), CONFIG)
     return [r.tokens for r in eng.generate(PROMPTS, [dt.SamplingParams(**s) for s in SAMPLING], max_tokens=MAX_TOKENS)]
 
 
@@ -49,7 +52,7 @@ def mesh_runs(path: str, meshes: list[str], plain: list[list[int]]) -> list[dict
         mesh = make_mesh(spec)
         st = dt.load_target(path + "/target", mesh=mesh, dtype=jnp.float32)
         sd = dt.load_drafter(path + "/drafter", st, mesh=mesh)
-        eng = Engine(st, sd, shard_state=state_sharding(mesh), **SHAPE)
+        eng = Engine(st, sd, CONFIG, shard_state=state_sharding(mesh))
         params = [dt.SamplingParams(**s) for s in SAMPLING]
         tokens = [r.tokens for r in eng.generate(PROMPTS, params, max_tokens=MAX_TOKENS)]
         copies = {}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddtree_jax.config import ExecutionConfig
 from ddtree_jax.models import DFlashConfig, DFlashDrafter, KimiConfig, KimiForCausalLM, YarnScaling
 
 VOCAB = 128
@@ -24,9 +25,10 @@ def tiny_kimi_config(**overrides) -> KimiConfig:
     return KimiConfig(**{**base, **overrides})
 
 
-def tiny_kimi(seed: int = 0, **overrides) -> KimiForCausalLM:
-    """A random tiny target; router biases randomised so that routing depends on them."""
-    model = KimiForCausalLM(tiny_kimi_config(**overrides), rngs=nnx.Rngs(seed))
+def tiny_kimi(seed: int = 0, execution: ExecutionConfig | None = None, **overrides) -> KimiForCausalLM:
+    """A random tiny target (config ``overrides``, computing as ``execution``); router biases
+    randomised so that routing depends on them."""
+    model = KimiForCausalLM(tiny_kimi_config(**overrides), rngs=nnx.Rngs(seed), execution=execution)
     rng = np.random.default_rng(seed)
     for layer in model.model.layers:
         if hasattr(layer.mlp, "gate"):

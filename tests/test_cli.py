@@ -113,7 +113,7 @@ BAD_INPUTS = {
     "missing weights shard": (["--target", "{sharded}"], ["--target {sharded}", "model-00001-of-00002.safetensors"]),
     "empty weights file": (["--target", "{truncated}"], ["--target {truncated}", "model.safetensors", "0 bytes"]),
     "drafter of another target": (["--drafter", "{other}"], ["--drafter {other}", "7 layers"]),
-    "no drafter": (["--drafter", ""], ["--method ddtree needs --drafter"]),
+    "no drafter": (["--drafter", ""], ["--method: 'ddtree' needs a drafter"]),
     "budget 0": (["--budget", "0"], ["--budget", ">= 1"]),
     "max-new-tokens 0": (["--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
     "sync-every 0": (["--sync-every", "0"], ["--sync-every", ">= 1"]),
@@ -125,7 +125,8 @@ BAD_INPUTS = {
     "negative top-k": (["--top-k", "-1"], ["--top-k", ">= 0"]),
     "min-p above 1": (["--min-p", "2"], ["--min-p", "[0, 1]"]),
     "seed too large": (["--seed", str(2**32)], ["--seed", "[0, 2**32)"]),
-    "stop token outside the vocabulary": (["--stop-token-id", "300"], ["--stop-token-id 300", "[0, 300)"]),
+    "stop token outside the vocabulary": (["--stop-token-id", "300"],
+                                          ["--stop-token-id: 300 is outside the vocabulary [0, 300)"]),
     "eos outside the vocabulary": (["--target", "{badeos}"], ["--target {badeos}", "eos_token_id 999", "[0, 300)"]),
     "tokenizer folder without tokenizer.json": (["--tokenizer", "{notok}"], ["--tokenizer {notok}", "is a folder"]),
     "missing tokenizer": (["--tokenizer", "{missing}"], ["--tokenizer {missing}", "no such file"]),
@@ -163,6 +164,22 @@ def test_demo_bad_input_is_one_line_before_anything_loads(argv, expected, folder
     _check_one_line_error(_run_cli(["demo", *_fill(argv, folders)]), f"{PROG} demo", _fill(expected, folders))
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["--slots", "0"], ["--slots: must be an integer >= 1, got 0"]),
+    (["--budget", "0"], ["--budget: must be an integer >= 1, got 0"]),
+    (["--max-model-len", "1"], ["--max-model-len:", ">= 2, got 1"]),
+    (["--stop-token-id", "-1"], ["--stop-token-id: -1 is not a token id"]),
+    (["--drafter", ""], ["--method: 'ddtree' needs a drafter"]),
+], ids=["slots 0", "budget 0", "max-model-len 1", "negative stop token", "no drafter"])
+def test_serve_bad_settings_are_one_line_before_anything_loads(argv, expected, folders):
+    """The serve command builds its EngineConfig from the options first (the checks of the
+    Engine's own config)."""
+    options = {"--target": folders["target"], "--drafter": folders["drafter"], "--tokenizer": folders["tok"],
+               **dict(zip(argv[::2], argv[1::2], strict=True))}
+    args = [a for flag, value in options.items() if value for a in (flag, value)]
+    _check_one_line_error(_run_cli(["serve", *args]), f"{PROG} serve", expected)
+
+
 def _check_one_line_error(proc: subprocess.CompletedProcess, prog: str, expected: list[str]) -> None:
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     message = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
@@ -197,10 +214,8 @@ def test_checkpoint_error_after_loading_is_one_line(default_dir, tmp_path, capsy
 
 
 def test_preflight_ranges_agree_with_sampling_params():
-    from ddtree_jax.generation import METHODS
     from ddtree_jax.sampling import SamplingParams
 
-    assert pf.METHODS == METHODS
     values = ["-1", "-0.5", "0", "1e-9", "0.5", "1", "1.5", "2", "40"]
     checks = {"temperature": (pf.temperature, float), "top_p": (pf.top_p, float), "min_p": (pf.min_p, float),
               "top_k": (pf.top_k, int), "seed": (pf.seed, int)}

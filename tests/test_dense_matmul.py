@@ -1,13 +1,16 @@
 """The fixed-order dense product (``pallas_kernels/triton/dense_matmul.py``, interpret mode) and the
-target's batch-invariant mode built on it (``KimiForCausalLM.set_batch_invariant``)."""
+target's batch-invariant mode built on it (``ExecutionConfig.batch_invariant``)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.config import ExecutionConfig
 from pallas_kernels.triton.dense_matmul import DenseBlocks, choose_blocks, dense_matmul, dense_matmul_reference
 from tests._model_fixtures import tiny_kimi
+
+KERNELS, FIXED = ExecutionConfig(impl="pallas"), ExecutionConfig(impl="pallas", batch_invariant=True)
 
 
 def _rand(rng, shape, dtype):
@@ -75,32 +78,33 @@ def test_choose_blocks_grow_with_rows_and_bad_shapes_are_named():
 
 
 def test_target_batch_invariant_mode():
-    """``set_batch_invariant``: the LM head's float32 logits and the router's scores of a row are
-    the same bits alone and among 16 rows (XLA's dot on the CPU differs there: the row-count
+    """``batch_invariant``: the LM head's float32 logits and the router's scores of a row are the
+    same bits alone and among 16 rows (XLA's dot on the CPU differs there: the row-count
     dependence the mode removes), and the logits stay those of the plain path (to float32
     rounding). It needs the kernels, and says so."""
-    target = tiny_kimi(0, hidden_size=128, vocab_size=512)  # smaller: XLA's CPU dot happens to agree across rows
+    base = tiny_kimi(0, hidden_size=128, vocab_size=512)  # smaller: XLA's CPU dot happens to agree across rows
     with pytest.raises(ValueError, match="needs the Triton kernels"):
-        target.set_impl("reference").set_batch_invariant(True)
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, target.config.vocab_size, (2, 8)), jnp.int32)
-    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((16, target.config.hidden_size)), jnp.float32)
-    router = next(layer.mlp.gate for layer in target.model.layers if hasattr(layer.mlp, "gate"))
+        base.with_execution(ExecutionConfig(impl="reference", batch_invariant=True))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, base.config.vocab_size, (2, 8)), jnp.int32)
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((16, base.config.hidden_size)), jnp.float32)
 
-    def rows_alone_and_among_16():
-        head, route = jax.jit(target.lm_logits), jax.jit(lambda h: router(h)[0])
+    def router(model):
+        return next(layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+
+    def rows_alone_and_among_16(model):
+        head, route = jax.jit(model.lm_logits), jax.jit(lambda h: router(model)(h)[0])
         return [(np.asarray(f(hidden[:1])), np.asarray(f(hidden))[:1]) for f in (head, route)]
 
-    plain = target.set_impl("pallas")(tokens)
+    plain_model, fixed_model = base.with_execution(KERNELS), base.with_execution(FIXED)
+    plain = plain_model(tokens)
     # the control: XLA's dot gives a row other bits among 16 rows (else this test could not fail)
-    assert not all(np.array_equal(one, many) for one, many in rows_alone_and_among_16())
-    target.set_batch_invariant(True)
-    np.testing.assert_allclose(np.asarray(target(tokens)), np.asarray(plain), rtol=1e-5, atol=1e-5)
-    for one, many in rows_alone_and_among_16():
+    assert not all(np.array_equal(one, many) for one, many in rows_alone_and_among_16(plain_model))
+    np.testing.assert_allclose(np.asarray(fixed_model(tokens)), np.asarray(plain), rtol=1e-5, atol=1e-5)
+    for one, many in rows_alone_and_among_16(fixed_model):
         np.testing.assert_array_equal(one, many)
-    target.set_impl("pallas")  # set_impl keeps the mode
-    assert all(m.fixed_order is not None for m in (router, target.lm_head))
-    target.set_batch_invariant(False)
-    assert router.fixed_order is None and target.lm_head.fixed_order is None
+    assert all(m.fixed_order is not None for m in (router(fixed_model), fixed_model.lm_head))
+    for model in (base, plain_model):  # the models it was made from are as they were
+        assert router(model).fixed_order is None and model.lm_head.fixed_order is None
 
 
 def _xla_dots(jaxpr) -> list[str]:
@@ -123,14 +127,12 @@ def test_batch_invariant_mode_leaves_no_xla_dot_in_the_target():
     """In the mode, every product of a forward pass (projections, absorbed per-head products,
     routers, experts, attention, LM head) runs in a Pallas kernel: no XLA ``dot_general`` is left,
     whose algorithm could depend on the token count. The control: the plain kernel path has them."""
-    target = tiny_kimi(0, hidden_size=128, vocab_size=512).set_impl("pallas")
+    plain = tiny_kimi(0, hidden_size=128, vocab_size=512, execution=KERNELS)
     tokens = jnp.zeros((2, 5), jnp.int32)
 
-    def dots():  # a new function each time: jax caches traces by the callable, and the module mutates
-        return _xla_dots(jax.make_jaxpr(lambda t: target(t))(tokens).jaxpr)
+    def dots(model):
+        return _xla_dots(jax.make_jaxpr(lambda t: model(t))(tokens).jaxpr)
 
-    assert len(dots()) > 0
-    target.set_batch_invariant(True)
-    assert dots() == []
-    target.set_batch_invariant(False)
-    assert len(dots()) > 0
+    assert len(dots(plain)) > 0
+    assert dots(plain.with_execution(FIXED)) == []
+    assert len(dots(plain)) > 0

@@ -211,6 +211,9 @@ def test_per_request_limits_equal_separate_runs(models, greedy_ar):
 def test_max_new_tokens_one(models, greedy_ar):
     out = generate(*models, PROMPTS, method="ddtree", budget=6, max_new_tokens=1, max_len=64)
     assert out.tokens == [t[:1] for t in greedy_ar.tokens]
+    # the same settings as one DecodeConfig
+    config = dt.DecodeConfig(method="ddtree", budget=6)
+    assert generate(*models, PROMPTS, config=config, max_new_tokens=1, max_len=64).tokens == out.tokens
 
 
 def test_prompt_at_the_context_limit(models):
@@ -250,13 +253,15 @@ def test_non_finite_logits_fail_only_that_request():
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
         (dict(max_new_tokens=[3, 0]), "max_new_tokens has 2 entries for 1 prompts"),
         (dict(max_new_tokens=[0]), r"max_new_tokens\[0\] must be an integer >= 1"),
-        (dict(method="beam"), "method must be one of"),
-        (dict(budget=0), "budget must be an integer >= 1"),
+        (dict(method="beam"), "method: must be one of"),
+        (dict(budget=0), "budget: must be an integer >= 1"),
         (dict(budget=60, max_len=64), r"budget=60: the verify block and commit \(61 tokens\) do not fit the cache"),
-        (dict(stop_tokens=[500]), "stop_tokens: 500 is outside the vocabulary"),
+        (dict(stop_tokens=[500]), "stop_token_ids: 500 is outside the vocabulary"),
         (dict(sampling=[dt.SamplingParams()] * 2), "2 SamplingParams for a batch of 1"),
-        (dict(drafter=None), "method='ddtree' needs a drafter"),
-        (dict(sync_every=0), "sync_every must be an integer >= 1"),
+        (dict(drafter=None), "'ddtree' needs a drafter"),
+        (dict(sync_every=0), "sync_every: must be None or an integer >= 1"),
+        (dict(seed=2**32), r"seed: must be an integer in \[0, 2\*\*32\)"),
+        (dict(config=dt.DecodeConfig()), "pass config= or the keywords it holds, not both .* method, budget"),
     ],
 )
 def test_bad_inputs(models, kwargs, match):

@@ -338,7 +338,7 @@ def test_per_head_prefill_dispatch_on_the_gpu():
     lens = jnp.asarray([12, 7])
     outs = []
     for n in (0, 4):
-        m = tiny_kimi(3).set_per_head_prefill(n)
+        m = tiny_kimi(3, execution=dt.ExecutionConfig(per_head_prefill_min_tokens=n))
         outs.append(np.asarray(prefill(m, prompts, lens, m.init_cache(2, 40))[0]))
     np.testing.assert_array_equal(outs[1], outs[0])
 

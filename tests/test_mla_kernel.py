@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.config import ExecutionConfig
 from ddtree_jax.models.latent_attention import latent_attention_reference
 from ddtree_jax.models.tree_cache import BlockMask
 from pallas_kernels.triton.mla_attention import auto_split_keys, merge_block, mla_attention
@@ -128,18 +129,18 @@ def test_bad_arguments():
 def test_model_prefill_verify_through_kernel():
     """KimiForCausalLM(impl="pallas") == impl="reference" (float32): prefill, then a tree verify,
     and the cache-free forward (the reference keeps its transformers parity: tests/test_kimi.py)."""
-    model = tiny_kimi(3)
+    base = tiny_kimi(3)
     rng = np.random.default_rng(7)
     b, t, n = 2, 9, 6
-    prompt = jnp.asarray(rng.integers(0, model.config.vocab_size, (b, t)), jnp.int32)
+    prompt = jnp.asarray(rng.integers(0, base.config.vocab_size, (b, t)), jnp.int32)
     lengths = jnp.asarray([t, 4], jnp.int32)
-    tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (b, n)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, base.config.vocab_size, (b, n)), jnp.int32)
     trees = [random_tree(rng, n) for _ in range(b)]
     depths = jnp.asarray(np.stack([tr[1] for tr in trees]))
     anc = jnp.asarray(np.stack([tr[2] & ~np.eye(n, dtype=bool) for tr in trees]))
     results = {}
     for impl in ("reference", "pallas"):
-        model.set_impl(impl)
+        model = base.with_execution(ExecutionConfig(impl=impl))
         logits_p, _, cache = prefill(model, prompt, lengths, model.init_cache(b, 24))
         logits_v, _, cache = verify(model, tokens, depths, anc, cache)
         results[impl] = (logits_p, logits_v, jnp.stack(cache.latent), forward_uncached(model, prompt)[0])

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from ddtree_jax.backend import Backend
+from ddtree_jax.config import ExecutionConfig
 from ddtree_jax.models.moe import experts_reference, route_tokens, routed_experts
 from pallas_kernels.triton.moe_grouped_matmul import choose_blocks, max_row_tiles
 from tests._model_fixtures import VOCAB, random_tree, tiny_kimi
@@ -148,8 +149,8 @@ def test_model_logits_through_kernel_equal_reference():
     model = tiny_kimi(2)
     tokens, depths, mask, valid = _tree_inputs(2, 9, 1)
     cache = model.init_cache(2, 32)
-    want = _verify(model.set_impl("reference"), tokens, depths, mask, cache, None)
-    got = _verify(model.set_impl("pallas"), tokens, depths, mask, cache, valid)
+    want = _verify(model.with_execution(ExecutionConfig(impl="reference")), tokens, depths, mask, cache, None)
+    got = _verify(model.with_execution(ExecutionConfig(impl="pallas")), tokens, depths, mask, cache, valid)
     v = np.asarray(valid)
     assert 0 < v.sum() < v.size
     np.testing.assert_allclose(np.asarray(got)[v], np.asarray(want)[v], atol=2e-5 * float(jnp.abs(want).max()))

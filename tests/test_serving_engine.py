@@ -6,6 +6,7 @@ Compilation dominates on the CPU: every engine here shares one shape (ddtree, bu
 max_model_len 64, prefill chunks of 16, at most 2 prefilled per step); generate() runs 5 rows.
 """
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -21,7 +22,8 @@ from tests._serving_fixtures import char_tokenizer
 # The 40-token prompt takes three 16-token prefill chunks.
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11], list(range(20, 60)), [5, 6]]
 MAX_TOKENS = 12
-SHAPE = dict(method="ddtree", budget=6, max_model_len=64, prefill_chunk=16, prefill_batch=2)
+DECODE = dt.DecodeConfig(method="ddtree", budget=6)
+SHAPE = dt.EngineConfig(decode=DECODE, slots=2, max_model_len=64, prefill_chunk=16, prefill_batch=2)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,9 @@ def reference(models):
                        max_len=80)
 
 
-def engine(models, slots=2, **kw):
-    return Engine(*models, slots=slots, **{**SHAPE, **kw})
+def engine(models, slots=2, tokenizer=None, seed=0, **kw):
+    config = dataclasses.replace(SHAPE, slots=slots, decode=dataclasses.replace(DECODE, seed=seed), **kw)
+    return Engine(*models, config, tokenizer=tokenizer)
 
 
 def run(eng, handles):
@@ -48,6 +51,7 @@ def run(eng, handles):
 
 def test_greedy_equals_generate_whatever_the_arrival_order_and_slot(models, reference):
     eng = engine(models, slots=2)
+    assert (eng.method, eng.budget, eng.sync_every, eng.prefill_batch) == ("ddtree", 6, 1, 2)  # the resolved settings
     order = [3, 1, 4, 0, 2]
     got = {i: r for i, r in zip(order, eng.generate([PROMPTS[i] for i in order], max_tokens=MAX_TOKENS),
                                 strict=True)}
@@ -241,7 +245,7 @@ def test_incremental_text_equals_decoding_everything():
         assert streamed + s.flush() == tok.decode(ids) == s.text
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize("settings,match", [
     (dict(method="beam"), "method"),
     (dict(drafter=None), "needs a drafter"),
     (dict(slots=0), "slots"),
@@ -251,11 +255,14 @@ def test_incremental_text_equals_decoding_everything():
     (dict(stop_token_ids=[128]), "stop_token_ids"),
     (dict(seed=-1), "seed"),
 ])
-def test_bad_engine_settings(models, kwargs, match):
+def test_bad_engine_settings(models, settings, match):
+    """Each bad setting is refused by its config, or by the engine where it needs the models."""
     target, drafter = models
-    kwargs = {"drafter": drafter, **kwargs}
+    settings = {"drafter": drafter, **settings}
+    drafter = settings.pop("drafter")
+    decode = {k: settings.pop(k) for k in ("method", "budget", "stop_token_ids", "seed") if k in settings}
     with pytest.raises(ValueError, match=match):
-        Engine(target, kwargs.pop("drafter"), **{**SHAPE, **kwargs})
+        Engine(target, drafter, dataclasses.replace(SHAPE, decode=dataclasses.replace(DECODE, **decode), **settings))
 
 
 def test_overlapped_loop_under_many_streams_loses_and_duplicates_nothing(models, reference):

@@ -287,13 +287,14 @@ def test_no_chat_template_is_400_and_a_full_queue_is_503():
     """In-process (nothing compiles: the requests are refused before they reach the engine)."""
     from fastapi.testclient import TestClient
 
+    from ddtree_jax.config import DecodeConfig, EngineConfig
     from ddtree_jax.serving import Engine
     from ddtree_jax.serving.server import create_app
     from tests._model_fixtures import tiny_kimi
     from tests._serving_fixtures import char_tokenizer
 
-    engine = Engine(tiny_kimi(0), None, method="ar", slots=1, tokenizer=char_tokenizer(), max_model_len=32,
-                    max_queue=1)
+    config = EngineConfig(decode=DecodeConfig(method="ar"), slots=1, max_model_len=32, max_queue=1)
+    engine = Engine(tiny_kimi(0), None, config, tokenizer=char_tokenizer())
     with TestClient(create_app(engine, model_name="t", chat_template=None, manage_engine=False)) as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]

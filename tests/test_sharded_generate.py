@@ -28,9 +28,10 @@ SCRIPT = textwrap.dedent("""
         kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=sampling)
         sharded, plain = dt.generate(st, sd, prompts, **kw), dt.generate(pt, pd, prompts, **kw)
         assert sharded.tokens == plain.tokens, (sharded.tokens, plain.tokens)
-    # the per-head prefill (heads over the tensor axis, in a shard_map) on the 5-token prompt
-    for m in (st, pt):
-        m.set_per_head_prefill(4)
+    # the per-head prefill (heads over the tensor axis, in a shard_map) on the 5-token prompt; the
+    # sharded model made by with_execution keeps its placement
+    st, pt = (m.with_execution(dt.ExecutionConfig(per_head_prefill_min_tokens=4)) for m in (st, pt))
+    assert st.model.layers[0].self_attn.attention_mesh is not None
     kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=dt.SamplingParams(temperature=0.0))
     sharded, plain = dt.generate(st, sd, prompts, **kw), dt.generate(pt, pd, prompts, **kw)
     assert sharded.tokens == plain.tokens, ("per-head", sharded.tokens, plain.tokens)

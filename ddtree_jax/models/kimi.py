@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.config import ConfigError, ExecutionConfig, execution_of
 from ddtree_jax.models._layers import (
     Embed,
     GatedMLP,
@@ -39,9 +40,6 @@ from ddtree_jax.models._layers import (
 from ddtree_jax.models.int4 import Int4Format, PackedWeight, random_packed_weight
 from ddtree_jax.models.kimi_config import KimiConfig
 from ddtree_jax.models.latent_attention import (
-    PER_HEAD_PREFILL,
-    SEGMENT_GROUP,
-    SEGMENT_KEYS,
     AttentionMesh,
     cache_slots,
     latent_attention,
@@ -116,19 +114,10 @@ class MLAttention(nnx.Module):
             dtype=dtype,
         )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
-        # ``AttentionMesh`` when the model knows its mesh (``set_mesh``): the kernel runs per shard
+        # static, set by ``KimiForCausalLM`` from its ``ExecutionConfig`` and placement: the
+        # attention settings, and the ``AttentionMesh`` the kernel runs per shard of (None: one device)
+        self.execution = ExecutionConfig()
         self.attention_mesh = None
-        # the kernel's fixed reduction segments and their groups (``latent_attention``; 0:
-        # layout-dependent splits)
-        self.segment_keys, self.segment_group = SEGMENT_KEYS, SEGMENT_GROUP
-        # the Hopper kernel where it runs (``latent_attention``; off in the batch-invariant mode,
-        # which needs the fixed segments; ``KimiForCausalLM.set_hopper_attention``)
-        self.hopper_attention = True
-        # causal blocks of at least this many tokens that start at slot 0 (prefills) run in the
-        # per-head form (``per_head_causal_attention``); 0: never (``set_per_head_prefill``);
-        # implementation None: chosen by the backend when traced
-        self.per_head_prefill = PER_HEAD_PREFILL
-        self.per_head_impl = None
 
     def latents(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,T,H]`` -> ``(latent [B,T,kv_lora_rank], k_rope [B,T,qk_rope_head_dim])``."""
@@ -157,17 +146,22 @@ class MLAttention(nnx.Module):
             q_latent = jnp.einsum("btnd,rnd->btnr", q_nope, w_k)
         else:
             q_latent = dense_product(q_nope, w_k.transpose(1, 2, 0), fixed)
+        ex = self.execution
+
         def absorbed():
             out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
                                           backend=backend, mesh=self.attention_mesh,
-                                          segment_keys=self.segment_keys, segment_group=self.segment_group,
-                                          hopper=self.hopper_attention and fixed is None).astype(x.dtype)
+                                          segment_keys=ex.attention_segment_keys,
+                                          segment_group=ex.attention_segment_group,
+                                          hopper=ex.hopper_attention and fixed is None).astype(x.dtype)
             if fixed is None:
                 return jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
             return dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
 
-        long_prefill = mask.causal and self.per_head_prefill and t >= self.per_head_prefill and fixed is None
-        impl = long_prefill and (self.per_head_impl or _per_head_default(q_nope.dtype, dn + cfg.qk_rope_head_dim))
+        min_tokens = ex.per_head_prefill_min_tokens
+        long_prefill = mask.causal and min_tokens and t >= min_tokens and fixed is None
+        impl = long_prefill and (ex.per_head_prefill_impl
+                                 or _per_head_default(q_nope.dtype, dn + cfg.qk_rope_head_dim))
         if impl:
             def per_head():
                 # the block's own slots: a block starting at slot 0 sees nothing else
@@ -246,9 +240,9 @@ class Experts(nnx.Module):
             setattr(self, f"{name}_scale", nnx.Param(w.scale, axes=axes))
             if w.zero is not None:
                 setattr(self, f"{name}_zero_point", nnx.Param(w.zero, axes=axes))
-        # (mesh, mesh axis) when the weights' expert dim is split over a mesh axis (``set_mesh``)
+        # static, set by ``KimiForCausalLM``: (mesh, mesh axis) when the weights' expert dim is
+        # split over a mesh axis, and the kernel's pinned ``MoEBlocks`` (None: by the token count)
         self.expert_mesh = None
-        # the kernel's ``MoEBlocks`` pinned by ``set_moe_blocks`` (None: chosen by the token count)
         self.blocks = None
 
     def weights(self) -> tuple[jax.Array | PackedWeight, jax.Array | PackedWeight]:
@@ -344,119 +338,83 @@ class KimiForCausalLM(nnx.Module):
     """The target model; parameter paths mirror HF names (``model.layers.3.self_attn.kv_b_proj``).
 
     ``dtype`` is the weights' and activations' dtype; norms, softmax and the router run in float32.
-    ``impl`` picks the attention and expert implementations (``ddtree_jax.backend``: ``"auto"``
-    runs the Pallas kernels on a GPU, the plain-JAX references elsewhere); ``set_impl`` changes it.
-    ``experts_int4`` (an ``Int4Format``): every MoE layer's routed experts are stored as packed
-    INT4 with group scales (``Experts``; random values here, a checkpoint's through
-    ``load_target``), everything else stays in ``dtype``.
+    ``execution`` (an ``ExecutionConfig``, default ``ExecutionConfig()``) says how it computes:
+    the attention and expert implementations (``impl``: ``"auto"`` runs the Pallas kernels on a
+    GPU, the plain-JAX references elsewhere), batch invariance, kernel blocks and segments, the
+    attention forms; ``impl=`` alone is shorthand for ``execution=ExecutionConfig(impl=impl)``. It
+    is read as ``model.execution`` and changed with ``with_execution`` (a new model object on the
+    same weights). ``experts_int4`` (an ``Int4Format``): every MoE layer's routed experts are
+    stored as packed INT4 with group scales (``Experts``; random values here, a checkpoint's
+    through ``load_target``), everything else stays in ``dtype``.
+
+    Placement: ``load_target(mesh=...)`` and ``init_on_mesh`` place the weights and tell the model
+    its mesh, so that the kernels run sharded: with the expert dim split over a mesh axis, the MoE
+    kernel path runs expert-parallel (``ddtree_jax.models.moe.experts_expert_parallel``); the
+    attention runs in a ``shard_map`` with batch rows over the mesh's ``data`` axis (the serving
+    state's caches: ``ddtree_jax.serving.sharding.state_sharding``) and heads over the ``tensor``
+    axis (``latent_attention``).
     """
 
-    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, impl: str | Backend = "auto",
-                 experts_int4: Int4Format | None = None):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, execution: ExecutionConfig | None = None,
+                 impl: str | Backend | None = None, experts_int4: Int4Format | None = None):
         if experts_int4 is not None:
             experts_int4.check(cfg.hidden_size, cfg.moe_intermediate_size)
         self.config = cfg
         self.experts_int4 = experts_int4
-        self.backend = resolve_backend(impl)
         self.model = DeepseekV3Model(cfg, rngs=rngs, dtype=dtype, int4=experts_int4)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=(None, "tensor"), rngs=rngs, dtype=dtype)
-
-    def set_impl(self, impl: str | Backend) -> KimiForCausalLM:
-        """Use ``impl`` (see the class docstring) for the forward passes from now on; returns self."""
-        self.backend = resolve_backend(impl)
-        if self.batch_invariant:
-            self.set_batch_invariant(True)
-        return self
+        self._configure(execution_of(execution, impl), None, ())
 
     @property
-    def batch_invariant(self) -> bool:
-        """Whether ``set_batch_invariant`` is on (the LM head, like every dense product, then runs
-        the fixed-order kernel)."""
-        return self.lm_head.fixed_order is not None
+    def execution(self) -> ExecutionConfig:
+        """How the model computes (``ExecutionConfig``); ``with_execution`` changes it."""
+        return self._execution
 
-    def set_batch_invariant(self, on: bool = True) -> KimiForCausalLM:
-        """Every dense product of the target (the attention projections, dense MLPs, shared
-        experts, routers and the LM head) through the fixed-order Pallas product
-        (``pallas_kernels/triton/dense_matmul.py``) instead of XLA's dot, whose algorithm depends on
-        the number of rows. With the attention kernel's fixed segments and the MoE kernel (both
-        bitwise batch-invariant on the H200), a row's arithmetic is then meant to be the same in a
-        decode step and in a tree verify, so that greedy DDTree commits greedy autoregressive
-        decoding's tokens in bf16 too (``bench/bench_batch_invariance.py`` measures it). The
-        absorbed attention's per-head products run it too, with the heads as groups. Needs the
-        Triton kernels (``impl`` ``"pallas"``, or ``"auto"`` on a GPU) on one device;
-        ``on=False``: XLA's dot again."""
-        if on and not (self.backend.kernels and self.backend.family == "triton"):
-            raise ValueError("set_batch_invariant needs the Triton kernels: set_impl('pallas') (or 'auto' on an "
-                             f"NVIDIA GPU) first; the model runs {self.backend}")
-        if on and any(layer.self_attn.attention_mesh is not None for layer in self.model.layers):
-            raise ValueError("set_batch_invariant: the fixed-order product runs on one device; this model is placed "
-                             "on a mesh (set_mesh)")
+    def with_execution(self, execution: ExecutionConfig) -> KimiForCausalLM:
+        """A new model object on the same weight arrays (``nnx.split``/``nnx.merge``; its own
+        variables, so writing into one model's weights leaves the other's as they are), placed as
+        this one and computing as ``execution`` says. This model is left as it is. Raises
+        ``ConfigError`` where ``execution`` does not fit the backend or the placement (batch
+        invariance needs the Triton kernels on one device)."""
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, state, copy=True)
+        model._configure(execution, self._mesh, self._mesh_axes)
+        return model
+
+    def _learn_placement(self, mesh, mesh_axes: dict[str, str]) -> None:
+        """Learn the mesh the weights were just placed on (``load_target``, ``init_on_mesh``: on a
+        model they built) under the logical -> mesh axis map ``mesh_axes``."""
+        self._configure(self._execution, mesh, tuple(sorted(mesh_axes.items())))
+
+    def _configure(self, execution: ExecutionConfig, mesh, mesh_axes: tuple[tuple[str, str], ...]) -> None:
+        """Check ``execution`` against its backend and the placement, then set every submodule's
+        static settings from them (the one place that does)."""
+        if not isinstance(execution, ExecutionConfig):
+            raise TypeError(f"execution must be an ExecutionConfig, got {type(execution).__name__}")
+        backend = resolve_backend(execution.impl)
+        if execution.batch_invariant and not (backend.kernels and backend.family == "triton"):
+            raise ConfigError("ExecutionConfig", "batch_invariant",
+                              "needs the Triton kernels: impl 'pallas' (or 'auto' on an NVIDIA GPU); the model runs "
+                              f"{backend}")
+        axes = dict(mesh_axes)
+        attention = AttentionMesh.of(mesh, axes)
+        if execution.batch_invariant and attention is not None:
+            raise ConfigError("ExecutionConfig", "batch_invariant",
+                              "the fixed-order product runs on one device; this model is placed on a mesh")
+        expert_axis = axes.get("expert")
+        fixed = backend if execution.batch_invariant else None
         for _, module in nnx.iter_graph(self):
             if isinstance(module, (Linear, Router)):
-                module.fixed_order = self.backend if on else None
-        return self
-
-    def set_mesh(self, mesh, mesh_axes: dict[str, str]) -> KimiForCausalLM:
-        """Tell the kernels how the model is placed (``load_target(mesh=...)`` and ``init_on_mesh``
-        call this): with the expert dim split over a mesh axis, the MoE kernel path runs
-        expert-parallel (``ddtree_jax.models.moe.experts_expert_parallel``); the attention kernel
-        runs in a ``shard_map`` with batch rows over the mesh's ``data`` axis (the serving
-        state's caches: ``ddtree_jax.serving.sharding.state_sharding``) and heads over the
-        ``tensor`` axis (``latent_attention``). ``mesh=None`` forgets it."""
-        axis = mesh_axes.get("expert")
-        attention = AttentionMesh.of(mesh, mesh_axes)
-        for layer in self.model.layers:
-            layer.self_attn.attention_mesh = attention
-            if isinstance(layer.mlp, MoE):
-                experts = layer.mlp.experts
-                split = (mesh is not None and axis in mesh.axis_names
-                         and experts.num_experts % mesh.shape[axis] == 0)
-                experts.expert_mesh = (mesh, axis) if split else None
-        return self
-
-    def set_moe_blocks(self, blocks) -> KimiForCausalLM:
-        """Pin the MoE kernel's blocks (``pallas_kernels.triton.moe_grouped_matmul.MoEBlocks``) for
-        every call, whatever the number of tokens: a row's routed-expert arithmetic then does not
-        depend on the batch or the block length (batch invariance; ``None``: back to
-        ``choose_blocks``, which changes ``block_m``/``block_k`` above ``16 * E / k`` tokens)."""
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.experts.blocks = blocks
-        return self
-
-    def set_attention_segments(self, segment_keys: int, segment_group: int = SEGMENT_GROUP) -> KimiForCausalLM:
-        """The attention kernel's fixed reduction segments (keys; default
-        ``latent_attention.SEGMENT_KEYS``, folded in groups of ``segment_group``; 0: splits chosen
-        by the shapes, not batch-invariant)."""
-        for layer in self.model.layers:
-            layer.self_attn.segment_keys, layer.self_attn.segment_group = segment_keys, segment_group
-        return self
-
-    def set_hopper_attention(self, on: bool = True) -> KimiForCausalLM:
-        """Whether the absorbed attention runs the Hopper kernel where it can (``latent_attention``:
-        compiled on an sm_90 GPU, bf16 caches, supported shapes; the default) or always the Triton
-        kernel. The batch-invariant mode runs the Triton kernel's fixed segments either way."""
-        for layer in self.model.layers:
-            layer.self_attn.hopper_attention = on
-        return self
-
-    def set_per_head_prefill(self, min_tokens: int, implementation: str | None = None) -> KimiForCausalLM:
-        """Causal blocks of at least ``min_tokens`` tokens that start at slot 0 (a prompt's
-        prefill) attend in the per-head form (``latent_attention.per_head_causal_attention``: a
-        third of the absorbed form's flops at K2 shapes) through ``jax.nn.dot_product_attention``
-        with ``implementation`` (``"cudnn"`` on a GPU, ``"xla"`` elsewhere; ``None``: by the
-        backend the model is traced for, and on a GPU only where cuDNN takes the dtype and head
-        dim, the absorbed form elsewhere). 0: always the absorbed form. The default is
-        ``latent_attention.PER_HEAD_PREFILL`` tokens. Under ``set_batch_invariant`` the absorbed
-        form runs whatever this says (the fixed-order products cover only that form)."""
-        if min_tokens < 0:
-            raise ValueError(f"set_per_head_prefill: min_tokens must be >= 0, got {min_tokens}")
-        if implementation not in (None, "cudnn", "xla"):
-            raise ValueError(
-                f"set_per_head_prefill: implementation must be 'cudnn', 'xla' or None, got {implementation!r}")
-        for layer in self.model.layers:
-            layer.self_attn.per_head_prefill, layer.self_attn.per_head_impl = min_tokens, implementation
-        return self
+                module.fixed_order = fixed
+            elif isinstance(module, MLAttention):
+                module.execution, module.attention_mesh = execution, attention
+            elif isinstance(module, Experts):
+                split = (mesh is not None and expert_axis in mesh.axis_names
+                         and module.num_experts % mesh.shape[expert_axis] == 0)
+                module.expert_mesh = (mesh, expert_axis) if split else None
+                module.blocks = execution.moe_blocks
+        self._execution, self.backend = execution, backend
+        self._mesh, self._mesh_axes = mesh, mesh_axes
 
     # ---- pieces the drafter shares ----
 

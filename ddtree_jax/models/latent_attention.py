@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.backend import Backend, has_kernel
+from ddtree_jax.config import SEGMENT_GROUP, SEGMENT_KEYS
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
 
@@ -37,7 +38,6 @@ __all__ = [
     "per_head_causal_attention",
     "prefix_block_attention",
     "PER_HEAD_PAD",
-    "PER_HEAD_PREFILL",
 ]
 
 
@@ -98,23 +98,8 @@ def _per_head_local(q_nope, q_rope, latent, k_rope, w_k, w_v, *, scale, implemen
 
 # ``per_head_causal_attention`` pads its block to a multiple of this many tokens.
 PER_HEAD_PAD = 128
-# Causal blocks from slot 0 of at least this many tokens (prefills) take the per-head form by
-# default (``KimiForCausalLM.set_per_head_prefill``): on the H200 at K2 shapes (2 layers) the two
-# forms tie at 512 tokens (10.1 ms), and per-head wins from there: 1,000 tokens 11.8 ms against
-# 12.6, 2,048 15.1 against 18.0, 16,384 92 against 296.
-PER_HEAD_PREFILL = 512
 
 _LOG2E = 1.4426950408889634
-
-
-# Keys per segment of the kernel's reduction (``mla_attention(segment_keys=...)``): fixed, so that a
-# row's attention has the same bits whatever the batch, the block length or the program layout
-# (a decode step and a tree verify reduce a row's keys alike: the batch-invariance groundwork).
-# Segments of 512 keys are folded into fixed groups of 4 (2048 keys), the groups into the total,
-# so the kernel may run one program per segment (what ``auto_split_keys`` picks for a decode step
-# at B=1 over caches up to 128k), per group (B=16 decode at 32k) or none, with the same bits.
-SEGMENT_KEYS = 512
-SEGMENT_GROUP = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,14 +12,16 @@ This module imports JAX only when the command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
-__all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "run_serve"]
+from ddtree_jax._preflight import option_error
+from ddtree_jax.config import METHODS, ConfigError, DecodeConfig, EngineConfig
 
-METHODS = ("ddtree", "dflash", "ar")
+__all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "run_serve"]
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -80,8 +82,32 @@ def default_stop_ids(target_dir: str, tokenizer, tokenizer_path: str) -> list[in
     return [tid] if tid is not None else []
 
 
-def build_engine(args):
-    """Loads the models (on the mesh) and tokenizer and returns ``(engine, model name, template, specials)``."""
+def _fail(parser, message: str):
+    """Exit with one line naming the option: the parser's error (status 2), or ``SystemExit``."""
+    if parser is None:
+        raise SystemExit(message)
+    parser.error(message)
+
+
+def _engine_config(args, parser) -> EngineConfig:
+    """The ``EngineConfig`` of parsed ``serve`` arguments (stop ids: ``--stop-token-id`` only),
+    checked before anything loads."""
+    try:
+        config = EngineConfig(
+            decode=DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every, seed=args.seed,
+                                stop_token_ids=tuple(args.stop_token_id or ()), impl=args.impl),
+            slots=args.slots, max_model_len=args.max_model_len, max_queue=args.max_queue,
+            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch)
+        config.decode.check_for(None, has_drafter=bool(args.drafter))
+    except ConfigError as e:
+        _fail(parser, str(option_error(e)))
+    return config
+
+
+def build_engine(args, parser=None):
+    """Loads the models (on the mesh) and tokenizer and returns ``(engine, model name, template,
+    specials)``. A bad option exits with one line naming it (through ``parser.error`` if given)."""
+    config = _engine_config(args, parser)  # before anything heavy loads
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
@@ -90,42 +116,43 @@ def build_engine(args):
     from ddtree_jax.serving.server import load_chat_template
     from ddtree_jax.serving.sharding import make_mesh, state_sharding
 
-    if args.method != "ar" and not args.drafter:
-        raise SystemExit(f"--method {args.method} needs --drafter")
     if not os.path.isfile(args.tokenizer):
-        raise SystemExit(f"--tokenizer: no such file {args.tokenizer!r}")
+        _fail(parser, f"--tokenizer: no such file {args.tokenizer!r}")
     tokenizer = Tokenizer.from_file(args.tokenizer)
     try:
         mesh = make_mesh(args.mesh)
     except ValueError as e:
-        raise SystemExit(f"--mesh: {e}") from None
+        _fail(parser, f"--mesh: {e}")
     dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     target = load_target(args.target, mesh=mesh, dtype=dtype)
-    drafter = load_drafter(args.drafter, target, mesh=mesh) if args.method != "ar" else None
+    drafter = load_drafter(args.drafter, target, mesh=mesh) if config.decode.uses_drafter else None
     _log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
     template, specials = load_chat_template(args.tokenizer)
     if args.chat_template:
         with open(args.chat_template) as f:
             template = f.read()
     stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, args.tokenizer)
-    stop += list(args.stop_token_id or [])
-    engine = Engine(target, drafter, method=args.method, budget=args.budget, slots=args.slots, tokenizer=tokenizer,
-                    max_model_len=args.max_model_len, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-                    prefill_batch=args.prefill_batch,
-                    sync_every=args.sync_every, seed=args.seed, stop_token_ids=stop, impl=args.impl,
-                    shard_state=state_sharding(mesh))
+    stop += list(config.decode.stop_token_ids)
+    try:
+        config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, stop_token_ids=tuple(stop)))
+        engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh))
+    except ConfigError as e:
+        if e.field == "stop_token_ids":  # the EOS ids joined the option's
+            _fail(parser, f"--stop-token-id or the EOS ids of {args.target}: {e.message}")
+        _fail(parser, str(option_error(e)))
     _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
          f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return engine, name, template, specials
 
 
-def run_serve(args) -> None:
-    """Runs the server for parsed ``serve`` arguments (blocks until interrupted)."""
+def run_serve(args, parser=None) -> None:
+    """Runs the server for parsed ``serve`` arguments (blocks until interrupted); option errors
+    go through ``parser.error`` if given."""
+    engine, name, template, specials = build_engine(args, parser)
     from ddtree_jax.serving.server import serve
 
-    engine, name, template, specials = build_engine(args)
     if not args.no_warmup:
         t0 = time.perf_counter()
         engine.warmup()
@@ -139,7 +166,7 @@ def run_serve(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ddtree_jax.serving.cli", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    run_serve(ap.parse_args(argv))
+    run_serve(ap.parse_args(argv), ap)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import numbers
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -39,8 +38,9 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from ddtree_jax.backend import Backend, resolve_backend
-from ddtree_jax.decode_round import METHODS, DecodePlan, Models
+from ddtree_jax.backend import resolve_backend
+from ddtree_jax.config import EngineConfig, is_int, token_id_problem
+from ddtree_jax.decode_round import DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
@@ -165,93 +165,61 @@ class _Request:
     last_emit: float | None = None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
 class Engine:
-    """Continuous-batching decoding engine over ``slots`` fixed slots.
+    """Continuous-batching decoding engine over ``config.slots`` fixed slots.
 
     Args:
       target, drafter: the models (``drafter`` may be ``None`` for ``method="ar"``).
-      method, budget: as in ``generate`` (``budget`` counts DDTree's non-root nodes).
-      slots: requests decoded at once (the compiled rounds' batch).
+      config: the settings (``EngineConfig``; its ``decode`` as in ``generate``, with
+        ``sync_every`` 1 by default); checked against the models here (``ConfigError`` naming the
+        field).
       tokenizer: a ``tokenizers.Tokenizer`` (or anything with ``decode(ids)``), for text and stop
         strings; ``None``: tokens only.
-      max_model_len: prompt + max_tokens limit per request (default: the target's
-        ``max_position_embeddings``, at most 8192); sets the cache size: every slot holds that
-        many positions (plus one verify block), so a long context costs memory in every slot.
-      max_output_tokens: the largest ``max_tokens`` a request may ask for (default
-        ``max_model_len - 1``); sets the output buffer.
-      max_queue: requests waiting for a slot before ``submit`` raises ``EngineOverloaded``.
-      prefill_chunk: most prompt tokens a slot prefills per engine step.
-      prefill_batch: most slots prefilled per engine step (default: all free slots).
-      sync_every: compiled rounds per engine step (between host checks).
-      seed: the base key of every random stream (``ddtree_jax.rng``); ``generate(seed=...)`` with
-        the same value gives seeded requests the same tokens.
-      stop_token_ids: stop tokens every request gets (e.g. EOS) unless it sets ``ignore_eos``.
-      max_stop_ids: stop-token slots per request (the state's stop-id width).
-      impl: kernels (``"auto"``, ``"pallas"``, ``"pallas:triton"``, ``"pallas:mosaic_tpu"``,
-        ``"reference"`` or a ``Backend``; ``ddtree_jax.backend``).
       shard_state: optional function placing the state (``ddtree_jax.serving.sharding``).
+
+    The resolved settings are attributes: ``method``, ``budget`` (DDTree's node budget; the
+    drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
+    ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``sync_every``, ``stop_token_ids``,
+    ``max_stop_ids``, ``cache_len`` (positions per slot).
     """
 
-    def __init__(self, target, drafter=None, *, method: str = "ddtree", budget: int = 64, slots: int = 8,
-                 tokenizer=None, max_model_len: int | None = None, max_output_tokens: int | None = None,
-                 max_queue: int = 256, prefill_chunk: int = 512, prefill_batch: int | None = None,
-                 sync_every: int = 1, seed: int = 0, stop_token_ids: Sequence[int] = (), max_stop_ids: int = 8,
-                 impl: str | Backend = "auto", shard_state: Callable | None = None):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if method != "ar" and drafter is None:
-            raise ValueError(f"method={method!r} needs a drafter")
-        for name, value in dict(slots=slots, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                                sync_every=sync_every, max_stop_ids=max_stop_ids).items():
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if prefill_batch is not None and (not _is_int(prefill_batch) or prefill_batch < 1):
-            raise ValueError(f"prefill_batch must be None or an integer >= 1, got {prefill_batch!r}")
-        if not _is_int(seed) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, tokenizer=None,
+                 shard_state: Callable | None = None):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         cfg = target.config
+        config.check_for(cfg.vocab_size, drafter is not None, cfg.max_position_embeddings)
+        decode = config.decode
+        self.config = config
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, 8192))
-        if not 2 <= self.max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] (the target's context), "
-                             f"got {max_model_len}")
-        self.max_output_tokens = int(max_output_tokens or self.max_model_len - 1)
-        if method == "ar":
-            depth, budget = 0, 0
-        else:
-            depth = drafter.config.block_size - 1
-            if method == "dflash":
-                budget = depth
-            elif not _is_int(budget) or budget < 1:
-                raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        self.max_output_tokens = config.max_output_tokens or self.max_model_len - 1
+        method, slots = decode.method, config.slots
+        depth = drafter.config.block_size - 1 if decode.uses_drafter else 0
+        budget = decode.budget if method == "ddtree" else depth
         self.method, self.budget, self.slots = method, budget, slots
         self.tokenizer = tokenizer
-        self.max_queue, self.prefill_chunk, self.sync_every = max_queue, prefill_chunk, sync_every
-        self.prefill_batch = min(prefill_batch or slots, slots)
-        self.stop_token_ids = [int(s) for s in stop_token_ids]
-        for s in self.stop_token_ids:
-            if not 0 <= s < self.vocab_size:
-                raise ValueError(f"stop_token_ids: {s} is outside the vocabulary [0, {self.vocab_size})")
-        self.max_stop_ids = max(max_stop_ids, len(self.stop_token_ids))
-        self.plan = DecodePlan(method=method, budget=budget, backend=resolve_backend(impl),
-                               hidden_layer_ids=tuple(drafter.config.target_layer_ids) if method != "ar" else ())
-        self._models, self._tparams, self._dparams = Models.split(target, drafter if method != "ar" else None)
+        self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
+        self.sync_every = decode.sync_every or 1
+        self.prefill_batch = min(config.prefill_batch or slots, slots)
+        self.stop_token_ids = list(decode.stop_token_ids)
+        self.max_stop_ids = max(config.max_stop_ids, len(self.stop_token_ids))
+        self.plan = DecodePlan(method=method, budget=budget, backend=resolve_backend(decode.impl),
+                               hidden_layer_ids=tuple(drafter.config.target_layer_ids) if decode.uses_drafter else ())
+        self._models, self._tparams, self._dparams = Models.split(target, drafter if decode.uses_drafter else None)
         self._target, self._drafter = target, drafter
         # The cache holds a prompt + its tokens, and one verify block (or one prompt chunk) of scratch.
         # (a commit writes depth + 1 positions: more than the verify block when budget < depth)
-        self.cache_len = self.max_model_len + max(budget + 1, depth + 1, prefill_chunk)
+        self.cache_len = self.max_model_len + max(budget + 1, depth + 1, self.prefill_chunk)
         self.tokens_per_round = depth + 1
         self._shard_state = shard_state
         self._state = self._empty_state()
-        self._base_key = jax.random.key(seed)
+        self._base_key = jax.random.key(decode.seed)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -293,7 +261,7 @@ class Engine:
             raise RequestError("prompt", f"token id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError("sampling", f"must be SamplingParams, got {type(sampling).__name__}")
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise RequestError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
         if arr.size >= self.max_model_len:
             raise RequestError("prompt", f"has {arr.size} tokens; the context is {self.max_model_len} tokens "
@@ -311,8 +279,9 @@ class Engine:
             raise RequestError("stop", "stop strings need a tokenizer (the engine has none)")
         ids = [] if ignore_eos else list(self.stop_token_ids)
         for s in stop_token_ids:
-            if not _is_int(s) or not 0 <= s < self.vocab_size:
-                raise RequestError("stop_token_ids", f"{s!r} is not a token id in [0, {self.vocab_size})")
+            problem = token_id_problem(s, self.vocab_size)
+            if problem is not None:
+                raise RequestError("stop_token_ids", problem)
             ids.append(int(s))
         ids = sorted(set(ids))
         if len(ids) > self.max_stop_ids:

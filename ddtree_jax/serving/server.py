@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ddtree_jax.config import is_int
 from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult
 
 __all__ = ["create_app", "load_chat_template", "metrics_text", "serve"]
@@ -119,7 +120,7 @@ def _integer(body: dict, name: str, default, lo: int, hi: int | None = None):
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise _bad(name, f"must be an integer, got {v!r}")
     if v < lo or (hi is not None and v > hi):
         raise _bad(name, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {v}")
@@ -177,7 +178,7 @@ def _stop_ids(body: dict) -> list[int]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(is_int(i) for i in ids):
         raise _bad("stop_token_ids", "must be a list of token ids")
     return ids
 

@@ -9,7 +9,7 @@ logical axes map onto the mesh by ``ddtree_jax.checkpoints.DEFAULT_MESH_AXES`` (
 
     mesh = make_mesh("expert=4,tensor=2")                       # 8 devices
     target = load_target(path, mesh=mesh)                       # experts over 4, tensors over 2
-    engine = Engine(target, drafter, slots=16, shard_state=state_sharding(mesh))
+    engine = Engine(target, drafter, EngineConfig(slots=16), shard_state=state_sharding(mesh))
 """
 
 from __future__ import annotations

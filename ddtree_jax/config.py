@@ -1,0 +1,290 @@
+"""The runtime settings, one frozen dataclass per concern, each value checked once when it is built.
+
+* ``DecodeConfig``: how requests decode (method, tree budget, host sync cadence, seed, stop ids,
+  the decode loop's kernels); ``generate`` and ``serving.Engine`` run it.
+* ``EngineConfig``: the serving engine's slots, lengths, queue and prefill chunking, around a
+  ``DecodeConfig``.
+* ``ExecutionConfig``: how the target model computes (kernels, batch invariance, kernel blocks and
+  segments, attention forms); given to ``KimiForCausalLM`` or ``load_target``, changed with
+  ``KimiForCausalLM.with_execution``. Placement on a mesh is an argument of ``load_target`` /
+  ``init_on_mesh``, not a setting.
+
+A bad value raises ``ConfigError`` (a ``ValueError``) whose ``field`` names it. The checks that
+need the models run where the models are: ``DecodeConfig.check_for`` / ``EngineConfig.check_for``
+(stop ids inside the vocabulary, a drafter for the drafting methods, the context length; called by
+``generate``, the ``Engine`` and the command line) and ``KimiForCausalLM`` (batch invariance needs
+the Triton kernels on one device).
+
+This module imports no JAX: the command line validates its options through it before anything
+heavy loads (``ddtree_jax/_preflight.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from ddtree_jax.backend import IMPLS, Backend
+
+__all__ = [
+    "METHODS",
+    "PER_HEAD_PREFILL",
+    "PER_HEAD_PREFILL_IMPLS",
+    "SEGMENT_GROUP",
+    "SEGMENT_KEYS",
+    "ConfigError",
+    "DecodeConfig",
+    "EngineConfig",
+    "ExecutionConfig",
+    "execution_of",
+    "is_int",
+    "token_id_problem",
+]
+
+METHODS = ("ddtree", "dflash", "ar")
+
+# The defaults of ``ExecutionConfig``'s attention settings (design notes: docs/kernels.md, "MLA
+# attention" and "Prefill: the absorbed form costs 3.4x the flops"): keys per segment of the
+# attention kernel's fixed reduction, segments per group, and the prefill length from which the
+# per-head form runs.
+SEGMENT_KEYS = 512
+SEGMENT_GROUP = 4
+PER_HEAD_PREFILL = 512
+PER_HEAD_PREFILL_IMPLS = ("cudnn", "xla")
+
+
+def is_int(x: Any) -> bool:
+    """Whether ``x`` is an integer (Python or NumPy), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def token_id_problem(value: Any, vocab_size: int | None) -> str | None:
+    """What is wrong with ``value`` as a token id of a ``vocab_size`` vocabulary (``None``: of
+    unknown size, any id >= 0), or ``None`` when it is one."""
+    if not is_int(value):
+        return f"{value!r} is not an integer token id"
+    if vocab_size is None and value < 0:
+        return f"{value} is not a token id (negative)"
+    if vocab_size is not None and not 0 <= value < vocab_size:
+        return f"{value} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+class ConfigError(ValueError):
+    """A setting out of range: ``field`` names it, ``message`` says why; ``str()`` reads
+    ``"<Config>.<field>: <message>"``."""
+
+    def __init__(self, owner: str, field: str, message: str):
+        super().__init__(f"{owner}.{field}: {message}")
+        self.owner, self.field, self.message = owner, field, message
+
+
+def _require(ok: bool, owner: str, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(owner, field, message)
+
+
+def _check_count(owner: str, field: str, value: Any, lo: int = 1, optional: bool = False) -> None:
+    """``value`` is an integer >= ``lo`` (or ``None`` where ``optional``)."""
+    if optional and value is None:
+        return
+    _require(is_int(value) and value >= lo, owner, field,
+             f"must be {'None or ' if optional else ''}an integer >= {lo}, got {value!r}")
+
+
+def _check_impl(owner: str, impl: Any) -> None:
+    _require(isinstance(impl, Backend) or (isinstance(impl, str) and impl in IMPLS), owner, "impl",
+             f"must be one of {IMPLS} or a Backend, got {impl!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """How requests decode: the settings ``generate`` and ``serving.Engine`` share."""
+
+    method: str = "ddtree"
+    """``"ddtree"`` (the best tree of ``budget`` drafted nodes), ``"dflash"`` (the argmax chain of
+    the drafter's block) or ``"ar"`` (autoregressive, one token per target pass, no drafter)."""
+
+    budget: int = 64
+    """DDTree's node budget: non-root nodes per tree, >= 1. Used by ``"ddtree"`` only (dflash
+    verifies the drafter's block, ar one token)."""
+
+    sync_every: int | None = None
+    """Compiled rounds between host checks, >= 1. ``None``: the runner's default (``generate``: 8,
+    fewer host round trips; ``Engine``: 1, so new requests join after every round)."""
+
+    seed: int = 0
+    """The base key of every random stream, in ``[0, 2**32)`` (``ddtree_jax.rng``): a seeded
+    request's output depends on it and the request's own seed only."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a request (returned as its last token); any integer sequence, stored as a
+    tuple. Their range is checked against the target's vocabulary by ``check_for``."""
+
+    impl: str | Backend = "auto"
+    """The decode loop's tree builder, sampler and accept walk (``ddtree_jax.backend``): one of
+    ``IMPLS`` (``"auto"``: the Pallas kernels on a GPU or TPU, the references elsewhere) or a
+    resolved ``Backend``."""
+
+    def __post_init__(self):
+        owner = "DecodeConfig"
+        _require(self.method in METHODS, owner, "method", f"must be one of {METHODS}, got {self.method!r}")
+        _check_count(owner, "budget", self.budget)
+        _check_count(owner, "sync_every", self.sync_every, optional=True)
+        _require(is_int(self.seed) and 0 <= self.seed < 2**32, owner, "seed",
+                 f"must be an integer in [0, 2**32), got {self.seed!r}")
+        ids = self.stop_token_ids
+        _require(isinstance(ids, Iterable) and not isinstance(ids, str | bytes), owner, "stop_token_ids",
+                 f"must be a sequence of token ids, got {ids!r}")
+        ids = tuple(ids)
+        for s in ids:
+            problem = token_id_problem(s, None)
+            _require(problem is None, owner, "stop_token_ids", str(problem))
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in ids))
+        _check_impl(owner, self.impl)
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Whether the method drafts (``"ddtree"``, ``"dflash"``)."""
+        return self.method != "ar"
+
+    def check_for(self, vocab_size: int | None, has_drafter: bool) -> None:
+        """The checks that need the models: every stop id inside the target's vocabulary
+        (``None``: size unknown yet, not checked) and a drafter for the drafting methods."""
+        for s in self.stop_token_ids:
+            problem = token_id_problem(s, vocab_size)
+            _require(problem is None, "DecodeConfig", "stop_token_ids", str(problem))
+        _require(has_drafter or not self.uses_drafter, "DecodeConfig", "method",
+                 f"{self.method!r} needs a drafter; only 'ar' runs without one")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The serving engine's settings (``ddtree_jax.serving.Engine``)."""
+
+    decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)
+    """How requests decode; ``stop_token_ids`` there are the stop tokens every request gets
+    (e.g. EOS) unless it sets ``ignore_eos``."""
+
+    slots: int = 8
+    """Requests decoded at once (the compiled rounds' batch), >= 1."""
+
+    max_model_len: int | None = None
+    """Prompt + ``max_tokens`` limit per request, >= 2 and at most the target's context; sets the
+    cache size: every slot holds that many positions (plus one verify block). ``None``: the
+    target's ``max_position_embeddings``, at most 8192."""
+
+    max_output_tokens: int | None = None
+    """The largest ``max_tokens`` a request may ask for, >= 1; sets the output buffer. ``None``:
+    ``max_model_len - 1``."""
+
+    max_queue: int = 256
+    """Requests waiting for a slot before ``submit`` raises ``EngineOverloaded``, >= 1."""
+
+    prefill_chunk: int = 512
+    """Most prompt tokens a slot prefills per engine step, >= 1."""
+
+    prefill_batch: int | None = None
+    """Most slots prefilled per engine step, >= 1. ``None``: all free slots."""
+
+    max_stop_ids: int = 8
+    """Stop-token slots per request (the decoding state's stop-id width), >= 1; raised to the
+    number of ``decode.stop_token_ids`` if that is larger."""
+
+    def __post_init__(self):
+        owner = "EngineConfig"
+        _require(isinstance(self.decode, DecodeConfig), owner, "decode",
+                 f"must be a DecodeConfig, got {type(self.decode).__name__}")
+        for name in ("slots", "max_queue", "prefill_chunk", "max_stop_ids"):
+            _check_count(owner, name, getattr(self, name))
+        _check_count(owner, "max_model_len", self.max_model_len, lo=2, optional=True)
+        _check_count(owner, "max_output_tokens", self.max_output_tokens, optional=True)
+        _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)
+
+    def check_for(self, vocab_size: int, has_drafter: bool, context: int) -> None:
+        """``decode.check_for`` and ``max_model_len`` within the target's ``context`` positions."""
+        self.decode.check_for(vocab_size, has_drafter)
+        _require(self.max_model_len is None or self.max_model_len <= context, "EngineConfig", "max_model_len",
+                 f"must be in [2, {context}] (the target's context), got {self.max_model_len}")
+
+
+def _is_moe_blocks(value: Any) -> bool:
+    """Whether ``value`` is a ``pallas_kernels.triton.moe_grouped_matmul.MoEBlocks`` (without
+    importing that module: an instance exists only once it is imported)."""
+    module = sys.modules.get("pallas_kernels.triton.moe_grouped_matmul")
+    return module is not None and isinstance(value, module.MoEBlocks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionConfig:
+    """How the target model computes (``KimiForCausalLM``); none of it changes the weights."""
+
+    impl: str | Backend = "auto"
+    """The attention and expert implementations (``ddtree_jax.backend``): one of ``IMPLS``
+    (``"auto"``: the Pallas kernels on a GPU, the plain-JAX references elsewhere) or a resolved
+    ``Backend``."""
+
+    batch_invariant: bool = False
+    """Every dense product of the target (attention projections, dense MLPs, shared experts,
+    routers, the LM head, the absorbed attention's per-head products) through the fixed-order
+    Pallas product (``pallas_kernels/triton/dense_matmul.py``) instead of XLA's dot, whose
+    algorithm depends on the number of rows; with the attention kernel's fixed segments (the
+    Hopper kernel is then not used) and pinned ``moe_blocks``, a row's arithmetic is the same in a
+    decode step and in a tree verify, so greedy DDTree commits greedy autoregressive decoding's
+    tokens in bf16 too (``bench/bench_batch_invariance.py`` measures it). Needs the Triton kernels
+    (``impl`` ``"pallas"``, or ``"auto"`` on an NVIDIA GPU) on one device (no mesh)."""
+
+    moe_blocks: Any = None
+    """The MoE kernel's ``pallas_kernels.triton.moe_grouped_matmul.MoEBlocks``, pinned for every
+    call whatever the number of tokens (a row's routed-expert arithmetic then does not depend on
+    the batch or the block length). ``None``: ``choose_blocks`` by the token count."""
+
+    attention_segment_keys: int = SEGMENT_KEYS
+    """Keys per segment of the attention kernel's fixed reduction (``latent_attention``), >= 0;
+    fixed segments make a row's attention bits independent of the batch and the block length.
+    0: splits chosen by the shapes (not batch-invariant)."""
+
+    attention_segment_group: int = SEGMENT_GROUP
+    """Segments folded per group of the attention kernel's reduction, >= 1."""
+
+    hopper_attention: bool = True
+    """Whether the absorbed attention runs the Hopper kernel where it can (``latent_attention``:
+    compiled on an sm_90 GPU, bf16 caches, supported shapes) or always the Triton kernel. The
+    batch-invariant mode runs the Triton kernel's fixed segments either way."""
+
+    per_head_prefill_min_tokens: int = PER_HEAD_PREFILL
+    """Causal blocks of at least this many tokens that start at slot 0 (a prompt's prefill) attend
+    in the per-head form (``latent_attention.per_head_causal_attention``: a third of the absorbed
+    form's flops at K2 shapes), >= 0; 0: always the absorbed form. The batch-invariant mode runs
+    the absorbed form whatever this says (the fixed-order products cover only that form)."""
+
+    per_head_prefill_impl: str | None = None
+    """The per-head form's ``jax.nn.dot_product_attention`` implementation: ``"cudnn"`` (GPU),
+    ``"xla"``, or ``None``: by the backend the model is traced for (XLA off the GPU; on a GPU
+    cuDNN where it takes the dtype and head dim, else the absorbed form)."""
+
+    def __post_init__(self):
+        owner = "ExecutionConfig"
+        _check_impl(owner, self.impl)
+        for name in ("batch_invariant", "hopper_attention"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), owner, name, f"must be True or False, got {value!r}")
+        _require(self.moe_blocks is None or _is_moe_blocks(self.moe_blocks), owner, "moe_blocks",
+                 f"must be None or a pallas_kernels.triton.moe_grouped_matmul.MoEBlocks, got {self.moe_blocks!r}")
+        _check_count(owner, "attention_segment_keys", self.attention_segment_keys, lo=0)
+        _check_count(owner, "attention_segment_group", self.attention_segment_group)
+        _check_count(owner, "per_head_prefill_min_tokens", self.per_head_prefill_min_tokens, lo=0)
+        _require(self.per_head_prefill_impl is None or self.per_head_prefill_impl in PER_HEAD_PREFILL_IMPLS, owner,
+                 "per_head_prefill_impl",
+                 f"must be one of {PER_HEAD_PREFILL_IMPLS} or None, got {self.per_head_prefill_impl!r}")
+
+
+def execution_of(execution: ExecutionConfig | None, impl: str | Backend | None) -> ExecutionConfig:
+    """The ``ExecutionConfig`` a model constructor or loader was given: ``execution``, or the
+    shorthand ``impl=`` (``ExecutionConfig(impl=impl)``), or the default; both is an error."""
+    if execution is not None and impl is not None:
+        raise ValueError("pass execution=ExecutionConfig(impl=...) or impl=, not both")
+    return execution if execution is not None else ExecutionConfig() if impl is None else ExecutionConfig(impl=impl)
