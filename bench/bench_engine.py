@@ -84,14 +84,14 @@ def _engine_run(eng: Engine, prompts, new):
 
 
 def run_case(target, drafter, tokenizer, method, B, args) -> dict:
-    budget = args.budget if method == "ddtree" else 0
+    budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
     warm = prompts[: min(B, n)]
     _generate(target, drafter, warm, B, method, budget, args.new)  # compile
     g_s, g_tokens, g_rounds = _generate(target, drafter, prompts, B, method, budget, args.new)
 
-    config = EngineConfig(decode=DecodeConfig(method=method, budget=max(budget, 1), sync_every=1), slots=B,
+    config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()))
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
@@ -104,7 +104,7 @@ def run_case(target, drafter, tokenizer, method, B, args) -> dict:
         eng.stop()
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
-    row = dict(method=method, budget=budget, batch=B, requests=n, new=args.new,
+    row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
                host_ms_per_step=e["host_ms_per_step"], wait_ms_per_step=e["wait_ms_per_step"],
