@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--default", action="store_true", help="the shipped pair (ddtree_jax/default_pair)")
     ap.add_argument("--smoke", action="store_true", help="the shipped pair at tiny sizes (CPU check)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 64 (smoke: 1 2)")
     ap.add_argument("--methods", nargs="+", default=["ar", "ddtree"], choices=["ar", "dflash", "ddtree"])
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--new", type=int, default=128)
@@ -138,9 +138,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
     if args.smoke:
-        args.batches, args.new, args.prompt_len, args.requests_per_slot = [1, 2], 8, 8, 2
+        args.new, args.prompt_len, args.requests_per_slot = 8, 8, 2
     elif not args.default:
         ap.error("pass --default (the shipped pair) or --smoke")
+    args.batches = args.batches or ([1, 2] if args.smoke else [1, 16, 64])
     target, drafter, tokenizer = _models()
     device = jax.devices()[0].device_kind.replace(" ", "_")
     report = dict(device=device, date=datetime.date.today().isoformat(), host=platform.node(),
