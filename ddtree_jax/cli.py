@@ -289,10 +289,7 @@ def _fail(parser, message: str):
 
 # ---- demo ------------------------------------------------------------------------------------
 
-# bench/results/e2e_h200_20261130.md: the shipped pair end to end on one H200.
-_GPU_FIGURES = "with the shipped pair on one H200, batch 1, greedy, DDTree (budget 128) decodes 3.98x and linear " \
-               "DFlash 2.95x the autoregressive tokens/s (bench/results/e2e_h200_20261130.md)"
-# Measured on 2 CPU cores (README, Set up).
+# Measured on 2 CPU cores (docs/training.md, "A pair on the CPU").
 _MAKE_MINUTES = "4 to 7"
 
 
@@ -394,7 +391,8 @@ def _summary(runs: list[_Run], prompts, max_new_tokens: int, same: bool) -> None
     if backend == "cpu":
         lines.append("  note: on a CPU, fewer target passes do not mean less time: a CPU is bound by arithmetic, and a "
                      "verify pass costs about as much per token as a decode step, so the speculative methods are not "
-                     f"faster here. Wall-clock speedups need an accelerator: {_GPU_FIGURES}.")
+                     "faster here. Wall-clock speedups need an accelerator: the shipped pair's figures on a GPU are in "
+                     "bench/RESULTS.md (bench_e2e.py).")
     for line in lines:
         _log("[ddtree_jax] " + line)
 

@@ -256,7 +256,7 @@ def test_demo_summary_says_what_ran_and_why_cpu_is_not_faster(capsys):
     assert "one token per target pass" in err and "budget=0" not in err
     assert "76 target passes instead of 192: 60% of the target passes saved" in err
     assert "identical across ddtree / dflash / ar: True" in err
-    assert "need an accelerator" in err and "3.98x" in err  # this machine is a CPU
+    assert "need an accelerator" in err and "bench/RESULTS.md" in err  # this machine is a CPU
 
 
 # ---- the persistent compilation cache ------------------------------------------------------------

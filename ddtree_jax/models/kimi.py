@@ -425,8 +425,8 @@ class KimiForCausalLM(nnx.Module):
     def lm_logits(self, hidden: jax.Array) -> jax.Array:
         """``[..., H] -> float32 [..., V]``: the LM head alone (no final norm), its float32
         accumulation returned as it is (a bf16 result converted afterwards would round every logit
-        to bf16 and cost a pass over the ``[tokens, V]`` logits: 0.24 ms for a 1,040-token verify
-        at K2 shapes on the H200)."""
+        to bf16 and cost a pass over the ``[tokens, V]`` logits; docs/performance.md, "The Kimi
+        K2-shaped target")."""
         return self.lm_head(hidden, out_dtype=jnp.float32)
 
     # ---- forward passes ----

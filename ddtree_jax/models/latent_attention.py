@@ -141,8 +141,8 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
 
     Kernels: with ``hopper`` and where ``hopper_runs`` says so (compiled on an sm_90 GPU, bf16
     caches, shapes the kernel takes, blocks of at most ``HOPPER_MAX_BLOCK`` tokens),
-    ``prefix_block_attention`` (the Mosaic GPU kernel: 2.6-3.5x the Triton kernel's speed at 32k
-    context on the H200); otherwise the Triton kernel with its fixed segments (bitwise the same
+    ``prefix_block_attention`` (the Mosaic GPU kernel; its speed against the Triton kernel:
+    docs/performance.md, "Kernels"); otherwise the Triton kernel with its fixed segments (bitwise the same
     for a row whatever the batch: the batch-invariant mode passes ``hopper=False``).
 
     The block's own latents must already be in ``latent``/``k_rope`` at ``[start, start+T)``.

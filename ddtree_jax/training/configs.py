@@ -1,15 +1,7 @@
-"""Model sizes for the training stages: ``h200`` (the shipped pair) and ``tiny`` (CPU smoke tests).
-
-Why the ``h200`` sizes: the shipped pair must fit 40 MB in bfloat16 (20M parameters for both),
-and the data, the standard library, is ~3.2M training tokens (vocabulary 4096, ~3.5 bytes per
-token), so the run is bound by data, not compute: a 16M-parameter target (6.6M of them used per
-token, embedding excluded) sees the training split ~15 times in 1500 steps of 64 x 512 tokens,
-a few minutes on an H200, and its held-out loss stops improving before then (the best checkpoint
-by held-out loss is kept). So the parameter budget goes where it helps the most under the cap:
-a 384-wide trunk of 6 layers (Kimi's layout: 1 dense layer, then MoE layers of 16 sigmoid-routed
-experts of width 96 in 4 groups, top-2 groups, 2 experts per token, plus a shared expert; MLA with
-q-LoRA 192, latent 128, 8 heads), 16.0M parameters (31.9 MB in bfloat16), and a 2-layer DFlash
-drafter (2.9M, 5.7 MB) reading target layers 1 and 3: 37.6 MB together.
+"""Model sizes for the training stages: ``h200`` (the shipped pair: a 6-layer Kimi-style target
+and a 2-layer DFlash drafter, under 40 MB together in bfloat16) and ``tiny`` (CPU smoke tests).
+``target_config`` and ``drafter_config`` turn a ``Size`` into the models' configs. Why the
+``h200`` sizes are what they are: docs/training.md, "Model sizes".
 """
 
 from __future__ import annotations
