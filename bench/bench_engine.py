@@ -8,7 +8,7 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
 
 * ``generate()``: the requests in batches of ``B`` (prefill included), tokens/s;
 * the ``Engine`` with ``B`` slots, ``sync_every=1``, driven by its background thread (the emitter
-  on its own thread, the shipped tokenizer detokenising), every request submitted at once:
+  on the engine thread, the shipped tokenizer detokenising), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step;
 * the compiled round's device time per round, from a ``generate()`` run at batch ``B``
