@@ -467,7 +467,7 @@ def main(argv=None) -> None:
         elif args.command == "serve":
             from ddtree_jax.serving.cli import run_serve
 
-            run_serve(args)
+            run_serve(args, sub)
         else:
             run_demo(args, sub)
     except KeyboardInterrupt:
