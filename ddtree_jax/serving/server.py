@@ -99,9 +99,11 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
 
-def _too_large(size: int, limit: int, exact: bool) -> APIError:
-    return APIError(413, f"the request body is {'' if exact else 'over '}{size} bytes; this server takes at most "
-                         f"{limit} bytes (--max-request-bytes)", None, code="request_too_large")
+def _too_large(limit: int, size: int | None = None) -> APIError:
+    """413; ``size``: the body's declared size (``None``: found too large while reading)."""
+    what = f"is {size} bytes" if size is not None else f"is larger than {limit} bytes"
+    return APIError(413, f"the request body {what}; this server takes at most {limit} bytes (--max-request-bytes)",
+                    None, code="request_too_large")
 
 
 def _unavailable() -> APIError:
@@ -462,12 +464,12 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             if not length.isdigit():
                 raise APIError(400, f"Content-Length {length!r} is not a byte count", None)
             if int(length) > max_request_bytes:
-                raise _too_large(int(length), max_request_bytes, exact=True)
+                raise _too_large(max_request_bytes, int(length))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_request_bytes:
-                raise _too_large(size, max_request_bytes, exact=False)
+                raise _too_large(max_request_bytes)
             chunks.append(chunk)
         return b"".join(chunks)
 
