@@ -1,19 +1,25 @@
 """Checks the command line runs before anything heavy loads (no JAX, no models, no tokenizer).
 
-Everything here reads only option values, paths and ``config.json`` files, so a mistake costs a
-one-line message in well under a second instead of a traceback after the models load.
+Everything here reads only option values, paths, JSON files and safetensors headers, so a mistake
+costs a one-line message in well under a second instead of a traceback after the models load.
 
-* ``positive_int``, ``nonnegative_int``, ``temperature``, ``top_p``, ``min_p``, ``seed``: argparse
-  ``type=`` functions. The sampling ranges restate ``ddtree_jax.sampling.SamplingParams``, which
-  stays authoritative (it checks again when the request is built; ``tests/test_cli.py`` checks
-  that both agree).
+* ``positive_int``, ``nonnegative_int``, ``nonnegative_float``, ``port``, ``temperature``,
+  ``top_p``, ``min_p``, ``seed``: argparse ``type=`` functions. The sampling ranges restate
+  ``ddtree_jax.sampling.SamplingParams``, which stays authoritative (it checks again when the
+  request is built; ``tests/test_cli.py`` checks that both agree).
 * ``check_model_dir(path, role)``: a checkpoint folder for ``role`` ``"target"`` or ``"drafter"``
-  (``config.json`` present and readable, the architecture of that role, weights present).
+  (``config.json`` present and readable, the architecture of that role, weights present, every
+  safetensors header readable and consistent with its file's size: ``ddtree_jax._safetensors``).
 * ``check_pair(target_cfg, drafter_cfg)``: the drafter was made for this target.
 * ``resolve_tokenizer(path)``: a ``tokenizer.json`` file, or a folder holding one.
 * ``option_error(e)``: a ``ddtree_jax.config.ConfigError`` (the settings the commands build from
   their options, checked by the same dataclasses as ``generate`` and the ``Engine``) as the option
   that set the value.
+* ``eos_token_ids(target, vocab)``: the ``eos_token_id`` of ``generation_config.json`` in or beside
+  the target folder, checked to be token ids of the vocabulary.
+* ``check_json_object(path, option)``: an optional JSON file (e.g. ``tokenizer_config.json``) is an
+  object.
+* ``bind_port(host, port)``: the server's socket, bound (not listening) before anything loads.
 
 Each failure raises ``PreflightError`` whose message names the option and the path or value.
 """
@@ -21,22 +27,29 @@ Each failure raises ``PreflightError`` whose message names the option and the pa
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import math
 import os
-import struct
+import socket
 
+from ddtree_jax._safetensors import SafetensorsError, read_header
 from ddtree_jax.config import METHODS, ConfigError
 
 __all__ = [
     "METHODS",
     "PreflightError",
+    "bind_port",
+    "check_json_object",
     "check_model_dir",
     "check_pair",
+    "eos_token_ids",
     "min_p",
+    "nonnegative_float",
     "nonnegative_int",
     "option_error",
+    "port",
     "positive_int",
     "resolve_tokenizer",
     "seed",
@@ -96,6 +109,20 @@ def nonnegative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0: any free port), got {text}")
     return value
 
 
@@ -232,17 +259,12 @@ def check_model_dir(path: str, role: str, option: str | None = None) -> dict:
 
 
 def _check_safetensors_header(file: str, where: str) -> None:
-    """The file starts with a safetensors header that fits in it (catches empty and truncated files)."""
+    """The file's safetensors header is readable and fits the file (catches empty, truncated and
+    corrupt files; ``ddtree_jax._safetensors.read_header``)."""
     try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise PreflightError(f"{where}: cannot read {os.path.basename(file)} ({e})") from None
-    n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-    if n is None or 8 + n > size:
-        raise PreflightError(f"{where}: {os.path.basename(file)} is not a complete safetensors file "
-                             f"({size} bytes{', empty' if size == 0 else ''})")
+        read_header(file)
+    except SafetensorsError as e:
+        raise PreflightError(f"{where}: {os.path.basename(file)}: {e.problem}") from None
 
 
 def _drafter_field(cfg: dict, name: str):
@@ -278,3 +300,59 @@ def resolve_tokenizer(path: str) -> str:
     if not os.path.exists(path):
         raise PreflightError(f"--tokenizer {path}: no such file")
     return path
+
+
+def eos_token_ids(target: str, vocab: int | None, option: str = "--target") -> list[int] | None:
+    """The ``eos_token_id`` (one id or a list) of ``generation_config.json`` in the folder ``target``,
+    else beside it; ``None`` when neither file names one. Raises ``PreflightError`` for a file
+    that is not a JSON object or an id outside ``[0, vocab)``."""
+    for folder in (target, os.path.dirname(os.path.abspath(target))):
+        path = os.path.join(folder, "generation_config.json")
+        if not os.path.isfile(path):
+            continue
+        cfg = check_json_object(path, f"{option} {target}")
+        eos = cfg.get("eos_token_id")
+        if eos is None:
+            return None
+        eos = eos if isinstance(eos, list) else [eos]
+        bad = [e for e in eos if type(e) is not int or (isinstance(vocab, int) and not 0 <= e < vocab)]
+        if bad:
+            raise PreflightError(f"{option} {target}: eos_token_id {bad[0]!r} in {path} is not a token id of its "
+                                 f"vocabulary [0, {vocab}) (--ignore-eos skips it)")
+        return sorted(set(eos))
+    return None
+
+
+def check_json_object(path: str, where: str) -> dict:
+    """The JSON object in the file at ``path``; ``PreflightError`` (prefixed ``where``) otherwise."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise PreflightError(f"{where}: cannot read {path} ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise PreflightError(f"{where}: {path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise PreflightError(f"{where}: {path} holds a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and not yet listening (connections are refused until the
+    server starts on it), so a taken port is found before anything loads. ``SO_REUSEADDR`` lets a
+    restart take the port of a server that just exited, never one that is listening. Raises
+    ``PreflightError`` naming ``--host``/``--port``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise PreflightError(f"--host {host}: cannot resolve it ({e.strerror or e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        taken = "is in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})"
+        raise PreflightError(f"--port {port}: {host}:{port} {taken}") from None
+    return sock

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import os
 import re
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ddtree_jax._safetensors import SafetensorsError, read_header, read_index
 from ddtree_jax.backend import Backend
 from ddtree_jax.config import ExecutionConfig, execution_of
 from ddtree_jax.models.int4 import Int4Format, pack_int4, unpack_int4_np
@@ -65,39 +65,56 @@ _DTYPES = {
 
 
 class CheckpointError(ValueError):
-    """A checkpoint does not match the model: the message names the tensor."""
+    """A checkpoint does not match the model, or a file of it is unreadable, truncated or corrupt:
+    the message names the file or the tensor."""
 
 
 class _SafetensorsFile:
-    """Memory-mapped safetensors reader (safetensors' numpy backend cannot return float8)."""
+    """Memory-mapped safetensors reader (safetensors' numpy backend cannot return float8). The
+    header is checked against the file on opening (``ddtree_jax._safetensors.read_header``: dtypes,
+    shapes, offsets inside the file), so ``get`` cannot read past the data; ``CheckpointError``
+    naming the file and the tensor otherwise."""
 
     def __init__(self, path: str):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        self.path, self.header = path, header
-        self._data = np.memmap(path, np.uint8, "r", offset=8 + n) if header else None
+        try:
+            header = read_header(path)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
+        self.path, self.header = path, header.tensors
+        self._data = (np.memmap(path, np.uint8, "r", offset=header.data_start) if header.data_bytes
+                      else np.zeros((0,), np.uint8))
 
     def names(self) -> list[str]:
         return list(self.header)
 
     def get(self, name: str) -> np.ndarray:
-        info = self.header[name]
+        info = self.header.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r}")
         begin, end = info["data_offsets"]
         return np.array(self._data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"]))
 
 
-def _checkpoint_files(path: str) -> dict[str, str]:
-    """Map every tensor name of the checkpoint at directory ``path`` to its safetensors file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+def _checkpoint_files(path: str) -> dict[str, _SafetensorsFile]:
+    """Map every tensor name of the checkpoint at directory ``path`` to its opened (and checked)
+    safetensors file. With ``model.safetensors.index.json``, every shard it names must exist and
+    hold the tensors it assigns to that shard."""
+    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        try:
+            weight_map = read_index(path)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
+        readers = {f: _SafetensorsFile(os.path.join(path, f)) for f in sorted(set(weight_map.values()))}
+        for name, f in sorted(weight_map.items()):
+            if name not in readers[f].header:
+                raise CheckpointError(f"{readers[f].path}: has no tensor {name!r}, which "
+                                      "model.safetensors.index.json places in it")
+        return {name: readers[f] for name, f in weight_map.items()}
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
-    return {name: os.path.join(path, f) for f in files for name in _SafetensorsFile(os.path.join(path, f)).names()}
+    readers = [_SafetensorsFile(os.path.join(path, f)) for f in files]
+    return {name: r for r in readers for name in r.names()}
 
 
 @dataclasses.dataclass
@@ -295,14 +312,11 @@ def _load_into(
     """Stream every tensor of the checkpoint at ``path`` into the abstract ``model``'s parameters."""
     parts = _hf_parts(model)
     files = _checkpoint_files(path)
-    readers: dict[str, _SafetensorsFile] = {}
 
     def read(name):
-        if files[name] not in readers:
-            readers[files[name]] = _SafetensorsFile(files[name])
-        return readers[files[name]].get(name)
+        return files[name].get(name)
 
-    for name in sorted(files, key=lambda n: (files[n], n)):
+    for name in sorted(files, key=lambda n: (files[n].path, n)):
         if name.endswith(".weight_scale_inv") and name[: -len("_scale_inv")] in parts:
             continue  # read together with its weight
         if skip(name):
@@ -369,8 +383,16 @@ def _read_config(path: str) -> dict[str, Any]:
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise CheckpointError(f"{path}: no config.json (expected an HF checkpoint directory)")
-    with open(config) as f:
-        return json.load(f)
+    try:
+        with open(config, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{config}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config}: holds a JSON {type(raw).__name__}, expected an object")
+    return raw
 
 
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -389,7 +411,7 @@ def _resolve_dtype(dtype, raw: dict[str, Any], path: str):
         return _DTYPE_NAMES[name]
     files = _checkpoint_files(path)
     for name in sorted(files):
-        info = _SafetensorsFile(files[name]).header[name]
+        info = files[name].header[name]
         if info["dtype"].startswith("F8"):
             return jnp.bfloat16
         if info["dtype"] in ("F32", "BF16", "F16"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -219,3 +220,97 @@ def test_architecture_decides_the_role(saved, tmp_path):
             load_target(str(tmp_path))
     with pytest.raises(CheckpointError, match="no config.json"):
         load_target(str(tmp_path / "absent"))
+
+
+# ---- file integrity: every failure names the file (and the tensor), never a numpy or JSON error
+
+
+def _sharded_copy(model, path):
+    save_checkpoint(model, str(path), max_shard_bytes=40_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    return sorted(set(index.values()))
+
+
+def _header(file):
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def test_truncated_shard_names_the_file_and_the_tensor(tmp_path, saved):
+    model, _ = saved
+    shard = tmp_path / _sharded_copy(model, tmp_path)[1]
+    n, header = _header(shard)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 100)
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    with pytest.raises(CheckpointError) as e:
+        load_target(str(tmp_path), dtype=jnp.float32)
+    assert str(shard) in str(e.value) and repr(last) in str(e.value) and "truncated" in str(e.value)
+
+
+@pytest.mark.parametrize("corrupt,expected", [
+    (lambda n, h: b" " * n, "not valid JSON"),
+    (lambda n, h: b"\xff" * n, "not valid JSON"),
+    (lambda n, h: json.dumps([1]).encode(), "JSON list"),
+    (lambda n, h: _edit(h, shape=lambda s: [s[0] + 1, *s[1:]]), "corrupt header"),
+    (lambda n, h: _edit(h, dtype=lambda d: "Q9"), "dtype 'Q9'"),
+    (lambda n, h: _edit(h, data_offsets=lambda o: [o[0], o[1] - 1]), "corrupt header"),
+], ids=["spaces", "not utf-8", "a list", "shape", "dtype", "offsets"])
+def test_corrupt_header_names_the_file(tmp_path, saved, corrupt, expected):
+    model, _ = saved
+    shard = tmp_path / _sharded_copy(model, tmp_path)[0]
+    n, header = _header(shard)
+    new = corrupt(n, header)
+    shard.write_bytes(struct.pack("<Q", len(new)) + new + shard.read_bytes()[8 + n :])
+    with pytest.raises(CheckpointError) as e:
+        load_target(str(tmp_path), dtype=jnp.float32)
+    assert str(e.value).startswith(f"{shard}: ") and expected in str(e.value), str(e.value)
+
+
+def _edit(header, **change):
+    """The header (bytes) with fields of its last tensor's entry changed: ``field=old -> new``."""
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    entry = {k: change[k](v) if k in change else v for k, v in header[last].items()}
+    return json.dumps({**header, last: entry}).encode()
+
+
+def test_header_length_beyond_the_file(tmp_path, saved):
+    _, src = saved
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(CheckpointError, match="header length says 1000000000 bytes but the file has 10 bytes"):
+        load_target(str(tmp_path), dtype=jnp.float32)
+
+
+def test_missing_shard_and_mismatched_index_are_named(tmp_path, saved):
+    model, _ = saved
+    shards = _sharded_copy(model, tmp_path)
+    (tmp_path / shards[2]).unlink()
+    with pytest.raises(CheckpointError, match=f"names the shard {shards[2]}, which is missing"):
+        load_target(str(tmp_path), dtype=jnp.float32)
+    save_checkpoint(model, str(tmp_path), max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = shards[0] if index["weight_map"]["model.norm.weight"] != shards[0] \
+        else shards[1]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="has no tensor 'model.norm.weight', which model.safetensors.index.json"):
+        load_target(str(tmp_path), dtype=jnp.float32)
+    (tmp_path / "model.safetensors.index.json").write_text("{")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not valid JSON"):
+        load_target(str(tmp_path), dtype=jnp.float32)
+
+
+def test_config_that_is_not_json_is_named(tmp_path, saved):
+    _, src = saved
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load_target(str(tmp_path))
+
+
+def test_header_dtype_sizes_agree_with_the_loader():
+    from ddtree_jax._safetensors import DTYPE_SIZES
+    from ddtree_jax.checkpoints import _DTYPES
+
+    assert {k: np.dtype(v).itemsize for k, v in _DTYPES.items()} == DTYPE_SIZES

@@ -1,17 +1,22 @@
 """The OpenAI-compatible server as a real subprocess on 127.0.0.1 (tiny checkpoints written here),
 driven by the official ``openai`` client and raw HTTP: completions and chat, streaming and not,
-stop strings, refused fields, malformed input, and a bounded load test (64 concurrent streams with
-mixed settings, some bad, some disconnecting) checked for well-formed streams, greedy/seeded
-outputs equal to the same request alone, nothing lost or duplicated, and freed slots.
+stop strings, refused fields, malformed input, the OpenAI fields (``system_fingerprint``, ``usage``
+only when asked), a huge request refused without stalling the running streams, and a bounded load
+test (64 concurrent streams with mixed settings, some bad, some disconnecting) checked for
+well-formed streams, greedy/seeded outputs equal to the same request alone, nothing lost or
+duplicated, and freed slots. In-process (nothing compiles): every error status as an OpenAI error
+object, the body limit, the API key, draining. Shutdown on SIGTERM: servers of their own.
 """
 
 import concurrent.futures
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -35,40 +40,74 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    paths = write_tiny_checkpoints(str(tmp_path_factory.mktemp("serve")))
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log = open(os.path.join(os.path.dirname(paths["target"]), "server.log"), "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--drafter", paths["drafter"],
-         "--tokenizer", paths["tokenizer"], "--budget", "6", "--slots", str(SLOTS), "--max-model-len", "64",
-         "--prefill-chunk", "16", "--prefill-batch", "1", "--dtype", "float32", "--served-model-name", "tiny",
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
+def paths(tmp_path_factory):
+    return write_tiny_checkpoints(str(tmp_path_factory.mktemp("serve")))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """The persistent compilation cache the module's servers share."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _env(cache_dir: str, **extra) -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "DDTREE_JAX_COMPILATION_CACHE": cache_dir, **extra}
+
+
+class Server:
+    """``python -m ddtree_jax.serving.cli`` on the tiny checkpoints as a subprocess on 127.0.0.1."""
+
+    def __init__(self, paths, env, *extra, slots=SLOTS, max_model_len=64, log_name="server.log"):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(os.path.dirname(paths["target"]), log_name), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--drafter",
+             paths["drafter"], "--tokenizer", paths["tokenizer"], "--budget", "6", "--slots", str(slots),
+             "--max-model-len", str(max_model_len), "--prefill-chunk", "16", "--prefill-batch", "1", "--dtype",
+             "float32", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "warning", *extra],
+            env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_ready(self, timeout=400) -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited ({proc.returncode}):\n{log.read()[-3000:]}")
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited ({self.proc.returncode}):\n{self.output()[-3000:]}")
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail("the server did not come up in 400 s")
+                pytest.fail(f"the server did not come up in {timeout} s")
             time.sleep(0.5)
-        yield base
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(paths, cache_dir):
+    s = Server(paths, _env(cache_dir))
+    try:
+        s.wait_ready()
+        yield s.base
     finally:
-        proc.terminate()
+        s.proc.terminate()
         try:
-            proc.wait(timeout=30)
+            s.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            pass
+        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +144,21 @@ def sse(server, path, body, *, stop_after=None):
 
 
 def check_stream(events, done, chat=False):
-    """A well-formed stream: one id, deltas, one final chunk with a finish reason and usage, [DONE]."""
-    assert done and events
+    """A well-formed stream asked with ``stream_options.include_usage``: one id and fingerprint,
+    deltas with ``"usage": null``, one final chunk with a finish reason, then one chunk with empty
+    choices and the usage, then [DONE]."""
+    assert done and len(events) >= 2
     assert len({e["id"] for e in events}) == 1
-    finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is not None]
-    assert len(finals) == 1 and finals[0] is events[-1]
+    assert len({e["system_fingerprint"] for e in events}) == 1 and events[0]["system_fingerprint"].startswith("fp_")
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 1
+    assert all(e["usage"] is None for e in chunks)
+    finals = [e for e in chunks if e["choices"][0]["finish_reason"] is not None]
+    assert len(finals) == 1 and finals[0] is chunks[-1]
     key = "delta" if chat else "text"
-    parts = [e["choices"][0][key] for e in events]
+    parts = [e["choices"][0][key] for e in chunks]
     text = "".join(p.get("content", "") for p in parts) if chat else "".join(parts)
-    return text, events[-1]["choices"][0]["finish_reason"], events[-1]["usage"]
+    return text, chunks[-1]["choices"][0]["finish_reason"], last["usage"]
 
 
 def test_completions_and_chat_with_the_openai_client(client, server):
@@ -207,7 +252,8 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
 
     def run(i):
         kind, body = jobs[i]
-        return sse(server, "/v1/completions", {**body, "stream": True}, stop_after=2 if kind == "hangup" else None)
+        return sse(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}},
+                   stop_after=2 if kind == "hangup" else None)
 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = {i: pool.submit(run, i) for i in order}
@@ -256,8 +302,9 @@ def test_non_streaming_client_that_gives_up_cancels_its_request(server):
     loaded server had even read the request)."""
     before = metrics(server)
     long = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True)
+    streamed = {**long, "stream": True, "stream_options": {"include_usage": True}}
     with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
-        busy = [pool.submit(sse, server, "/v1/completions", {**long, "stream": True}) for _ in range(SLOTS)]
+        busy = [pool.submit(sse, server, "/v1/completions", streamed) for _ in range(SLOTS)]
         deadline = time.monotonic() + 120
         while metrics(server)["ddtree_free_slots"] > 0:
             assert time.monotonic() < deadline, "the streams never held every slot"
@@ -306,3 +353,266 @@ def test_no_chat_template_is_400_and_a_full_queue_is_503():
         text = http.get("/metrics").text
         assert 'ddtree_rejected_requests_total{reason="invalid"} 1.0' in text
         assert 'ddtree_rejected_requests_total{reason="overloaded"} 1.0' in text and "ddtree_queue_length 1.0" in text
+
+
+def test_openai_fields_fingerprint_and_usage_only_when_asked(server):
+    body = dict(prompt="The quick", max_tokens=5, temperature=0)
+    whole = httpx.post(server + "/v1/completions", json=body, timeout=120).json()
+    fingerprint = whole["system_fingerprint"]
+    assert fingerprint.startswith("fp_") and whole["usage"]["completion_tokens"] == 5
+    chat = httpx.post(server + "/v1/chat/completions", timeout=120,
+                      json=dict(messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)).json()
+    assert chat["system_fingerprint"] == fingerprint
+    for options in (None, {"include_usage": False}):
+        _, events, done = sse(server, "/v1/completions", {**body, "stream": True, "stream_options": options})
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert all("usage" not in e and e["system_fingerprint"] == fingerprint for e in events)
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    _, events, done = sse(server, "/v1/completions", streamed)
+    text, reason, usage = check_stream(events, done)
+    assert text == whole["choices"][0]["text"] and reason == "length"
+    assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens")} == {"prompt_tokens": 9, "completion_tokens": 5}
+    _, events, done = sse(server, "/v1/chat/completions", {**chat_body(), "stream": True,
+                                                           "stream_options": {"include_usage": True}})
+    check_stream(events, done, chat=True)
+
+
+def chat_body():
+    return dict(messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
+
+
+def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
+    """Streams run back to back and /health is polled while a 1 MiB prompt (under the body limit;
+    tokenizing it takes seconds here) is refused for its length, and a body over the limit gets 413
+    at once: no stream's gap between two chunks, and no /health answer, takes 2 s."""
+    gaps, health, stop = [], [], threading.Event()
+
+    def streams():
+        while not stop.is_set():
+            last = None
+            with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                              json=dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True, stream=True)) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+    def poll():
+        while not stop.is_set():
+            t = time.perf_counter()
+            assert httpx.get(server + "/health", timeout=60).status_code == 200
+            health.append(time.perf_counter() - t)
+            time.sleep(0.1)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(streams), pool.submit(poll)]
+        deadline = time.monotonic() + 60
+        while len(gaps) < 5:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        before = len(gaps)
+        t = time.perf_counter()
+        r = httpx.post(server + "/v1/completions", json={"prompt": "hello world " * 87_000, "max_tokens": 2},
+                       timeout=300)
+        refusal = time.perf_counter() - t
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        t = time.perf_counter()
+        r = httpx.post(server + "/v1/completions", content=b" " * (4 * 2**20 + 1), timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert time.perf_counter() - t < 5
+        stop.set()
+        for job in jobs:
+            job.result(timeout=120)
+    assert len(gaps) > before + 5, (before, len(gaps), refusal)  # the streams ran during the refusal
+    assert max(gaps) < 2.0 and max(health) < 2.0, (max(gaps), max(health), refusal)
+
+
+# ---- in-process: errors, the body limit, the API key, draining (nothing compiles)
+
+
+@pytest.fixture(scope="module")
+def small_engine():
+    from ddtree_jax.serving import Engine
+    from tests._model_fixtures import tiny_kimi
+    from tests._serving_fixtures import char_tokenizer
+
+    return Engine(tiny_kimi(0), None, method="ar", slots=1, tokenizer=char_tokenizer(), max_model_len=32)
+
+
+def _app_client(engine, **kw):
+    from fastapi.testclient import TestClient
+
+    from ddtree_jax.serving.server import create_app
+
+    return TestClient(create_app(engine, model_name="t", manage_engine=False, **kw), raise_server_exceptions=False)
+
+
+def _openai_error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert list(body) == ["error"] and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+BAD_BODIES = {
+    "nested 100,000 deep": (DEEP, "nested too deeply"),
+    "nested inside a field": (b'{"prompt": "x", "stop": ' + DEEP + b"}", "nested too deeply"),
+    "invalid UTF-8": (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+    "truncated": (b'{"prompt": "x",', "not valid JSON"),
+    "empty": (b"", "not valid JSON"),
+    "a list": (b"[1, 2]", "must be a JSON object, got a JSON list"),
+    "a string": (b'"hi"', "must be a JSON object, got a JSON str"),
+    "a lone surrogate": (b'{"prompt": "a\\ud800b"}', "prompt: cannot be tokenized"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BODIES))
+def test_bad_bodies_are_400_openai_errors(small_engine, case):
+    raw, words = BAD_BODIES[case]
+    with _app_client(small_engine) as http:
+        r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert words in _openai_error(r, 400)["message"]
+
+
+def test_bad_chat_bodies_are_400_openai_errors(small_engine):
+    from tests._serving_fixtures import CHAT_TEMPLATE
+
+    with _app_client(small_engine, chat_template=CHAT_TEMPLATE) as http:
+        message = b'{"messages": [{"role": "user", "content": %s}]}'
+        for raw, words in [(DEEP, "nested too deeply"), (message % b'"a\\ud800"', "messages: cannot be tokenized"),
+                           (message % DEEP, "nested too deeply")]:
+            r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+            assert words in _openai_error(r, 400)["message"]
+
+
+def test_every_status_is_an_openai_error_object(small_engine):
+    with _app_client(small_engine, max_request_bytes=1000) as http:
+        for method, path, status, code in [("GET", "/v1/nothing", 404, "not_found"),
+                                           ("GET", "/nothing", 404, "not_found"),
+                                           ("GET", "/v1/completions", 405, "method_not_allowed"),
+                                           ("DELETE", "/v1/models", 405, "method_not_allowed")]:
+            r = http.request(method, path)
+            err = _openai_error(r, status)
+            assert err["code"] == code and path in err["message"], err
+        assert "POST" in http.request("GET", "/v1/completions").headers["allow"]
+        r = http.post("/v1/completions", json={"prompt": "x" * 1000})
+        err = _openai_error(r, 413)
+        assert err["code"] == "request_too_large" and "at most 1000 bytes" in err["message"]
+        r = http.post("/v1/completions", content=iter([b" " * 600, b" " * 600]))  # chunked: no Content-Length
+        assert "chunked" in r.request.headers.get("transfer-encoding", "")
+        assert _openai_error(r, 413)["message"].startswith("the request body is larger than 1000 bytes")
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True, "model": "other"})
+        assert _openai_error(r, 400)["code"] == "model_not_found"
+
+
+def test_api_key_guards_every_v1_route(small_engine):
+    with _app_client(small_engine, api_key="s3cret") as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret-and-more"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing")):
+                r = http.request(method, path, headers=headers, json={"prompt": "hi"})
+                assert _openai_error(r, 401)["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert http.get("/v1/models", headers=ok).status_code == 200
+        assert http.get("/v1/models", headers={"authorization": "bearer s3cret"}).status_code == 200
+        assert _openai_error(http.get("/v1/nothing", headers=ok), 404)["code"] == "not_found"
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+
+
+def test_draining_refuses_new_requests_with_503(small_engine):
+    with _app_client(small_engine) as http:
+        http.app.state.admission.draining = True
+        err = _openai_error(http.post("/v1/completions", json={"prompt": "hi"}), 503)
+        assert err["code"] == "shutting_down"
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "draining"
+
+
+# ---- shutdown: a server of its own per test (same shapes: the second loads its programs from the cache)
+
+
+def _stream_all(base, body, headers, first: threading.Event):
+    """A streamed request read to its end: ``(events, done)``; sets ``first`` at the first event
+    (at once if the stream ends before sending one)."""
+    events, done = [], False
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=300) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    events.append(json.loads(line[len("data: "):]))
+                    first.set()
+    finally:
+        first.set()
+    return events, done
+
+
+def _drain_run(paths, cache_dir, drain_timeout, sig, log_name, **env):
+    """A 1-slot server; three streams of 240 tokens (one running, two queued); ``sig`` once the
+    first streams. Returns the server, the streams' ``(events, done)``, what /health and a new
+    request got during the drain, and the exit status."""
+    s = Server(paths, _env(cache_dir, **env), "--drain-timeout", str(drain_timeout), slots=1, max_model_len=256,
+               log_name=log_name)
+    headers = {"Authorization": f"Bearer {env['DDTREE_JAX_API_KEY']}"} if "DDTREE_JAX_API_KEY" in env else {}
+    try:
+        s.wait_ready()
+        body = dict(prompt="ab", max_tokens=240, temperature=0, ignore_eos=True, stream=True,
+                    stream_options={"include_usage": True})
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = [threading.Event() for _ in range(3)]
+            jobs = []
+            for f in first:
+                jobs.append(pool.submit(_stream_all, s.base, body, headers, f))
+                time.sleep(0.3)  # in order: the first takes the slot
+            assert first[0].wait(120)
+            s.proc.send_signal(sig)
+            during = None
+            if drain_timeout:
+                deadline = time.monotonic() + 30
+                while (h := httpx.get(s.base + "/health", timeout=30)).status_code != 503:
+                    assert time.monotonic() < deadline, "never draining"
+                    time.sleep(0.05)
+                during = (h.json()["status"], httpx.post(s.base + "/v1/completions", json=body, headers=headers,
+                                                         timeout=30))
+            streams = [j.result(timeout=300) for j in jobs]
+        code = s.proc.wait(timeout=120)
+        return s, streams, during, code
+    except BaseException:
+        print(s.output()[-3000:])
+        raise
+    finally:
+        s.close()
+
+
+def test_sigterm_lets_running_requests_finish_then_exits_0(paths, cache_dir):
+    """SIGTERM with one stream running and two queued, a long drain deadline: /health says
+    draining, a new request gets 503, the three streams finish normally, the process exits 0.
+    The API key comes from the environment."""
+    s, streams, during, code = _drain_run(paths, cache_dir, 300, signal.SIGTERM, "drain.log",
+                                          DDTREE_JAX_API_KEY="k3y")
+    status, refused = during
+    assert status == "draining" and _openai_error(refused, 503)["code"] == "shutting_down"
+    for events, done in streams:
+        _, reason, usage = check_stream(events, done)
+        assert reason == "length" and usage["completion_tokens"] == 240
+    assert code == 0, s.output()[-3000:]
+
+
+def test_sigint_past_the_drain_deadline_aborts_with_a_final_chunk(paths, cache_dir):
+    """SIGINT with a drain deadline of 0: the running and the queued streams end at once with a
+    final chunk (finish_reason "abort"), their usage, and [DONE]; the process exits 0. This second
+    server of the same shapes loads its programs from the persistent compilation cache."""
+    s, streams, _, code = _drain_run(paths, cache_dir, 0, signal.SIGINT, "abort.log")
+    for events, done in streams:
+        _, reason, usage = check_stream(events, done)
+        assert reason == "abort" and usage["completion_tokens"] < 240
+    assert code == 0
+    warmup = [line for line in s.output().splitlines() if "warm-up in" in line]
+    assert len(warmup) == 1 and "from the persistent cache" in warmup[0], warmup

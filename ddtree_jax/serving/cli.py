@@ -6,22 +6,40 @@
 Also runnable alone: ``python -m ddtree_jax.serving.cli ...`` (same options). Stop tokens: the
 ``eos_token_id`` of ``generation_config.json`` in the target directory (or beside it), else the
 tokenizer config's ``eos_token``, plus ``--stop-token-id``; ``--ignore-eos`` drops the defaults.
-This module imports JAX only when the command runs.
+
+Start-up, in this order: ``preflight`` checks every option, folder, config, weights header,
+tokenizer path and chat template the way ``generate`` does (``ddtree_jax/_preflight.py``; no JAX
+imported yet); the port is bound (not yet listening), so a taken port is found at once; the
+persistent compilation cache is enabled (``--compilation-cache``, as for ``generate``;
+``ddtree_jax/compilation_cache.py``); the tokenizer and the models load; the optional warm-up
+compiles the engine's shapes and reports its time; the server listens. A mistake anywhere before
+listening is one line on stderr, ``<prog>: error: <option> <path>: ...``, exit status 2
+(``--debug``: the traceback of loading errors). The server's shutdown on SIGTERM / SIGINT drains
+(``--drain-timeout``; ``ddtree_jax/serving/server.py``) and exits 0.
+
+The API key: ``--api-key``, else the environment variable ``DDTREE_JAX_API_KEY`` (which keeps it
+out of the process list); without one, ``/v1/*`` is open.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 
-from ddtree_jax._preflight import option_error
+from ddtree_jax import _preflight as pf
+from ddtree_jax._preflight import PreflightError, option_error
 from ddtree_jax.config import METHODS, ConfigError, DecodeConfig, EngineConfig
 
-__all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "run_serve"]
+__all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "preflight", "run_serve"]
+
+# ddtree_jax.serving.server's constants, restated so that argument parsing does not import the
+# server (tests/test_serve_cli.py checks that they agree).
+API_KEY_ENV = "DDTREE_JAX_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_DRAIN_TIMEOUT = 20.0
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,24 +50,35 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ddtree_jax import compilation_cache as cc
+
     p.add_argument("--target", required=True, help="HF DeepseekV3ForCausalLM checkpoint directory")
     p.add_argument("--drafter", help="DFlash drafter checkpoint directory (not needed for --method ar)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json (chat template: tokenizer_config.json beside it)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json, or a folder that holds one (chat template: "
+                                                      "tokenizer_config.json beside it)")
     p.add_argument("--method", choices=METHODS, default="ddtree")
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget")
-    p.add_argument("--slots", type=int, default=8, help="requests decoded at once")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--budget", type=pf.positive_int, default=64, help="DDTree node budget")
+    p.add_argument("--slots", type=pf.positive_int, default=8, help="requests decoded at once")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                       "only; set --api-key before opening it to others)")
+    p.add_argument("--port", type=pf.port, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; unset: open)")
     p.add_argument("--served-model-name", help="the model id clients use (default: the target directory's name)")
-    p.add_argument("--max-model-len", type=int, help="prompt + max_tokens limit; sets the cache size (default: the "
-                                                         "target's context, at most 8192)")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per slot per engine step")
-    p.add_argument("--prefill-batch", type=int, help="most slots prefilled per engine step (default: all)")
-    p.add_argument("--sync-every", type=int, default=1, help="rounds per engine step")
-    p.add_argument("--seed", type=int, default=0, help="base key of the random streams")
-    p.add_argument("--default-max-tokens", type=int, default=16, help="/v1/completions max_tokens default")
-    p.add_argument("--stop-token-id", type=int, action="append", help="in addition to the EOS token")
+    p.add_argument("--max-model-len", type=pf.positive_int, help="prompt + max_tokens limit; sets the cache size "
+                                                                 "(default: the target's context, at most 8192)")
+    p.add_argument("--max-queue", type=pf.positive_int, default=256, help="waiting requests before 503")
+    p.add_argument("--max-request-bytes", type=pf.positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--drain-timeout", type=pf.nonnegative_float, default=DEFAULT_DRAIN_TIMEOUT,
+                   help="seconds the running requests get to finish after SIGTERM/SIGINT before they end with "
+                        f"finish_reason 'abort' (default {DEFAULT_DRAIN_TIMEOUT:g})")
+    p.add_argument("--prefill-chunk", type=pf.positive_int, default=512, help="prompt tokens per slot per engine step")
+    p.add_argument("--prefill-batch", type=pf.positive_int, help="most slots prefilled per engine step (default: all)")
+    p.add_argument("--sync-every", type=pf.positive_int, default=1, help="rounds per engine step")
+    p.add_argument("--seed", type=pf.seed, default=0, help="base key of the random streams")
+    p.add_argument("--default-max-tokens", type=pf.positive_int, default=16, help="/v1/completions max_tokens default")
+    p.add_argument("--stop-token-id", type=pf.nonnegative_int, action="append", help="in addition to the EOS token")
     p.add_argument("--ignore-eos", action="store_true", help="no default stop token")
     p.add_argument("--chat-template", help="a jinja2 file overriding tokenizer_config.json's template")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -57,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                               "(default: one device)")
     p.add_argument("--impl", choices=("auto", "pallas", "reference"), default="auto")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before listening")
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help=f"folder of JAX's persistent compilation cache, or 'off' (default: ${cc.ENV_VAR}, else "
+                        f"{cc.default_dir()})")
+    p.add_argument("--debug", action="store_true", help="print tracebacks for checkpoint and tokenizer errors too")
     p.add_argument("--log-level", default="info")
 
 
@@ -64,34 +97,10 @@ def _log(msg: str) -> None:
     print(f"[ddtree_jax.serve] {msg}", file=sys.stderr, flush=True)
 
 
-def default_stop_ids(target_dir: str, tokenizer, tokenizer_path: str) -> list[int]:
-    """EOS ids: ``generation_config.json`` in or beside the target directory, else the tokenizer
-    config's ``eos_token``."""
-    for d in (target_dir, os.path.dirname(os.path.abspath(target_dir))):
-        path = os.path.join(d, "generation_config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                return sorted(set(eos if isinstance(eos, list) else [eos]))
-    from ddtree_jax.serving.server import load_chat_template
-
-    _, specials = load_chat_template(tokenizer_path)
-    eos = specials.get("eos_token")
-    tid = tokenizer.token_to_id(eos) if eos else None
-    return [tid] if tid is not None else []
-
-
-def _fail(parser, message: str):
-    """Exit with one line naming the option: the parser's error (status 2), or ``SystemExit``."""
-    if parser is None:
-        raise SystemExit(message)
-    parser.error(message)
-
-
-def _engine_config(args, parser) -> EngineConfig:
-    """The ``EngineConfig`` of parsed ``serve`` arguments (stop ids: ``--stop-token-id`` only),
-    checked before anything loads."""
+def engine_config(args) -> EngineConfig:
+    """The ``EngineConfig`` of parsed ``serve`` arguments (stop ids: ``--stop-token-id`` only; the
+    EOS ids join at load), checked by the same dataclasses as ``generate`` and the ``Engine``;
+    raises ``PreflightError`` naming the option."""
     try:
         config = EngineConfig(
             decode=DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every, seed=args.seed,
@@ -100,71 +109,187 @@ def _engine_config(args, parser) -> EngineConfig:
             prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch)
         config.decode.check_for(None, has_drafter=bool(args.drafter))
     except ConfigError as e:
-        _fail(parser, str(option_error(e)))
+        raise PreflightError(str(option_error(e))) from None
     return config
 
 
-def build_engine(args, parser=None):
-    """Loads the models (on the mesh) and tokenizer and returns ``(engine, model name, template,
-    specials)``. A bad option exits with one line naming it (through ``parser.error`` if given)."""
-    config = _engine_config(args, parser)  # before anything heavy loads
-    import jax.numpy as jnp
+def preflight(args) -> str:
+    """Checks every option and file before anything loads (no JAX): the folders, configs and
+    weights headers of the target and drafter and that they fit together, the stop tokens, the
+    context, the mesh spec, the tokenizer path, ``tokenizer_config.json`` and the chat template,
+    the API key. Returns the tokenizer file; raises ``PreflightError`` naming the option."""
+    from ddtree_jax.serving.sharding import parse_mesh_spec
+
+    if args.method != "ar" and not args.drafter:
+        raise PreflightError(f"--method {args.method} needs --drafter (a DFlash drafter folder); "
+                             "only --method ar runs without one")
+    engine_config(args)
+    target_cfg = pf.check_model_dir(args.target, "target")
+    if args.drafter:
+        pf.check_pair(target_cfg, pf.check_model_dir(args.drafter, "drafter"), args.target, args.drafter)
+    vocab, context = target_cfg.get("vocab_size"), target_cfg.get("max_position_embeddings")
+    for s in args.stop_token_id or []:
+        if isinstance(vocab, int) and s >= vocab:
+            raise PreflightError(f"--stop-token-id {s}: outside --target {args.target}'s vocabulary [0, {vocab})")
+    if not args.ignore_eos:
+        pf.eos_token_ids(args.target, vocab)
+    if args.max_model_len is not None and isinstance(context, int) and not 2 <= args.max_model_len <= context:
+        raise PreflightError(f"--max-model-len {args.max_model_len}: must be in [2, {context}] (--target "
+                             f"{args.target}'s max_position_embeddings)")
+    try:
+        parse_mesh_spec(args.mesh)
+    except ValueError as e:
+        raise PreflightError(f"--mesh: {e}") from None
+    tokenizer = pf.resolve_tokenizer(args.tokenizer)
+    tokenizer_config = os.path.join(os.path.dirname(os.path.abspath(tokenizer)), "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):
+        pf.check_json_object(tokenizer_config, f"--tokenizer {args.tokenizer}")
+    if args.chat_template:
+        _check_template_file(args.chat_template)
+    if args.api_key == "":
+        raise PreflightError("--api-key: empty; give a key, or leave the option out for an open server")
+    return tokenizer
+
+
+def _check_template_file(path: str) -> None:
+    import jinja2
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PreflightError(f"--chat-template {path}: cannot read it ({e})") from None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise PreflightError(f"--chat-template {path}: not a jinja2 template (line {e.lineno}: {e.message})") from None
+
+
+def default_stop_ids(target_dir: str, tokenizer, tokenizer_path: str) -> list[int]:
+    """EOS ids: ``generation_config.json`` in or beside the target directory, else the tokenizer
+    config's ``eos_token``."""
+    eos = pf.eos_token_ids(target_dir, None)
+    if eos is not None:
+        return eos
+    from ddtree_jax.serving.server import load_chat_template
+
+    _, specials = load_chat_template(tokenizer_path)
+    eos = specials.get("eos_token")
+    tid = tokenizer.token_to_id(eos) if eos else None
+    return [tid] if tid is not None else []
+
+
+def _load_tokenizer(path: str, debug: bool):
     from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exception subclasses
+        if debug:
+            raise
+        raise PreflightError(f"--tokenizer {path}: not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
+
+
+def _load(option: str, path: str, debug: bool, load):
+    """``load()``, its checkpoint errors as one line naming ``option`` and ``path``."""
+    try:
+        return load()
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        if debug:
+            raise
+        raise PreflightError(f"{option} {path}: {e}") from None
+
+
+def build_engine(args):
+    """Loads the models (on the mesh) and tokenizer and returns ``(engine, model name, template, specials)``.
+    Loading errors raise ``PreflightError`` naming the option (``args.debug``: the original error)."""
+    import jax.numpy as jnp
 
     from ddtree_jax.checkpoints import load_drafter, load_target
     from ddtree_jax.serving.engine import Engine
     from ddtree_jax.serving.server import load_chat_template
     from ddtree_jax.serving.sharding import make_mesh, state_sharding
 
-    if not os.path.isfile(args.tokenizer):
-        _fail(parser, f"--tokenizer: no such file {args.tokenizer!r}")
-    tokenizer = Tokenizer.from_file(args.tokenizer)
+    debug = getattr(args, "debug", False)
+    config = engine_config(args)
+    tokenizer_path = pf.resolve_tokenizer(args.tokenizer)
+    tokenizer = _load_tokenizer(tokenizer_path, debug)
     try:
         mesh = make_mesh(args.mesh)
     except ValueError as e:
-        _fail(parser, f"--mesh: {e}")
+        raise PreflightError(f"--mesh: {e}") from None
     dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     t0 = time.perf_counter()
-    target = load_target(args.target, mesh=mesh, dtype=dtype)
-    drafter = load_drafter(args.drafter, target, mesh=mesh) if config.decode.uses_drafter else None
+    target = _load("--target", args.target, debug, lambda: load_target(args.target, mesh=mesh, dtype=dtype))
+    drafter = (_load("--drafter", args.drafter, debug, lambda: load_drafter(args.drafter, target, mesh=mesh))
+               if config.decode.uses_drafter else None)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
-    template, specials = load_chat_template(args.tokenizer)
+    template, specials = load_chat_template(tokenizer_path)
     if args.chat_template:
         with open(args.chat_template) as f:
             template = f.read()
-    stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, args.tokenizer)
+    stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, tokenizer_path)
     stop += list(config.decode.stop_token_ids)
     try:
         config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, stop_token_ids=tuple(stop)))
         engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh))
     except ConfigError as e:
         if e.field == "stop_token_ids":  # the EOS ids joined the option's
-            _fail(parser, f"--stop-token-id or the EOS ids of {args.target}: {e.message}")
-        _fail(parser, str(option_error(e)))
+            raise PreflightError(f"--stop-token-id or the EOS ids of {args.target}: {e.message}") from None
+        raise PreflightError(str(option_error(e))) from None
     _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
          f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return engine, name, template, specials
 
 
-def run_serve(args, parser=None) -> None:
-    """Runs the server for parsed ``serve`` arguments (blocks until interrupted); option errors
-    go through ``parser.error`` if given."""
-    engine, name, template, specials = build_engine(args, parser)
+def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
+    """Runs the server for parsed ``serve`` arguments until SIGTERM / SIGINT (module doc for the
+    order of start-up). A mistake before listening exits with status 2 and one line on stderr
+    (through ``parser.error`` when given)."""
+    from ddtree_jax import compilation_cache as cc
+
+    t0 = time.perf_counter()
+    try:
+        preflight(args)
+        sock = pf.bind_port(args.host, args.port)
+    except PreflightError as e:
+        _fail(parser, str(e))
+    try:
+        _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
+        engine, name, template, specials = build_engine(args)
+    except PreflightError as e:
+        sock.close()
+        _fail(parser, str(e))
+    if not args.no_warmup:
+        t1 = time.perf_counter()
+        with cc.CompileWatch(log=_log, prefix="  ") as watch:
+            engine.warmup()
+        _log(f"warm-up in {time.perf_counter() - t1:.1f}s ({watch.summary()})")
     from ddtree_jax.serving.server import serve
 
-    if not args.no_warmup:
-        t0 = time.perf_counter()
-        engine.warmup()
-        _log(f"compiled in {time.perf_counter() - t0:.1f}s")
-    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, "
-         f"chat template: {'yes' if template else 'no'}) on http://{args.host}:{args.port}")
-    serve(engine, model_name=name, host=args.host, port=args.port, chat_template=template, specials=specials,
-          log_level=args.log_level)
+    host, port = sock.getsockname()[:2]
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, chat template: "
+         f"{'yes' if template else 'no'}, API key: {'required' if api_key else 'none'}) on http://{host}:{port} "
+         f"after {time.perf_counter() - t0:.1f}s")
+    serve(engine, model_name=name, host=args.host, port=port, chat_template=template, specials=specials,
+          log_level=args.log_level, api_key=api_key, max_request_bytes=args.max_request_bytes,
+          drain_timeout=args.drain_timeout, sock=sock)
+    _log("stopped")
+
+
+def _fail(parser: argparse.ArgumentParser | None, message: str):
+    if parser is None:
+        print(f"python -m ddtree_jax serve: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    parser.error(message)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ddtree_jax.serving.cli", description=__doc__.splitlines()[0])
+    from ddtree_jax.cli import _Parser
+
+    ap = _Parser(prog="python -m ddtree_jax.serving.cli", description=__doc__.splitlines()[0])
     add_arguments(ap)
     run_serve(ap.parse_args(argv), ap)
 

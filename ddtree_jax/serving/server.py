@@ -8,33 +8,78 @@ Endpoints:
   (chat: also ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``,
   ``seed``, ``stop``, ``n`` (1 only), ``stream``, ``stream_options.include_usage``, and the
   extensions ``stop_token_ids`` and ``ignore_eos``. Refused with a 400 naming the field:
-  ``logprobs``/``top_logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, non-zero penalties,
-  ``logit_bias`` (sampling here is exact: the output follows the target's own law).
-* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (prometheus text format).
+  ``logprobs``/``top_logprobs``, ``n`` > 1, ``echo``, ``best_of`` > 1, ``suffix``, non-zero
+  penalties, ``logit_bias`` (sampling here is exact: the output follows the target's own law).
+* ``GET /v1/models``, ``GET /health`` (503 while draining), ``GET /metrics`` (prometheus text).
 
-``usage`` carries an extension ``speculative``: method, budget, rounds and the mean acceptance
-length (tokens per target pass). Errors are OpenAI-style bodies ``{"error": {"message", "type",
-"param", "code"}}``: 400 for invalid requests, 503 when the engine's queue is full. A client that
-disconnects cancels its request; the slot is free after the current engine step.
+Responses and stream chunks carry ``system_fingerprint`` (a digest of what decides the outputs:
+package and JAX versions, device, model name, method, budget, slots, context). A stream carries
+``usage`` only when ``stream_options.include_usage`` is true, as OpenAI does: then every chunk has
+``"usage": null`` and one more chunk with empty ``choices`` and the usage comes before
+``[DONE]``. ``usage`` carries an extension ``speculative``: method, budget, rounds and the mean
+acceptance length (tokens per target pass).
+
+Every error, whatever its status, is an OpenAI error object ``{"error": {"message", "type",
+"param", "code"}}``: 400 invalid request (a field, or a body that is not a JSON object: invalid
+JSON or UTF-8, nested too deeply, another top-level type), 401 missing or wrong API key, 404 / 405
+unknown route or method, 413 body larger than ``max_request_bytes`` (checked from
+``Content-Length`` before reading, and while reading), 500 engine failure, 503 queue full or
+shutting down.
+
+The event loop only moves bytes: parsing a body, checking its fields, rendering the chat template
+and tokenizing run on a pool of worker threads (the tokenizer releases the GIL), so a huge or
+pathological request delays only itself. A client that disconnects cancels its request; the slot
+is free after the current engine step.
+
+Access: with ``api_key`` every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (compared in
+constant time); ``/health`` and ``/metrics`` stay open.
+
+Shutdown (``serve``): the first SIGTERM or SIGINT stops admitting (503 for new ``/v1/*`` requests),
+lets the running requests finish for up to ``drain_timeout`` seconds, then cancels the rest, whose
+responses end normally with ``finish_reason`` ``"abort"`` (streams: a final chunk, then
+``[DONE]``); the process then exits with status 0. A second signal skips what is left of the
+drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import hmac
 import json
 import math
 import os
+import signal
+import socket
+import sys
 import time
 import uuid
+import weakref
 from typing import Any
 
+import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree_jax.config import is_int
 from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult
 
-__all__ = ["create_app", "load_chat_template", "metrics_text", "serve"]
+__all__ = ["API_KEY_ENV", "DEFAULT_DRAIN_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "Admission", "bind_socket",
+           "create_app", "load_chat_template", "metrics_text", "serve"]
+
+API_KEY_ENV = "DDTREE_JAX_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 256k-token prompt as a JSON list of ids fits, with room
+DEFAULT_DRAIN_TIMEOUT = 20.0  # seconds; with the abort grace, inside a 30 s termination grace period
+ABORT_GRACE = 10.0  # seconds the cancelled requests get to send their final chunk
+CPU_WORKERS = 4  # threads for parsing, chat templates and tokenizing
+
+
+def _log(msg: str) -> None:
+    print(f"[ddtree_jax.serve] {msg}", file=sys.stderr, flush=True)
 
 
 class APIError(Exception):
@@ -47,9 +92,24 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
+
+
+def _too_large(limit: int, size: int | None = None) -> APIError:
+    """413; ``size``: the body's declared size (``None``: found too large while reading)."""
+    what = f"is {size} bytes" if size is not None else f"is larger than {limit} bytes"
+    return APIError(413, f"the request body {what}; this server takes at most {limit} bytes (--max-request-bytes)",
+                    None, code="request_too_large")
+
+
+def _unavailable() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or after the restart", None,
+                    kind="server_unavailable", code="shutting_down")
 
 
 # --------------------------------------------------------------------------------------------- chat template
@@ -210,6 +270,9 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 ("generation_tokens", "generated tokens streamed", s["generated_tokens"]),
                 ("request_rounds", "decoding rounds run, per request", s["rounds"]),
                 ("engine_steps", "engine steps", s["engine_steps"]),
+                ("engine_host_seconds", "engine-thread seconds in steps outside waits for the device",
+                 s["host_seconds"]),
+                ("engine_wait_seconds", "engine-thread seconds waiting for rounds to come back", s["wait_seconds"]),
             ]:
                 yield CounterMetricFamily(f"ddtree_{name}", doc, value=value)
             for name, doc, counts in [("requests", "finished requests by finish reason", s["requests"]),
@@ -231,20 +294,127 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """A request checked and tokenized (on a worker thread), ready for ``Engine.submit``."""
+
+    ids: np.ndarray
+    sampling: Any
+    max_tokens: int
+    max_tokens_field: str
+    stop: list[str]
+    stop_ids: list[int]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+
+class Admission:
+    """Who gets in: the API key, the draining state and the requests in flight, shared by the
+    app's gate and ``serve``'s shutdown (all on the event loop's thread).
+
+    ``in_flight`` counts ``/v1/*`` requests from arrival to the last byte of their response;
+    ``handles`` are the engine requests of those responses."""
+
+    def __init__(self, api_key: str | None = None):
+        self.api_key = api_key.encode() if api_key else None
+        self.draining = False  # new /v1/* requests get 503
+        self.aborting = False  # the drain deadline passed: no new engine requests, the running ones cancelled
+        self.in_flight = 0
+        self.handles: weakref.WeakSet = weakref.WeakSet()
+        self._skip = asyncio.Event()
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if self.api_key is None:
+            return True
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    def skip_drain(self) -> None:
+        """End the drain's wait now (a second signal)."""
+        self._skip.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting; wait up to ``timeout`` s for the requests in flight; cancel the rest (their
+        responses end with finish_reason "abort") and give them ``ABORT_GRACE`` s to send it."""
+        self.draining = True
+        _log(f"draining: no new requests; {self.in_flight} in flight get up to {timeout:g}s to finish")
+        await self._until_idle(timeout)
+        if self.in_flight:
+            self.aborting = True
+            _log(f"drain deadline: ending {len(self.handles)} request(s) with finish_reason 'abort'")
+            for handle in list(self.handles):
+                handle.cancel()
+            await self._until_idle(ABORT_GRACE)
+        _log("drained" if not self.in_flight else f"{self.in_flight} request(s) still open after the grace; closing")
+
+    async def _until_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline and not self._skip.is_set():
+            await asyncio.sleep(0.05)
+        self._skip.clear()
+
+
+class _Gate:
+    """ASGI middleware before the routes: the API key and draining for ``/v1/*``; counts the
+    requests in flight."""
+
+    def __init__(self, app, admission: Admission):
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
+            return await self.app(scope, receive, send)
+        adm = self.admission
+        if not adm.authorized(scope.get("headers", [])):
+            err = APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'", None,
+                           code="invalid_api_key")
+            return await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        if adm.draining:
+            return await _unavailable().response()(scope, receive, send)
+        adm.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            adm.in_flight -= 1
+
+
+def _fingerprint(engine, model_name: str, device: dict) -> str:
+    """``system_fingerprint``: a digest of what decides the outputs besides the request."""
+    import jax
+
+    from ddtree_jax import __version__
+
+    facts = dict(version=__version__, jax=jax.__version__, model=model_name, method=engine.method,
+                 budget=engine.budget, slots=engine.slots, max_model_len=engine.max_model_len, **device)
+    return "fp_" + hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def create_app(engine: Engine, *, model_name: str, chat_template: str | None = None,
-               specials: dict[str, Any] | None = None, default_max_tokens: int = 16, manage_engine: bool = True):
+               specials: dict[str, Any] | None = None, default_max_tokens: int = 16, manage_engine: bool = True,
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               cpu_workers: int = CPU_WORKERS):
     """The FastAPI app serving ``engine`` as model ``model_name``. With ``manage_engine`` the app
-    starts the engine's thread at startup and stops it at shutdown."""
+    starts the engine's thread at startup and stops it at shutdown. ``api_key``: required on
+    ``/v1/*``; ``max_request_bytes``: the largest body; ``cpu_workers``: the threads that parse,
+    render and tokenize. ``app.state.admission`` is the app's ``Admission`` (``serve`` drains it)."""
     import contextlib
 
     if engine.tokenizer is None:
         raise ValueError("the HTTP server needs an engine with a tokenizer")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     template = ChatTemplate(chat_template, specials or {}) if chat_template else None
     created = int(time.time())
     import jax
 
     device = dict(device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
                   devices=jax.device_count(), processes=jax.process_count())
+    fingerprint = _fingerprint(engine, model_name, device)
+    admission = Admission(api_key)
+    pool = concurrent.futures.ThreadPoolExecutor(cpu_workers, thread_name_prefix="ddtree-http")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -253,17 +423,32 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         yield
         if manage_engine:
             engine.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ddtree-jax", lifespan=lifespan)
+    app.state.admission = admission
+    app.add_middleware(_Gate, admission=admission)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return APIError(exc.status_code, message, None, code=code).response(exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}", None, kind="server_error").response()
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "method": engine.method, "budget": engine.budget,
-                "slots": engine.slots, "max_model_len": engine.max_model_len, **device}
+        status = "draining" if admission.draining else "ok"
+        return JSONResponse({"status": status, "model": model_name, "method": engine.method, "budget": engine.budget,
+                             "slots": engine.slots, "max_model_len": engine.max_model_len, **device},
+                            status_code=503 if admission.draining else 200)
 
     @app.get("/v1/models")
     async def models():
@@ -275,26 +460,50 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         body, ctype = metrics_text(engine)
         return Response(body, media_type=ctype)
 
-    async def parse(request: Request) -> dict:
-        raw = await request.body()
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 beyond ``max_request_bytes`` (from Content-Length before
+        reading anything, then while reading)."""
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, f"Content-Length {length!r} is not a byte count", None)
+            if int(length) > max_request_bytes:
+                raise _too_large(max_request_bytes, int(length))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_request_bytes:
+                raise _too_large(max_request_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(raw: bytes) -> dict:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", None) from None
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: nested too deeply", None) from None
         if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", None)
+            raise APIError(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
         model = body.get("model")
         if model is not None and model != model_name:
             raise APIError(400, f"model: unknown model {model!r}; this server serves {model_name!r}", "model",
                            code="model_not_found")
         return body
 
+    def tokenize(text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:  # the tokenizers library raises plain Exception subclasses (e.g. lone surrogates)
+            raise _bad(field, f"cannot be tokenized ({e})") from None
+
     def encode_prompt(body: dict) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return engine.tokenizer.encode(prompt).ids
+            return tokenize(prompt, "prompt")
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -321,40 +530,52 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             if content is not None and not isinstance(content, str):
                 raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
             clean.append({**m, "content": content or ""})
-        text = template.render(clean)
-        return engine.tokenizer.encode(text, add_special_tokens=False).ids
+        return tokenize(template.render(clean), "messages", add_special_tokens=False)
 
-    def submit(body: dict, chat: bool):
-        _refuse_unsupported(body, chat)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise _bad("stream", "must be a boolean")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise _bad("stream_options", "must be an object")
+    def prepare(raw: bytes, chat: bool) -> _Prepared:
+        """Everything a request costs the CPU before the engine: on a worker thread."""
         try:
-            sampling = _sampling(body)
-        except ValueError as e:  # SamplingParams' own checks
-            raise _bad("sampling", str(e)) from None
-        ids = encode_messages(body) if chat else encode_prompt(body)
-        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        default = (min(engine.max_output_tokens, max(1, engine.max_model_len - len(ids))) if chat
-                   else default_max_tokens)
-        max_tokens = _integer(body, name, default, 1)
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise _bad("ignore_eos", "must be a boolean")
+            body = parse(raw)
+            _refuse_unsupported(body, chat)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise _bad("stream", "must be a boolean")
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise _bad("stream_options", "must be an object")
+            try:
+                sampling = _sampling(body)
+            except ValueError as e:  # SamplingParams' own checks
+                raise _bad("sampling", str(e)) from None
+            stop, stop_ids = _stops(body), _stop_ids(body)
+            ignore_eos = body.get("ignore_eos", False)
+            if not isinstance(ignore_eos, bool):
+                raise _bad("ignore_eos", "must be a boolean")
+            ids = encode_messages(body) if chat else encode_prompt(body)
+            name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+            default = (min(engine.max_output_tokens, max(1, engine.max_model_len - len(ids))) if chat
+                       else default_max_tokens)
+            max_tokens = _integer(body, name, default, 1)
+            return _Prepared(np.asarray(ids, np.int64), sampling, max_tokens, name, stop, stop_ids, ignore_eos,
+                             stream, bool(options.get("include_usage")))
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", None) from None
+
+    def submit(p: _Prepared, chat: bool):
+        if admission.aborting:
+            raise _unavailable()
         try:
-            handle = engine.submit(ids, sampling, max_tokens=max_tokens, stop=_stops(body),
-                                   stop_token_ids=_stop_ids(body), ignore_eos=ignore_eos)
+            handle = engine.submit(p.ids, p.sampling, max_tokens=p.max_tokens, stop=p.stop, stop_token_ids=p.stop_ids,
+                                   ignore_eos=p.ignore_eos)
         except RequestError as e:  # (the engine counted it)
-            field = {"prompt": "messages" if chat else "prompt", "max_tokens": name}.get(e.field, e.field)
+            field = {"prompt": "messages" if chat else "prompt", "max_tokens": p.max_tokens_field}.get(e.field, e.field)
             err = _bad(field, e.message)
             err.counted = True
             raise err from None
         except EngineOverloaded as e:
             raise APIError(503, str(e), None, kind="server_overloaded", code="overloaded") from None
-        return handle, stream, bool(options.get("include_usage")), len(ids)
+        admission.handles.add(handle)
+        return handle
 
     def usage(result: RequestResult) -> dict:
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
@@ -375,37 +596,44 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
 
     async def respond(request: Request, chat: bool):
         try:
-            handle, stream, include_usage, _ = submit(await parse(request), chat)
+            raw = await read_body(request)
+            prepared = await asyncio.get_running_loop().run_in_executor(pool, prepare, raw, chat)
+            handle = submit(prepared, chat)
         except APIError as e:
-            if e.status == 400 and not e.counted:
-                engine.metrics.count("rejected", "invalid")
+            if e.status in (400, 413) and not e.counted:
+                engine.metrics.count("rejected", "invalid" if e.status == 400 else "too_large")
             raise
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}-{uuid.uuid4().hex[:8]}"
-        obj = "chat.completion" if chat else "text_completion"
-        now = int(time.time())
-        if not stream:
-            watcher = asyncio.create_task(watch_disconnect(request, handle))
-            try:
-                result = None
-                async for chunk in handle.astream():
-                    result = chunk.result
-            finally:
-                watcher.cancel()
-                if not handle.done:
-                    handle.cancel()
-            if result.finish_reason.startswith("error"):
-                raise APIError(500, result.finish_reason, None, kind="server_error")
-            choice = ({"index": 0, "message": {"role": "assistant", "content": result.text},
-                       "logprobs": None, "finish_reason": finish_reason(result)} if chat else
-                      {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)})
-            return {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice],
-                    "usage": usage(result)}
+        return await (stream_response if prepared.stream else whole_response)(request, handle, prepared, chat)
 
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+    async def whole_response(request: Request, handle, p: _Prepared, chat: bool):
+        watcher = asyncio.create_task(watch_disconnect(request, handle))
+        try:
+            result = None
+            async for chunk in handle.astream():
+                result = chunk.result
+        finally:
+            watcher.cancel()
+            if not handle.done:
+                handle.cancel()
+            admission.handles.discard(handle)
+        if result.finish_reason.startswith("error"):
+            raise APIError(500, result.finish_reason, None, kind="server_error")
+        choice = ({"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                   "finish_reason": finish_reason(result)} if chat else
+                  {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)})
+        return {"id": _request_id(handle, chat), "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": model_name, "system_fingerprint": fingerprint,
+                "choices": [choice], "usage": usage(result)}
 
-        def event(choices, extra=None) -> str:
-            data = {"id": rid, "object": chunk_obj, "created": now, "model": model_name, "choices": choices,
-                    **(extra or {})}
+    async def stream_response(request: Request, handle, p: _Prepared, chat: bool):
+        rid, now = _request_id(handle, chat), int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices, use=None) -> str:
+            data = {"id": rid, "object": obj, "created": now, "model": model_name,
+                    "system_fingerprint": fingerprint, "choices": choices}
+            if p.include_usage:
+                data["usage"] = use
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
@@ -430,13 +658,14 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                         err = APIError(500, result.finish_reason, None, kind="server_error")
                         yield f"data: {json.dumps(err.body())}\n\n"
                     else:
-                        yield event([choice(chunk.text, finish_reason(result))], {"usage": usage(result)})
-                        if include_usage:
-                            yield event([], {"usage": usage(result)})
+                        yield event([choice(chunk.text, finish_reason(result))])
+                        if p.include_usage:
+                            yield event([], usage(result))
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or the response ended): nothing more to decode
                 if not handle.done:
                     handle.cancel()
+                admission.handles.discard(handle)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -452,10 +681,66 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
     return app
 
 
+def _request_id(handle, chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)``, not yet listening (connections are refused until
+    the server starts); ``OSError`` when the address is taken or cannot be had."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not a listening socket's port: TIME_WAIT only
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(engine: Engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          chat_template: str | None = None, specials: dict | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted (uvicorn, one process; the engine thread does the work)."""
+          chat_template: str | None = None, specials: dict | None = None, log_level: str = "info",
+          api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, sock: socket.socket | None = None) -> None:
+    """Run the server until SIGTERM or SIGINT, then drain (module doc) and return (uvicorn, one
+    process; the engine thread does the work). ``sock``: a socket from ``bind_socket`` (default:
+    bind ``host:port`` now)."""
     import uvicorn
 
-    app = create_app(engine, model_name=model_name, chat_template=chat_template, specials=specials)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(engine, model_name=model_name, chat_template=chat_template, specials=specials,
+                     api_key=api_key, max_request_bytes=max_request_bytes)
+    sock = sock if sock is not None else bind_socket(host, port)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    _DrainingServer(config, app.state.admission, drain_timeout).run(sockets=[sock])
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGTERM / SIGINT drain the app before it stops (module doc)."""
+
+    def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout: float):
+        super().__init__(config)
+        self.admission, self.drain_timeout = admission, drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame):  # a signal handler, on the loop's (main) thread
+        if self._loop is None or not self.started:  # not serving yet: stop at once
+            self.should_exit = True
+        elif self.admission.draining:
+            self._loop.call_soon_threadsafe(self.admission.skip_drain)
+        else:
+            _log(f"{signal.Signals(sig).name}: shutting down")
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self):
+        self._drain_task = self._loop.create_task(self._drain_and_exit())
+
+    async def _drain_and_exit(self):
+        await self.admission.drain(self.drain_timeout)
+        self.should_exit = True
