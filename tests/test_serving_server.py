@@ -151,7 +151,7 @@ def check_stream(events, done, chat=False):
     assert len({e["id"] for e in events}) == 1
     assert len({e["system_fingerprint"] for e in events}) == 1 and events[0]["system_fingerprint"].startswith("fp_")
     *chunks, last = events
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 1
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 0
     assert all(e["usage"] is None for e in chunks)
     finals = [e for e in chunks if e["choices"][0]["finish_reason"] is not None]
     assert len(finals) == 1 and finals[0] is chunks[-1]
@@ -382,7 +382,7 @@ def chat_body():
 
 
 def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
-    """Streams run back to back and /health is polled while a 1 MiB prompt (under the body limit;
+    """Streams run back to back and /health is polled while a 3.4 MiB prompt (under the body limit;
     tokenizing it takes seconds here) is refused for its length, and a body over the limit gets 413
     at once: no stream's gap between two chunks, and no /health answer, takes 2 s."""
     gaps, health, stop = [], [], threading.Event()
@@ -408,26 +408,28 @@ def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(streams), pool.submit(poll)]
-        deadline = time.monotonic() + 60
-        while len(gaps) < 5:
-            assert time.monotonic() < deadline, "the streams did not start"
-            time.sleep(0.05)
-        before = len(gaps)
-        t = time.perf_counter()
-        r = httpx.post(server + "/v1/completions", json={"prompt": "hello world " * 87_000, "max_tokens": 2},
-                       timeout=300)
-        refusal = time.perf_counter() - t
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-        t = time.perf_counter()
-        r = httpx.post(server + "/v1/completions", content=b" " * (4 * 2**20 + 1), timeout=60,
-                       headers={"content-type": "application/json"})
-        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-        assert time.perf_counter() - t < 5
-        stop.set()
+        try:
+            deadline = time.monotonic() + 60
+            while len(gaps) < 5:
+                assert time.monotonic() < deadline, "the streams did not start"
+                time.sleep(0.05)
+            before = len(gaps)
+            t = time.perf_counter()
+            r = httpx.post(server + "/v1/completions", json={"prompt": "hello world " * 300_000, "max_tokens": 2},
+                           timeout=300)
+            refusal = time.perf_counter() - t
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            t = time.perf_counter()
+            r = httpx.post(server + "/v1/completions", content=b" " * (4 * 2**20 + 1), timeout=60,
+                           headers={"content-type": "application/json"})
+            too_large = (r.status_code, time.perf_counter() - t)
+        finally:
+            stop.set()
         for job in jobs:
             job.result(timeout=120)
     assert len(gaps) > before + 5, (before, len(gaps), refusal)  # the streams ran during the refusal
     assert max(gaps) < 2.0 and max(health) < 2.0, (max(gaps), max(health), refusal)
+    assert too_large[0] == 413 and too_large[1] < 5, too_large
 
 
 # ---- in-process: errors, the body limit, the API key, draining (nothing compiles)
@@ -533,45 +535,40 @@ def test_draining_refuses_new_requests_with_503(small_engine):
         assert r.status_code == 503 and r.json()["status"] == "draining"
 
 
-# ---- shutdown: a server of its own per test (same shapes: the second loads its programs from the cache)
+# ---- shutdown: a server of its own per test
 
 
-def _stream_all(base, body, headers, first: threading.Event):
-    """A streamed request read to its end: ``(events, done)``; sets ``first`` at the first event
-    (at once if the stream ends before sending one)."""
+def _stream_all(base, body, headers):
+    """A streamed request read to its end: ``(events, done)``."""
     events, done = [], False
-    try:
-        with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=300) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    events.append(json.loads(line[len("data: "):]))
-                    first.set()
-    finally:
-        first.set()
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
     return events, done
 
 
-def _drain_run(paths, cache_dir, drain_timeout, sig, log_name, **env):
-    """A 1-slot server; three streams of 240 tokens (one running, two queued); ``sig`` once the
-    first streams. Returns the server, the streams' ``(events, done)``, what /health and a new
-    request got during the drain, and the exit status."""
-    s = Server(paths, _env(cache_dir, **env), "--drain-timeout", str(drain_timeout), slots=1, max_model_len=256,
-               log_name=log_name)
+def _drain_run(paths, cache_dir, *, drain_timeout, sig, log_name, slots, max_model_len, max_tokens, **env):
+    """A server of ``slots`` slots; ``slots + 2`` streams of ``max_tokens`` tokens; ``sig`` once
+    every slot is busy and two streams wait in the queue. Returns the server's output, the streams'
+    ``(events, done)``, what /health and a new request got during the drain (``None`` without a
+    drain), and the exit status."""
+    s = Server(paths, _env(cache_dir, **env), "--drain-timeout", str(drain_timeout), slots=slots,
+               max_model_len=max_model_len, log_name=log_name)
     headers = {"Authorization": f"Bearer {env['DDTREE_JAX_API_KEY']}"} if "DDTREE_JAX_API_KEY" in env else {}
     try:
         s.wait_ready()
-        body = dict(prompt="ab", max_tokens=240, temperature=0, ignore_eos=True, stream=True,
+        body = dict(prompt="ab", max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
                     stream_options={"include_usage": True})
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            first = [threading.Event() for _ in range(3)]
-            jobs = []
-            for f in first:
-                jobs.append(pool.submit(_stream_all, s.base, body, headers, f))
-                time.sleep(0.3)  # in order: the first takes the slot
-            assert first[0].wait(120)
+        with concurrent.futures.ThreadPoolExecutor(slots + 2) as pool:
+            jobs = [pool.submit(_stream_all, s.base, body, headers) for _ in range(slots + 2)]
+            deadline = time.monotonic() + 120
+            while (m := metrics(s.base))["ddtree_queue_length"] < 2 or m["ddtree_free_slots"] > 0:
+                assert time.monotonic() < deadline, f"never {slots} running and 2 queued: {m}"
+                time.sleep(0.02)
             s.proc.send_signal(sig)
             during = None
             if drain_timeout:
@@ -583,7 +580,7 @@ def _drain_run(paths, cache_dir, drain_timeout, sig, log_name, **env):
                                                          timeout=30))
             streams = [j.result(timeout=300) for j in jobs]
         code = s.proc.wait(timeout=120)
-        return s, streams, during, code
+        return s.output(), streams, during, code
     except BaseException:
         print(s.output()[-3000:])
         raise
@@ -595,24 +592,31 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(paths, cache_dir):
     """SIGTERM with one stream running and two queued, a long drain deadline: /health says
     draining, a new request gets 503, the three streams finish normally, the process exits 0.
     The API key comes from the environment."""
-    s, streams, during, code = _drain_run(paths, cache_dir, 300, signal.SIGTERM, "drain.log",
-                                          DDTREE_JAX_API_KEY="k3y")
+    output, streams, during, code = _drain_run(paths, cache_dir, drain_timeout=300, sig=signal.SIGTERM,
+                                               log_name="drain.log", slots=1, max_model_len=256, max_tokens=240,
+                                               DDTREE_JAX_API_KEY="k3y")
     status, refused = during
     assert status == "draining" and _openai_error(refused, 503)["code"] == "shutting_down"
     for events, done in streams:
         _, reason, usage = check_stream(events, done)
         assert reason == "length" and usage["completion_tokens"] == 240
-    assert code == 0, s.output()[-3000:]
+    assert code == 0, output[-3000:]
 
 
-def test_sigint_past_the_drain_deadline_aborts_with_a_final_chunk(paths, cache_dir):
-    """SIGINT with a drain deadline of 0: the running and the queued streams end at once with a
-    final chunk (finish_reason "abort"), their usage, and [DONE]; the process exits 0. This second
-    server of the same shapes loads its programs from the persistent compilation cache."""
-    s, streams, _, code = _drain_run(paths, cache_dir, 0, signal.SIGINT, "abort.log")
+def test_sigint_past_the_drain_deadline_aborts_with_a_final_chunk(paths, cache_dir, server):
+    """SIGINT with a drain deadline of 0: the running and the queued streams end at once (running
+    ones may have finished first) with a final chunk, their usage and [DONE]; the queued ones with
+    finish_reason "abort" and no tokens; the process exits 0. The server has the shapes of the
+    module's server (``server``, which ran first): its programs load from the persistent
+    compilation cache."""
+    output, streams, _, code = _drain_run(paths, cache_dir, drain_timeout=0, sig=signal.SIGINT,
+                                          log_name="abort.log", slots=SLOTS, max_model_len=64, max_tokens=60)
+    ends = []
     for events, done in streams:
         _, reason, usage = check_stream(events, done)
-        assert reason == "abort" and usage["completion_tokens"] < 240
+        ends.append((reason, usage["completion_tokens"]))
+    assert all(e == ("length", 60) or (e[0] == "abort" and e[1] < 60) for e in ends), ends
+    assert ends.count(("abort", 0)) >= 2, ends
     assert code == 0
-    warmup = [line for line in s.output().splitlines() if "warm-up in" in line]
+    warmup = [line for line in output.splitlines() if "warm-up in" in line]
     assert len(warmup) == 1 and "from the persistent cache" in warmup[0], warmup

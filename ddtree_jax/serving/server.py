@@ -27,9 +27,9 @@ unknown route or method, 413 body larger than ``max_request_bytes`` (checked fro
 shutting down.
 
 The event loop only moves bytes: parsing a body, checking its fields, rendering the chat template
-and tokenizing run on a pool of worker threads (the tokenizer releases the GIL), so a huge or
-pathological request delays only itself. A client that disconnects cancels its request; the slot
-is free after the current engine step.
+and tokenizing run on a pool of worker threads (tokenizing with ``encode_batch``, which releases
+the GIL), so a huge or pathological request delays only itself. A client that disconnects
+cancels its request; the slot is free after the current engine step.
 
 Access: with ``api_key`` every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (compared in
 constant time); ``/health`` and ``/metrics`` stay open.
@@ -493,8 +493,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         return body
 
     def tokenize(text: str, field: str, add_special_tokens: bool = True) -> list[int]:
-        try:
-            return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:  # encode_batch releases the GIL while it runs (encode does not reliably)
+            return engine.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except Exception as e:  # the tokenizers library raises plain Exception subclasses (e.g. lone surrogates)
             raise _bad(field, f"cannot be tokenized ({e})") from None
 
