@@ -168,8 +168,8 @@ def test_demo_bad_input_is_one_line_before_anything_loads(argv, expected, folder
     (["--slots", "0"], ["--slots: must be an integer >= 1, got 0"]),
     (["--budget", "0"], ["--budget: must be an integer >= 1, got 0"]),
     (["--max-model-len", "1"], ["--max-model-len:", ">= 2, got 1"]),
-    (["--stop-token-id", "-1"], ["--stop-token-id: -1 is not a token id"]),
-    (["--drafter", ""], ["--method: 'ddtree' needs a drafter"]),
+    (["--stop-token-id", "-1"], ["--stop-token-id", "-1"]),
+    (["--drafter", ""], ["--method", "ddtree", "needs", "drafter"]),
 ], ids=["slots 0", "budget 0", "max-model-len 1", "negative stop token", "no drafter"])
 def test_serve_bad_settings_are_one_line_before_anything_loads(argv, expected, folders):
     """The serve command builds its EngineConfig from the options first (the checks of the

@@ -384,7 +384,8 @@ def chat_body():
 def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
     """Streams run back to back and /health is polled while a 3.4 MiB prompt (under the body limit;
     tokenizing it takes seconds here) is refused for its length, and a body over the limit gets 413
-    at once: no stream's gap between two chunks, and no /health answer, takes 2 s."""
+    at once: no stream's gap between two chunks, and no /health answer, takes 2 s (or half the
+    refusal's time, if longer)."""
     gaps, health, stop = [], [], threading.Event()
 
     def streams():
@@ -428,7 +429,10 @@ def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
         for job in jobs:
             job.result(timeout=120)
     assert len(gaps) > before + 5, (before, len(gaps), refusal)  # the streams ran during the refusal
-    assert max(gaps) < 2.0 and max(health) < 2.0, (max(gaps), max(health), refusal)
+    # A loop blocked by the refusal would show a gap about as long as the refusal itself; the bound
+    # grows with it so that a loaded machine's slower streams do not fail the test.
+    bound = max(2.0, refusal / 2)
+    assert max(gaps) < bound and max(health) < bound, (max(gaps), max(health), refusal)
     assert too_large[0] == 413 and too_large[1] < 5, too_large
 
 
