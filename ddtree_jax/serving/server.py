@@ -552,7 +552,7 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             default = (min(engine.max_output_tokens, max(1, engine.max_model_len - len(ids))) if chat
                        else default_max_tokens)
             max_tokens = _integer(body, name, default, 1)
-            return _Prepared(np.asarray(ids, np.int64), sampling, max_tokens, name, stop, stop_ids, ignore_eos,
+            return _Prepared(np.asarray(ids), sampling, max_tokens, name, stop, stop_ids, ignore_eos,
                              stream, bool(options.get("include_usage")))
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply", None) from None
