@@ -473,6 +473,7 @@ BAD_BODIES = {
     "a list": (b"[1, 2]", "must be a JSON object, got a JSON list"),
     "a string": (b'"hi"', "must be a JSON object, got a JSON str"),
     "a lone surrogate": (b'{"prompt": "a\\ud800b"}', "prompt: cannot be tokenized"),
+    "a token id beyond 64 bits": (b'{"prompt": [1, 100000000000000000000000000000]}', "prompt: must hold integer"),
 }
 
 

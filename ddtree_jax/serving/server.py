@@ -37,8 +37,8 @@ constant time); ``/health`` and ``/metrics`` stay open.
 Shutdown (``serve``): the first SIGTERM or SIGINT stops admitting (503 for new ``/v1/*`` requests),
 lets the running requests finish for up to ``drain_timeout`` seconds, then cancels the rest, whose
 responses end normally with ``finish_reason`` ``"abort"`` (streams: a final chunk, then
-``[DONE]``); the process then exits with status 0. A second signal skips what is left of the
-drain.
+``[DONE]``); the process then exits with status 0. Each further signal ends the wait under way
+at once.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ddtree_jax.config import is_int
 from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult
 
-__all__ = ["API_KEY_ENV", "DEFAULT_DRAIN_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "Admission", "bind_socket",
-           "create_app", "load_chat_template", "metrics_text", "serve"]
+__all__ = ["API_KEY_ENV", "DEFAULT_DRAIN_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "Admission", "create_app",
+           "load_chat_template", "metrics_text", "serve"]
 
 API_KEY_ENV = "DDTREE_JAX_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 256k-token prompt as a JSON list of ids fits, with room
@@ -556,7 +556,7 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             default = (min(engine.max_output_tokens, max(1, engine.max_model_len - len(ids))) if chat
                        else default_max_tokens)
             max_tokens = _integer(body, name, default, 1)
-            return _Prepared(np.asarray(ids, np.int64), sampling, max_tokens, name, stop, stop_ids, ignore_eos,
+            return _Prepared(np.asarray(ids), sampling, max_tokens, name, stop, stop_ids, ignore_eos,
                              stream, bool(options.get("include_usage")))
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply", None) from None
@@ -685,33 +685,19 @@ def _request_id(handle, chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}-{uuid.uuid4().hex[:8]}"
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``(host, port)``, not yet listening (connections are refused until
-    the server starts); ``OSError`` when the address is taken or cannot be had."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not a listening socket's port: TIME_WAIT only
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def serve(engine: Engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           chat_template: str | None = None, specials: dict | None = None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, sock: socket.socket | None = None) -> None:
     """Run the server until SIGTERM or SIGINT, then drain (module doc) and return (uvicorn, one
-    process; the engine thread does the work). ``sock``: a socket from ``bind_socket`` (default:
-    bind ``host:port`` now)."""
-    import uvicorn
+    process; the engine thread does the work). ``sock``: a bound socket to listen on
+    (``ddtree_jax._preflight.bind_port``, which ``serve``'s command line calls before loading
+    anything); default: bind ``host:port`` now."""
+    from ddtree_jax._preflight import bind_port
 
     app = create_app(engine, model_name=model_name, chat_template=chat_template, specials=specials,
                      api_key=api_key, max_request_bytes=max_request_bytes)
-    sock = sock if sock is not None else bind_socket(host, port)
+    sock = sock if sock is not None else bind_port(host, port)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     _DrainingServer(config, app.state.admission, drain_timeout).run(sockets=[sock])
 
