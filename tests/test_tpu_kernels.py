@@ -210,7 +210,7 @@ def test_dispatch(monkeypatch):
         Backend(kernels=False), "fused_sample")
 
     for platform, family in (("tpu", "mosaic_tpu"), ("gpu", "triton")):
-        monkeypatch.setattr(backend_module.jax, "default_backend", lambda p=platform: p)
+        monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)  # resolve_backend imports jax late
         native = Backend(kernels=True, interpret=False, family=family)
         assert resolve_backend("auto") == native and resolve_backend("pallas") == native
         other = "triton" if family == "mosaic_tpu" else "mosaic_tpu"
