@@ -441,11 +441,13 @@ def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
 
 @pytest.fixture(scope="module")
 def small_engine():
+    from ddtree_jax.config import DecodeConfig, EngineConfig
     from ddtree_jax.serving import Engine
     from tests._model_fixtures import tiny_kimi
     from tests._serving_fixtures import char_tokenizer
 
-    return Engine(tiny_kimi(0), None, method="ar", slots=1, tokenizer=char_tokenizer(), max_model_len=32)
+    return Engine(tiny_kimi(0), None, EngineConfig(decode=DecodeConfig(method="ar"), slots=1, max_model_len=32),
+                  tokenizer=char_tokenizer())
 
 
 def _app_client(engine, **kw):
