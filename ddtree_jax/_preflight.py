@@ -44,6 +44,7 @@ __all__ = [
     "check_json_object",
     "check_model_dir",
     "check_pair",
+    "load_tokenizer",
     "eos_token_ids",
     "min_p",
     "nonnegative_float",
@@ -356,3 +357,16 @@ def bind_port(host: str, port: int) -> socket.socket:
         taken = "is in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror or e})"
         raise PreflightError(f"--port {port}: {host}:{port} {taken}") from None
     return sock
+
+
+def load_tokenizer(path: str, debug: bool):
+    """The ``tokenizers.Tokenizer`` in ``path``; a file it cannot read raises ``PreflightError``
+    naming ``--tokenizer`` (``debug``: the library's own error)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises plain Exception subclasses
+        if debug:
+            raise
+        raise PreflightError(f"--tokenizer {path}: not a tokenizers JSON file ({str(e).splitlines()[0]})") from None

@@ -29,7 +29,7 @@ import sys
 import time
 
 from ddtree_jax import _preflight as pf
-from ddtree_jax._preflight import METHODS, PreflightError
+from ddtree_jax._preflight import METHODS, PreflightError, load_tokenizer
 from ddtree_jax.config import ConfigError, DecodeConfig, is_int, token_id_problem
 
 _EPILOG = ("exit status: 0 done; 2 bad option, path, model folder, tokenizer or checkpoint (one-line message); "
@@ -82,16 +82,6 @@ def _preflight_generate(args) -> _Checked:
             raise PreflightError(f"--prompt #{i + 1} is empty")
     return _Checked(target_cfg, drafter_cfg, pf.resolve_tokenizer(args.tokenizer), decode)
 
-
-def _load_tokenizer(path: str, debug: bool):
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # the tokenizers library raises plain Exception subclasses
-        if debug:
-            raise
-        raise _UserError(f"--tokenizer {path}: not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
 
 
 def _encode_prompts(args, tokenizer, checked: _Checked) -> list[list[int]]:
@@ -268,7 +258,7 @@ def run_generate(args, parser=None) -> _Run:
     try:
         checked = _preflight_generate(args)
         stop = _stop_ids(args, checked)
-        tokenizer = _load_tokenizer(checked.tokenizer_path, args.debug)
+        tokenizer = load_tokenizer(checked.tokenizer_path, args.debug)
         prompts = _encode_prompts(args, tokenizer, checked)
         cache = _enable_cache(args)
         sampling = _sampling_from_args(args)
@@ -348,7 +338,7 @@ def run_demo(args, parser=None) -> None:
     ns = argparse.Namespace(method="ddtree", **base)
     try:
         checked = _preflight_generate(ns)
-        tokenizer = _load_tokenizer(checked.tokenizer_path, args.debug)
+        tokenizer = load_tokenizer(checked.tokenizer_path, args.debug)
         prompts = _encode_prompts(ns, tokenizer, checked)
         models = _load_models(ns, need_drafter=True)
     except (PreflightError, _UserError) as e:

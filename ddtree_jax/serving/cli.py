@@ -179,16 +179,6 @@ def default_stop_ids(target_dir: str, tokenizer, tokenizer_path: str) -> list[in
     return [tid] if tid is not None else []
 
 
-def _load_tokenizer(path: str, debug: bool):
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # the tokenizers library raises plain Exception subclasses
-        if debug:
-            raise
-        raise PreflightError(f"--tokenizer {path}: not a tokenizers JSON file ({str(e).splitlines()[0]})") from None
-
 
 def _load(option: str, path: str, debug: bool, load):
     """``load()``, its checkpoint errors as one line naming ``option`` and ``path``."""
@@ -213,7 +203,7 @@ def build_engine(args):
     debug = getattr(args, "debug", False)
     config = engine_config(args)
     tokenizer_path = pf.resolve_tokenizer(args.tokenizer)
-    tokenizer = _load_tokenizer(tokenizer_path, debug)
+    tokenizer = pf.load_tokenizer(tokenizer_path, debug)
     try:
         mesh = make_mesh(args.mesh)
     except ValueError as e:
