@@ -28,6 +28,33 @@ if TYPE_CHECKING:
 __all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk"]
 
 
+class _StepLatency:
+    """One step's latency observations, recorded into the metrics under one lock acquisition: the
+    tokens, each first token's time to first token, and per request the inter-token gap with the
+    number of tokens it covers (a first chunk of ``n`` tokens adds ``n - 1`` gaps of 0)."""
+
+    __slots__ = ("tokens", "ttft", "itl_values", "itl_counts")
+
+    def __init__(self):
+        self.tokens = 0
+        self.ttft: list[float] = []
+        self.itl_values: list[float] = []
+        self.itl_counts: list[int] = []
+
+    def add(self, r: _Request, n: int, now: float) -> None:
+        self.tokens += n
+        if r.first_token is None:
+            r.first_token = now
+            self.ttft.append(now - r.submitted)
+            if n > 1:
+                self.itl_values.append(0.0)
+                self.itl_counts.append(n - 1)
+        else:
+            self.itl_values.append((now - r.last_emit) / n)
+            self.itl_counts.append(n)
+        r.last_emit = now
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestResult:
     """A finished request.
@@ -99,23 +126,27 @@ class Emitter:
         self._stopped: list[_Request] = []
 
     def submit(self, items: list[Emit], seen: float) -> None:
-        """Process one step's items, in order."""
+        """Process one step's items, in order; the step's latency metrics are recorded at once."""
+        step = _StepLatency()
         for item in items:
-            self._process(item, seen)
+            self._process(item, seen, step)
+        if step.tokens:
+            self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
 
     def take_stopped(self) -> list[_Request]:
         """Requests finished by a stop string since the last call (their slots are still taken)."""
         out, self._stopped = self._stopped, []
         return out
 
-    def _process(self, item: Emit, seen: float) -> None:
+    def _process(self, item: Emit, seen: float, step: _StepLatency) -> None:
         r = item.request
         if r.ended:
             return
-        r.acceptance += item.acceptance
+        if item.acceptance:
+            r.acceptance += item.acceptance
         kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
         if kept:
-            self._latency(r, len(kept), seen)
+            step.add(r, len(kept), seen)
         if r.text.stopped:
             self._end(r, "stop", kept, text)
             self._stopped.append(r)
@@ -123,16 +154,6 @@ class Emitter:
             self._end(r, item.finish, kept, text + r.text.flush())
         elif kept or text:
             r.handle._push(StreamChunk(kept, text))
-    def _latency(self, r: _Request, n: int, now: float) -> None:
-        self.metrics.tokens(n, now)
-        if r.first_token is None:
-            r.first_token = now
-            self.metrics.observe("ttft", now - r.submitted)
-            if n > 1:
-                self.metrics.observe("itl", 0.0, n - 1)
-        else:
-            self.metrics.observe("itl", (now - r.last_emit) / n, n)
-        r.last_emit = now
 
     def _end(self, r: _Request, reason: str, tokens: list[int], text: str) -> None:
         r.ended = True

@@ -507,12 +507,11 @@ class Engine:
         accept = got[:, _device.HARVEST_FIELDS + T:]
         self.metrics.observe_many("accept", accept[np.arange(self.sync_every)[None] < n_rounds[:, None]])
         items, done = [], []
-        for s in np.flatnonzero(live & ((n_new > 0) | (finish != RUNNING))):
-            r = snapshot[s]
-            code = int(finish[s])
-            reason = None if code == RUNNING else FINISH_REASONS[code]
-            items.append(Emit(r, got[s, _device.HARVEST_FIELDS : _device.HARVEST_FIELDS + n_new[s]].tolist(),
-                              accept[s, : n_rounds[s]].tolist(), reason))
+        rows, first = got.tolist(), _device.HARVEST_FIELDS  # one conversion, then list slices
+        for s in np.flatnonzero(live & ((n_new > 0) | (finish != RUNNING))).tolist():
+            r, row = snapshot[s], rows[s]
+            reason = None if row[2] == RUNNING else FINISH_REASONS[row[2]]
+            items.append(Emit(r, row[first : first + row[0]], row[first + T : first + T + row[1]], reason))
             if reason is not None:
                 done.append(r)
         if done:

@@ -40,15 +40,16 @@ class Histogram:
         self.total += value * n
         self.count += n
 
-    def observe_many(self, values) -> None:
-        """Observe every value of ``values`` (a numpy array)."""
+    def observe_many(self, values, counts=None) -> None:
+        """Observe every value of ``values`` (a numpy array), each ``counts`` times (default once)."""
         values = np.asarray(values, np.float64).ravel()
         if values.size:
+            weights = np.ones(values.shape, np.int64) if counts is None else np.asarray(counts, np.int64).ravel()
             idx = np.searchsorted(np.asarray(self.bounds), values, side="left")
-            for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
-                self.counts[int(i)] += int(c)
-            self.total += float(values.sum())
-            self.count += int(values.size)
+            for i, c in enumerate(np.bincount(idx, weights, minlength=len(self.counts)).tolist()):
+                self.counts[i] += int(c)
+            self.total += float(values @ weights)
+            self.count += int(weights.sum())
 
     def cumulative(self) -> list[tuple[float, int]]:
         """``(upper bound, observations <= it)`` per bucket, ``+Inf`` last."""
@@ -94,6 +95,17 @@ class EngineMetrics:
         with self._lock:
             self.generated_tokens += n
             self._recent.append((now, n))
+
+    def record_step(self, tokens: int, now: float, ttft, itl_values, itl_counts) -> None:
+        """One engine step's streamed tokens and latencies: ``ttft`` values, and ``itl_values``
+        each observed ``itl_counts`` times (one lock acquisition for the step)."""
+        with self._lock:
+            self.generated_tokens += tokens
+            self._recent.append((now, tokens))
+            if ttft:
+                self.ttft.observe_many(ttft)
+            if itl_values:
+                self.itl.observe_many(itl_values, itl_counts)
 
     def observe(self, name: str, value: float, n: int = 1) -> None:
         with self._lock:

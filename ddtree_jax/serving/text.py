@@ -25,6 +25,7 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self._window = max((len(s) for s in self.stop), default=0)  # the longest stop string
         self.tokens: list[int] = []
         self.text = ""  # the text of tokens[:read] (truncated at a stop string once one is found)
         self.sent = 0  # characters of self.text streamed so far
@@ -53,9 +54,8 @@ class TextStream:
         if self.stopped or not new_tokens:
             return [], ""
         new_tokens = list(new_tokens)
-        window = max((len(s) for s in self.stop), default=0)
-        start = max(0, len(self.text) - window + 1)
-        text = self._candidate(new_tokens)
+        text = self._candidate(new_tokens) if self.tokenizer is not None else ""
+        start = max(0, len(self.text) - self._window + 1)
         if self.stop and self._find_stop(text, start) >= 0:
             # The smallest number of new tokens whose text contains a stop string.
             for k in range(1, len(new_tokens) + 1):
@@ -75,6 +75,8 @@ class TextStream:
     def _ready(self) -> str:
         """Stream what is settled: hold back a tail that could start a stop string."""
         end = len(self.text)
+        if not self.stop:
+            return self._emit(end)
         hold = 0
         for s in self.stop:
             for n in range(min(len(s) - 1, end - self.sent), hold, -1):
