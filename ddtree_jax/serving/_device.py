@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from ddtree_jax.decode_round import DecodePlan, Models, unrolled_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
+from ddtree_jax.serving.shapes import ShapeCache
 
 
 def _set_lengths(cache, rows, lengths):
@@ -39,6 +40,38 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
         dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), counts)
         new["draft_cache"] = state.draft_cache.put_rows(rows, dcache)
     return dataclasses.replace(state, **new)
+
+
+_PREFILL_SHAPES: dict = {}
+
+
+def prefill_shapes(models: Models, plan: DecodePlan, tparams, dparams, state: DecodeState) -> ShapeCache:
+    """The ``ShapeCache`` of ``prefill_chunk`` executables for these models, plan and state layout
+    (avals and shardings of ``tparams``, ``dparams`` and ``state``), shared by every engine with the
+    same ones, as the compiled function's own cache would be. Its executables take
+    ``(tparams, dparams, state, rows, ids, starts, counts)``.
+
+    On one device, executables are compiled ahead (in the background for new shapes). On a mesh the
+    state's placement is the compiler's choice and may change after the first round, and with
+    several processes all must run the same executables in the same order: there each shape is the
+    compiled function itself, compiled at its first call, in the caller."""
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    specs = jax.tree.map(spec, (tparams, dparams, state))
+    leaves, treedef = jax.tree.flatten(specs)
+    one_device = jax.process_count() == 1 and len({d for x in leaves for d in x.sharding.device_set}) == 1
+    key = (models, plan, treedef, tuple(leaves))
+    cache = _PREFILL_SHAPES.get(key)
+    if cache is None:
+        def compile_shape(rows: int, tokens: int):
+            if not one_device:
+                return lambda tparams, dparams, state, *rows_ids_starts_counts: prefill_chunk(
+                    models, tparams, dparams, plan, state, *rows_ids_starts_counts)
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+            return prefill_chunk.lower(models, *specs[:2], plan, specs[2], i32(rows), i32(rows, tokens), i32(rows),
+                                       i32(rows)).compile()
+
+        cache = _PREFILL_SHAPES.setdefault(key, ShapeCache(compile_shape, background=one_device))
+    return cache
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -7,8 +7,9 @@ step (``step()``)
     queued requests into free slots;
 (b) prefills admitted requests in chunks of at most ``prefill_chunk`` prompt tokens per step (a
     long prompt does not stall the running streams), up to ``prefill_batch`` slots per step,
-    padded to a power of two (each (rows, chunk) shape compiles once); a slot whose prompt is in
-    starts decoding (``activate``);
+    padded to a power of two (a shape not compiled yet runs padded on a compiled one while it
+    compiles in the background: ``serving/shapes.py``); a slot whose prompt is in starts decoding
+    (``activate``);
 (c) dispatches ``sync_every`` compiled rounds without waiting for them, and then reads back the
     previous step's rounds: one packed device-to-host transfer, per-slot work only for slots with
     news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks): the
@@ -220,6 +221,9 @@ class Engine:
         self._shard_state = shard_state
         self._state = self._empty_state()
         self._base_key = jax.random.key(decode.seed)
+        # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
+        # one while it compiles in the background (serving/shapes.py).
+        self._prefill = _device.prefill_shapes(self._models, self.plan, self._tparams, self._dparams, self._state)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -440,8 +444,8 @@ class Engine:
         need = [r for r in batch if r.prefilled < r.prompt.size - 1]
         if need:
             longest = max(r.prompt.size - 1 - r.prefilled for r in need)
-            T = min(self.prefill_chunk, max(_MIN_CHUNK, _pow2(longest)))
-            R = _pow2(len(need))
+            width = min(self.prefill_chunk, max(_MIN_CHUNK, _pow2(longest)))
+            R, T, prefill = self._prefill.get(_pow2(len(need)), width)
             ids = np.zeros((len(need), T), np.int32)
             counts = np.zeros((len(need),), np.int32)
             starts = np.array([r.prefilled for r in need], np.int32)
@@ -449,9 +453,8 @@ class Engine:
                 chunk = r.prompt[r.prefilled : min(r.prefilled + T, r.prompt.size - 1)]
                 ids[i, : chunk.size] = chunk
                 counts[i] = chunk.size
-            self._state = _device.prefill_chunk(
-                self._models, self._tparams, self._dparams, self.plan, self._state, self._rows([r.slot for r in need]),
-                self._pad(ids, R), self._pad(starts, R), self._pad(counts, R))
+            self._state = prefill(self._tparams, self._dparams, self._state, self._rows([r.slot for r in need], R),
+                                  self._pad(ids, R), self._pad(starts, R), self._pad(counts, R))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
         ready = [r for r in batch if r.prefilled == r.prompt.size - 1]
@@ -573,8 +576,9 @@ class Engine:
         self._emitter.submit([Emit(r, [], [], "abort") for r in pending], time.perf_counter())
 
     def warmup(self) -> None:
-        """Compile the common shapes before serving: a round, and the prefill and activation of every
-        power-of-two number of newcomers up to ``prefill_batch`` (with the smallest prompt chunk)."""
+        """Compile before serving: a round, the activation, the prefill of every power-of-two number
+        of newcomers up to ``prefill_batch`` with the smallest prompt chunk, and the largest prefill
+        shape (which covers any other until that one has compiled in the background)."""
         prompt = [0] * min(_MIN_CHUNK + 1, self.max_model_len - 1)
         R = 1
         while R <= min(self.prefill_batch, self.max_queue):
@@ -586,5 +590,6 @@ class Engine:
             for h in handles:
                 h.result()
             R *= 2
+        self._prefill.warm(_pow2(self.prefill_batch), self.prefill_chunk)
         self.metrics = EngineMetrics(self.slots)  # the warm-up requests are not traffic
         self._emitter.metrics = self.metrics
