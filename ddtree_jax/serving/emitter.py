@@ -153,8 +153,8 @@ class Emitter:
         r.acceptance += item.acceptance
         kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
         logprobs = None
-        if r.logprobs is not None:
-            logprobs = item.logprobs.head(len(kept)) if item.logprobs is not None else TokenLogprobs.concat([], r.logprobs)
+        if r.logprobs is not None:  # items without tokens (an end) carry none
+            logprobs = TokenLogprobs.concat([], r.logprobs) if item.logprobs is None else item.logprobs.head(len(kept))
             r.logprob_parts.append(logprobs)
         if kept:
             self._latency(r, len(kept), seen)
