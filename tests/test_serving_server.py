@@ -592,6 +592,17 @@ def test_every_status_is_an_openai_error_object(small_engine):
         assert _openai_error(r, 400)["code"] == "model_not_found"
 
 
+def test_logprobs_from_an_engine_without_them_is_400(small_engine):
+    from tests._serving_fixtures import CHAT_TEMPLATE
+
+    with _app_client(small_engine, chat_template=CHAT_TEMPLATE) as http:
+        for path, body in [("/v1/completions", {"prompt": "hi", "logprobs": 0}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                     "top_logprobs": 1})]:
+            err = _openai_error(http.post(path, json=body), 400)
+            assert err["param"] == "logprobs" and "--max-logprobs" in err["message"], err
+
+
 def test_api_key_guards_every_v1_route(small_engine):
     with _app_client(small_engine, api_key="s3cret") as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},

@@ -242,7 +242,7 @@ def _logprobs(body: dict, chat: bool, limit: int) -> tuple[int | None, str]:
         if k is None:
             return None, name
     if limit == 0:
-        raise _bad(name, "this server returns no log-probabilities (start it with --max-logprobs N)")
+        raise _bad("logprobs", "this server returns no log-probabilities (start it with --max-logprobs N)")
     if k > limit:
         raise _bad(name, f"{k} alternatives asked; this server returns at most {limit} (--max-logprobs)")
     return k, name
