@@ -1,8 +1,9 @@
 """``Emitter``: turns the token ids an engine step committed into what clients see.
 
 The engine thread only moves token ids: after each batch of rounds it hands the emitter one list of
-``Emit`` items (a request, its new tokens and acceptance lengths, and the finish reason when the
-request ends). The emitter detokenises, applies stop strings, keeps the per-request metrics
+``Emit`` items (a request, its new tokens and acceptance lengths, their log-probabilities if the
+request asked, and the finish reason when the request ends). The emitter detokenises, applies stop
+strings (cutting the log-probabilities to the tokens kept), keeps the per-request metrics
 (first token, inter-token latency, tokens/s), builds the ``RequestResult`` and pushes the chunks to
 the request handles, on the engine thread (a thread of its own measured slower: it contends
 with the engine thread for the interpreter lock; docs/serving.md).
