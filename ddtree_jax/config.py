@@ -194,6 +194,12 @@ class EngineConfig:
     """Stop-token slots per request (the decoding state's stop-id width), >= 1; raised to the
     number of ``decode.stop_token_ids`` if that is larger."""
 
+    max_logprobs: int = 0
+    """Most top alternatives a request may ask for beside its tokens' log-probabilities, in
+    ``[0, vocab size]``; 0: the engine computes no log-probabilities and refuses requests for
+    them. Compile-time: with it the rounds also compute and return, for every committed token,
+    its log-probability and this many alternatives (docs/serving.md, "Log-probabilities")."""
+
     def __post_init__(self):
         owner = "EngineConfig"
         _require(isinstance(self.decode, DecodeConfig), owner, "decode",
@@ -203,12 +209,16 @@ class EngineConfig:
         _check_count(owner, "max_model_len", self.max_model_len, lo=2, optional=True)
         _check_count(owner, "max_output_tokens", self.max_output_tokens, optional=True)
         _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)
+        _check_count(owner, "max_logprobs", self.max_logprobs, lo=0)
 
     def check_for(self, vocab_size: int, has_drafter: bool, context: int) -> None:
-        """``decode.check_for`` and ``max_model_len`` within the target's ``context`` positions."""
+        """``decode.check_for``, ``max_model_len`` within the target's ``context`` positions and
+        ``max_logprobs`` within its vocabulary."""
         self.decode.check_for(vocab_size, has_drafter)
         _require(self.max_model_len is None or self.max_model_len <= context, "EngineConfig", "max_model_len",
                  f"must be in [2, {context}] (the target's context), got {self.max_model_len}")
+        _require(self.max_logprobs <= vocab_size, "EngineConfig", "max_logprobs",
+                 f"must be in [0, {vocab_size}] (the target's vocabulary), got {self.max_logprobs}")
 
 
 def _is_moe_blocks(value: Any) -> bool:

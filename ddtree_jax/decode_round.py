@@ -11,6 +11,11 @@ first ``n - 1`` of them and the last one (the "root") opens the next block, at p
 The drafter's context holds the target's hidden states of the same ``n - 1`` tokens.
 Autoregressive decoding is the same round with a root-only tree.
 
+With ``DecodePlan.logprobs = K > 0`` the commit stage also reports, for every committed token, its
+log-probability and the ``K`` most probable tokens of the row it was drawn from
+(``token_logprobs``; the law it reports is stated there and in docs/serving.md);
+``round_with_logprobs`` returns them beside the next state.
+
 The round is ``STAGES`` applied in order; ``run_rounds`` runs whole rounds inside one
 ``lax.while_loop``, and ``run_stage`` compiles one stage alone (to time the split). Models travel
 as ``(graphdef, params)`` pairs so that the compiled functions are pure.
@@ -29,10 +34,16 @@ from ddtree_jax.accept import _accept_path
 from ddtree_jax.backend import Backend
 from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
 from ddtree_jax.rng import round_keys
-from ddtree_jax.sampling import INVALID_TOKEN, SamplingBatch, _sample_tree_nodes
+from ddtree_jax.sampling import (
+    INVALID_TOKEN,
+    SamplingBatch,
+    _sample_tree_nodes,
+    canonical_temperature,
+    target_logprobs,
+)
 from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
 
-__all__ = ["STAGES", "DecodePlan", "prefill", "run_rounds", "run_stage"]
+__all__ = ["STAGES", "DecodePlan", "prefill", "round_with_logprobs", "run_rounds", "run_stage", "token_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +55,15 @@ class DecodePlan:
       budget: non-root tree nodes (L for dflash, 0 for ar).
       hidden_layer_ids: target layers whose outputs feed the drafter (empty for ar).
       backend: kernels or references for the tree, sampling and walk (resolved once).
+      logprobs: top alternatives reported per committed token (``token_logprobs``); 0: no
+        log-probabilities are computed at all.
     """
 
     method: str
     budget: int
     hidden_layer_ids: tuple[int, ...]
     backend: Backend
+    logprobs: int = 0
 
 
 class _Static:
@@ -185,7 +199,10 @@ def _verify(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
 def _sample(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
     keys = round_keys(base_key, state.sampling, state.request_ids, state.rounds)
     samples = _sample_tree_nodes(work["logits"], state.sampling, keys, plan.backend)
-    return dict(tree=work["tree"], samples=samples, feats=work["feats"], target_cache=work["target_cache"])
+    out = dict(tree=work["tree"], samples=samples, feats=work["feats"], target_cache=work["target_cache"])
+    if plan.logprobs:
+        out["logits"] = work["logits"]
+    return out
 
 
 def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
@@ -217,22 +234,69 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
     if plan.hidden_layer_ids:
         path_feats = jnp.take_along_axis(work["feats"], jnp.maximum(res.path, 0)[..., None], axis=1)
         draft_cache = drafter.append_context(draft_cache, path_feats, count)
-    return dict(state=dataclasses.replace(
+    new = dict(state=dataclasses.replace(
         state, target_cache=target.commit(work["target_cache"], res.path, count), draft_cache=draft_cache,
         root=jnp.where(count > 0, last, state.root), out=out, generated=generated, finish=finish,
         accept_lengths=accept_lengths, rounds=state.rounds + active,
     ))
+    if plan.logprobs:
+        rows_logits = jnp.take_along_axis(work["logits"], jnp.maximum(res.path, 0)[..., None], axis=1)
+        new["logprobs"] = token_logprobs(rows_logits, res.committed, state.sampling, plan.logprobs)
+    return new
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: SamplingBatch, k: int) -> jax.Array:
+    """What a client sees as the log-probabilities of committed tokens (docs/serving.md, "Log-probabilities").
+
+    Args:
+      logits: ``[B, A, V]`` the target's logits of the rows the tokens were drawn from.
+      tokens: i32 ``[B, A]`` the drawn tokens (entries < 0 are padding; their values are unspecified).
+      sampling: the requests' ``SamplingBatch`` (``[B]`` fields).
+      k: top alternatives per token, >= 1.
+
+    Returns:
+      i32 ``[B, A, 1 + 2 k]``: the token's log-probability, the ``k`` most probable token ids
+      (descending, ties lowest id first), then their log-probabilities; log-probabilities are
+      float32 bit patterns (``jax.lax.bitcast_convert_type`` back). The law is the request's own:
+      ``target_logprobs`` (temperature, top-k, top-p, min-p; removed tokens ``-inf``) for sampled
+      requests, and for greedy requests (whose law is a point mass) the target's plain
+      ``log_softmax`` at temperature 1.
+    """
+    greedy = canonical_temperature(sampling.temperature) == 0
+    reported = dataclasses.replace(
+        sampling, temperature=jnp.where(greedy, 1.0, sampling.temperature).astype(jnp.float32),
+        top_k=jnp.where(greedy, 0, sampling.top_k), top_p=jnp.where(greedy, 1.0, sampling.top_p),
+        min_p=jnp.where(greedy, 0.0, sampling.min_p))
+    logp = target_logprobs(logits, reported)
+    chosen = jnp.take_along_axis(logp, jnp.maximum(tokens, 0)[..., None], axis=-1)
+    top, ids = jax.lax.top_k(logp, k)
+    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
+    return jnp.concatenate([bits(chosen), ids.astype(jnp.int32), bits(top)], axis=-1)
 
 
 STAGES = (("draft", _draft), ("tree", _tree), ("verify", _verify), ("sample", _sample), ("commit", _commit))
 
 
-def _round(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key) -> DecodeState:
+def _round_work(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key) -> dict:
     target, drafter = models.merge(tparams, dparams)
     work = {}
     for _, stage in STAGES:
         work = stage(target, drafter, plan, state, base_key, work)
-    return work["state"]
+    return work
+
+
+def _round(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key) -> DecodeState:
+    return _round_work(models, tparams, dparams, plan, state, base_key)["state"]
+
+
+def round_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key):
+    """One round (for use inside a compiled function) with ``plan.logprobs > 0``: ``(the next
+    state, token_logprobs of the round's committed tokens [B, L + 1, 1 + 2 K])``. Row ``b``'s
+    first ``next.generated[b] - state.generated[b]`` entries belong to the tokens it committed."""
+    if plan.logprobs < 1:
+        raise ValueError(f"round_with_logprobs needs plan.logprobs >= 1, got {plan.logprobs}")
+    work = _round_work(models, tparams, dparams, plan, state, base_key)
+    return work["state"], work["logprobs"]
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))

@@ -100,6 +100,7 @@ BAD_INPUTS = {
     "missing chat template": (["--chat-template", "{missing}"], ["--chat-template {missing}", "cannot read"]),
     "context beyond the target's": (["--max-model-len", "999"], ["--max-model-len 999", "[2, 256]"]),
     "stop token outside the vocabulary": (["--stop-token-id", "300"], ["--stop-token-id 300", "[0, 128)"]),
+    "more alternatives than the vocabulary": (["--max-logprobs", "200"], ["--max-logprobs 200", "128 tokens"]),
     "bad mesh": (["--mesh", "bogus=2"], ["--mesh", "bogus=2"]),
     "empty API key": (["--api-key", ""], ["--api-key", "empty"]),
     "budget 0": (["--budget", "0"], ["--budget", ">= 1"]),

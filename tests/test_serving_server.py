@@ -31,6 +31,7 @@ from tests._serving_fixtures import write_tiny_checkpoints  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS = 4
+MAX_LOGPROBS = 5
 
 
 def _free_port() -> int:
@@ -66,7 +67,8 @@ class Server:
             [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--drafter",
              paths["drafter"], "--tokenizer", paths["tokenizer"], "--budget", "6", "--slots", str(slots),
              "--max-model-len", str(max_model_len), "--prefill-chunk", "16", "--prefill-batch", "1", "--dtype",
-             "float32", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+             "float32", "--max-logprobs", str(MAX_LOGPROBS), "--served-model-name", "tiny", "--host", "127.0.0.1",
+             "--port", str(self.port),
              "--log-level", "warning", *extra],
             env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -198,8 +200,10 @@ def test_completions_and_chat_with_the_openai_client(client, server):
     (dict(prompt="x", max_tokens=0), "max_tokens"),
     (dict(prompt="x" * 64), "prompt"),
     (dict(prompt="x", model="gpt-4"), "model"),
-    (dict(prompt="x", n=2), "n"),
-    (dict(prompt="x", logprobs=2), "logprobs"),
+    (dict(prompt="x", n=0), "n"),
+    (dict(prompt="x", n=129), "n"),
+    (dict(prompt="x", logprobs=MAX_LOGPROBS + 1), "logprobs"),
+    (dict(prompt="x", logprobs=True), "logprobs"),
     (dict(prompt="x", seed=-3), "seed"),
     (dict(prompt=["a", "b"]), "prompt"),
     (dict(prompt=[1, 999]), "prompt"),
@@ -217,9 +221,13 @@ def test_malformed_and_refused_input(server, client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                          "logprobs": True}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    for extra, param in [(dict(logprobs=True, top_logprobs=MAX_LOGPROBS + 1), "top_logprobs"),
+                         (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+                         (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs=1), "logprobs")]:
+        r = httpx.post(server + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        assert param in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=-0.5)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -381,6 +389,72 @@ def chat_body():
     return dict(messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0)
 
 
+def test_logprobs_in_the_openai_shapes(client, server):
+    """Completions' legacy shape and chat's, whole and streamed; greedy values are the top
+    alternative's; the alternatives' probabilities sum to at most 1."""
+    extra = {"ignore_eos": True}
+    out = client.completions.create(model="tiny", prompt="The quick", max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body=extra).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == out.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and value == pytest.approx(max(top.values()), abs=1e-6) and value <= 0
+        assert sum(np.exp(list(top.values()))) <= 1 + 1e-5
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt="The quick", max_tokens=6, temperature=0, logprobs=3, stream=True, extra_body=extra)]
+    assert [t for c in streamed if c for t in c.tokens] == lp.tokens
+    assert [o for c in streamed if c for o in c.text_offset] == lp.text_offset
+    assert [v for c in streamed if c for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert client.completions.create(model="tiny", prompt="The quick", max_tokens=2).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Hi!"}]
+    extra = {**extra, "top_k": 4}
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0.9, seed=3,
+                                          logprobs=True, top_logprobs=MAX_LOGPROBS, extra_body=extra).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 5 and "".join(e.token for e in content) == chat.message.content
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and e.logprob <= 0
+        assert 1 <= len(e.top_logprobs) <= 4  # top_k 4 removes the rest
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+        assert e.token in {a.token for a in e.top_logprobs}
+        assert sum(np.exp([a.logprob for a in e.top_logprobs])) <= 1 + 1e-5
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0.9,
+                                                 seed=3, logprobs=True, top_logprobs=0, stream=True, extra_body=extra))
+    parts = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in parts] == [e.token for e in content] and all(e.top_logprobs == [] for e in parts)
+    assert [e.logprob for e in parts] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_n_choices(client, server):
+    """n=3: three choices with their indexes, seeded ones reproducible and different from each
+    other (choice i: seed + i, so choice 0 is the n=1 answer), streamed chunks tagged by index,
+    usage summed over the choices."""
+    body = dict(model="tiny", prompt="Hello", max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    first = client.completions.create(n=3, **body)
+    again = client.completions.create(n=3, **body)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and [c.text for c in again.choices] == texts
+    assert len(set(texts)) == 3
+    assert client.completions.create(**body).choices[0].text == texts[0]
+    assert first.usage.completion_tokens == 24 and first.usage.prompt_tokens == 5
+    assert first.usage.total_tokens == 29
+    _, events, done = sse(server, "/v1/completions", {**{k: v for k, v in body.items() if k != "extra_body"},
+                                                      "ignore_eos": True, "n": 3, "stream": True,
+                                                      "stream_options": {"include_usage": True}})
+    assert done and events[-1]["usage"]["completion_tokens"] == 24
+    per_index = {i: "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["index"] == i)
+                 for i in range(3)}
+    assert per_index == dict(enumerate(texts))
+    assert sorted(e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"]) == [0, 1, 2]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=3, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_a_huge_request_is_refused_without_stalling_the_running_streams(server):
     """Streams run back to back and /health is polled while a 3.4 MiB prompt (under the body limit;
     tokenizing it takes seconds here) is refused for its length, and a body over the limit gets 413
@@ -516,6 +590,17 @@ def test_every_status_is_an_openai_error_object(small_engine):
         assert _openai_error(r, 413)["message"].startswith("the request body is larger than 1000 bytes")
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True, "model": "other"})
         assert _openai_error(r, 400)["code"] == "model_not_found"
+
+
+def test_logprobs_from_an_engine_without_them_is_400(small_engine):
+    from tests._serving_fixtures import CHAT_TEMPLATE
+
+    with _app_client(small_engine, chat_template=CHAT_TEMPLATE) as http:
+        for path, body in [("/v1/completions", {"prompt": "hi", "logprobs": 0}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                     "top_logprobs": 1})]:
+            err = _openai_error(http.post(path, json=body), 400)
+            assert err["param"] == "logprobs" and "--max-logprobs" in err["message"], err
 
 
 def test_api_key_guards_every_v1_route(small_engine):

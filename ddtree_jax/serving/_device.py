@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.decode_round import DecodePlan, Models, unrolled_rounds
+from ddtree_jax.decode_round import DecodePlan, Models, round_with_logprobs, unrolled_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
 from ddtree_jax.serving.shapes import ShapeCache
@@ -114,9 +114,14 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     host needs of them in ONE int32 array ``[B, HARVEST_FIELDS + tokens + rounds]``; per slot:
     tokens committed by these rounds, rounds run, finish code, then the committed tokens
     (``tokens`` columns, the first ``n`` valid) and the rounds' acceptance lengths (``rounds``
-    columns). Returns ``(state, packed)``."""
+    columns). With ``plan.logprobs = K > 0``, ``tokens * (1 + 2 K)`` more columns follow: for
+    each token column, ``decode_round.token_logprobs``'s ``1 + 2 K`` entries (float32 bits as
+    int32). Returns ``(state, packed)``."""
     gen0, rnd0 = state.generated, state.rounds
-    state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+    if plan.logprobs:
+        state, logprobs = _rounds_with_logprobs(models, tparams, dparams, plan, state, base_key, rounds, tokens)
+    else:
+        state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
     C = state.capacity
     tok_idx = jnp.clip(gen0[:, None] + jnp.arange(tokens)[None], 0, C - 1)
     rnd_idx = jnp.clip(rnd0[:, None] + jnp.arange(rounds)[None], 0, C - 1)
@@ -124,7 +129,26 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
         (state.generated - gen0)[:, None], (state.rounds - rnd0)[:, None], state.finish[:, None],
         jnp.take_along_axis(state.out, tok_idx, axis=1), jnp.take_along_axis(state.accept_lengths, rnd_idx, axis=1),
     ], axis=1).astype(jnp.int32)
+    if plan.logprobs:
+        packed = jnp.concatenate([packed, logprobs.reshape(logprobs.shape[0], -1)], axis=1)
     return state, packed
+
+
+def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                          rounds: int, tokens: int):
+    """``unrolled_rounds`` that also gathers each committed token's ``token_logprobs`` entries:
+    ``(state, i32 [B, tokens, 1 + 2 K])``, row ``b``'s first ``generated - generated before`` valid."""
+    B = state.batch_size
+    gen0 = state.generated
+    rows = jnp.arange(B)[:, None]
+    gathered = jnp.zeros((B, tokens, 1 + 2 * plan.logprobs), jnp.int32)
+    for _ in range(rounds):
+        before = state.generated
+        state, logprobs = round_with_logprobs(models, tparams, dparams, plan, state, base_key)
+        idx = jnp.arange(logprobs.shape[1])[None]
+        pos = jnp.where(idx < (state.generated - before)[:, None], (before - gen0)[:, None] + idx, tokens)
+        gathered = gathered.at[rows, pos].set(logprobs, mode="drop")
+    return state, gathered
 
 
 def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, capacity: int, stop_width: int,

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=pf.nonnegative_float, default=DEFAULT_DRAIN_TIMEOUT,
                    help="seconds the running requests get to finish after SIGTERM/SIGINT before they end with "
                         f"finish_reason 'abort' (default {DEFAULT_DRAIN_TIMEOUT:g})")
+    p.add_argument("--max-logprobs", type=pf.nonnegative_int, default=0,
+                   help="most top alternatives a request may ask for with its tokens' log-probabilities "
+                        "(default 0: no log-probabilities, requests for them get 400)")
     p.add_argument("--prefill-chunk", type=pf.positive_int, default=512, help="prompt tokens per slot per engine step")
     p.add_argument("--prefill-batch", type=pf.positive_int, help="most slots prefilled per engine step (default: all)")
     p.add_argument("--sync-every", type=pf.positive_int, default=1, help="rounds per engine step")
@@ -106,7 +109,7 @@ def engine_config(args) -> EngineConfig:
             decode=DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every, seed=args.seed,
                                 stop_token_ids=tuple(args.stop_token_id or ()), impl=args.impl),
             slots=args.slots, max_model_len=args.max_model_len, max_queue=args.max_queue,
-            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch)
+            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, max_logprobs=args.max_logprobs)
         config.decode.check_for(None, has_drafter=bool(args.drafter))
     except ConfigError as e:
         raise PreflightError(str(option_error(e))) from None
@@ -131,6 +134,9 @@ def preflight(args) -> str:
     for s in args.stop_token_id or []:
         if isinstance(vocab, int) and s >= vocab:
             raise PreflightError(f"--stop-token-id {s}: outside --target {args.target}'s vocabulary [0, {vocab})")
+    if isinstance(vocab, int) and args.max_logprobs > vocab:
+        raise PreflightError(f"--max-logprobs {args.max_logprobs}: more than --target {args.target}'s vocabulary "
+                             f"of {vocab} tokens")
     if not args.ignore_eos:
         pf.eos_token_ids(args.target, vocab)
     if args.max_model_len is not None and isinstance(context, int) and not 2 <= args.max_model_len <= context:

@@ -1,8 +1,9 @@
 """``Emitter``: turns the token ids an engine step committed into what clients see.
 
 The engine thread only moves token ids: after each batch of rounds it hands the emitter one list of
-``Emit`` items (a request, its new tokens and acceptance lengths, and the finish reason when the
-request ends). The emitter detokenises, applies stop strings, keeps the per-request metrics
+``Emit`` items (a request, its new tokens and acceptance lengths, their log-probabilities if the
+request asked, and the finish reason when the request ends). The emitter detokenises, applies stop
+strings (cutting the log-probabilities to the tokens kept), keeps the per-request metrics
 (first token, inter-token latency, tokens/s), builds the ``RequestResult`` and pushes the chunks to
 the request handles, on the engine thread (a thread of its own measured slower: it contends
 with the engine thread for the interpreter lock; docs/serving.md).
@@ -25,7 +26,39 @@ if TYPE_CHECKING:
     from ddtree_jax.serving.engine import _Request
     from ddtree_jax.serving.metrics import EngineMetrics
 
-__all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk"]
+__all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk", "TokenLogprobs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of consecutive generated tokens, for a request that asked for them
+    (``Engine.submit(logprobs=k)``; the law they follow: docs/serving.md, "Log-probabilities").
+
+    Attributes:
+      logprob: f32 ``[n]`` each token's log-probability.
+      top_ids: i32 ``[n, k]`` the ``k`` most probable tokens of the row each token was drawn from,
+        most probable first.
+      top_logprobs: f32 ``[n, k]`` their log-probabilities (``-inf``: removed by the request's
+        top-k / top-p / min-p).
+    """
+
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.logprob)
+
+    def head(self, n: int) -> TokenLogprobs:
+        """The first ``n`` tokens' entries."""
+        return TokenLogprobs(self.logprob[:n], self.top_ids[:n], self.top_logprobs[:n])
+
+    @classmethod
+    def concat(cls, parts: list[TokenLogprobs], k: int) -> TokenLogprobs:
+        """``parts`` one after the other (``k`` alternatives each; no parts: zero tokens)."""
+        if not parts:
+            return cls(np.zeros((0,), np.float32), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
 
 
 class _StepLatency:
@@ -69,6 +102,7 @@ class RequestResult:
       acceptance_lengths: tokens accepted per round (bonus included).
       ttft: seconds from submission to the first token (``None`` if there was none).
       seconds: seconds from submission to the end.
+      logprobs: the log-probabilities of ``tokens`` when the request asked for them, else ``None``.
     """
 
     request_id: int
@@ -79,6 +113,7 @@ class RequestResult:
     acceptance_lengths: list[int]
     ttft: float | None
     seconds: float
+    logprobs: TokenLogprobs | None = None
 
     @property
     def rounds(self) -> int:
@@ -92,13 +127,15 @@ class RequestResult:
 
 @dataclasses.dataclass(frozen=True)
 class StreamChunk:
-    """What one engine step produced for a request: new tokens and new text; the last chunk
-    carries ``finish_reason`` and ``result``."""
+    """What one engine step produced for a request: new tokens and new text (and the tokens'
+    log-probabilities when the request asked for them); the last chunk carries ``finish_reason``
+    and ``result``."""
 
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
     result: RequestResult | None = None
+    logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -109,12 +146,14 @@ class StreamChunk:
 @dataclasses.dataclass
 class Emit:
     """One request's news from one engine step. ``finish``: the finish reason when the request
-    ends with this item (``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"``, ``"error: ..."``)."""
+    ends with this item (``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"``, ``"error: ..."``);
+    ``logprobs``: the tokens' log-probabilities, for a request that asked for them."""
 
     request: _Request
     tokens: list[int]
     acceptance: list[int]
     finish: str | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class Emitter:
@@ -145,22 +184,27 @@ class Emitter:
         if item.acceptance:
             r.acceptance += item.acceptance
         kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
+        logprobs = None
+        if r.logprobs is not None:  # items without tokens (an end) carry none
+            logprobs = TokenLogprobs.concat([], r.logprobs) if item.logprobs is None else item.logprobs.head(len(kept))
+            r.logprob_parts.append(logprobs)
         if kept:
             step.add(r, len(kept), seen)
         if r.text.stopped:
-            self._end(r, "stop", kept, text)
+            self._end(r, "stop", kept, text, logprobs)
             self._stopped.append(r)
         elif item.finish is not None:
-            self._end(r, item.finish, kept, text + r.text.flush())
+            self._end(r, item.finish, kept, text + r.text.flush(), logprobs)
         elif kept or text:
-            r.handle._push(StreamChunk(kept, text))
+            r.handle._push(StreamChunk(kept, text, logprobs=logprobs))
 
-    def _end(self, r: _Request, reason: str, tokens: list[int], text: str) -> None:
+    def _end(self, r: _Request, reason: str, tokens: list[int], text: str, logprobs: TokenLogprobs | None) -> None:
         r.ended = True
         now = time.perf_counter()
         result = RequestResult(
             request_id=r.handle.request_id, prompt_tokens=int(r.prompt.size), tokens=list(r.text.tokens),
             text=r.text.text, finish_reason=reason, acceptance_lengths=list(r.acceptance),
-            ttft=None if r.first_token is None else r.first_token - r.submitted, seconds=now - r.submitted)
+            ttft=None if r.first_token is None else r.first_token - r.submitted, seconds=now - r.submitted,
+            logprobs=None if r.logprobs is None else TokenLogprobs.concat(r.logprob_parts, r.logprobs))
         self.metrics.count("requests", reason.split(":")[0])
-        r.handle._push(StreamChunk(list(tokens), text, reason, result))
+        r.handle._push(StreamChunk(list(tokens), text, reason, result, logprobs))

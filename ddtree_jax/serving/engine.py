@@ -45,11 +45,12 @@ from ddtree_jax.decode_round import DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
-from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk
+from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs
 from ddtree_jax.serving.metrics import EngineMetrics
 from ddtree_jax.serving.text import TextStream
 
-__all__ = ["Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk"]
+__all__ = ["Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk",
+           "TokenLogprobs"]
 
 log = logging.getLogger("ddtree_jax.serving")
 
@@ -162,6 +163,8 @@ class _Request:
     retired: bool = False  # the engine is done with it (its slot is free or being freed)
     ended: bool = False  # the emitter has sent its last chunk
     acceptance: list[int] = dataclasses.field(default_factory=list)
+    logprobs: int | None = None  # top alternatives asked for; None: no log-probabilities
+    logprob_parts: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     first_token: float | None = None
     last_emit: float | None = None
 
@@ -185,7 +188,7 @@ class Engine:
     The resolved settings are attributes: ``method``, ``budget`` (DDTree's node budget; the
     drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
     ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``sync_every``, ``stop_token_ids``,
-    ``max_stop_ids``, ``cache_len`` (positions per slot).
+    ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot).
     """
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, tokenizer=None,
@@ -210,8 +213,10 @@ class Engine:
         self.prefill_batch = min(config.prefill_batch or slots, slots)
         self.stop_token_ids = list(decode.stop_token_ids)
         self.max_stop_ids = max(config.max_stop_ids, len(self.stop_token_ids))
+        self.max_logprobs = config.max_logprobs
         self.plan = DecodePlan(method=method, budget=budget, backend=resolve_backend(decode.impl),
-                               hidden_layer_ids=tuple(drafter.config.target_layer_ids) if decode.uses_drafter else ())
+                               hidden_layer_ids=tuple(drafter.config.target_layer_ids) if decode.uses_drafter else (),
+                               logprobs=config.max_logprobs)
         self._models, self._tparams, self._dparams = Models.split(target, drafter if decode.uses_drafter else None)
         self._target, self._drafter = target, drafter
         # The cache holds a prompt + its tokens, and one verify block (or one prompt chunk) of scratch.
@@ -295,17 +300,21 @@ class Engine:
 
     def submit(self, prompt, sampling: SamplingParams | None = None, *, max_tokens: int = 16,
                stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (), ignore_eos: bool = False,
-               request_id: int | None = None, handle: RequestHandle | None = None) -> RequestHandle:
+               logprobs: int | None = None, request_id: int | None = None,
+               handle: RequestHandle | None = None) -> RequestHandle:
         """Queue a request; returns its handle at once.
 
         Raises ``RequestError`` (naming the field) for an invalid request and ``EngineOverloaded``
         when ``max_queue`` requests are already waiting. ``sampling`` defaults to greedy.
+        ``logprobs``: ``None``, or the number of top alternatives (0 .. ``max_logprobs``) to return
+        with each token's log-probability (``StreamChunk.logprobs``, ``RequestResult.logprobs``).
         ``request_id`` (default: a global counter) keys an unseeded request's random stream;
         ``handle`` lets a driver hand out the handle before the request reaches the engine
         (``ddtree_jax.serving.multihost``).
         """
         try:
             arr, stop_ids, stop = self.check_request(prompt, sampling, max_tokens, stop_token_ids, stop, ignore_eos)
+            self._check_logprobs(logprobs)
         except RequestError:
             self.metrics.count("rejected", "invalid")
             raise
@@ -314,7 +323,7 @@ class Engine:
             handle = RequestHandle(self, rid % 2**32)
         req = _Request(handle=handle, prompt=arr, sampling=sampling or SamplingParams(temperature=0.0),
                        max_tokens=max_tokens, stop_ids=stop_ids, text=TextStream(self.tokenizer, stop),
-                       submitted=time.perf_counter())
+                       submitted=time.perf_counter(), logprobs=logprobs)
         with self._lock:
             if self._stopping:
                 raise EngineOverloaded("the engine is shutting down")
@@ -326,6 +335,18 @@ class Engine:
             self._update_load()
             self._work.notify_all()
         return handle
+
+    def _check_logprobs(self, logprobs) -> None:
+        if logprobs is None:
+            return
+        if not is_int(logprobs) or logprobs < 0:
+            raise RequestError("logprobs", f"must be None or an integer >= 0, got {logprobs!r}")
+        if self.max_logprobs == 0:
+            raise RequestError("logprobs", "this engine returns no log-probabilities (EngineConfig.max_logprobs "
+                                           "is 0; serve --max-logprobs)")
+        if logprobs > self.max_logprobs:
+            raise RequestError("logprobs", f"{logprobs} alternatives asked; this engine returns at most "
+                                           f"{self.max_logprobs}")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling=None, **kw) -> list[RequestResult]:
         """Submit ``prompts`` (one ``SamplingParams`` or one per prompt) and step until all finish
@@ -507,14 +528,16 @@ class Engine:
         live = np.array([r is not None and not r.retired for r in snapshot])
         n_rounds = np.where(live, n_rounds, 0)
         self.metrics.count("rounds", n=int(n_rounds.sum()))
-        accept = got[:, _device.HARVEST_FIELDS + T:]
+        accept = got[:, _device.HARVEST_FIELDS + T : _device.HARVEST_FIELDS + T + self.sync_every]
         self.metrics.observe_many("accept", accept[np.arange(self.sync_every)[None] < n_rounds[:, None]])
         items, done = [], []
-        rows, first = got.tolist(), _device.HARVEST_FIELDS  # one conversion, then list slices
+        first = _device.HARVEST_FIELDS
+        rows = got[:, : first + T + self.sync_every].tolist()  # one conversion, then list slices
         for s in np.flatnonzero(live & ((n_new > 0) | (finish != RUNNING))).tolist():
             r, row = snapshot[s], rows[s]
             reason = None if row[2] == RUNNING else FINISH_REASONS[row[2]]
-            items.append(Emit(r, row[first : first + row[0]], row[first + T : first + T + row[1]], reason))
+            items.append(Emit(r, row[first : first + row[0]], row[first + T : first + T + row[1]], reason,
+                              self._logprobs(got[s], r, row[0])))
             if reason is not None:
                 done.append(r)
         if done:
@@ -525,6 +548,17 @@ class Engine:
                         self._slot[r.slot] = None
             self._release([r.slot for r in done])
         return items
+
+    def _logprobs(self, row: np.ndarray, r: _Request, n: int) -> TokenLogprobs | None:
+        """The log-probabilities of a slot's ``n`` new tokens from its harvest row (after the
+        tokens and acceptance columns: ``_device.rounds_and_harvest``), if its request asked."""
+        if r.logprobs is None:
+            return None
+        K = self.max_logprobs
+        start = _device.HARVEST_FIELDS + self.sync_every * (self.tokens_per_round + 1)
+        block = row[start:].reshape(-1, 1 + 2 * K)[:n]
+        return TokenLogprobs(block[:, 0].view(np.float32), block[:, 1 : 1 + r.logprobs],
+                             block[:, 1 + K : 1 + K + r.logprobs].view(np.float32))
 
     # ------------------------------------------------------------------------------------ thread
 

@@ -6,10 +6,15 @@ Endpoints:
   ``tokenizer_config.json``, rendered with jinja2): ``stream: true`` answers with server-sent
   events ending in ``data: [DONE]``. Fields: ``model``, ``prompt`` / ``messages``, ``max_tokens``
   (chat: also ``max_completion_tokens``), ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-  ``seed``, ``stop``, ``n`` (1 only), ``stream``, ``stream_options.include_usage``, and the
-  extensions ``stop_token_ids`` and ``ignore_eos``. Refused with a 400 naming the field:
-  ``logprobs``/``top_logprobs``, ``n`` > 1, ``echo``, ``best_of`` > 1, ``suffix``, non-zero
-  penalties, ``logit_bias`` (sampling here is exact: the output follows the target's own law).
+  ``seed``, ``stop``, ``n``, ``logprobs`` (completions: the number of alternatives; chat: a
+  boolean, with ``top_logprobs``), ``stream``, ``stream_options.include_usage``, and the
+  extensions ``stop_token_ids`` and ``ignore_eos``. Refused with a 400 naming the field: ``echo``,
+  ``best_of`` > 1, ``suffix``, non-zero penalties, ``logit_bias`` (sampling here is exact: the
+  output follows the target's own law), and more alternatives than the engine's ``max_logprobs``.
+* ``n`` > 1: n engine requests of the same prompt, each with its own prefill, merged into one
+  response (``choices[i].index``; stream chunks tagged by index); a seeded request's choice ``i``
+  uses seed ``seed + i`` (mod 2**32), as vLLM does. ``usage`` counts the prompt once and sums the
+  completion tokens. Log-probabilities: ``ddtree_jax/serving/openai_logprobs.py``.
 * ``GET /v1/models``, ``GET /health`` (503 while draining), ``GET /metrics`` (prometheus text).
 
 Responses and stream chunks carry ``system_fingerprint`` (a digest of what decides the outputs:
@@ -67,6 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree_jax.config import is_int
 from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult
+from ddtree_jax.serving.openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, completion_logprobs
 
 __all__ = ["API_KEY_ENV", "DEFAULT_DRAIN_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "Admission", "create_app",
            "load_chat_template", "metrics_text", "serve"]
@@ -187,14 +193,7 @@ def _integer(body: dict, name: str, default, lo: int, hi: int | None = None):
     return v
 
 
-def _refuse_unsupported(body: dict, chat: bool) -> None:
-    if body.get("n") not in (None, 1):
-        raise _bad("n", f"only n=1 is supported, got {body.get('n')!r}")
-    if chat:
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise _bad("logprobs", "log-probabilities are not supported")
-    elif body.get("logprobs") is not None:
-        raise _bad("logprobs", "log-probabilities are not supported")
+def _refuse_unsupported(body: dict) -> None:
     if body.get("echo"):
         raise _bad("echo", "echo is not supported")
     if body.get("best_of") not in (None, 1):
@@ -221,6 +220,32 @@ def _sampling(body: dict):
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         seed=_integer(body, "seed", None, 0, 2**32 - 1),
     )
+
+
+MAX_N = 128  # choices per request, as OpenAI allows
+
+
+def _logprobs(body: dict, chat: bool, limit: int) -> tuple[int | None, str]:
+    """``(alternatives per token or None, the field that asked)``; ``limit``: the engine's
+    ``max_logprobs`` (0: none)."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise _bad("logprobs", f"must be a boolean, got {on!r}")
+        if not on:
+            if body.get("top_logprobs") is not None:
+                raise _bad("top_logprobs", "needs logprobs: true")
+            return None, "logprobs"
+        name, k = "top_logprobs", _integer(body, "top_logprobs", 0, 0, 20)
+    else:
+        name, k = "logprobs", _integer(body, "logprobs", None, 0)
+        if k is None:
+            return None, name
+    if limit == 0:
+        raise _bad("logprobs", "this server returns no log-probabilities (start it with --max-logprobs N)")
+    if k > limit:
+        raise _bad(name, f"{k} alternatives asked; this server returns at most {limit} (--max-logprobs)")
+    return k, name
 
 
 def _stops(body: dict) -> list[str]:
@@ -307,6 +332,9 @@ class _Prepared:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    n: int
+    logprobs: int | None
+    logprobs_field: str
 
 
 class Admission:
@@ -414,6 +442,7 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                   devices=jax.device_count(), processes=jax.process_count())
     fingerprint = _fingerprint(engine, model_name, device)
     admission = Admission(api_key)
+    texts = TokenTexts(engine.tokenizer)
     pool = concurrent.futures.ThreadPoolExecutor(cpu_workers, thread_name_prefix="ddtree-http")
 
     @contextlib.asynccontextmanager
@@ -536,7 +565,9 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         """Everything a request costs the CPU before the engine: on a worker thread."""
         try:
             body = parse(raw)
-            _refuse_unsupported(body, chat)
+            _refuse_unsupported(body)
+            n = _integer(body, "n", 1, 1, MAX_N)
+            logprobs, logprobs_field = _logprobs(body, chat, engine.max_logprobs)
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise _bad("stream", "must be a boolean")
@@ -557,40 +588,87 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                        else default_max_tokens)
             max_tokens = _integer(body, name, default, 1)
             return _Prepared(np.asarray(ids), sampling, max_tokens, name, stop, stop_ids, ignore_eos,
-                             stream, bool(options.get("include_usage")))
+                             stream, bool(options.get("include_usage")), n, logprobs, logprobs_field)
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply", None) from None
 
-    def submit(p: _Prepared, chat: bool):
+    def submit(p: _Prepared, chat: bool) -> list:
+        """The request's ``n`` engine requests (none of them if one is refused)."""
         if admission.aborting:
             raise _unavailable()
+        handles = []
         try:
-            handle = engine.submit(p.ids, p.sampling, max_tokens=p.max_tokens, stop=p.stop, stop_token_ids=p.stop_ids,
-                                   ignore_eos=p.ignore_eos)
+            for i in range(p.n):
+                sampling = p.sampling
+                if i and sampling.seed is not None:
+                    sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
+                handles.append(engine.submit(p.ids, sampling, max_tokens=p.max_tokens, stop=p.stop,
+                                             stop_token_ids=p.stop_ids, ignore_eos=p.ignore_eos, logprobs=p.logprobs))
         except RequestError as e:  # (the engine counted it)
-            field = {"prompt": "messages" if chat else "prompt", "max_tokens": p.max_tokens_field}.get(e.field, e.field)
+            for handle in handles:
+                handle.cancel()
+            field = {"prompt": "messages" if chat else "prompt", "max_tokens": p.max_tokens_field,
+                     "logprobs": p.logprobs_field}.get(e.field, e.field)
             err = _bad(field, e.message)
             err.counted = True
             raise err from None
         except EngineOverloaded as e:
+            for handle in handles:
+                handle.cancel()
             raise APIError(503, str(e), None, kind="server_overloaded", code="overloaded") from None
-        admission.handles.add(handle)
-        return handle
+        for handle in handles:
+            admission.handles.add(handle)
+        return handles
 
-    def usage(result: RequestResult) -> dict:
-        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.tokens),
-                "total_tokens": result.prompt_tokens + len(result.tokens),
-                "speculative": {"method": engine.method, "budget": engine.budget, "rounds": result.rounds,
-                                "mean_acceptance_length": round(result.tau, 4)}}
+    def usage(results: list[RequestResult]) -> dict:
+        completion = sum(len(r.tokens) for r in results)
+        rounds = sum(r.rounds for r in results)
+        accepted = sum(sum(r.acceptance_lengths) for r in results)
+        return {"prompt_tokens": results[0].prompt_tokens, "completion_tokens": completion,
+                "total_tokens": results[0].prompt_tokens + completion,
+                "speculative": {"method": engine.method, "budget": engine.budget, "rounds": rounds,
+                                "mean_acceptance_length": round(accepted / rounds, 4) if rounds else 0.0}}
 
     def finish_reason(result: RequestResult) -> str:
         return result.finish_reason if result.finish_reason in ("stop", "length") else "abort"
 
-    async def watch_disconnect(request: Request, handle):
-        """Cancel ``handle`` once the client has gone (non-streaming requests)."""
-        while not handle.done:
-            if await request.is_disconnected():
+    def logprobs_of(p: _Prepared, chat: bool, tokens: list[int], lp, offsets: CompletionOffsets | None):
+        """A choice's ``logprobs`` object (``None`` when the request did not ask)."""
+        if p.logprobs is None:
+            return None
+        return chat_logprobs(tokens, lp, texts) if chat else completion_logprobs(tokens, lp, texts, offsets)
+
+    async def merged(handles):
+        """``(choice index, chunk)`` of every handle as they come, until each has finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, handle):
+            async for chunk in handle.astream():
+                queue.put_nowait((i, chunk))
+
+        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+        try:
+            left = len(handles)
+            while left:
+                i, chunk = await queue.get()
+                left -= chunk.finished
+                yield i, chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def release(handles) -> None:
+        for handle in handles:
+            if not handle.done:
                 handle.cancel()
+            admission.handles.discard(handle)
+
+    async def watch_disconnect(request: Request, handles):
+        """Cancel ``handles`` once the client has gone (non-streaming requests)."""
+        while not all(h.done for h in handles):
+            if await request.is_disconnected():
+                for handle in handles:
+                    handle.cancel()
                 return
             await asyncio.sleep(0.1)
 
@@ -598,36 +676,40 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         try:
             raw = await read_body(request)
             prepared = await asyncio.get_running_loop().run_in_executor(pool, prepare, raw, chat)
-            handle = submit(prepared, chat)
+            handles = submit(prepared, chat)
         except APIError as e:
             if e.status in (400, 413) and not e.counted:
                 engine.metrics.count("rejected", "invalid" if e.status == 400 else "too_large")
             raise
-        return await (stream_response if prepared.stream else whole_response)(request, handle, prepared, chat)
+        return await (stream_response if prepared.stream else whole_response)(request, handles, prepared, chat)
 
-    async def whole_response(request: Request, handle, p: _Prepared, chat: bool):
-        watcher = asyncio.create_task(watch_disconnect(request, handle))
+    async def whole_response(request: Request, handles, p: _Prepared, chat: bool):
+        watcher = asyncio.create_task(watch_disconnect(request, handles))
+        results: list[RequestResult | None] = [None] * len(handles)
         try:
-            result = None
-            async for chunk in handle.astream():
-                result = chunk.result
+            async for i, chunk in merged(handles):
+                if chunk.finished:
+                    results[i] = chunk.result
         finally:
             watcher.cancel()
-            if not handle.done:
-                handle.cancel()
-            admission.handles.discard(handle)
-        if result.finish_reason.startswith("error"):
-            raise APIError(500, result.finish_reason, None, kind="server_error")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                   "finish_reason": finish_reason(result)} if chat else
-                  {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)})
-        return {"id": _request_id(handle, chat), "object": "chat.completion" if chat else "text_completion",
+            release(handles)
+        failed = next((r for r in results if r.finish_reason.startswith("error")), None)
+        if failed is not None:
+            raise APIError(500, failed.finish_reason, None, kind="server_error")
+        choices = []
+        for i, result in enumerate(results):
+            lp = logprobs_of(p, chat, result.tokens, result.logprobs, CompletionOffsets())
+            choices.append({"index": i, "message": {"role": "assistant", "content": result.text}, "logprobs": lp,
+                            "finish_reason": finish_reason(result)} if chat else
+                           {"index": i, "text": result.text, "logprobs": lp, "finish_reason": finish_reason(result)})
+        return {"id": _request_id(handles[0], chat), "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name, "system_fingerprint": fingerprint,
-                "choices": [choice], "usage": usage(result)}
+                "choices": choices, "usage": usage(results)}
 
-    async def stream_response(request: Request, handle, p: _Prepared, chat: bool):
-        rid, now = _request_id(handle, chat), int(time.time())
+    async def stream_response(request: Request, handles, p: _Prepared, chat: bool):
+        rid, now = _request_id(handles[0], chat), int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        offsets = [CompletionOffsets() for _ in handles]
 
         def event(choices, use=None) -> str:
             data = {"id": rid, "object": obj, "created": now, "model": model_name,
@@ -636,36 +718,40 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                 data["usage"] = use
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        def choice(text: str | None, reason: str | None, first: bool = False) -> dict:
+        def choice(i: int, chunk, reason: str | None, first: bool = False) -> dict:
+            text = None if first else chunk.text
+            lp = None if first else logprobs_of(p, chat, chunk.token_ids, chunk.logprobs, offsets[i])
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
         async def events():
+            results: list[RequestResult | None] = [None] * len(handles)
             try:
                 if chat:
-                    yield event([choice(None, None, first=True)])
-                async for chunk in handle.astream():
+                    for i in range(len(handles)):
+                        yield event([choice(i, None, None, first=True)])
+                async for i, chunk in merged(handles):
+                    news = bool(chunk.text) or (p.logprobs is not None and bool(chunk.token_ids))
                     if not chunk.finished:
-                        if chunk.text:
-                            yield event([choice(chunk.text, None)])
+                        if news:
+                            yield event([choice(i, chunk, None)])
                         continue
-                    result = chunk.result
+                    result = results[i] = chunk.result
                     if result.finish_reason.startswith("error"):
-                        if chunk.text:
-                            yield event([choice(chunk.text, None)])
+                        if news:
+                            yield event([choice(i, chunk, None)])
                         err = APIError(500, result.finish_reason, None, kind="server_error")
                         yield f"data: {json.dumps(err.body())}\n\n"
-                    else:
-                        yield event([choice(chunk.text, finish_reason(result))])
-                        if p.include_usage:
-                            yield event([], usage(result))
+                        break
+                    yield event([choice(i, chunk, finish_reason(result))])
+                else:
+                    if p.include_usage:
+                        yield event([], usage(results))
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or the response ended): nothing more to decode
-                if not handle.done:
-                    handle.cancel()
-                admission.handles.discard(handle)
+                release(handles)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
