@@ -3,7 +3,8 @@ target and the drafter), on the CPU in bf16 with the Triton kernels in interpret
 requests under concurrency equal their solo runs, greedy DDTree equals greedy autoregressive
 decoding, the drafter's products leave XLA, and the impossible combinations are named.
 
-A tiny bf16 pair (2 target layers, 1 drafter layer) keeps the interpret-mode compilation short.
+A tiny bf16 pair (one MoE target layer, one drafter layer) keeps the interpret-mode compilation
+short.
 """
 
 import dataclasses
@@ -27,22 +28,22 @@ FIXED = ExecutionConfig(impl="pallas", batch_invariant=True)
 
 @pytest.fixture(scope="module")
 def pair():
-    """A random bf16 target (1 dense + 1 MoE layer) and a one-layer drafter on the kernels."""
-    cfg = tiny_kimi_config(num_hidden_layers=2)
+    """A random bf16 target (one MoE layer) and a one-layer drafter, on the kernels."""
+    cfg = tiny_kimi_config(num_hidden_layers=1, first_k_dense_replace=0)
     target = dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, execution=KERNELS)
     rng = np.random.default_rng(0)
     for layer in target.model.layers:  # routing that depends on the biases
         if hasattr(layer.mlp, "gate"):
             bias = layer.mlp.gate.e_score_correction_bias
             bias[...] = jnp.asarray(rng.normal(0, 0.5, bias.shape), jnp.float32)
-    dcfg = tiny_dflash_config(cfg, num_hidden_layers=1, layer_types=("full_attention",), target_layer_ids=(0, 1))
+    dcfg = tiny_dflash_config(cfg, num_hidden_layers=1, layer_types=("full_attention",), target_layer_ids=(0,))
     drafter = dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16, execution=KERNELS)
     return target, drafter
 
 
 def test_seeded_requests_under_concurrency_equal_their_solo_runs(pair):
     """4 slots, 12 concurrent requests (greedy, unseeded and seeded sampling, prompts of 3 to 37
-    tokens: prefilled 1 to 4 rows at a time, in one to three 16-token chunks): every seeded
+    tokens: prefilled 1 or 2 rows at a time, in one to three 16-token chunks): every seeded
     request's tokens equal its run alone on the same engine, and again in another slot order."""
     rng = np.random.default_rng(0)
     vocab = pair[0].config.vocab_size
@@ -53,7 +54,7 @@ def test_seeded_requests_under_concurrency_equal_their_solo_runs(pair):
               else dt.SamplingParams(temperature=1.0, top_p=0.9) if i % 2 else dt.SamplingParams(temperature=0.0)
               for i in range(12)]
     config = EngineConfig(decode=dt.DecodeConfig(method="ddtree", budget=4), slots=4, max_model_len=48,
-                          prefill_chunk=16, deterministic=True)
+                          prefill_chunk=16, prefill_batch=2, deterministic=True)
     eng = Engine(*pair, config)
     assert eng._target.execution.batch_invariant and eng._drafter.execution.batch_invariant
     assert not pair[0].execution.batch_invariant  # the models given are left as they are
@@ -67,15 +68,14 @@ def test_seeded_requests_under_concurrency_equal_their_solo_runs(pair):
 
 def test_greedy_ddtree_equals_greedy_ar_in_bf16(pair):
     """In the mode a verify computes a node's row as a one-token decode step does, so greedy DDTree
-    and DFlash commit greedy autoregressive decoding's tokens in bf16, every row."""
+    commits greedy autoregressive decoding's tokens in bf16, every row."""
     target, drafter = (m.with_execution(FIXED) for m in pair)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, target.config.vocab_size - 1, n).tolist() for n in (5, 11, 3)]
-    kw = dict(max_new_tokens=16, max_len=48, impl="pallas")
+    kw = dict(max_new_tokens=16, max_len=48)
     ar = dt.generate(target, None, prompts, method="ar", **kw).tokens
     tree = dt.generate(target, drafter, prompts, method="ddtree", budget=6, **kw)
-    assert tree.tokens == ar
-    assert dt.generate(target, drafter, prompts, method="dflash", **kw).tokens == ar
+    assert tree.tokens == ar and tree.mean_tau > 1
 
 
 def test_drafter_batch_invariant_mode(pair):
@@ -86,8 +86,7 @@ def test_drafter_batch_invariant_mode(pair):
     target, drafter = pair
     fixed_target, fixed = target.with_execution(FIXED), drafter.with_execution(FIXED)
     cache = drafter.init_cache(4, 32)
-    feats = jnp.asarray(np.random.default_rng(2).standard_normal((4, 9, 2 * target.config.hidden_size)),
-                        jnp.bfloat16)
+    feats = jnp.asarray(np.random.default_rng(2).standard_normal((4, 9, target.config.hidden_size)), jnp.bfloat16)
     roots = jnp.array([3, 9, 27, 81], jnp.int32)
 
     def draft(t, d, rows):
