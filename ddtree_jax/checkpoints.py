@@ -467,13 +467,15 @@ def load_target(
 
 
 def load_drafter(
-    path: str, target, *, mesh: Mesh | None = None, dtype=None, mesh_axes: dict[str, str] = DEFAULT_MESH_AXES
+    path: str, target, *, mesh: Mesh | None = None, dtype=None, mesh_axes: dict[str, str] = DEFAULT_MESH_AXES,
+    execution: ExecutionConfig | None = None,
 ):
     """Load a drafter checkpoint directory (``DRAFTERS`` in the registry: ``DFlashDraftModel``) for
     ``target``, whose embedding and LM head it uses.
 
     ``dtype`` defaults to the target's weight dtype (``"auto"``: the checkpoint's own). Checks that
-    the drafter fits the target.
+    the drafter fits the target. ``execution``: how it computes (``ExecutionConfig``: its ``impl``
+    and ``batch_invariant``; default ``ExecutionConfig()``).
     """
     raw = _read_config(path)
     arch = lookup_architecture(raw, "drafter", path)
@@ -488,9 +490,9 @@ def load_drafter(
     if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
         raise ValueError(f"DFlashConfig.mask_token_id={cfg.mask_token_id} outside the target vocabulary")
     dtype = target.model.embed_tokens.weight.dtype if dtype is None else _resolve_dtype(dtype, raw, path)
-    model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype, execution=execution))
     _load_into(model, path, skip=lambda name: False, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
-    return model
+    return model if execution is None or not execution.batch_invariant else model.with_execution(execution)
 
 
 def save_checkpoint(model, path: str, *, max_shard_bytes: int | None = None) -> None:

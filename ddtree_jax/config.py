@@ -4,16 +4,16 @@
   the decode loop's kernels); ``generate`` and ``serving.Engine`` run it.
 * ``EngineConfig``: the serving engine's slots, lengths, queue and prefill chunking, around a
   ``DecodeConfig``.
-* ``ExecutionConfig``: how the target model computes (kernels, batch invariance, kernel blocks and
-  segments, attention forms); given to ``KimiForCausalLM`` or ``load_target``, changed with
-  ``KimiForCausalLM.with_execution``. Placement on a mesh is an argument of ``load_target`` /
-  ``init_on_mesh``, not a setting.
+* ``ExecutionConfig``: how the target model and the drafter compute (kernels, batch invariance,
+  kernel blocks and segments, attention forms); given to ``KimiForCausalLM`` / ``DFlashDrafter``
+  or ``load_target`` / ``load_drafter``, changed with their ``with_execution``. Placement on a
+  mesh is an argument of ``load_target`` / ``init_on_mesh``, not a setting.
 
 A bad value raises ``ConfigError`` (a ``ValueError``) whose ``field`` names it. The checks that
 need the models run where the models are: ``DecodeConfig.check_for`` / ``EngineConfig.check_for``
 (stop ids inside the vocabulary, a drafter for the drafting methods, the context length; called by
-``generate``, the ``Engine`` and the command line) and ``KimiForCausalLM`` (batch invariance needs
-the Triton kernels on one device).
+``generate``, the ``Engine`` and the command line) and ``KimiForCausalLM`` / ``DFlashDrafter``
+(batch invariance needs the Triton kernels on one device).
 
 This module imports no JAX: the command line validates its options through it before anything
 heavy loads (``ddtree_jax/_preflight.py``).
@@ -190,6 +190,15 @@ class EngineConfig:
     prefill_batch: int | None = None
     """Most slots prefilled per engine step, >= 1. ``None``: all free slots."""
 
+    deterministic: bool = False
+    """The deterministic mode: the engine runs the target and the drafter with
+    ``ExecutionConfig.batch_invariant`` (``with_execution``; a model already in the mode is used
+    as it is), so that a request's tokens depend only on the engine's settings, the models, its
+    own prompt, sampling parameters and seed (or, unseeded, its request id), never on the other
+    requests, its slot, or how prompts were grouped and chunked for prefill. Needs the Triton
+    kernels on one device (``ConfigError`` naming ``ExecutionConfig.batch_invariant`` otherwise).
+    The guarantee and its cost: docs/serving.md, "Deterministic mode"."""
+
     max_stop_ids: int = 8
     """Stop-token slots per request (the decoding state's stop-id width), >= 1; raised to the
     number of ``decode.stop_token_ids`` if that is larger."""
@@ -206,6 +215,8 @@ class EngineConfig:
                  f"must be a DecodeConfig, got {type(self.decode).__name__}")
         for name in ("slots", "max_queue", "prefill_chunk", "max_stop_ids"):
             _check_count(owner, name, getattr(self, name))
+        _require(isinstance(self.deterministic, bool), owner, "deterministic",
+                 f"must be True or False, got {self.deterministic!r}")
         _check_count(owner, "max_model_len", self.max_model_len, lo=2, optional=True)
         _check_count(owner, "max_output_tokens", self.max_output_tokens, optional=True)
         _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)
@@ -230,7 +241,8 @@ def _is_moe_blocks(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExecutionConfig:
-    """How the target model computes (``KimiForCausalLM``); none of it changes the weights."""
+    """How the target model (``KimiForCausalLM``) and the drafter (``DFlashDrafter``) compute;
+    none of it changes the weights. The drafter reads ``impl`` and ``batch_invariant`` only."""
 
     impl: str | Backend = "auto"
     """The attention and expert implementations (``ddtree_jax.backend``): one of ``IMPLS``
@@ -239,18 +251,22 @@ class ExecutionConfig:
 
     batch_invariant: bool = False
     """Every dense product of the target (attention projections, dense MLPs, shared experts,
-    routers, the LM head, the absorbed attention's per-head products) through the fixed-order
-    Pallas product (``pallas_kernels/triton/dense_matmul.py``) instead of XLA's dot, whose
-    algorithm depends on the number of rows; with the attention kernel's fixed segments (the
-    Hopper kernel is then not used) and pinned ``moe_blocks``, a row's arithmetic is the same in a
-    decode step and in a tree verify, so greedy DDTree commits greedy autoregressive decoding's
-    tokens in bf16 too (``bench/bench_batch_invariance.py`` measures it). Needs the Triton kernels
-    (``impl`` ``"pallas"``, or ``"auto"`` on an NVIDIA GPU) on one device (no mesh)."""
+    routers, the LM head, the absorbed attention's per-head products) and of the drafter (its
+    projections, MLPs, ``fc`` and attention products) through the fixed-order Pallas product
+    (``pallas_kernels/triton/dense_matmul.py``) instead of XLA's dot, whose algorithm depends on
+    the number of rows; with the attention kernel's fixed segments (the Hopper kernel is then not
+    used) and pinned MoE blocks (``moe_blocks``, by default the decode step's), a row's arithmetic
+    does not depend on the other rows or their number: the same in a decode step and in a tree
+    verify, so greedy DDTree commits greedy autoregressive decoding's tokens in bf16 too
+    (``bench/bench_batch_invariance.py`` measures it), and the same alone and in any batch
+    (``EngineConfig.deterministic``). Needs the Triton kernels (``impl`` ``"pallas"``, or
+    ``"auto"`` on an NVIDIA GPU) on one device (no mesh)."""
 
     moe_blocks: Any = None
     """The MoE kernel's ``pallas_kernels.triton.moe_grouped_matmul.MoEBlocks``, pinned for every
     call whatever the number of tokens (a row's routed-expert arithmetic then does not depend on
-    the batch or the block length). ``None``: ``choose_blocks`` by the token count."""
+    the batch or the block length). ``None``: ``choose_blocks`` by the token count, or with
+    ``batch_invariant`` the blocks of the fewest tokens (a decode step's), pinned."""
 
     attention_segment_keys: int = SEGMENT_KEYS
     """Keys per segment of the attention kernel's fixed reduction (``latent_attention``), >= 0;

@@ -44,6 +44,7 @@ BAD = [
     (EngineConfig, "prefill_batch", 0),
     (EngineConfig, "max_stop_ids", 0),
     (EngineConfig, "max_logprobs", -1),
+    (EngineConfig, "deterministic", "yes"),
     (ExecutionConfig, "impl", "cuda"),
     (ExecutionConfig, "batch_invariant", 1),
     (ExecutionConfig, "moe_blocks", (16, 64)),

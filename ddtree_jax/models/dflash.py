@@ -16,6 +16,13 @@ keys and the block queries/keys. The projected context K/V are cached per layer
 
 The target is passed to the calls that need it: any object with ``embed(tokens) -> [..., H]``
 and ``lm_logits(hidden) -> [..., V]`` (``KimiForCausalLM`` has both).
+
+How the drafter computes is an ``ExecutionConfig`` (``ddtree_jax.config``), as for the target: with
+``batch_invariant`` every product (the projections, the MLPs, ``fc``, and the attention's scores
+and weighted values, per row and key-value head) runs through the fixed-order Pallas product
+(``pallas_kernels/triton/dense_matmul.py``), so a row's bits do not depend on the other rows or on
+their number; the LM head is the target's (batch-invariant when the target is). The other fields
+concern the target only. Design note: docs/serving.md, "Deterministic mode".
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.models._layers import GatedMLP, Linear, RMSNorm, masked_softmax, write_rows
+from ddtree_jax.backend import resolve_backend
+from ddtree_jax.config import ConfigError, ExecutionConfig, execution_of
+from ddtree_jax.models._layers import GatedMLP, Linear, RMSNorm, dense_product, masked_softmax, write_rows
 from ddtree_jax.models.dflash_config import DFlashConfig
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 
@@ -81,6 +90,7 @@ class DFlashAttention(nnx.Module):
         self.o_proj = Linear(cfg.num_attention_heads * hd, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.fixed_order = None  # static, as ``Linear.fixed_order``: the scores' and values' products
 
     def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,S,H]`` -> keys, values ``[B,S,kv_heads,head_dim]`` (keys normed and rotated)."""
@@ -100,10 +110,31 @@ class DFlashAttention(nnx.Module):
         k_blk, v_blk = self.kv(x, cos, sin)
         k = jnp.concatenate([k_ctx.astype(x.dtype), k_blk], axis=1)
         v = jnp.concatenate([v_ctx.astype(x.dtype), v_blk], axis=1)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * cfg.head_dim**-0.5
-        probs = masked_softmax(scores, mask[:, None, None]).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
-        return self.o_proj(out)
+        if self.fixed_order is None:
+            scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
+        else:
+            scores = _per_row_head_product(q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 3, 1), self.fixed_order)
+        probs = masked_softmax(scores * cfg.head_dim**-0.5, mask[:, None, None]).astype(x.dtype)
+        if self.fixed_order is None:
+            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        else:
+            out = _per_row_head_product(probs, v.transpose(0, 2, 1, 3), self.fixed_order).transpose(0, 3, 1, 2, 4)
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+def _per_row_head_product(x: jax.Array, w: jax.Array, fixed_order) -> jax.Array:
+    """``x [B, K, G, T, D] @ w [B, K, D, N] -> [B, K, G, T, N]`` in ``w``'s dtype (one weight per
+    batch row and key-value head, shared by its ``G`` query heads) through the fixed-order product with the
+    ``B * K`` (row, head) pairs as its groups; ``D`` and ``N`` are zero-padded to multiples of 16
+    (the GPU kernel's tiles; zeros add nothing)."""
+    b, kh, g, t, d = x.shape
+    n = w.shape[-1]
+    pad_d, pad_n = -d % 16, -n % 16
+    x = jnp.pad(x, ((0, 0),) * 4 + ((0, pad_d),))
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, pad_d), (0, pad_n)))
+    rows = x.reshape(b * kh, g * t, d + pad_d).transpose(1, 0, 2)  # [G*T, B*K, D]
+    out = dense_product(rows, w.reshape(b * kh, d + pad_d, n + pad_n), fixed_order)
+    return out[..., :n].transpose(1, 0, 2).reshape(b, kh, g, t, n)
 
 
 class DFlashLayer(nnx.Module):
@@ -119,15 +150,55 @@ class DFlashLayer(nnx.Module):
 
 
 class DFlashDrafter(nnx.Module):
-    """The drafter's own weights (parameter paths mirror the checkpoint's tensor names)."""
+    """The drafter's own weights (parameter paths mirror the checkpoint's tensor names).
 
-    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    ``execution`` (an ``ExecutionConfig``, default ``ExecutionConfig()``; ``impl=`` alone is
+    shorthand for ``ExecutionConfig(impl=impl)``) says how it computes: its ``impl`` and
+    ``batch_invariant`` as for the target (the module docstring). Read as ``drafter.execution``,
+    changed with ``with_execution``."""
+
+    def __init__(self, cfg: DFlashConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 execution: ExecutionConfig | None = None, impl=None):
         self.config = cfg
         h = cfg.hidden_size
         self.layers = nnx.List([DFlashLayer(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_hidden_layers)])
         self.fc = Linear(len(cfg.target_layer_ids) * h, h, axes=(None, None), rngs=rngs, dtype=dtype)
         self.hidden_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
         self.norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        self._configure(execution_of(execution, impl))
+
+    @property
+    def execution(self) -> ExecutionConfig:
+        """How the drafter computes (``ExecutionConfig``); ``with_execution`` changes it."""
+        return self._execution
+
+    def with_execution(self, execution: ExecutionConfig) -> DFlashDrafter:
+        """A new drafter object on the same weight arrays (as ``KimiForCausalLM.with_execution``),
+        computing as ``execution`` says; this one is left as it is. Raises ``ConfigError`` where
+        ``batch_invariant`` does not fit (it needs the Triton kernels, on one device)."""
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, state, copy=True)
+        model._configure(execution)
+        return model
+
+    def _configure(self, execution: ExecutionConfig) -> None:
+        """Check ``execution`` and set every product's static ``fixed_order`` from it (the one
+        place that does)."""
+        if not isinstance(execution, ExecutionConfig):
+            raise TypeError(f"execution must be an ExecutionConfig, got {type(execution).__name__}")
+        backend = resolve_backend(execution.impl)
+        if execution.batch_invariant and not (backend.kernels and backend.family == "triton"):
+            raise ConfigError("ExecutionConfig", "batch_invariant",
+                              "needs the Triton kernels: impl 'pallas' (or 'auto' on an NVIDIA GPU); the drafter runs "
+                              f"{backend}")
+        if execution.batch_invariant and _on_several_devices(self):
+            raise ConfigError("ExecutionConfig", "batch_invariant",
+                              "the fixed-order product runs on one device; this drafter is placed on a mesh")
+        fixed = backend if execution.batch_invariant else None
+        for _, module in nnx.iter_graph(self):
+            if isinstance(module, (Linear, DFlashAttention)):
+                module.fixed_order = fixed
+        self._execution = execution
 
     # ---- context ----
 
@@ -232,3 +303,14 @@ class DFlashDrafter(nnx.Module):
         k_ctx, v_ctx = self._context_kv(target_hidden, ctx_pos)
         block_pos = c + jnp.broadcast_to(jnp.arange(self.config.block_size)[None], (b, self.config.block_size))
         return self._block_logits(target, last_token, block_pos, k_ctx, v_ctx, ctx_pos, jnp.ones((b, c), bool))
+
+
+def _on_several_devices(module: nnx.Module) -> bool:
+    """Whether any parameter of ``module`` is placed over more than one device (traced arrays,
+    under ``nnx.eval_shape``, are placed nowhere yet)."""
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param) and not isinstance(value := var[...], jax.core.Tracer):
+            sharding = getattr(value, "sharding", None)
+            if sharding is not None and len(sharding.device_set) > 1:
+                return True
+    return False

@@ -403,6 +403,9 @@ class KimiForCausalLM(nnx.Module):
                               "the fixed-order product runs on one device; this model is placed on a mesh")
         expert_axis = axes.get("expert")
         fixed = backend if execution.batch_invariant else None
+        blocks = execution.moe_blocks
+        if blocks is None and execution.batch_invariant:
+            blocks = self._decode_moe_blocks()
         for _, module in nnx.iter_graph(self):
             if isinstance(module, (Linear, Router)):
                 module.fixed_order = fixed
@@ -412,9 +415,18 @@ class KimiForCausalLM(nnx.Module):
                 split = (mesh is not None and expert_axis in mesh.axis_names
                          and module.num_experts % mesh.shape[expert_axis] == 0)
                 module.expert_mesh = (mesh, expert_axis) if split else None
-                module.blocks = execution.moe_blocks
+                module.blocks = blocks
         self._execution, self.backend = execution, backend
         self._mesh, self._mesh_axes = mesh, mesh_axes
+
+    def _decode_moe_blocks(self):
+        """The MoE kernel's blocks for the fewest token copies (a decode step's, as ``choose_blocks``
+        gives them): what the batch-invariant mode pins when ``moe_blocks`` is ``None``."""
+        from pallas_kernels.triton.moe_grouped_matmul import choose_blocks
+
+        cfg = self.config
+        act_bytes = jnp.dtype(self.model.embed_tokens.weight.dtype).itemsize
+        return choose_blocks(1, cfg.n_routed_experts, int4=self.experts_int4 is not None, act_bytes=act_bytes)
 
     # ---- pieces the drafter shares ----
 

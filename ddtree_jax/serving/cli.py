@@ -2,6 +2,7 @@
 
     python -m ddtree_jax serve --target DIR --drafter DIR --tokenizer tokenizer.json \\
         [--method ddtree --budget 64] [--slots 8] [--host 127.0.0.1] [--port 8000] [--mesh expert=4,tensor=2]
+        [--deterministic {auto,on,off}]
 
 Also runnable alone: ``python -m ddtree_jax.serving.cli ...`` (same options). Stop tokens: the
 ``eos_token_id`` of ``generation_config.json`` in the target directory (or beside it), else the
@@ -31,7 +32,7 @@ import time
 
 from ddtree_jax import _preflight as pf
 from ddtree_jax._preflight import PreflightError, option_error
-from ddtree_jax.config import METHODS, ConfigError, DecodeConfig, EngineConfig
+from ddtree_jax.config import METHODS, ConfigError, DecodeConfig, EngineConfig, ExecutionConfig
 
 __all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "preflight", "run_serve"]
 
@@ -40,6 +41,7 @@ __all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "preflig
 API_KEY_ENV = "DDTREE_JAX_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_DRAIN_TIMEOUT = 20.0
+DETERMINISTIC = ("auto", "on", "off")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -88,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default="", help="device mesh, e.g. expert=4,tensor=2 or data=2,expert=4 "
                                               "(default: one device)")
     p.add_argument("--impl", choices=("auto", "pallas", "reference"), default="auto")
+    p.add_argument("--deterministic", choices=DETERMINISTIC, default="off",
+                   help="batch-invariant models: a seeded request's output depends only on the request, never on "
+                        "what else shares the batch (EngineConfig.deterministic; needs the Triton kernels on one "
+                        "device). auto: on where they run compiled (an NVIDIA GPU, no --mesh). Default off: "
+                        "docs/serving.md, 'Deterministic mode'")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before listening")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help=f"folder of JAX's persistent compilation cache, or 'off' (default: ${cc.ENV_VAR}, else "
@@ -109,7 +116,8 @@ def engine_config(args) -> EngineConfig:
             decode=DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every, seed=args.seed,
                                 stop_token_ids=tuple(args.stop_token_id or ()), impl=args.impl),
             slots=args.slots, max_model_len=args.max_model_len, max_queue=args.max_queue,
-            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, max_logprobs=args.max_logprobs)
+            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, max_logprobs=args.max_logprobs,
+            deterministic=args.deterministic == "on")
         config.decode.check_for(None, has_drafter=bool(args.drafter))
     except ConfigError as e:
         raise PreflightError(str(option_error(e))) from None
@@ -127,6 +135,12 @@ def preflight(args) -> str:
         raise PreflightError(f"--method {args.method} needs --drafter (a DFlash drafter folder); "
                              "only --method ar runs without one")
     engine_config(args)
+    if args.deterministic == "on" and args.mesh:
+        raise PreflightError("--deterministic on: the fixed-order products run on one device; drop --mesh "
+                             "(or --deterministic off)")
+    if args.deterministic == "on" and args.impl == "reference":
+        raise PreflightError("--deterministic on: needs the Triton kernels; --impl reference runs none "
+                             "(use --impl auto on an NVIDIA GPU, or --impl pallas)")
     target_cfg = pf.check_model_dir(args.target, "target")
     if args.drafter:
         pf.check_pair(target_cfg, pf.check_model_dir(args.drafter, "drafter"), args.target, args.drafter)
@@ -216,8 +230,12 @@ def build_engine(args):
         raise PreflightError(f"--mesh: {e}") from None
     dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     t0 = time.perf_counter()
-    target = _load("--target", args.target, debug, lambda: load_target(args.target, mesh=mesh, dtype=dtype))
-    drafter = (_load("--drafter", args.drafter, debug, lambda: load_drafter(args.drafter, target, mesh=mesh))
+    # --deterministic on: both models on --impl's kernels (on a CPU, --impl pallas: interpret mode)
+    execution = ExecutionConfig(impl=args.impl) if config.deterministic else None
+    target = _load("--target", args.target, debug,
+                   lambda: load_target(args.target, mesh=mesh, dtype=dtype, execution=execution))
+    drafter = (_load("--drafter", args.drafter, debug,
+                     lambda: load_drafter(args.drafter, target, mesh=mesh, execution=execution))
                if config.decode.uses_drafter else None)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
     template, specials = load_chat_template(tokenizer_path)
@@ -226,15 +244,21 @@ def build_engine(args):
             template = f.read()
     stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, tokenizer_path)
     stop += list(config.decode.stop_token_ids)
+    deterministic = config.deterministic or (args.deterministic == "auto" and mesh is None
+                                             and target.backend.kernels and not target.backend.interpret)
     try:
-        config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, stop_token_ids=tuple(stop)))
+        config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, stop_token_ids=tuple(stop)),
+                                     deterministic=deterministic)
         engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh))
     except ConfigError as e:
         if e.field == "stop_token_ids":  # the EOS ids joined the option's
             raise PreflightError(f"--stop-token-id or the EOS ids of {args.target}: {e.message}") from None
+        if e.field in ("batch_invariant", "deterministic"):
+            raise PreflightError(f"--deterministic {args.deterministic}: {e.message}") from None
         raise PreflightError(str(option_error(e))) from None
     _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
-         f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB")
+         f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB; deterministic mode "
+         f"{'on' if deterministic else 'off'}")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
     return engine, name, template, specials
 

@@ -18,7 +18,11 @@ step (``step()``)
 
 A request's random stream depends on its seed (or, unseeded, a global request counter), never
 on its slot or its neighbours, and greedy requests give exactly ``generate()``'s tokens whatever
-the arrival order and slot count (the tests check both).
+the arrival order and slot count (the tests check both). The numbers its tokens are drawn from
+are the same whatever shares the batch only in the deterministic mode
+(``EngineConfig.deterministic``: both models batch-invariant, so a row's prefill and rounds
+compute the same bits whatever its neighbours, the prefill's rows and chunk length); without it,
+bf16 rounding can differ with the batch and change a sampled token (docs/serving.md).
 
 Drive it with ``step()`` (tests, benchmarks) or ``start()`` a background thread that steps while
 there is work. ``submit`` is thread-safe, checks the request at once (``RequestError`` naming the
@@ -40,7 +44,7 @@ import jax
 import numpy as np
 
 from ddtree_jax.backend import resolve_backend
-from ddtree_jax.config import EngineConfig, is_int, token_id_problem
+from ddtree_jax.config import ConfigError, EngineConfig, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
@@ -169,6 +173,16 @@ class _Request:
     last_emit: float | None = None
 
 
+def _batch_invariant(model, role: str):
+    """``model`` in ``ExecutionConfig.batch_invariant`` (``EngineConfig.deterministic``)."""
+    execution = getattr(model, "execution", None)
+    if execution is None:
+        raise ConfigError("EngineConfig", "deterministic",
+                          f"the {role} ({type(model).__name__}) has no ExecutionConfig to make batch-invariant")
+    return model if execution.batch_invariant else model.with_execution(
+        dataclasses.replace(execution, batch_invariant=True))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
@@ -199,6 +213,9 @@ class Engine:
         cfg = target.config
         config.check_for(cfg.vocab_size, drafter is not None, cfg.max_position_embeddings)
         decode = config.decode
+        if config.deterministic:
+            target = _batch_invariant(target, "target")
+            drafter = _batch_invariant(drafter, "drafter") if decode.uses_drafter else drafter
         self.config = config
         self.vocab_size = cfg.vocab_size
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
