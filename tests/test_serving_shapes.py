@@ -16,10 +16,12 @@ class FakeCompiler:
     def __init__(self):
         self.calls: list[tuple[int, int, str]] = []
         self.release = threading.Event()
+        self.started = threading.Event()  # a background compilation has begun
 
     def __call__(self, rows, tokens):
         name = threading.current_thread().name
         if name == "ddtree-compile":
+            self.started.set()
             assert self.release.wait(10)
         self.calls.append((rows, tokens, name))
         return lambda: (rows, tokens)
@@ -82,3 +84,16 @@ def test_engine_prefill_on_a_cover_gives_generates_tokens():
     assert got == ref.tokens
     assert fresh.wait(300) and {(1, 16), (1, 32)} <= set(fresh.shapes)
     assert [r.tokens for r in eng.generate(prompts[::-1], max_tokens=8)] == ref.tokens[::-1]  # exact shapes now
+
+
+def test_close_waits_for_the_running_compilation_and_starts_no_other():
+    fake = FakeCompiler()
+    cache = ShapeCache(fake)
+    cache.warm(8, 64)
+    cache.get(2, 16)
+    cache.get(4, 16)  # queued behind (2, 16)
+    assert fake.started.wait(10)
+    threading.Timer(0.2, fake.release.set).start()
+    cache.close(timeout=10)  # returns once (2, 16) is compiled
+    assert [c[:2] for c in fake.calls if c[2] == "ddtree-compile"] == [(2, 16)]
+    assert cache.get(4, 16)[:2] == (4, 16) and fake.calls[-1][2] != "ddtree-compile"  # now in the caller

@@ -15,15 +15,27 @@ same order, which background compilation (finishing at different times per proce
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger("ddtree_jax.serving")
 
 __all__ = ["ShapeCache"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit, let each background thread finish the compilation it is in (a thread still inside
+    the compiler while the interpreter shuts down aborts the process) and start no other."""
+    for cache in list(_LIVE):
+        cache.close()
 
 
 class ShapeCache:
@@ -42,7 +54,11 @@ class ShapeCache:
         self._ready: dict[tuple[int, int], Callable] = {}
         self._pending: set[tuple[int, int]] = set()
         self._jobs: queue.SimpleQueue | None = None
+        self._idle = threading.Event()  # set while the background thread is not compiling
+        self._idle.set()
+        self._closed = False
         self.compile_seconds = 0.0  # total, both threads
+        _LIVE.add(self)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -99,12 +115,25 @@ class ShapeCache:
     def _work(self, jobs: queue.SimpleQueue) -> None:
         while True:
             key = jobs.get()
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle.clear()
             try:
                 self._store(key, self._compile(key))
             except Exception:  # the cover keeps serving this shape; the next miss retries
                 log.exception("background compilation of prefill shape %s failed", key)
                 with self._lock:
                     self._pending.discard(key)
+            finally:
+                self._idle.set()
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Start no more background compilations; wait (up to ``timeout`` s) for the running one."""
+        with self._lock:
+            self._closed = True
+            self._background = False
+        self._idle.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no background compilation is pending (tests); returns whether none is."""
