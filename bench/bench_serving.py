@@ -166,7 +166,8 @@ async def _level(base: str, concurrency: int, n: int, args) -> dict:
         async def run(i):
             async with sem:
                 body = dict(model="bench", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=args.max_tokens,
-                            temperature=args.temperature, stream=True, ignore_eos=True)
+                            temperature=args.temperature, stream=True, ignore_eos=True,
+                            stream_options={"include_usage": True})
                 if args.temperature > 0:
                     body["seed"] = i
                 return await _one(client, base, body)
