@@ -90,10 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default="", help="device mesh, e.g. expert=4,tensor=2 or data=2,expert=4 "
                                               "(default: one device)")
     p.add_argument("--impl", choices=("auto", "pallas", "reference"), default="auto")
-    p.add_argument("--deterministic", choices=DETERMINISTIC, default="off",
+    p.add_argument("--deterministic", choices=DETERMINISTIC, default="auto",
                    help="batch-invariant models: a seeded request's output depends only on the request, never on "
                         "what else shares the batch (EngineConfig.deterministic; needs the Triton kernels on one "
-                        "device). auto: on where they run compiled (an NVIDIA GPU, no --mesh). Default off: "
+                        "device). auto (the default): on where they run compiled (an NVIDIA GPU, no --mesh); "
                         "docs/serving.md, 'Deterministic mode'")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before listening")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
