@@ -1,6 +1,7 @@
 """The serving engine against ``generate()`` at the same batch, in one process.
 
     python bench/bench_engine.py --default [--batches 1 16 64] [--methods ar ddtree] [--budget 16]
+    python bench/bench_engine.py --k2-slice 2 [--batches 16 64]   # a random Kimi K2-shaped target of 2 layers
     python bench/bench_engine.py --smoke          # the shipped pair at tiny sizes on the CPU: checks the pipeline
 
 For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`` requests of
@@ -13,6 +14,11 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
   outside the waits for the device) beside its wait time per step;
 * the compiled round's device time per round, from a ``generate()`` run at batch ``B``
   (wall time of the decoding rounds / rounds, with ``profile`` off: an upper bound).
+
+With ``--k2-slice L`` the target is a random Kimi K2-shaped model of ``L`` layers (bf16, the device's
+kernels) and the drafter a random one-layer DFlash drafter (about one token accepted per round, so
+every round runs), without a tokenizer: what it shows is whether the engine's host work per
+round hides behind a large target's round.
 
 Every shape runs once untimed first (compilation). The engine's greedy tokens are checked against
 ``generate()``'s. Writes ``bench/results/engine_<device>_<date>.{json,md}`` with the command.
@@ -52,6 +58,20 @@ def _models():
     target = dt.load_target(os.path.join(pair, "target"))
     drafter = dt.load_drafter(os.path.join(pair, "drafter"), target)
     return target, drafter, Tokenizer.from_file(os.path.join(pair, "tokenizer.json"))
+
+
+def _k2_models(layers: int, smoke: bool):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import ddtree_jax as dt
+    from bench._common import k2_slice, one_layer_drafter_config
+
+    cfg = k2_slice(layers, 384, smoke=smoke)
+    target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(one_layer_drafter_config(cfg), rngs=nnx.Rngs(1),
+                                                       dtype=jnp.bfloat16))
+    return target, drafter, None
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -128,7 +148,8 @@ def _markdown(report: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--default", action="store_true", help="the shipped pair (ddtree_jax/default_pair)")
-    ap.add_argument("--smoke", action="store_true", help="the shipped pair at tiny sizes (CPU check)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check)")
+    ap.add_argument("--k2-slice", type=int, metavar="LAYERS", help="a random Kimi K2-shaped target of LAYERS layers")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 64 (smoke: 1 2)")
     ap.add_argument("--methods", nargs="+", default=["ar", "ddtree"], choices=["ar", "dflash", "ddtree"])
     ap.add_argument("--budget", type=int, default=16)
@@ -139,15 +160,16 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.new, args.prompt_len, args.requests_per_slot = 8, 8, 2
-    elif not args.default:
-        ap.error("pass --default (the shipped pair) or --smoke")
+    elif not (args.default or args.k2_slice):
+        ap.error("pass --default (the shipped pair), --k2-slice LAYERS or --smoke")
     args.batches = args.batches or ([1, 2] if args.smoke else [1, 16, 64])
-    target, drafter, tokenizer = _models()
+    target, drafter, tokenizer = _k2_models(args.k2_slice, args.smoke) if args.k2_slice else _models()
     device = jax.devices()[0].device_kind.replace(" ", "_")
     report = dict(device=device, date=datetime.date.today().isoformat(), host=platform.node(),
                   command="python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   jax=jax.__version__, rows=[])
-    stem = os.path.join(args.out, f"engine_{device.lower()}_{report['date'].replace('-', '')}")
+    name = f"engine_k2_slice{args.k2_slice}" if args.k2_slice else "engine"
+    stem = os.path.join(args.out, f"{name}_{device.lower()}_{report['date'].replace('-', '')}")
     for method in args.methods:
         for B in args.batches:
             log(f"{method} batch {B} ...")

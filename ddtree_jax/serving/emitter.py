@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ddtree_jax.serving.engine import _Request
     from ddtree_jax.serving.metrics import EngineMetrics
 
-__all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk", "TokenLogprobs"]
+__all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk", "deliver", "TokenLogprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +61,34 @@ class TokenLogprobs:
         return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
 
 
+def deliver(deliveries: list) -> None:
+    """Hand ``(loop, queue, chunk)`` triples to their asyncio queues with ONE thread-safe wake-up
+    per event loop (a wake-up is a write to the loop's self-pipe: one per chunk made the event loop
+    and the engine thread trade the interpreter lock per token). Order is kept per queue."""
+    by_loop: dict = {}
+    for loop, queue, chunk in deliveries:
+        by_loop.setdefault(loop, []).append((queue, chunk))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the listener's loop has closed
+            pass
+
+
+def _put_all(batch: list) -> None:
+    for queue, chunk in batch:
+        queue.put_nowait(chunk)
+
+
 class _StepLatency:
     """One step's latency observations, recorded into the metrics under one lock acquisition: the
     tokens, each first token's time to first token, and per request the inter-token gap with the
     number of tokens it covers (a first chunk of ``n`` tokens adds ``n - 1`` gaps of 0)."""
 
-    __slots__ = ("tokens", "ttft", "itl_values", "itl_counts")
+    __slots__ = ("tokens", "ttft", "itl_values", "itl_counts", "deliveries")
 
     def __init__(self):
+        self.deliveries: list = []  # the step's chunks for async listeners (``deliver``)
         self.tokens = 0
         self.ttft: list[float] = []
         self.itl_values: list[float] = []
@@ -169,6 +189,7 @@ class Emitter:
         step = _StepLatency()
         for item in items:
             self._process(item, seen, step)
+        deliver(step.deliveries)
         if step.tokens:
             self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
 
@@ -191,14 +212,15 @@ class Emitter:
         if kept:
             step.add(r, len(kept), seen)
         if r.text.stopped:
-            self._end(r, "stop", kept, text, logprobs)
+            self._end(r, "stop", kept, text, logprobs, step.deliveries)
             self._stopped.append(r)
         elif item.finish is not None:
-            self._end(r, item.finish, kept, text + r.text.flush(), logprobs)
+            self._end(r, item.finish, kept, text + r.text.flush(), logprobs, step.deliveries)
         elif kept or text:
-            r.handle._push(StreamChunk(kept, text, logprobs=logprobs))
+            r.handle._push(StreamChunk(kept, text, logprobs=logprobs), step.deliveries)
 
-    def _end(self, r: _Request, reason: str, tokens: list[int], text: str, logprobs: TokenLogprobs | None) -> None:
+    def _end(self, r: _Request, reason: str, tokens: list[int], text: str, logprobs: TokenLogprobs | None,
+             deliveries: list) -> None:
         r.ended = True
         now = time.perf_counter()
         result = RequestResult(
@@ -207,4 +229,4 @@ class Emitter:
             ttft=None if r.first_token is None else r.first_token - r.submitted, seconds=now - r.submitted,
             logprobs=None if r.logprobs is None else TokenLogprobs.concat(r.logprob_parts, r.logprobs))
         self.metrics.count("requests", reason.split(":")[0])
-        r.handle._push(StreamChunk(list(tokens), text, reason, result, logprobs))
+        r.handle._push(StreamChunk(list(tokens), text, reason, result, logprobs), deliveries)

@@ -49,7 +49,7 @@ from ddtree_jax.decode_round import DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
-from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs
+from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs, deliver
 from ddtree_jax.serving.metrics import EngineMetrics
 from ddtree_jax.serving.text import TextStream
 
@@ -87,18 +87,20 @@ class RequestHandle:
         self._result: RequestResult | None = None
         self.cancel_requested = False
 
-    def _push(self, chunk: StreamChunk) -> None:
+    def _push(self, chunk: StreamChunk, deliveries: list | None = None) -> None:
+        """Record ``chunk`` and wake blocking readers. Async listeners get it through their event
+        loop: at once, or, given ``deliveries``, appended there as ``(loop, queue, chunk)`` for the
+        caller to hand over with one wake-up per loop (``emitter.deliver``)."""
         with self._cond:
             self._chunks.append(chunk)
             if chunk.finished:
                 self._result = chunk.result
             listeners = list(self._listeners)
             self._cond.notify_all()
-        for loop, queue in listeners:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            except RuntimeError:  # the listener's loop has closed
-                pass
+        if deliveries is not None:
+            deliveries.extend((loop, queue, chunk) for loop, queue in listeners)
+            return
+        deliver([(loop, queue, chunk) for loop, queue in listeners])
 
     @property
     def done(self) -> bool:
