@@ -140,10 +140,14 @@ class AutoStats:
     @classmethod
     def start(cls, plan: AutoPlan) -> AutoStats:
         K = len(plan.budgets)
-        zeros = jnp.zeros((K,), jnp.float32)
-        return cls(expected_ema=jnp.ones((K,), jnp.float32), accepted_ema=jnp.float32(0),
-                   predicted_ema=jnp.float32(0), skipped=jnp.int32(plan.probe_every), drafted=jnp.int32(0),
-                   rounds=jnp.zeros((K,), jnp.int32), expected=zeros, realized=zeros)
+
+        def build():  # compiled: every leaf its own buffer (the statistics are donated leaf by leaf)
+            zeros = jnp.zeros((K,), jnp.float32)
+            return cls(expected_ema=jnp.ones((K,), jnp.float32), accepted_ema=jnp.float32(0),
+                       predicted_ema=jnp.float32(0), skipped=jnp.int32(plan.probe_every), drafted=jnp.int32(0),
+                       rounds=jnp.zeros((K,), jnp.int32), expected=zeros, realized=zeros)
+
+        return jax.jit(build)()
 
     def update(self, drafted, k, expected_rows, accepted_rows, active, plan: AutoPlan) -> AutoStats:
         """The statistics after a round: ``drafted`` (bool: the drafter ran), ``k`` (the index

@@ -50,10 +50,10 @@ def cost_key(target, drafter, *, backend, rows: int, cache_len: int, budgets: tu
                 jax=jax.__version__)
 
 
-def measure(run: Callable[[int], object], count: int, reps: int = 3) -> tuple[float, ...]:
-    """Seconds per call of ``run(k)`` for ``k < count``: one untimed call each (compilation,
-    warm-up), then ``reps`` timed calls each, interleaved across ``k``, each waited for
-    (``jax.block_until_ready``); the median per ``k``."""
+def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1) -> tuple[float, ...]:
+    """Seconds per round of ``run(k)`` (``per_call`` rounds) for ``k < count``: one untimed call
+    each (compilation, warm-up), then ``reps`` timed calls each, interleaved across ``k``, each
+    waited for (``jax.block_until_ready``); the median per ``k`` over ``per_call``."""
     for k in range(count):
         jax.block_until_ready(run(k))
     times = [[] for _ in range(count)]
@@ -62,7 +62,7 @@ def measure(run: Callable[[int], object], count: int, reps: int = 3) -> tuple[fl
             t0 = time.perf_counter()
             jax.block_until_ready(run(k))
             times[k].append(time.perf_counter() - t0)
-    return tuple(statistics.median(t) for t in times)
+    return tuple(statistics.median(t) / per_call for t in times)
 
 
 class CostTable:
@@ -114,11 +114,12 @@ class CostTable:
             json.dump(dict(key=key, costs=list(costs)), f, indent=1)
         os.replace(tmp, path)
 
-    def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3) -> tuple[float, ...]:
-        """The stored costs of ``key``, else ``measure(run, len(budgets), reps)``, stored."""
+    def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3,
+                       per_call: int = 1) -> tuple[float, ...]:
+        """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call)``, stored."""
         costs = self.get(key)
         if costs is None:
-            costs = measure(run, len(key["budgets"]), reps)
+            costs = measure(run, len(key["budgets"]), reps, per_call)
             self.put(key, costs)
         return costs
 
