@@ -155,7 +155,7 @@ class DecodeConfig:
                      f"'auto' chooses DDTree's budget per round: it needs method 'ddtree', got {self.method!r}")
         else:
             _require(is_int(self.budget) and self.budget >= 1, owner, "budget",
-                     f"must be an integer >= 1 or 'auto', got {self.budget!r}")
+                     f"must be an integer >= 1, got {self.budget!r} (or 'auto')")
         _check_count(owner, "auto_max_budget", self.auto_max_budget)
         _check_count(owner, "auto_probe_every", self.auto_probe_every)
         if self.auto_costs is not None:
