@@ -18,8 +18,11 @@ static set ``AutoPlan.budgets`` (``config.auto_budget_set``: 0, powers of two, t
   (cost of a round at that budget); ties go to the smaller budget;
 * **the gate** (before drafting: budget 0 skips the drafter): ``should_draft`` applies the same
   choice to the moving average of the per-row expected tokens of recent drafted rounds; it drafts
-  when that choice is a positive budget, or after ``AutoPlan.probe_every`` rounds in a row
-  without the drafter (a probe: without it the averages would never change again).
+  when that choice is a positive budget, or after ``AutoStats.interval`` rounds in a row without
+  the drafter (a probe: without it the averages would never change again). The interval starts
+  at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after each drafted round
+  whose own choice was budget 0, and falls back to ``probe_every`` after one that verified a tree,
+  so probing costs little where drafting does not pay.
 
 ``AutoStats`` (a pytree carried by the compiled rounds next to the ``DecodeState``) holds the
 averages and the report: rounds, expected and realized tokens per budget. ``AutoReport`` is its
@@ -37,11 +40,14 @@ import numpy as np
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["DECAY", "AutoPlan", "AutoReport", "AutoStats", "calibrated", "calibration", "choose_budget",
+__all__ = ["DECAY", "MAX_BACKOFF", "AutoPlan", "AutoReport", "AutoStats", "calibrated", "calibration", "choose_budget",
            "expected_tokens", "should_draft"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
+
+MAX_BACKOFF = 32
+"""The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +107,13 @@ def should_draft(stats: AutoStats, active: jax.Array, costs, plan: AutoPlan) -> 
     """bool: whether this round runs the drafter (module docstring: the gate). ``active``: the
     number of running rows."""
     expected = active * calibrated(stats.expected_ema, calibration(stats), plan.caps)
-    return (choose_budget(expected, costs) > 0) | (stats.skipped >= plan.probe_every)
+    return (choose_budget(expected, costs) > 0) | (stats.skipped >= stats.interval)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["expected_ema", "accepted_ema", "predicted_ema", "skipped", "drafted", "rounds", "expected",
-                 "realized"],
+    data_fields=["expected_ema", "accepted_ema", "predicted_ema", "skipped", "interval", "drafted", "rounds",
+                 "expected", "realized"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,7 @@ class AutoStats:
         realized and expected drafted tokens at the chosen budget (``calibration``).
       skipped: i32 rounds in a row without the drafter (starts at ``probe_every``: the first
         round drafts).
+      interval: i32 the rounds without the drafter after which a round probes (module docstring).
       drafted: i32 rounds that ran the drafter (with a running row); those at budget 0 wasted it.
       rounds: i32 ``[K]`` rounds run at each budget (rounds with a running row).
       expected: f32 ``[K]`` the running rows' expected tokens summed over those rounds
@@ -132,6 +139,7 @@ class AutoStats:
     accepted_ema: jax.Array
     predicted_ema: jax.Array
     skipped: jax.Array
+    interval: jax.Array
     drafted: jax.Array
     rounds: jax.Array
     expected: jax.Array
@@ -144,7 +152,8 @@ class AutoStats:
         def build():  # compiled: every leaf its own buffer (the statistics are donated leaf by leaf)
             zeros = jnp.zeros((K,), jnp.float32)
             return cls(expected_ema=jnp.ones((K,), jnp.float32), accepted_ema=jnp.float32(0),
-                       predicted_ema=jnp.float32(0), skipped=jnp.int32(plan.probe_every), drafted=jnp.int32(0),
+                       predicted_ema=jnp.float32(0), skipped=jnp.int32(plan.probe_every),
+                       interval=jnp.int32(plan.probe_every), drafted=jnp.int32(0),
                        rounds=jnp.zeros((K,), jnp.int32), expected=zeros, realized=zeros)
 
         return jax.jit(build)()
@@ -168,6 +177,9 @@ class AutoStats:
             accepted_ema=mix(self.accepted_ema, accepted - n),
             predicted_ema=mix(self.predicted_ema, total[k] - n),
             skipped=jnp.where(drafted, 0, self.skipped + 1).astype(jnp.int32),
+            interval=jnp.where(learn, jnp.where(k > 0, plan.probe_every,
+                                                jnp.minimum(2 * self.interval, MAX_BACKOFF * plan.probe_every)),
+                               self.interval).astype(jnp.int32),
             drafted=self.drafted + learn,
             rounds=self.rounds + one_hot,
             expected=self.expected + jnp.where(one_hot, total[k], 0.0),

@@ -52,10 +52,11 @@ def test_calibration_scales_the_drafted_part_and_caps_it():
     np.testing.assert_allclose(calibrated(e, 10.0, PLAN.caps), [1.0, 5.0, 5.0])  # at most L = 4 drafted tokens
 
 
-def _stats(expected_ema, accepted=1.0, predicted=1.0, skipped=0):
+def _stats(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
     s = AutoStats.start(PLAN)
     return AutoStats(expected_ema=jnp.asarray(expected_ema, jnp.float32), accepted_ema=jnp.float32(accepted),
-                     predicted_ema=jnp.float32(predicted), skipped=jnp.int32(skipped), drafted=jnp.int32(1),
+                     predicted_ema=jnp.float32(predicted), skipped=jnp.int32(skipped), interval=jnp.int32(interval),
+                     drafted=jnp.int32(1),
                      rounds=s.rounds, expected=s.expected, realized=s.realized)
 
 
@@ -65,8 +66,9 @@ def test_gate_drafts_when_recent_rounds_say_it_pays():
     assert not bool(should_draft(_stats([1.0, 1.2, 1.3]), 8, costs, PLAN))  # the draft is poor
     # well predicted, but the rows accepted a tenth of it: calibrated, it does not pay
     assert not bool(should_draft(_stats([1.0, 2.5, 3.0], accepted=0.1, predicted=1.0), 8, costs, PLAN))
-    # after probe_every rounds without the drafter, a probe
+    # after `interval` rounds without the drafter, a probe
     assert bool(should_draft(_stats([1.0, 1.2, 1.3], skipped=3), 8, costs, PLAN))
+    assert not bool(should_draft(_stats([1.0, 1.2, 1.3], skipped=3, interval=6), 8, costs, PLAN))
     assert bool(should_draft(AutoStats.start(PLAN), 8, costs, PLAN))  # the first round drafts
 
 
@@ -78,11 +80,17 @@ def test_statistics_of_a_drafted_and_a_plain_round():
     np.testing.assert_allclose(s.expected_ema, [1.0, 2.5, 3.25])  # the first drafted round, as it is
     assert (float(s.accepted_ema), float(s.predicted_ema)) == (4.0, 3.0)  # drafted tokens: 1 + 3 vs 1 + 2
     assert s.rounds.tolist() == [0, 1, 0] and s.expected.tolist() == [0, 5, 0] and s.realized.tolist() == [0, 6, 0]
-    assert (int(s.skipped), int(s.drafted)) == (0, 1)
+    assert (int(s.skipped), int(s.drafted), int(s.interval)) == (0, 1, 3)
     s = s.update(jnp.bool_(False), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
     np.testing.assert_allclose(s.expected_ema, [1.0, 2.5, 3.25])  # plain rounds teach the averages nothing
     assert s.rounds.tolist() == [1, 1, 0] and s.expected.tolist() == [2, 5, 0] and s.realized.tolist() == [2, 6, 0]
     assert (int(s.skipped), int(s.drafted)) == (1, 1)
+    wasted = s.update(jnp.bool_(True), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
+    assert int(wasted.interval) == 6 and int(wasted.skipped) == 0  # a probe that found nothing: back off
+    again = wasted.update(jnp.bool_(True), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
+    assert int(again.interval) == 12
+    assert int(again.update(jnp.bool_(True), jnp.int32(2), expected, jnp.asarray([3, 3, 3]), active,
+                            PLAN).interval) == 3  # a tree verified: probe often again
 
 
 def test_tree_prefix_is_the_smaller_build_and_expected_tokens_its_prefix_sums():
