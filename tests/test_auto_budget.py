@@ -190,7 +190,7 @@ GREEDY_PROMPTS, GREEDY_TOKENS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]], 8
 LAW_PROMPT, LAW_N = [1, 5, 2], 3000
 LAW_SETTINGS = [dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
                 dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.1)]
-AUTO = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.05, 5.0), auto_probe_every=2, seed=11)
+AUTO = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.7, 5.0), auto_probe_every=2, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -249,21 +249,20 @@ def test_greedy_auto_equals_autoregressive_and_reports_its_rounds(mixed_run, gre
     assert [r.tokens for r in greedy] == ar.tokens
     report = mixed_run.auto
     assert report.budgets == (0, 4, 8) and report.costs == {len(mixed_run.requests): AUTO.auto_costs}
-    assert sum(report.rounds) == mixed_run.rounds
+    assert sum(report.rounds) == mixed_run.rounds and report.rounds[0] >= 1  # plain rounds and drafted ones
     assert report.drafted_rounds >= report.rounds[1] + report.rounds[2]
     assert report.realized[0] == report.expected[0]  # a plain round expects and commits one token per row
     assert sum(report.realized) == sum(sum(r.acceptance_lengths) for r in mixed_run.requests)
 
 
 def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar):
-    config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_costs=(1.0, 2.2),
+    config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_costs=(1.0, 1.25),
                                                  auto_probe_every=2),
                              slots=2, max_model_len=32, prefill_chunk=16)
     engine = Engine(*law_models, config)
-    assert engine.budget == "auto" and engine.auto_costs == (1.0, 2.2)
+    assert engine.budget == "auto" and engine.auto_costs == (1.0, 1.25)
     results = engine.generate(GREEDY_PROMPTS, max_tokens=GREEDY_TOKENS)
     assert [r.tokens for r in results] == greedy_ar.tokens
     snap = engine.metrics.snapshot()["auto_budget"]
-    print(snap)
     assert snap["budgets"] == [0, 4] and sum(snap["rounds"]) > 0
     assert sum(snap["realized_tokens"]) == sum(sum(r.acceptance_lengths) for r in results)
