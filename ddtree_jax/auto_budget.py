@@ -147,16 +147,8 @@ class AutoStats:
 
     @classmethod
     def start(cls, plan: AutoPlan) -> AutoStats:
-        K = len(plan.budgets)
-
-        def build():  # compiled: every leaf its own buffer (the statistics are donated leaf by leaf)
-            zeros = jnp.zeros((K,), jnp.float32)
-            return cls(expected_ema=jnp.ones((K,), jnp.float32), accepted_ema=jnp.float32(0),
-                       predicted_ema=jnp.float32(0), skipped=jnp.int32(plan.probe_every),
-                       interval=jnp.int32(plan.probe_every), drafted=jnp.int32(0),
-                       rounds=jnp.zeros((K,), jnp.int32), expected=zeros, realized=zeros)
-
-        return jax.jit(build)()
+        """Fresh statistics (every leaf its own buffer: the statistics are donated leaf by leaf)."""
+        return _start(len(plan.budgets), plan.probe_every)
 
     def update(self, drafted, k, expected_rows, accepted_rows, active, plan: AutoPlan) -> AutoStats:
         """The statistics after a round: ``drafted`` (bool: the drafter ran), ``k`` (the index
@@ -185,6 +177,15 @@ class AutoStats:
             expected=self.expected + jnp.where(one_hot, total[k], 0.0),
             realized=self.realized + jnp.where(one_hot, accepted, 0.0),
         )
+
+
+@functools.partial(jax.jit, static_argnames=("K", "probe_every"))
+def _start(K: int, probe_every: int) -> AutoStats:
+    zeros = jnp.zeros((K,), jnp.float32)
+    return AutoStats(expected_ema=jnp.ones((K,), jnp.float32), accepted_ema=jnp.float32(0),
+                     predicted_ema=jnp.float32(0), skipped=jnp.int32(probe_every), interval=jnp.int32(probe_every),
+                     drafted=jnp.int32(0), rounds=jnp.zeros((K,), jnp.int32), expected=zeros,
+                     realized=jnp.zeros((K,), jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
