@@ -43,9 +43,10 @@ def models_digest(target, drafter) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def cost_key(target, drafter, *, backend, rows: int, cache_len: int, budgets: tuple[int, ...]) -> dict:
-    """What a round's cost depends on (module docstring), as a JSON-able dict."""
-    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models_digest(target, drafter),
+def cost_key(models: str, *, backend, rows: int, cache_len: int, budgets: tuple[int, ...]) -> dict:
+    """What a round's cost depends on (module docstring), as a JSON-able dict; ``models``: the
+    models' ``models_digest``."""
+    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
                 backend=repr(backend), rows=int(rows), cache_len=int(cache_len), budgets=[int(b) for b in budgets],
                 jax=jax.__version__)
 

@@ -304,6 +304,7 @@ def generate(
         auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
                              draft_len=drafter.config.block_size - 1)
         stats, costs = AutoStats.start(auto_plan), {}
+        digest = auto_costs.models_digest(target, drafter) if decode.auto_costs is None else None
 
     def harvest(state):
         got = jax.device_get({k: getattr(state, k) for k in host})
@@ -318,8 +319,8 @@ def generate(
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:
-                state, costs[rows] = _round_costs(decode, target, drafter, models, tparams, dparams, plan, auto_plan,
-                                                  state, base_key, checked.max_len)
+                state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plan, auto_plan, state,
+                                                  base_key, checked.max_len)
             state, stats = run_auto_rounds(models, tparams, dparams, plan, auto_plan, state, stats, base_key,
                                            jnp.asarray(costs[rows], jnp.float32), sync_every)
         else:
@@ -363,10 +364,11 @@ def generate(
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
 
 
-def _round_costs(decode: DecodeConfig, target, drafter, models, tparams, dparams, plan: DecodePlan,
+def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plan: DecodePlan,
                  auto_plan: AutoPlan, state, base_key, max_len: int):
     """``(state, costs)``: the round costs at ``state``'s batch size, ``decode.auto_costs`` if
-    given, else from the cost table (``auto_costs.default_table``), timed there if it has none:
+    given, else from the cost table (``auto_costs.default_table``; ``digest``: the models'
+    ``auto_costs.models_digest``), timed there if it has none:
     ``timed_auto_round`` at each budget on ``state`` with every row marked free (a free row
     commits nothing, so the rows' tokens and caches do not change; their finish codes are put
     back after)."""
@@ -381,7 +383,7 @@ def _round_costs(decode: DecodeConfig, target, drafter, models, tparams, dparams
                                       base_key, flat, jnp.int32(k))
         return work[0]
 
-    key = auto_costs.cost_key(target, drafter, backend=plan.backend, rows=state.batch_size, cache_len=max_len,
+    key = auto_costs.cost_key(digest, backend=plan.backend, rows=state.batch_size, cache_len=max_len,
                               budgets=auto_plan.budgets)
     costs = auto_costs.default_table().get_or_measure(key, run)
     return dataclasses.replace(work[0], finish=finish), costs

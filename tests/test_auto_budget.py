@@ -143,7 +143,8 @@ def test_auto_settings_and_the_option():
 def test_cost_key_names_device_models_shapes_and_versions():
     target = tiny_kimi(0)
     drafter = tiny_dflash(target, 1)
-    key = auto_costs.cost_key(target, drafter, backend="ref", rows=16, cache_len=80, budgets=(0, 4, 8))
+    key = auto_costs.cost_key(auto_costs.models_digest(target, drafter), backend="ref", rows=16, cache_len=80,
+                              budgets=(0, 4, 8))
     assert key["device"] == jax.devices()[0].device_kind and key["jax"] == jax.__version__
     assert (key["rows"], key["cache_len"], key["budgets"]) == (16, 80, [0, 4, 8])
     other = tiny_kimi(0, num_hidden_layers=2)

@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import auto_costs
@@ -251,7 +252,7 @@ class Engine:
         """``budget="auto"`` rounds and their harvest on the engine's state: ``(packed, stats, report)``."""
         self._state, stats, packed, report = _device.auto_rounds_and_harvest(
             self._models, self._tparams, self._dparams, self.plan, self.auto_plan, self._state, stats,
-            self._base_key, jax.numpy.asarray(costs, jax.numpy.float32), jax.numpy.int32(force),
+            self._base_key, jnp.asarray(costs, jnp.float32), jnp.int32(force),
             rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
         return packed, stats, report
 
@@ -259,8 +260,8 @@ class Engine:
         """Seconds per round at each budget (``auto_costs``): the cost table's, or timed now on the
         empty slots (free slots commit nothing: the state does not change)."""
         flat = [1.0] * len(self.auto_plan.budgets)
-        key = auto_costs.cost_key(self._target, self._drafter, backend=self.plan.backend, rows=self.slots,
-                                  cache_len=self.cache_len, budgets=self.auto_plan.budgets)
+        key = auto_costs.cost_key(auto_costs.models_digest(self._target, self._drafter), backend=self.plan.backend,
+                                  rows=self.slots, cache_len=self.cache_len, budgets=self.auto_plan.budgets)
         run = lambda k: self._auto_rounds(AutoStats.start(self.auto_plan), flat, k)[0]
         return auto_costs.default_table().get_or_measure(key, run, per_call=self.sync_every)
 
