@@ -18,6 +18,7 @@ from ddtree_jax.auto_budget import AutoPlan, AutoStats, calibrated, choose_budge
 from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
 from ddtree_jax.generation import generate
 from ddtree_jax.serving import Engine
+from ddtree_jax.serving.server import metrics_text
 from ddtree_jax.tree import build_draft_tree
 from tests._model_fixtures import tiny_dflash, tiny_kimi
 from tests._reference import chisquare_pvalue, filtered_probs
@@ -267,3 +268,4 @@ def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar):
     snap = engine.metrics.snapshot()["auto_budget"]
     assert snap["budgets"] == [0, 4] and sum(snap["rounds"]) > 0
     assert sum(snap["realized_tokens"]) == sum(sum(r.acceptance_lengths) for r in results)
+    assert 'ddtree_auto_budget_rounds_total{budget="4"}' in metrics_text(engine)[0].decode()
