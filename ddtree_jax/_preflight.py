@@ -3,7 +3,7 @@
 Everything here reads only option values, paths, JSON files and safetensors headers, so a mistake
 costs a one-line message in well under a second instead of a traceback after the models load.
 
-* ``positive_int``, ``nonnegative_int``, ``nonnegative_float``, ``port``, ``temperature``,
+* ``positive_int``, ``budget`` (or ``auto``), ``nonnegative_int``, ``nonnegative_float``, ``port``, ``temperature``,
   ``top_p``, ``min_p``, ``seed``: argparse ``type=`` functions. The sampling ranges restate
   ``ddtree_jax.sampling.SamplingParams``, which stays authoritative (it checks again when the
   request is built; ``tests/test_cli.py`` checks that both agree).
@@ -52,6 +52,7 @@ __all__ = [
     "option_error",
     "port",
     "positive_int",
+    "budget",
     "resolve_tokenizer",
     "seed",
     "temperature",
@@ -103,6 +104,16 @@ def positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def budget(text: str) -> int | str:
+    """A DDTree budget option: an integer >= 1, or ``auto`` (chosen per round)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text} (or auto)")
     return value
 
 

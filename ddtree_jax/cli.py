@@ -177,8 +177,10 @@ def _load_models(args, need_drafter: bool) -> _Models:
     return _Models(target, drafter, drafter.config.block_size - 1 if drafter is not None else 0)
 
 
-def _settings(method: str, budget: int, block: int) -> str:
+def _settings(method: str, budget: int | str, block: int) -> str:
     """What a method actually ran with, in words."""
+    if method == "ddtree" and budget == "auto":
+        return f"tree of a budget chosen per round over a block of {block}"
     if method == "ddtree":
         return f"tree of {budget} drafted nodes over a block of {block}"
     if method == "dflash":
@@ -246,6 +248,10 @@ def _decode(args, models: _Models, prompts, tokenizer, *, stream: bool, decode: 
     _log(f"[ddtree_jax] {result.method} ({_settings(result.method, decode.budget, models.block)}): "
          f"{result.new_tokens} tokens in {result.seconds:.2f}s + prefill {result.prefill_seconds:.2f}s "
          f"({tps:.1f} tok/s, {watch.summary()}), mean tau={result.mean_tau:.2f}")
+    if result.auto is not None:
+        a = result.auto
+        _log("[ddtree_jax] auto budget, rounds per budget: " + ", ".join(f"{b}: {n}" for b, n in a.histogram.items())
+             + f"; expected {sum(a.expected):.0f} vs realized {sum(a.realized):.0f} tokens")
     if result.time_split:
         _log("[ddtree_jax] time split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.time_split.items()))
     return _Run(method=result.method, settings=_settings(result.method, decode.budget, models.block),
@@ -409,7 +415,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     g.add_argument("--tokenizer", required=True, help="tokenizer.json, or a folder that holds one")
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--method", choices=METHODS, default="ddtree")
-    g.add_argument("--budget", type=pf.positive_int, default=64, help="DDTree node budget, >= 1 (default 64)")
+    g.add_argument("--budget", type=pf.budget, default=64,
+                   help="DDTree node budget, >= 1 (default 64), or auto: chosen per round out of 0, 4, 8, 16, 32")
     g.add_argument("--max-new-tokens", type=pf.positive_int, default=64, help=">= 1 (default 64)")
     g.add_argument("--temperature", type=pf.temperature, default=0.0, help=">= 0; 0 = greedy (default)")
     g.add_argument("--top-k", type=pf.top_k, default=0, help=">= 0; 0 = off (default)")

@@ -1,7 +1,7 @@
 """The runtime settings, one frozen dataclass per concern, each value checked once when it is built.
 
-* ``DecodeConfig``: how requests decode (method, tree budget, host sync cadence, seed, stop ids,
-  the decode loop's kernels); ``generate`` and ``serving.Engine`` run it.
+* ``DecodeConfig``: how requests decode (method, tree budget or ``"auto"``, host sync cadence,
+  seed, stop ids, the decode loop's kernels); ``generate`` and ``serving.Engine`` run it.
 * ``EngineConfig``: the serving engine's slots, lengths, queue and prefill chunking, around a
   ``DecodeConfig``.
 * ``ExecutionConfig``: how the target model and the drafter compute (kernels, batch invariance,
@@ -30,6 +30,7 @@ from typing import Any
 from ddtree_jax.backend import IMPLS, Backend
 
 __all__ = [
+    "AUTO",
     "METHODS",
     "PER_HEAD_PREFILL",
     "PER_HEAD_PREFILL_IMPLS",
@@ -39,12 +40,14 @@ __all__ = [
     "DecodeConfig",
     "EngineConfig",
     "ExecutionConfig",
+    "auto_budget_set",
     "execution_of",
     "is_int",
     "token_id_problem",
 ]
 
 METHODS = ("ddtree", "dflash", "ar")
+AUTO = "auto"  # DecodeConfig.budget: a budget chosen per round (ddtree_jax/auto_budget.py)
 
 # The defaults of ``ExecutionConfig``'s attention settings (design notes: docs/kernels.md, "MLA
 # attention" and "Prefill: the absorbed form costs 3.4x the flops"): keys per segment of the
@@ -108,9 +111,24 @@ class DecodeConfig:
     """``"ddtree"`` (the best tree of ``budget`` drafted nodes), ``"dflash"`` (the argmax chain of
     the drafter's block) or ``"ar"`` (autoregressive, one token per target pass, no drafter)."""
 
-    budget: int = 64
+    budget: int | str = 64
     """DDTree's node budget: non-root nodes per tree, >= 1. Used by ``"ddtree"`` only (dflash
-    verifies the drafter's block, ar one token)."""
+    verifies the drafter's block, ar one token). ``"auto"`` (``"ddtree"`` only): each round
+    verifies the tree of the budget, out of ``auto_budget.budget_set(auto_max_budget)`` (0: an
+    autoregressive step without the drafter), that maximizes the expected committed tokens per
+    second (``ddtree_jax.auto_budget``; design note: docs/auto-budget.md)."""
+
+    auto_max_budget: int = 32
+    """With ``budget="auto"``: the largest budget of the set, >= 1."""
+
+    auto_costs: tuple[float, ...] | None = None
+    """With ``budget="auto"``: the cost of a round at each budget of the set (any unit, > 0),
+    instead of timing the compiled rounds; stored as a tuple of floats. ``None``: measured
+    (``ddtree_jax.auto_costs``)."""
+
+    auto_probe_every: int = 8
+    """With ``budget="auto"``: after this many rounds in a row without the drafter, one round
+    drafts again to re-measure the acceptance, >= 1."""
 
     sync_every: int | None = None
     """Compiled rounds between host checks, >= 1. ``None``: the runner's default (``generate``: 8,
@@ -132,7 +150,25 @@ class DecodeConfig:
     def __post_init__(self):
         owner = "DecodeConfig"
         _require(self.method in METHODS, owner, "method", f"must be one of {METHODS}, got {self.method!r}")
-        _check_count(owner, "budget", self.budget)
+        if self.budget == AUTO:
+            _require(self.method == "ddtree", owner, "budget",
+                     f"'auto' chooses DDTree's budget per round: it needs method 'ddtree', got {self.method!r}")
+        else:
+            _require(is_int(self.budget) and self.budget >= 1, owner, "budget",
+                     f"must be an integer >= 1, got {self.budget!r} (or 'auto')")
+        _check_count(owner, "auto_max_budget", self.auto_max_budget)
+        _check_count(owner, "auto_probe_every", self.auto_probe_every)
+        if self.auto_costs is not None:
+            costs = self.auto_costs
+            ok = isinstance(costs, Iterable) and not isinstance(costs, str | bytes)
+            costs = tuple(costs) if ok else ()
+            n = len(auto_budget_set(self.auto_max_budget))
+            ok = ok and len(costs) == n and all(
+                isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 < c < float("inf") for c in costs)
+            _require(ok, owner, "auto_costs",
+                     f"must be None or {n} positive finite numbers (one per budget of "
+                     f"{auto_budget_set(self.auto_max_budget)}), got {self.auto_costs!r}")
+            object.__setattr__(self, "auto_costs", tuple(float(c) for c in costs))
         _check_count(owner, "sync_every", self.sync_every, optional=True)
         _require(is_int(self.seed) and 0 <= self.seed < 2**32, owner, "seed",
                  f"must be an integer in [0, 2**32), got {self.seed!r}")
@@ -145,6 +181,16 @@ class DecodeConfig:
             _require(problem is None, owner, "stop_token_ids", str(problem))
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in ids))
         _check_impl(owner, self.impl)
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the budget is chosen per round (``budget="auto"``)."""
+        return self.budget == AUTO
+
+    @property
+    def max_budget(self) -> int:
+        """The largest tree the rounds build: ``budget``, or ``auto_max_budget`` with ``"auto"``."""
+        return self.auto_max_budget if self.is_auto else self.budget
 
     @property
     def uses_drafter(self) -> bool:
@@ -230,6 +276,16 @@ class EngineConfig:
                  f"must be in [2, {context}] (the target's context), got {self.max_model_len}")
         _require(self.max_logprobs <= vocab_size, "EngineConfig", "max_logprobs",
                  f"must be in [0, {vocab_size}] (the target's vocabulary), got {self.max_logprobs}")
+
+
+def auto_budget_set(max_budget: int) -> tuple[int, ...]:
+    """The budgets ``budget="auto"`` chooses from: 0 (an autoregressive step), the powers of two
+    from 4 below ``max_budget``, and ``max_budget``; e.g. 32 -> ``(0, 4, 8, 16, 32)``."""
+    steps, b = [], 4
+    while b < max_budget:
+        steps.append(b)
+        b *= 2
+    return (0, *steps, max_budget)
 
 
 def _is_moe_blocks(value: Any) -> bool:

@@ -27,8 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import auto_costs
+from ddtree_jax.auto_budget import AutoPlan, AutoReport, AutoStats
+from ddtree_jax.auto_round import run_auto_rounds, timed_auto_round
 from ddtree_jax.backend import Backend, resolve_backend
-from ddtree_jax.config import METHODS, DecodeConfig, is_int
+from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
 from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP
 from ddtree_jax.sampling import SamplingParams, batch_sampling
@@ -79,7 +82,8 @@ class GenerateOutput:
 
     Attributes:
       requests: one ``RequestOutput`` per prompt, in order.
-      method, budget: what ran (budget: non-root tree nodes; L for dflash, 0 for ar).
+      method, budget: what ran (budget: non-root tree nodes, the largest of the set with
+        ``budget="auto"``; L for dflash, 0 for ar).
       rounds: rounds the batch ran (the longest request's count).
       seconds: wall time of the decoding rounds (prefill excluded; compilation excluded after
         the first call with the same shapes).
@@ -87,6 +91,8 @@ class GenerateOutput:
       time_split: seconds per stage (draft, tree, verify, sample, commit) with ``profile=True``,
         else ``None``.
       batch_sizes: the batch sizes the rounds ran at, in order (compaction shrinks it).
+      auto: with ``budget="auto"``, the budgets the rounds chose and the expected vs realized
+        tokens (``auto_budget.AutoReport``); else ``None``.
     """
 
     requests: list[RequestOutput]
@@ -97,6 +103,7 @@ class GenerateOutput:
     prefill_seconds: float
     time_split: dict[str, float] | None
     batch_sizes: list[int]
+    auto: AutoReport | None = None
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -176,7 +183,7 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     decode.check_for(V, has_drafter=drafter is not None)
     stop = list(decode.stop_token_ids)
     L = drafter.config.block_size - 1 if decode.uses_drafter else 0
-    budget = decode.budget if decode.method == "ddtree" else L
+    budget = decode.max_budget if decode.method == "ddtree" else L
     context = cfg.max_position_embeddings
     # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
     # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
@@ -226,7 +233,8 @@ def generate(
       prompts: one list of token ids per request (different lengths are fine).
       method: ``"ddtree"`` (default: a tree of ``budget`` nodes), ``"dflash"`` (the argmax chain
         of the drafter's block) or ``"ar"`` (autoregressive, one token per target pass).
-      budget: DDTree node budget (non-root nodes per tree; default 64).
+      budget: DDTree node budget (non-root nodes per tree; default 64), or ``"auto"``: chosen per
+        round (``DecodeConfig.budget``; the ``auto_*`` settings need ``config=``).
       sampling: one ``SamplingParams`` for all, or one per request (greedy and sampled mixed).
       max_new_tokens: one limit for all requests, or one per request.
       stop_tokens: ids that end a request (the stop token is returned as its last token);
@@ -259,6 +267,8 @@ def generate(
     decode = _decode_config(config, method=method, budget=budget, stop_token_ids=stop_tokens, seed=seed,
                             sync_every=sync_every, impl=impl)
     checked = _check_inputs(target, drafter, prompts, decode, max_new_tokens, max_len)
+    if decode.is_auto and profile:
+        raise ValueError("generate: profile=True times the stages of one fixed budget; not with budget='auto'")
     method, sync_every = decode.method, decode.sync_every or _SYNC_EVERY
     backend = resolve_backend(decode.impl)
     B = len(checked.prompts)
@@ -290,6 +300,11 @@ def generate(
                 generated=np.zeros((B,), np.int32), finish=np.zeros((B,), np.int32), rounds=np.zeros((B,), np.int32))
     slot_request = np.arange(B)
     batch_sizes = [B]
+    if decode.is_auto:
+        auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
+                             draft_len=drafter.config.block_size - 1)
+        stats, costs = AutoStats.start(auto_plan), {}
+        digest = auto_costs.models_digest(target, drafter) if decode.auto_costs is None else None
 
     def harvest(state):
         got = jax.device_get({k: getattr(state, k) for k in host})
@@ -301,6 +316,13 @@ def generate(
     while True:
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
+        elif decode.is_auto:
+            rows = len(slot_request)
+            if rows not in costs:
+                state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plan, auto_plan, state,
+                                                  base_key, checked.max_len)
+            state, stats = run_auto_rounds(models, tparams, dparams, plan, auto_plan, state, stats, base_key,
+                                           jnp.asarray(costs[rows], jnp.float32), sync_every)
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
         done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
@@ -335,10 +357,36 @@ def generate(
     return GenerateOutput(
         requests=requests, method=method, budget=checked.budget, rounds=int(host["rounds"].max()), seconds=seconds,
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
+        auto=AutoReport.of(stats, auto_plan, costs) if decode.is_auto else None,
     )
 
 
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
+
+
+def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plan: DecodePlan,
+                 auto_plan: AutoPlan, state, base_key, max_len: int):
+    """``(state, costs)``: the round costs at ``state``'s batch size, ``decode.auto_costs`` if
+    given, else from the cost table (``auto_costs.default_table``; ``digest``: the models'
+    ``auto_costs.models_digest``), timed there if it has none:
+    ``timed_auto_round`` at each budget on ``state`` with every row marked free (a free row
+    commits nothing, so the rows' tokens and caches do not change; their finish codes are put
+    back after)."""
+    if decode.auto_costs is not None:
+        return state, decode.auto_costs
+    finish = state.finish
+    work = [dataclasses.replace(state, finish=jnp.full_like(finish, FREE))]
+    flat = jnp.ones((len(auto_plan.budgets),), jnp.float32)
+
+    def run(k):
+        work[0], _ = timed_auto_round(models, tparams, dparams, plan, auto_plan, work[0], AutoStats.start(auto_plan),
+                                      base_key, flat, jnp.int32(k))
+        return work[0]
+
+    key = auto_costs.cost_key(digest, backend=plan.backend, rows=state.batch_size, cache_len=max_len,
+                              budgets=auto_plan.budgets)
+    costs = auto_costs.default_table().get_or_measure(key, run)
+    return dataclasses.replace(work[0], finish=finish), costs
 
 
 def _profiled_round(models, tparams, dparams, plan, state, base_key, split):

@@ -78,6 +78,19 @@ class DraftTree:
         """Returns the tree with ``tokens[:, 0]`` set to the last committed token of each request."""
         return dataclasses.replace(self, tokens=self.tokens.at[:, 0].set(root_tokens.astype(jnp.int32)))
 
+    def prefix(self, num_nodes: int) -> DraftTree:
+        """The tree of the first ``num_nodes`` slots (root included; static), links to later
+        slots cut. For a best-first tree (``build_draft_tree``: nodes in creation order, every
+        parent and earlier sibling before its node) this is the tree a build with budget
+        ``num_nodes - 1`` gives; ``draft_len`` is kept (the commit's path width)."""
+        n = num_nodes
+        cut = lambda links: jnp.where(links < n, links, -1)
+        return dataclasses.replace(
+            self, tokens=self.tokens[:, :n], parents=self.parents[:, :n], depth=self.depth[:, :n],
+            score=self.score[:, :n], first_child=cut(self.first_child[:, :n]),
+            next_sibling=cut(self.next_sibling[:, :n]), valid=self.valid[:, :n],
+            ancestor_mask=self.ancestor_mask[:, :n, :n])
+
 
 def draft_logprobs(draft_logits: jax.Array) -> jax.Array:
     """``[B, L, V]`` logits -> float32 log-probabilities per depth: ``(x - m) - lse``, as

@@ -13,6 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.auto_budget import AutoPlan, AutoStats
+from ddtree_jax.auto_round import unrolled_auto_rounds
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_logprobs, unrolled_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
@@ -120,18 +122,37 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     gen0, rnd0 = state.generated, state.rounds
     if plan.logprobs:
         state, logprobs = _rounds_with_logprobs(models, tparams, dparams, plan, state, base_key, rounds, tokens)
-    else:
-        state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+        packed = _harvest(state, gen0, rnd0, rounds, tokens)
+        return state, jnp.concatenate([packed, logprobs.reshape(logprobs.shape[0], -1)], axis=1)
+    state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+    return state, _harvest(state, gen0, rnd0, rounds, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan", "auto", "rounds", "tokens"),
+                   donate_argnames=("state", "stats"))
+def auto_rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, auto: AutoPlan, state: DecodeState,
+                            stats: AutoStats, base_key, costs, force, *, rounds: int, tokens: int):
+    """``rounds_and_harvest`` with ``budget="auto"`` rounds (``auto_round.unrolled_auto_rounds``:
+    ``costs [K]``, ``force`` -1 to choose, else a budget's index; no log-probabilities). Returns
+    ``(state, stats, packed, report)``; ``report`` f32 ``[3, K]``: these rounds' rounds, expected
+    tokens and realized tokens at each budget (``AutoStats``' report fields, as increments)."""
+    gen0, rnd0 = state.generated, state.rounds
+    new, new_stats = unrolled_auto_rounds(models, tparams, dparams, plan, auto, state, stats, base_key, costs, force,
+                                          rounds)
+    report = jnp.stack([(new_stats.rounds - stats.rounds).astype(jnp.float32), new_stats.expected - stats.expected,
+                        new_stats.realized - stats.realized])
+    return new, new_stats, _harvest(new, gen0, rnd0, rounds, tokens), report
+
+
+def _harvest(state: DecodeState, gen0, rnd0, rounds: int, tokens: int):
+    """The packed rows of ``rounds_and_harvest`` for rounds run from ``gen0``/``rnd0``."""
     C = state.capacity
     tok_idx = jnp.clip(gen0[:, None] + jnp.arange(tokens)[None], 0, C - 1)
     rnd_idx = jnp.clip(rnd0[:, None] + jnp.arange(rounds)[None], 0, C - 1)
-    packed = jnp.concatenate([
+    return jnp.concatenate([
         (state.generated - gen0)[:, None], (state.rounds - rnd0)[:, None], state.finish[:, None],
         jnp.take_along_axis(state.out, tok_idx, axis=1), jnp.take_along_axis(state.accept_lengths, rnd_idx, axis=1),
     ], axis=1).astype(jnp.int32)
-    if plan.logprobs:
-        packed = jnp.concatenate([packed, logprobs.reshape(logprobs.shape[0], -1)], axis=1)
-    return state, packed
 
 
 def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,

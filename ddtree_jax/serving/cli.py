@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer.json, or a folder that holds one (chat template: "
                                                       "tokenizer_config.json beside it)")
     p.add_argument("--method", choices=METHODS, default="ddtree")
-    p.add_argument("--budget", type=pf.positive_int, default=64, help="DDTree node budget")
+    p.add_argument("--budget", type=pf.budget, default=64,
+                   help="DDTree node budget, or auto: chosen per round out of 0, 4, 8, 16, 32")
     p.add_argument("--slots", type=pf.positive_int, default=8, help="requests decoded at once")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                        "only; set --api-key before opening it to others)")

@@ -41,10 +41,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import auto_costs
+from ddtree_jax.auto_budget import AutoPlan, AutoStats
 from ddtree_jax.backend import resolve_backend
-from ddtree_jax.config import ConfigError, EngineConfig, is_int, token_id_problem
+from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
@@ -201,10 +204,13 @@ class Engine:
         strings; ``None``: tokens only.
       shard_state: optional function placing the state (``ddtree_jax.serving.sharding``).
 
-    The resolved settings are attributes: ``method``, ``budget`` (DDTree's node budget; the
-    drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
+    The resolved settings are attributes: ``method``, ``budget`` (DDTree's node budget or
+    ``"auto"``; the drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
     ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``sync_every``, ``stop_token_ids``,
-    ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot).
+    ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
+    ``auto_plan`` (the budget set) and ``auto_costs`` (seconds per round at each budget:
+    ``decode.auto_costs``, else the cost table's, timed at start-up on the empty slots if it has
+    none); the metrics count the rounds, expected and realized tokens per budget.
     """
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, tokenizer=None,
@@ -224,8 +230,8 @@ class Engine:
         self.max_output_tokens = config.max_output_tokens or self.max_model_len - 1
         method, slots = decode.method, config.slots
         depth = drafter.config.block_size - 1 if decode.uses_drafter else 0
-        budget = decode.budget if method == "ddtree" else depth
-        self.method, self.budget, self.slots = method, budget, slots
+        budget = decode.max_budget if method == "ddtree" else depth
+        self.method, self.budget, self.slots = method, decode.budget if method == "ddtree" else depth, slots
         self.tokenizer = tokenizer
         self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
         self.sync_every = decode.sync_every or 1
@@ -248,18 +254,47 @@ class Engine:
         # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
         # one while it compiles in the background (serving/shapes.py).
         self._prefill = _device.prefill_shapes(self._models, self.plan, self._tparams, self._dparams, self._state)
+        self.auto_plan = None
+        if decode.is_auto:
+            if config.max_logprobs:
+                raise ConfigError("EngineConfig", "max_logprobs", "log-probabilities are not computed with "
+                                  "budget='auto' yet; use a fixed budget or max_logprobs=0")
+            self.auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), draft_len=depth,
+                                      probe_every=decode.auto_probe_every)
+            self._auto_stats = AutoStats.start(self.auto_plan)
+            self.auto_costs = decode.auto_costs or self._measure_costs()
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._queue: collections.deque[_Request] = collections.deque()
         self._slot: list[_Request | None] = [None] * slots
         self._admitted: list[_Request] = []  # prefilling, in admission order
-        self.metrics = EngineMetrics(slots)
+        self.metrics = self._new_metrics()
         self._emitter = Emitter(self.metrics)
         self._inflight = None  # the last dispatched rounds, not yet read back
         self._waited = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def _new_metrics(self) -> EngineMetrics:
+        return EngineMetrics(self.slots, auto_budgets=self.auto_plan.budgets if self.auto_plan else ())
+
+    def _auto_rounds(self, stats, costs, force):
+        """``budget="auto"`` rounds and their harvest on the engine's state: ``(packed, stats, report)``."""
+        self._state, stats, packed, report = _device.auto_rounds_and_harvest(
+            self._models, self._tparams, self._dparams, self.plan, self.auto_plan, self._state, stats,
+            self._base_key, jnp.asarray(costs, jnp.float32), jnp.int32(force),
+            rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
+        return packed, stats, report
+
+    def _measure_costs(self) -> tuple[float, ...]:
+        """Seconds per round at each budget (``auto_costs``): the cost table's, or timed now on the
+        empty slots (free slots commit nothing: the state does not change)."""
+        flat = [1.0] * len(self.auto_plan.budgets)
+        key = auto_costs.cost_key(auto_costs.models_digest(self._target, self._drafter), backend=self.plan.backend,
+                                  rows=self.slots, cache_len=self.cache_len, budgets=self.auto_plan.budgets)
+        run = lambda k: self._auto_rounds(AutoStats.start(self.auto_plan), flat, k)[0]
+        return auto_costs.default_table().get_or_measure(key, run, per_call=self.sync_every)
 
     @property
     def state_bytes(self) -> int:
@@ -529,6 +564,11 @@ class Engine:
             snapshot = [r if r is not None and r.running and not r.retired else None for r in self._slot]
         if not any(snapshot):
             return None
+        if self.auto_plan is not None:
+            packed, self._auto_stats, report = self._auto_rounds(self._auto_stats, self.auto_costs, -1)
+            if jax.process_count() == 1:
+                packed.copy_to_host_async()
+            return packed, snapshot, report
         self._state, packed = _device.rounds_and_harvest(
             self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
             rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
@@ -536,11 +576,14 @@ class Engine:
             packed.copy_to_host_async()
         return packed, snapshot
 
-    def _read_back(self, packed, snapshot: list[_Request | None]) -> list[Emit]:
+    def _read_back(self, packed, snapshot: list[_Request | None], auto_report=None) -> list[Emit]:
         """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose
-        request ended on the device are freed (host side now, device side at the next step)."""
+        request ended on the device are freed (host side now, device side at the next step).
+        ``auto_report``: the dispatch's ``budget="auto"`` report, recorded in the metrics."""
         t0 = time.perf_counter()
         got = np.asarray(self._fetch(packed))
+        if auto_report is not None:
+            self.metrics.record_auto(self._fetch(auto_report))
         self._waited += time.perf_counter() - t0
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
         T = self.sync_every * self.tokens_per_round
@@ -644,5 +687,5 @@ class Engine:
                 h.result()
             R *= 2
         self._prefill.warm(_pow2(self.prefill_batch), self.prefill_chunk)
-        self.metrics = EngineMetrics(self.slots)  # the warm-up requests are not traffic
+        self.metrics = self._new_metrics()  # the warm-up requests are not traffic
         self._emitter.metrics = self.metrics

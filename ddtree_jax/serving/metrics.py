@@ -67,9 +67,15 @@ class Histogram:
 class EngineMetrics:
     """Thread-safe metrics of one engine (the engine thread writes, anyone reads a snapshot)."""
 
-    def __init__(self, slots: int, rate_window_s: float = 10.0):
+    def __init__(self, slots: int, rate_window_s: float = 10.0, auto_budgets: tuple[int, ...] = ()):
         self._lock = threading.Lock()
         self.slots = slots
+        # budget="auto": per budget of the set, request-batch rounds run at it and the running
+        # rows' expected (draft path probabilities) and realized (accepted) tokens in them
+        self.auto_budgets = tuple(auto_budgets)
+        self.budget_rounds = [0] * len(self.auto_budgets)
+        self.budget_expected = [0.0] * len(self.auto_budgets)
+        self.budget_realized = [0.0] * len(self.auto_budgets)
         self.queue_length = 0
         self.running = 0
         self.prefilling = 0
@@ -115,6 +121,16 @@ class EngineMetrics:
         with self._lock:
             getattr(self, name).observe_many(values)
 
+    def record_auto(self, report) -> None:
+        """Adds ``budget="auto"`` rounds: ``report [3, K]`` = rounds, expected tokens and realized
+        tokens at each budget (``serving._device.auto_rounds_and_harvest``)."""
+        rounds, expected, realized = np.asarray(report, np.float64).tolist()
+        with self._lock:
+            for i in range(len(self.auto_budgets)):
+                self.budget_rounds[i] += int(rounds[i])
+                self.budget_expected[i] += expected[i]
+                self.budget_realized[i] += realized[i]
+
     def count(self, field: str, key: str | None = None, n: int = 1) -> None:
         with self._lock:
             if key is None:
@@ -140,4 +156,7 @@ class EngineMetrics:
                 host_seconds=self.host_seconds, wait_seconds=self.wait_seconds,
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
+                auto_budget=None if not self.auto_budgets else dict(
+                    budgets=list(self.auto_budgets), rounds=list(self.budget_rounds),
+                    expected_tokens=list(self.budget_expected), realized_tokens=list(self.budget_realized)),
             )

@@ -306,6 +306,17 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 for reason, n in sorted(counts.items()):
                     c.add_metric([reason], n)
                 yield c
+            auto = s["auto_budget"]
+            for name, doc, key in [
+                ("auto_budget_rounds", "budget='auto': rounds run at each budget", "rounds"),
+                ("auto_budget_expected_tokens", "budget='auto': expected tokens (draft path probabilities) at each "
+                                                "budget", "expected_tokens"),
+                ("auto_budget_realized_tokens", "budget='auto': accepted tokens at each budget", "realized_tokens"),
+            ] if auto else []:
+                c = CounterMetricFamily(f"ddtree_{name}", doc, labels=["budget"])
+                for budget, n in zip(auto["budgets"], auto[key], strict=True):
+                    c.add_metric([str(budget)], n)
+                yield c
             for name, doc, h in [
                 ("time_to_first_token_seconds", "submission to first streamed token", s["ttft"]),
                 ("inter_token_latency_seconds", "time per streamed token after the first", s["itl"]),

@@ -1,0 +1,189 @@
+"""``budget="auto"`` against autoregressive decoding and DDTree at fixed budgets, per batch and setting.
+
+    PYTHONUNBUFFERED=1 python bench/bench_auto_budget.py --default [--batches 1 16 64] [--new 128]
+    python bench/bench_auto_budget.py --pair DIR          # a trained pair (as bench_e2e.py reads it)
+    python bench/bench_auto_budget.py --smoke             # tiny random pair on the CPU, tiny sizes
+
+For each batch size (``--batches``: that many held-out prompts of ``--prompt-len`` tokens decoded
+together, ``--new`` tokens each, stop tokens ignored) and each sampling setting (T=0, T=0.6 +
+top-p 0.95, T=1): tokens/s of the decoding rounds (prefill excluded; a warm-up call with the same
+shapes compiles first, and for ``auto`` measures or loads the cost table) of ``ar``, DDTree at each
+``--budgets`` and ``auto`` (``DecodeConfig(budget="auto", auto_max_budget=--auto-max)``), the
+ratio of each to ``ar``, and for ``auto``: its ratio to the best fixed budget of the cell, the
+per-round budget histogram, expected vs realized tokens, and the cost table it used (seconds per
+round at each budget of the set, as measured by the library at that batch).
+
+Results go to ``bench/results/auto_budget_<device>_<date>.json`` after every run (``--resume``
+continues a run stopped by ``--minutes``) and a markdown table beside it, with the device, date
+and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+
+from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair, smoke_pair
+from ddtree_jax.config import DecodeConfig
+from ddtree_jax.generation import generate
+
+ORDER = ("T=0", "T=0.6 top-p 0.95", "T=1")
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+def _config(label: str, auto_max: int, seed: int) -> DecodeConfig:
+    if label == "ar":
+        return DecodeConfig(method="ar", seed=seed)
+    if label == "auto":
+        return DecodeConfig(budget="auto", auto_max_budget=auto_max, seed=seed)
+    return DecodeConfig(budget=int(label.split("@")[1]), seed=seed)
+
+
+def run_one(target, drafter, prompts, label, setting, new, auto_max, seed):
+    """Warm-up call (compiles; auto: the cost table), then the timed call; returns the record."""
+    config = _config(label, auto_max, seed)
+    kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
+    models = (target, drafter if config.uses_drafter else None)
+    generate(*models, prompts, **kw)
+    out = generate(*models, prompts, **kw)
+    rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
+               rounds=out.rounds, tau=out.mean_tau)
+    if out.auto is not None:
+        a = out.auto
+        rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
+                   expected=sum(a.expected), realized=sum(a.realized),
+                   costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()})
+    return rec
+
+
+def summarize(results: dict) -> str:
+    runs = results["runs"]
+    fixed = [f"ddtree@{b}" for b in results["budgets"]]
+    lines = [f"# budget=\"auto\" vs fixed budgets, {results['device']}, {results['date']}", "",
+             f"Pair: `{results['pair']}`; prompts of {results['prompt_len']} tokens, {results['new']} new tokens "
+             f"each; auto's set: up to {results['auto_max']}.", "",
+             f"Command: `{results['command']}`; jax {results['jax']}.", "",
+             "Tokens/s over autoregressive decoding at the same batch and setting (auto/best: auto over the best "
+             "fixed budget of the cell).", "",
+             "| batch | setting | ar tok/s | " + " | ".join(f"@{b}" for b in results["budgets"]) +
+             " | auto | auto/best | auto histogram (budget: rounds) | expected / realized tokens |",
+             "|---|---|---|" + "---|" * (len(fixed) + 4)]
+    for batch in results["batches"]:
+        for setting in ORDER:
+            cell = {r["label"]: r for r in runs if r["batch"] == batch and r["setting"] == setting}
+            if "ar" not in cell:
+                continue
+            ar = cell["ar"]["tokens_per_s"]
+            ratio = lambda lab, cell=cell, ar=ar: cell[lab]["tokens_per_s"] / ar if lab in cell else float("nan")
+            best = max((ratio(lab) for lab in fixed if lab in cell), default=float("nan"))
+            auto = cell.get("auto")
+            hist = ", ".join(f"{b}: {n}" for b, n in auto["histogram"].items()) if auto else ""
+            er = f"{auto['expected']:.0f} / {auto['realized']:.0f}" if auto else ""
+            lines.append(f"| {batch} | {setting} | {ar:.1f} | " + " | ".join(f"{ratio(lab):.2f}" for lab in fixed) +
+                         f" | {ratio('auto'):.2f} | {ratio('auto') / best:.2f} | {hist} | {er} |")
+    lines += ["", "Cost table (ms per round at each budget of the set, measured by the library):", ""]
+    seen = set()
+    for r in runs:
+        for rows, costs in r.get("costs_ms", {}).items():
+            if rows not in seen:
+                seen.add(rows)
+                lines.append(f"- batch {rows}: " + ", ".join(f"{b}: {c:.3f}" for b, c in
+                                                             zip(r["histogram"], costs, strict=True)))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--default", action="store_true", help="the shipped pair (ddtree_jax/default_pair)")
+    src.add_argument("--pair", help="folder with target/, drafter/, tokenizer.json, data.json")
+    src.add_argument("--smoke", action="store_true", help="tiny random pair, tiny sizes (CPU)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--auto-max", type=int, default=32, help="auto's largest budget (DecodeConfig.auto_max_budget)")
+    p.add_argument("--settings", nargs="+", default=list(ORDER), choices=list(ORDER))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--minutes", type=float, default=9.0, help="stop (keeping results) before this wall time")
+    p.add_argument("--resume", action="store_true", help="continue the results file of the same stem")
+    p.add_argument("--tag", default=None, help="results file stem (default auto_budget_<device>_<date>)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="JAX's on-disk cache of compiled programs (and the cost tables beside it)")
+    args = p.parse_args(argv)
+    from ddtree_jax import compilation_cache
+
+    compilation_cache.enable(compilation_cache.resolve(args.compilation_cache))
+    if args.compilation_cache is not None:
+        os.environ[compilation_cache.ENV_VAR] = args.compilation_cache  # the cost table's folder follows it
+    t_start = time.perf_counter()
+    if args.smoke:
+        target, drafter, tokenizer = smoke_pair()
+        args.batches, args.budgets, args.auto_max = [1, 4], [2, 4], 4
+        args.prompt_len, args.new, pair, data_json = 8, 6, "smoke (random tiny pair)", None
+    else:
+        from ddtree_jax.default_model import SHIPPED_DIR
+
+        pair = SHIPPED_DIR if args.default or not args.pair else args.pair
+        args.target, args.drafter = os.path.join(pair, "target"), os.path.join(pair, "drafter")
+        args.tokenizer, data_json = os.path.join(pair, "tokenizer.json"), os.path.join(pair, "data.json")
+        target, drafter, tokenizer = load_pair(args)
+    device = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    stem = os.path.join(args.out, args.tag or f"auto_budget_{device.replace(' ', '_')}_{date}")
+    results = dict(device=device, backend=jax.default_backend(), date=date, pair=pair, jax=jax.__version__,
+                   command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                   batches=args.batches, budgets=args.budgets, auto_max=args.auto_max, prompt_len=args.prompt_len,
+                   new=args.new, runs=[])
+    if args.resume and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            results["runs"] = json.load(f)["runs"]
+    done = {(r["batch"], r["setting"], r["label"]) for r in results["runs"]}
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():
+        with open(stem + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(summarize(results))
+
+    labels = ["ar", *(f"ddtree@{b}" for b in args.budgets), "auto"]
+    _log(f"{pair} on {device}: batches {args.batches}, settings {args.settings}, {labels}")
+    stopped = False
+    for batch in args.batches:
+        prompts, _ = heldout_prompts(data_json, tokenizer, batch, args.prompt_len, args.new,
+                                     target.config.vocab_size, args.seed)
+        for setting in args.settings:
+            for label in labels:
+                if (batch, setting, label) in done:
+                    continue
+                if time.perf_counter() - t_start > args.minutes * 60:
+                    stopped = True
+                    break
+                t0 = time.perf_counter()
+                rec = run_one(target, drafter, prompts, label, setting, args.new, args.auto_max, args.seed)
+                rec.update(batch=batch, setting=setting)
+                results["runs"].append(rec)
+                save()
+                extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
+                _log(f"batch {batch} {setting} {label}: {rec['tokens_per_s']:.1f} tok/s, tau {rec['tau']:.2f}"
+                     f"{extra} ({time.perf_counter() - t0:.0f}s incl. compile)")
+    save()
+    print(summarize(results))
+    _log(f"{'stopped by --minutes; --resume continues. ' if stopped else ''}wrote {stem}.json and {stem}.md")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The cost table of ``budget="auto"``: seconds per round at each budget, measured and cached.
+
+``cost_key`` names what a round's cost depends on: the device kind, the models (a hash of their
+configurations, execution settings and parameter shapes and dtypes), the decode backend, the
+batch rows, the cache positions per row, the budget set and the JAX version. ``measure`` times a
+compiled round at each budget (after one untimed call that compiles and warms it; repetitions
+interleaved across budgets; the median). ``CostTable`` keeps measured costs in memory and, with a
+folder, one JSON file per key (``{"key": ..., "costs": [...]}``), so a later process with the same
+key loads them instead of timing again. ``default_table()`` keeps its files under the compilation
+cache folder (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that
+cache is off). Nothing here is specific to a device: every number comes from a measurement.
+Design note: docs/auto-budget.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+
+from ddtree_jax import compilation_cache
+
+__all__ = ["FOLDER", "CostTable", "cost_key", "default_table", "measure", "models_digest"]
+
+FOLDER = "auto_budget_costs"
+
+
+def models_digest(target, drafter) -> str:
+    """A hash of the models' configurations, execution settings and parameter shapes and dtypes."""
+    from flax import nnx
+
+    parts = []
+    for model in (target, drafter):
+        leaves = jax.tree.leaves(nnx.state(model)) if isinstance(model, nnx.Module) else []
+        parts.append(repr((getattr(model, "config", None), getattr(model, "execution", None),
+                           [(tuple(x.shape), str(x.dtype)) for x in leaves])))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def cost_key(models: str, *, backend, rows: int, cache_len: int, budgets: tuple[int, ...]) -> dict:
+    """What a round's cost depends on (module docstring), as a JSON-able dict; ``models``: the
+    models' ``models_digest``."""
+    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
+                backend=repr(backend), rows=int(rows), cache_len=int(cache_len), budgets=[int(b) for b in budgets],
+                jax=jax.__version__)
+
+
+def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1) -> tuple[float, ...]:
+    """Seconds per round of ``run(k)`` (``per_call`` rounds) for ``k < count``: one untimed call
+    each (compilation, warm-up), then ``reps`` timed calls each, interleaved across ``k``, each
+    waited for (``jax.block_until_ready``); the median per ``k`` over ``per_call``."""
+    for k in range(count):
+        jax.block_until_ready(run(k))
+    times = [[] for _ in range(count)]
+    for _ in range(reps):
+        for k in range(count):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(k))
+            times[k].append(time.perf_counter() - t0)
+    return tuple(statistics.median(t) / per_call for t in times)
+
+
+class CostTable:
+    """Round costs by key, in memory and (with ``folder``) on disk (module docstring)."""
+
+    def __init__(self, folder: str | None = None):
+        self.folder = folder
+        self._memory: dict[str, tuple[float, ...]] = {}
+
+    @staticmethod
+    def digest(key: dict) -> str:
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+    def path(self, key: dict) -> str | None:
+        """The file that holds ``key``'s costs (``None`` without a folder)."""
+        return None if self.folder is None else os.path.join(self.folder, f"{self.digest(key)}.json")
+
+    def get(self, key: dict) -> tuple[float, ...] | None:
+        """The costs stored for ``key``, or ``None``; a file for another key (a hash collision)
+        or with the wrong number of positive costs counts as none."""
+        digest = self.digest(key)
+        if digest in self._memory:
+            return self._memory[digest]
+        path = self.path(key)
+        if path is None or not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                got = json.load(f)
+            costs = tuple(float(c) for c in got["costs"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if got.get("key") != json.loads(json.dumps(key)) or len(costs) != len(key["budgets"]) or \
+                not all(c > 0 for c in costs):
+            return None
+        self._memory[digest] = costs
+        return costs
+
+    def put(self, key: dict, costs) -> None:
+        """Stores ``costs`` (one per budget of the key) in memory and, with a folder, on disk."""
+        costs = tuple(float(c) for c in costs)
+        self._memory[self.digest(key)] = costs
+        path = self.path(key)
+        if path is None:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(dict(key=key, costs=list(costs)), f, indent=1)
+        os.replace(tmp, path)
+
+    def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3,
+                       per_call: int = 1) -> tuple[float, ...]:
+        """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call)``, stored."""
+        costs = self.get(key)
+        if costs is None:
+            costs = measure(run, len(key["budgets"]), reps, per_call)
+            self.put(key, costs)
+        return costs
+
+
+_default: CostTable | None = None
+
+
+def default_table() -> CostTable:
+    """The process's table: files under the compilation cache folder (``DDTREE_JAX_COMPILATION_CACHE``
+    or its default; memory only when that is ``off``)."""
+    global _default
+    if _default is None:
+        root = compilation_cache.resolve()
+        _default = CostTable(None if root is None else os.path.join(root, FOLDER))
+    return _default

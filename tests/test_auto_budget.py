@@ -1,0 +1,271 @@
+"""budget="auto": the chooser's rule on hand-made inputs, the tree prefix it verifies, the
+statistics, the cost table's key and loading, the settings, and on tiny random models (CPU) the
+sampling law, greedy equality with autoregressive decoding (generate and the Engine) and the
+report. Costs are injected (``DecodeConfig.auto_costs``): no test depends on a timing.
+"""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ddtree_jax as dt
+from ddtree_jax import _preflight, auto_costs
+from ddtree_jax.auto_budget import AutoPlan, AutoStats, calibrated, choose_budget, expected_tokens, should_draft
+from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
+from ddtree_jax.generation import generate
+from ddtree_jax.serving import Engine
+from ddtree_jax.serving.server import metrics_text
+from ddtree_jax.tree import build_draft_tree
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+from tests._reference import chisquare_pvalue, filtered_probs
+
+PLAN = AutoPlan(budgets=(0, 4, 8), draft_len=4, probe_every=3)
+
+# --- the rule ---------------------------------------------------------------------------------
+
+
+def test_budget_set():
+    assert auto_budget_set(32) == (0, 4, 8, 16, 32)
+    assert auto_budget_set(24) == (0, 4, 8, 16, 24)
+    assert auto_budget_set(4) == (0, 4)
+    assert auto_budget_set(1) == (0, 1)
+
+
+def test_chooser_on_hand_made_inputs():
+    rows = 16
+    # a poor draft: a fraction of a token more per row does not pay a round twice as dear
+    assert int(choose_budget([rows, rows * 1.1, rows * 1.2], [1.0, 2.0, 2.2])) == 0
+    # flat costs, high acceptance: the largest tree
+    assert int(choose_budget([rows, rows * 3.0, rows * 4.5], [1.0, 1.0, 1.0])) == 2
+    # in between: 10/2 beats 4/1 and 11/3
+    assert int(choose_budget([4.0, 10.0, 11.0], [1.0, 2.0, 3.0])) == 1
+    # ties go to the smaller budget
+    assert int(choose_budget([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])) == 0
+
+
+def test_calibration_scales_the_drafted_part_and_caps_it():
+    e = jnp.asarray([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(calibrated(e, 0.5, PLAN.caps), [1.0, 1.5, 2.0])
+    np.testing.assert_allclose(calibrated(e, 10.0, PLAN.caps), [1.0, 5.0, 5.0])  # at most L = 4 drafted tokens
+
+
+def _stats(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
+    s = AutoStats.start(PLAN)
+    return AutoStats(expected_ema=jnp.asarray(expected_ema, jnp.float32), accepted_ema=jnp.float32(accepted),
+                     predicted_ema=jnp.float32(predicted), skipped=jnp.int32(skipped), interval=jnp.int32(interval),
+                     drafted=jnp.int32(1),
+                     rounds=s.rounds, expected=s.expected, realized=s.realized)
+
+
+def test_gate_drafts_when_recent_rounds_say_it_pays():
+    costs = jnp.asarray([1.0, 1.5, 2.0])
+    assert bool(should_draft(_stats([1.0, 2.5, 3.0]), 8, costs, PLAN))
+    assert not bool(should_draft(_stats([1.0, 1.2, 1.3]), 8, costs, PLAN))  # the draft is poor
+    # well predicted, but the rows accepted a tenth of it: calibrated, it does not pay
+    assert not bool(should_draft(_stats([1.0, 2.5, 3.0], accepted=0.1, predicted=1.0), 8, costs, PLAN))
+    # after `interval` rounds without the drafter, a probe
+    assert bool(should_draft(_stats([1.0, 1.2, 1.3], skipped=3), 8, costs, PLAN))
+    assert not bool(should_draft(_stats([1.0, 1.2, 1.3], skipped=3, interval=6), 8, costs, PLAN))
+    assert bool(should_draft(AutoStats.start(PLAN), 8, costs, PLAN))  # the first round drafts
+
+
+def test_statistics_of_a_drafted_and_a_plain_round():
+    s = AutoStats.start(PLAN)
+    expected = jnp.asarray([[1.0, 2.0, 2.5], [1.0, 3.0, 4.0], [1.0, 9.0, 9.0]])
+    active = jnp.asarray([True, True, False])
+    s = s.update(jnp.bool_(True), jnp.int32(1), expected, jnp.asarray([2, 4, 7]), active, PLAN)
+    np.testing.assert_allclose(s.expected_ema, [1.0, 2.5, 3.25])  # the first drafted round, as it is
+    assert (float(s.accepted_ema), float(s.predicted_ema)) == (4.0, 3.0)  # drafted tokens: 1 + 3 vs 1 + 2
+    assert s.rounds.tolist() == [0, 1, 0] and s.expected.tolist() == [0, 5, 0] and s.realized.tolist() == [0, 6, 0]
+    assert (int(s.skipped), int(s.drafted), int(s.interval)) == (0, 1, 3)
+    s = s.update(jnp.bool_(False), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
+    np.testing.assert_allclose(s.expected_ema, [1.0, 2.5, 3.25])  # plain rounds teach the averages nothing
+    assert s.rounds.tolist() == [1, 1, 0] and s.expected.tolist() == [2, 5, 0] and s.realized.tolist() == [2, 6, 0]
+    assert (int(s.skipped), int(s.drafted)) == (1, 1)
+    wasted = s.update(jnp.bool_(True), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
+    assert int(wasted.interval) == 6 and int(wasted.skipped) == 0  # a probe that found nothing: back off
+    again = wasted.update(jnp.bool_(True), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
+    assert int(again.interval) == 12
+    assert int(again.update(jnp.bool_(True), jnp.int32(2), expected, jnp.asarray([3, 3, 3]), active,
+                            PLAN).interval) == 3  # a tree verified: probe often again
+
+
+def test_tree_prefix_is_the_smaller_build_and_expected_tokens_its_prefix_sums():
+    """Best-first order adds parents (and earlier siblings) first, so the first b + 1 slots of a
+    tree are the tree of budget b, links included."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4, 7)) * 2, jnp.float32)
+    big = build_draft_tree(logits, 12, impl="reference")
+    for b in (1, 5):
+        small, cut = build_draft_tree(logits, b, impl="reference"), big.prefix(b + 1)
+        for field in ("tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"):
+            np.testing.assert_array_equal(getattr(cut, field), getattr(small, field), err_msg=f"{field} at {b}")
+    e = np.asarray(expected_tokens(big, (0, 1, 3, 6, 12)))
+    p = np.where(np.asarray(big.valid), np.exp(np.asarray(big.score, np.float64)), 0.0)
+    want = np.stack([1 + p[:, 1 : b + 1].sum(axis=1) for b in (0, 1, 3, 6, 12)], axis=1)
+    np.testing.assert_allclose(e, want, rtol=1e-5)
+    assert (np.diff(e, axis=1) >= 0).all()
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(method="dflash", budget="auto"), "budget"),
+    (dict(method="ar", budget="auto"), "budget"),
+    (dict(budget="many"), "budget"),
+    (dict(budget="auto", auto_max_budget=0), "auto_max_budget"),
+    (dict(budget="auto", auto_probe_every=0), "auto_probe_every"),
+    (dict(budget="auto", auto_costs=(1.0, 2.0)), "auto_costs"),
+    (dict(budget="auto", auto_max_budget=8, auto_costs=(1.0, 0.0, 2.0)), "auto_costs"),
+    (dict(budget="auto", auto_costs="fast"), "auto_costs"),
+])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        DecodeConfig(**kwargs)
+    assert e.value.field == field
+
+
+def test_auto_settings_and_the_option():
+    d = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=[1, 2, 3])
+    assert d.is_auto and d.max_budget == 8 and d.auto_costs == (1.0, 2.0, 3.0)
+    assert not DecodeConfig(budget=5).is_auto and DecodeConfig(budget=5).max_budget == 5
+    assert _preflight.budget("auto") == "auto" and _preflight.budget("12") == 12
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        _preflight.budget("0")
+
+
+# --- the cost table ------------------------------------------------------------------------------
+
+
+def test_cost_key_names_device_models_shapes_and_versions():
+    target = tiny_kimi(0)
+    drafter = tiny_dflash(target, 1)
+    key = auto_costs.cost_key(auto_costs.models_digest(target, drafter), backend="ref", rows=16, cache_len=80,
+                              budgets=(0, 4, 8))
+    assert key["device"] == jax.devices()[0].device_kind and key["jax"] == jax.__version__
+    assert (key["rows"], key["cache_len"], key["budgets"]) == (16, 80, [0, 4, 8])
+    other = tiny_kimi(0, num_hidden_layers=2)
+    assert auto_costs.models_digest(target, drafter) == auto_costs.models_digest(tiny_kimi(5), drafter)  # weights: no
+    assert auto_costs.models_digest(other, drafter) != key["models"]  # shapes: yes
+    json.dumps(key)
+
+
+def test_cost_table_saves_loads_and_refuses_what_does_not_match(tmp_path):
+    key = dict(device="d", models="m", rows=4, budgets=[0, 4, 8], jax="x")
+    table = auto_costs.CostTable(str(tmp_path))
+    assert table.get(key) is None
+    table.put(key, [1.0, 2.0, 3.5])
+    fresh = auto_costs.CostTable(str(tmp_path))  # another process: from the file
+    assert fresh.get(key) == (1.0, 2.0, 3.5)
+    assert fresh.get({**key, "rows": 8}) is None
+    calls = []
+    assert fresh.get_or_measure(key, calls.append) == (1.0, 2.0, 3.5) and not calls  # stored: not timed again
+    with open(table.path(key)) as f:
+        stored = json.load(f)
+    with open(table.path(key), "w") as f:  # a file for another key under this name
+        json.dump({**stored, "key": {**key, "rows": 2}}, f)
+    assert auto_costs.CostTable(str(tmp_path)).get(key) is None
+    with open(table.path(key), "w") as f:
+        f.write("{not json")
+    assert auto_costs.CostTable(str(tmp_path)).get(key) is None
+    measured = auto_costs.CostTable(None).get_or_measure(key, calls.append, reps=2, per_call=4)
+    assert calls == [0, 1, 2] * 3 and len(measured) == 3 and all(c > 0 for c in measured)
+
+
+def test_default_table_lives_under_the_compilation_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(auto_costs, "_default", None)
+    monkeypatch.setenv("DDTREE_JAX_COMPILATION_CACHE", str(tmp_path))
+    assert auto_costs.default_table().folder == str(tmp_path / auto_costs.FOLDER)
+    monkeypatch.setattr(auto_costs, "_default", None)
+    monkeypatch.setenv("DDTREE_JAX_COMPILATION_CACHE", "off")
+    assert auto_costs.default_table().folder is None
+
+
+# --- decoding --------------------------------------------------------------------------------------
+
+V = 12
+GREEDY_PROMPTS, GREEDY_TOKENS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]], 8
+LAW_PROMPT, LAW_N = [1, 5, 2], 3000
+LAW_SETTINGS = [dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.1)]
+AUTO = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.7, 5.0), auto_probe_every=2, seed=11)
+
+
+@pytest.fixture(scope="module")
+def law_models():
+    target = tiny_kimi(3, vocab_size=V)
+    return target, tiny_dflash(target, 4, mask_token_id=V - 1)
+
+
+@pytest.fixture(scope="module")
+def mixed_run(law_models):
+    """One batch (one compilation): LAW_N sampled rows per setting (2 tokens each) and three greedy
+    rows (GREEDY_TOKENS each)."""
+    sampling = [dt.SamplingParams(**s) for s in LAW_SETTINGS for _ in range(LAW_N)]
+    sampling += [dt.SamplingParams(temperature=0.0)] * len(GREEDY_PROMPTS)
+    prompts = [LAW_PROMPT] * (len(LAW_SETTINGS) * LAW_N) + GREEDY_PROMPTS
+    limits = [2] * (len(LAW_SETTINGS) * LAW_N) + [GREEDY_TOKENS] * len(GREEDY_PROMPTS)
+    return generate(*law_models, prompts, sampling=sampling, max_new_tokens=limits, compact=False, config=AUTO)
+
+
+def _two_token_law(target, params):
+    logits = np.asarray(target(jnp.asarray([LAW_PROMPT + [t] for t in range(V)])))  # one forward pass
+    first, seconds = logits[0, -2], logits[:, -1]
+    return (filtered_probs(first, **params)[:, None]
+            * np.stack([filtered_probs(seconds[t], **params) for t in range(V)])).ravel()
+
+
+def test_sampling_law_with_auto_budget(law_models, mixed_run):
+    """The first two tokens of each sampled setting follow the target's law (chi-square, p > 1e-4;
+    fixed seed) while the rounds verify trees of several budgets; the control (the same counts
+    against the other setting's law) is rejected (p < 1e-6, or a token outside its support)."""
+    out = mixed_run
+    assert out.auto.rounds[1] >= 1, "a tree smaller than the largest must have been verified"
+    law_rows = out.requests[: len(LAW_SETTINGS) * LAW_N]
+    assert np.mean([r.acceptance_lengths[0] for r in law_rows]) > 1.1, "drafts must be accepted to mean something"
+    tokens = np.array([r.tokens for r in law_rows])
+    laws = [_two_token_law(law_models[0], s) for s in LAW_SETTINGS]
+    for i, s in enumerate(LAW_SETTINGS):
+        codes = tokens[i * LAW_N : (i + 1) * LAW_N, 0] * V + tokens[i * LAW_N : (i + 1) * LAW_N, 1]
+        counts = np.bincount(codes, minlength=V * V)
+        law, wrong = laws[i], laws[1 - i]
+        assert (law[codes] > 0).all(), f"a token outside the filtered support was emitted ({s})"
+        p = chisquare_pvalue(counts[law > 0], law[law > 0] * LAW_N)
+        assert p > 1e-4, f"chi-square p = {p:.3g} for {s}"
+        rejected = (wrong[codes] == 0).any() or chisquare_pvalue(counts[wrong > 0], wrong[wrong > 0] * LAW_N) < 1e-6
+        assert rejected, f"the control was not rejected for {s}"
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(law_models):
+    return generate(law_models[0], None, GREEDY_PROMPTS, method="ar", max_new_tokens=GREEDY_TOKENS)
+
+
+def test_greedy_auto_equals_autoregressive_and_reports_its_rounds(mixed_run, greedy_ar):
+    ar = greedy_ar
+    greedy = mixed_run.requests[-len(GREEDY_PROMPTS):]
+    assert [r.tokens for r in greedy] == ar.tokens
+    report = mixed_run.auto
+    assert report.budgets == (0, 4, 8) and report.costs == {len(mixed_run.requests): AUTO.auto_costs}
+    assert sum(report.rounds) == mixed_run.rounds and report.rounds[0] >= 1  # plain rounds and drafted ones
+    assert report.drafted_rounds >= report.rounds[1] + report.rounds[2]
+    assert report.realized[0] == report.expected[0]  # a plain round expects and commits one token per row
+    assert sum(report.realized) == sum(sum(r.acceptance_lengths) for r in mixed_run.requests)
+
+
+def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar):
+    config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_costs=(1.0, 1.25),
+                                                 auto_probe_every=2),
+                             slots=2, max_model_len=32, prefill_chunk=16)
+    engine = Engine(*law_models, config)
+    assert engine.budget == "auto" and engine.auto_costs == (1.0, 1.25)
+    results = engine.generate(GREEDY_PROMPTS, max_tokens=GREEDY_TOKENS)
+    assert [r.tokens for r in results] == greedy_ar.tokens
+    snap = engine.metrics.snapshot()["auto_budget"]
+    assert snap["budgets"] == [0, 4] and sum(snap["rounds"]) > 0
+    assert sum(snap["realized_tokens"]) == sum(sum(r.acceptance_lengths) for r in results)
+    assert 'ddtree_auto_budget_rounds_total{budget="4"}' in metrics_text(engine)[0].decode()
