@@ -141,7 +141,8 @@ def main(argv=None):
         target, drafter, tokenizer = load_pair(args)
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
-    stem = os.path.join(args.out, args.tag or f"auto_budget_{device.replace(' ', '_')}_{date}")
+    name = f"auto_budget_{device.replace(' ', '_').lower()}_{date.replace('-', '')}"
+    stem = os.path.join(args.out, args.tag or name)
     results = dict(device=device, backend=jax.default_backend(), date=date, pair=pair, jax=jax.__version__,
                    command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                    batches=args.batches, budgets=args.budgets, auto_max=args.auto_max, prompt_len=args.prompt_len,
