@@ -749,27 +749,28 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def two_process(paths, cache_dir, server):
-    """A ``--engine-process`` server like ``server`` (started after it: its shapes are cached)."""
+def test_two_process_server(paths, cache_dir, server):
+    """A ``--engine-process`` server like ``server`` (started after it: its shapes are cached):
+    greedy outputs (completions and chat, with log-probabilities) equal the one-process server's; a
+    stream's chunks join up to the same text; refusals from the engine process (the context, stop
+    ids) and from the front end are the same 400s naming the field, counted in the engine's
+    metrics; a client that hangs up frees its slot. Then the engine process is killed with streams
+    running and queued: each stream ends (an error event, then [DONE]) instead of hanging,
+    /health is 503, new requests get 503."""
     s = Server(paths, _env(cache_dir), "--engine-process", log_name="two_process.log")
     try:
         s.wait_ready()
-        yield s
+        _same_as_one_process(server, s.base)
+        _hangup_frees_the_slot(s.base)
+        _killed_engine_ends_the_streams(s)
+    except BaseException:
+        print(s.output()[-3000:])
+        raise
     finally:
-        s.proc.terminate()
-        try:
-            s.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
         s.close()
 
 
-def test_two_process_server_answers_as_the_one_process_server(server, two_process):
-    """Greedy outputs (completions and chat, with log-probabilities) equal the one-process
-    server's; a stream's chunks join up to the same text; refusals from the engine process (the
-    context) and from the front end are the same 400s naming the field."""
-    base = two_process.base
+def _same_as_one_process(server, base):
     for prompt, n in (("The quick", 12), ("Tree", 20), ("0123", 7)):
         body = dict(prompt=prompt, max_tokens=n, temperature=0, logprobs=2)
         one, two = (httpx.post(b + "/v1/completions", json=body, timeout=120).json() for b in (server, base))
@@ -781,29 +782,53 @@ def test_two_process_server_answers_as_the_one_process_server(server, two_proces
     chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0)
     one, two = (httpx.post(b + "/v1/chat/completions", json=chat, timeout=120).json() for b in (server, base))
     assert two["choices"] == one["choices"]
-    for body, param in ((dict(prompt="hello", max_tokens=60), "max_tokens"),
-                        (dict(prompt="x" * 70, max_tokens=1), "prompt"),
-                        (dict(prompt="x", logprobs=MAX_LOGPROBS + 1), "logprobs"),
-                        (dict(prompt="x", stop_token_ids=[128]), "stop_token_ids")):
+    bad = 'ddtree_rejected_requests_total{reason="invalid"}'
+    before = metrics(base).get(bad, 0)
+    refusals = ((dict(prompt="hello", max_tokens=60), "max_tokens"), (dict(prompt="x" * 70, max_tokens=1), "prompt"),
+                (dict(prompt="x", logprobs=MAX_LOGPROBS + 1), "logprobs"),
+                (dict(prompt="x", stop_token_ids=[128]), "stop_token_ids"))
+    for body, param in refusals:
         assert _openai_error(httpx.post(base + "/v1/completions", json=body, timeout=60), 400)["param"] == param
+    assert metrics(base)[bad] == before + len(refusals)
     health = httpx.get(base + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["device"] == httpx.get(server + "/health", timeout=10).json()["device"]
 
 
-def test_two_process_hangup_cancels_and_frees_the_slot(two_process):
-    base = two_process.base
+def _hangup_frees_the_slot(base):
     before = metrics(base)
     status, events, done = sse(base, "/v1/completions", dict(prompt="ab", max_tokens=50, temperature=0,
                                                              ignore_eos=True, stream=True), stop_after=2)
     assert status == 200 and len(events) == 2 and not done
     key = 'ddtree_requests_total{reason="cancelled"}'
     deadline = time.monotonic() + 60
-    while (m := metrics(base))[key] - before.get(key, 0) < 1 or m["ddtree_free_slots"] < SLOTS:
+    while (m := metrics(base)).get(key, 0) - before.get(key, 0) < 1 or m["ddtree_free_slots"] < SLOTS:
         assert time.monotonic() < deadline, m
         time.sleep(0.1)
-    bad = 'ddtree_rejected_requests_total{reason="invalid"}'
-    httpx.post(base + "/v1/completions", json=dict(prompt="x", max_tokens=0), timeout=30)
-    assert metrics(base)[bad] == m.get(bad, 0) + 1  # counted in the engine process's metrics
+
+
+def _killed_engine_ends_the_streams(s):
+    body = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True, stream=True)
+    with concurrent.futures.ThreadPoolExecutor(SLOTS + 2) as pool:
+        jobs = [pool.submit(sse, s.base, "/v1/completions", body) for _ in range(SLOTS + 2)]
+        deadline = time.monotonic() + 120
+        while metrics(s.base)["ddtree_queue_length"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(_engine_pid(s.output()), signal.SIGKILL)
+        results = [j.result(timeout=60) for j in jobs]
+    errors = 0
+    for status, events, done in results:
+        assert status == 200 and done
+        if "error" in events[-1]:
+            assert "engine process exited" in events[-1]["error"]["message"]
+            errors += 1
+        else:
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert errors >= 2
+    health = httpx.get(s.base + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert _openai_error(httpx.post(s.base + "/v1/completions", json=dict(prompt="x"), timeout=10), 503)["code"] \
+        == "overloaded"
 
 
 def test_two_process_sigterm_drains_and_the_engine_process_exits(paths, cache_dir, server):
@@ -822,35 +847,3 @@ def test_two_process_sigterm_drains_and_the_engine_process_exits(paths, cache_di
     while not _gone(pid):
         assert time.monotonic() < deadline, f"engine process {pid} outlived the server"
         time.sleep(0.1)
-
-
-def test_a_killed_engine_process_ends_every_stream_with_an_error(paths, cache_dir, server):
-    """The engine process killed with streams running and queued: each stream ends (an error
-    event, then [DONE]) instead of hanging, /health is 503, new requests get 503."""
-    s = Server(paths, _env(cache_dir), "--engine-process", log_name="killed.log")
-    try:
-        s.wait_ready()
-        body = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True, stream=True)
-        with concurrent.futures.ThreadPoolExecutor(SLOTS + 2) as pool:
-            jobs = [pool.submit(sse, s.base, "/v1/completions", body) for _ in range(SLOTS + 2)]
-            deadline = time.monotonic() + 120
-            while metrics(s.base)["ddtree_queue_length"] < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            os.kill(_engine_pid(s.output()), signal.SIGKILL)
-            results = [j.result(timeout=60) for j in jobs]
-        errors = 0
-        for status, events, done in results:
-            assert status == 200 and done
-            if "error" in events[-1]:
-                assert "engine process exited" in events[-1]["error"]["message"]
-                errors += 1
-            else:
-                assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert errors >= 2
-        health = httpx.get(s.base + "/health", timeout=10)
-        assert health.status_code == 503 and health.json()["status"] == "failed"
-        refused = httpx.post(s.base + "/v1/completions", json=dict(prompt="x"), timeout=10)
-        assert _openai_error(refused, 503)["code"] == "overloaded"
-    finally:
-        s.close()
