@@ -155,6 +155,16 @@ def test_a_file_that_is_not_a_tokenizer_is_one_line(folders):
                                                          "not a tokenizers JSON file"], jax_free=False)
 
 
+@pytest.mark.parametrize("split", [[], ["--engine-process"]], ids=["one process", "engine process"])
+def test_a_loading_error_is_one_line(folders, split):
+    """Found once the models have loaded (the EOS id joins eight --stop-token-id: nine, over the
+    engine's eight), in this process or in the engine process."""
+    stops = [x for i in range(1, 9) for x in ("--stop-token-id", str(i))]
+    proc = _run(["serve", *_argv([], folders), *stops, "--no-warmup", *split])
+    _one_line_error(proc, "python -m ddtree_jax serve", ["--stop-token-id or the EOS ids", "at most 8"],
+                    jax_free=False)
+
+
 def test_restated_defaults_agree_with_the_server():
     from ddtree_jax.serving import cli, server
 

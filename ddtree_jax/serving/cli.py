@@ -18,6 +18,11 @@ listening is one line on stderr, ``<prog>: error: <option> <path>: ...``, exit s
 (``--debug``: the traceback of loading errors). The server's shutdown on SIGTERM / SIGINT drains
 (``--drain-timeout``; ``ddtree_jax/serving/server.py``) and exits 0.
 
+``--engine-process``: the compilation cache, the models, the warm-up and the engine run in a
+spawned process of their own, the HTTP front end in this one
+(``ddtree_jax/serving/engine_process.py``); a loading error there is the same one line and exit
+status 2.
+
 The API key: ``--api-key``, else the environment variable ``DDTREE_JAX_API_KEY`` (which keeps it
 out of the process list); without one, ``/v1/*`` is open.
 """
