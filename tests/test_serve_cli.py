@@ -157,11 +157,10 @@ def test_a_file_that_is_not_a_tokenizer_is_one_line(folders):
 
 @pytest.mark.parametrize("split", [[], ["--engine-process"]], ids=["one process", "engine process"])
 def test_a_loading_error_is_one_line(folders, split):
-    """Found once the models have loaded (the EOS id joins eight --stop-token-id: nine, over the
-    engine's eight), in this process or in the engine process."""
-    stops = [x for i in range(1, 9) for x in ("--stop-token-id", str(i))]
-    proc = _run(["serve", *_argv([], folders), *stops, "--no-warmup", *split])
-    _one_line_error(proc, "python -m ddtree_jax serve", ["--stop-token-id or the EOS ids", "at most 8"],
+    """Found once the models have loaded (``--deterministic on`` on a CPU with ``--impl auto``: no
+    Triton kernels), in this process or in the engine process."""
+    proc = _run(["serve", *_argv(["--deterministic", "on"], folders), "--no-warmup", *split])
+    _one_line_error(proc, "python -m ddtree_jax serve", ["--deterministic on", "needs the Triton kernels"],
                     jax_free=False)
 
 
