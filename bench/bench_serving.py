@@ -13,6 +13,9 @@ from a fixed list, ``ignore_eos`` so every request makes ``--max-tokens`` tokens
 output tokens/s over the level's wall time, requests/s, TTFT (request sent -> first text) and
 inter-token latency ((last text - first text) / (tokens - 1), per request) as p50/p90/p99, and the
 mean acceptance length the server reports. Greedy by default (``--temperature``).
+``--engine-process on`` starts the servers with ``serve --engine-process`` (the engine in a
+process of its own); ``both`` runs every method twice, one process and two, the two-process rows
+named ``<method>+engine-process``.
 
 Writes ``bench/results/serving_<device>_<date>.{json,md}`` (``--out`` to change the folder) with the
 device, date and command.
@@ -89,7 +92,7 @@ def _smoke_checkpoints(path: str) -> dict[str, str]:
 class Server:
     """``python -m ddtree_jax.serving.cli`` as a subprocess on a free 127.0.0.1 port."""
 
-    def __init__(self, paths: dict, method: str, args, log_dir: str):
+    def __init__(self, paths: dict, method: str, args, log_dir: str, engine_process: bool = False):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--tokenizer",
@@ -99,10 +102,12 @@ class Server:
                "--prefill-chunk", str(args.prefill_chunk)]
         if method != "ar":
             cmd += ["--drafter", paths["drafter"]]
+        if engine_process:
+            cmd += ["--engine-process"]
         for flag in ("max_model_len", "mesh", "dtype"):
             if getattr(args, flag):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        self.log_path = os.path.join(log_dir, f"server_{method}.log")
+        self.log_path = os.path.join(log_dir, f"server_{method}{'_two_process' if engine_process else ''}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)  # -m: ROOT's package
 
@@ -190,7 +195,8 @@ def _markdown(report: dict) -> str:
              f"Command: `{report['command']}`", "",
              f"Models: {report['models']}; slots {report['slots']}, budget {report['budget']}, "
              f"max_tokens {report['max_tokens']}, temperature {report['temperature']}, "
-             f"sync_every {report['sync_every']}; host {report['host']}, jax {report['jax']}.", "",
+             f"sync_every {report['sync_every']}, engine process {report['engine_process']}; host {report['host']}, "
+             f"jax {report['jax']}.", "",
              "| method | concurrency | requests | tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
              "| e2e p50 ms | tau |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -226,6 +232,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--mesh", default="")
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
+                    help="serve --engine-process: the engine in a process of its own (both: each method twice)")
     ap.add_argument("--startup-timeout", type=float, default=1800)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
@@ -254,21 +262,23 @@ def main(argv=None) -> dict:
         models = f"{args.target} + {args.drafter}"
 
     results, health = {}, {}
-    for method in args.methods:
-        server = Server(paths, method, args, workdir)
+    split = {"off": [False], "on": [True], "both": [False, True]}[args.engine_process]
+    for method, two in [(m, two) for m in args.methods for two in split]:
+        server = Server(paths, method, args, workdir, engine_process=two)
+        name = method + ("+engine-process" if two else "")
         try:
             t0 = time.perf_counter()
             health = server.wait(args.startup_timeout)
-            print(f"[bench_serving] {method}: server up in {time.perf_counter() - t0:.0f}s on {health['device']}",
+            print(f"[bench_serving] {name}: server up in {time.perf_counter() - t0:.0f}s on {health['device']}",
                   flush=True)
-            results[method] = []
+            results[name] = []
             for c in args.concurrency:
                 n = args.requests_per_level or max(8 if not small else 4, 4 * c)
                 # Untimed pass first: whatever this level's batch shapes compile happens here.
                 asyncio.run(_level(server.base, c, c, argparse.Namespace(**{**vars(args), "max_tokens": 4})))
                 r = asyncio.run(_level(server.base, c, n, args))
-                results[method].append(r)
-                print(f"[bench_serving] {method} c={c}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                results[name].append(r)
+                print(f"[bench_serving] {name} c={c}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 "
                       f"{r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms, tau {r['mean_tau']:.2f}",
                       flush=True)
         finally:
@@ -282,6 +292,7 @@ def main(argv=None) -> dict:
                   command="python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
                   host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
                   max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
+                  engine_process=args.engine_process,
                   mesh=args.mesh, smoke=small, results=results)
     os.makedirs(args.out, exist_ok=True)
     tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if small else "")

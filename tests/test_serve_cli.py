@@ -155,6 +155,15 @@ def test_a_file_that_is_not_a_tokenizer_is_one_line(folders):
                                                          "not a tokenizers JSON file"], jax_free=False)
 
 
+@pytest.mark.parametrize("split", [[], ["--engine-process"]], ids=["one process", "engine process"])
+def test_a_loading_error_is_one_line(folders, split):
+    """Found once the models have loaded (``--deterministic on`` on a CPU with ``--impl auto``: no
+    Triton kernels), in this process or in the engine process."""
+    proc = _run(["serve", *_argv(["--deterministic", "on"], folders), "--no-warmup", *split])
+    _one_line_error(proc, "python -m ddtree_jax serve", ["--deterministic on", "needs the Triton kernels"],
+                    jax_free=False)
+
+
 def test_restated_defaults_agree_with_the_server():
     from ddtree_jax.serving import cli, server
 

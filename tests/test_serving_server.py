@@ -5,7 +5,9 @@ only when asked), a huge request refused without stalling the running streams, a
 test (64 concurrent streams with mixed settings, some bad, some disconnecting) checked for
 well-formed streams, greedy/seeded outputs equal to the same request alone, nothing lost or
 duplicated, and freed slots. In-process (nothing compiles): every error status as an OpenAI error
-object, the body limit, the API key, draining. Shutdown on SIGTERM: servers of their own.
+object, the body limit, the API key, draining. Shutdown on SIGTERM: servers of their own. The
+engine in a process of its own (``--engine-process``): the same outputs and refusals as the
+one-process server, cancellation, the SIGTERM drain, and a killed engine process.
 """
 
 import concurrent.futures
@@ -643,12 +645,12 @@ def _stream_all(base, body, headers):
     return events, done
 
 
-def _drain_run(paths, cache_dir, *, drain_timeout, sig, log_name, slots, max_model_len, max_tokens, **env):
-    """A server of ``slots`` slots; ``slots + 2`` streams of ``max_tokens`` tokens; ``sig`` once
-    every slot is busy and two streams wait in the queue. Returns the server's output, the streams'
-    ``(events, done)``, what /health and a new request got during the drain (``None`` without a
-    drain), and the exit status."""
-    s = Server(paths, _env(cache_dir, **env), "--drain-timeout", str(drain_timeout), slots=slots,
+def _drain_run(paths, cache_dir, *, drain_timeout, sig, log_name, slots, max_model_len, max_tokens, extra=(), **env):
+    """A server of ``slots`` slots (``extra``: more options); ``slots + 2`` streams of ``max_tokens``
+    tokens; ``sig`` once every slot is busy and two streams wait in the queue. Returns the server's
+    output, the streams' ``(events, done)``, what /health and a new request got during the drain
+    (``None`` without a drain), and the exit status."""
+    s = Server(paths, _env(cache_dir, **env), "--drain-timeout", str(drain_timeout), *extra, slots=slots,
                max_model_len=max_model_len, log_name=log_name)
     headers = {"Authorization": f"Bearer {env['DDTREE_JAX_API_KEY']}"} if "DDTREE_JAX_API_KEY" in env else {}
     try:
@@ -730,3 +732,118 @@ def test_sigint_past_the_drain_deadline_aborts_with_a_final_chunk(paths, cache_d
     assert code == 0
     warmup = [line for line in output.splitlines() if "warm-up in" in line]
     assert len(warmup) == 1 and "from the persistent cache" in warmup[0], warmup
+
+
+# ---- serve --engine-process: the engine in a process of its own (its programs from the module's cache)
+
+
+def _engine_pid(output: str) -> int:
+    return int(re.search(r"engine process (\d+) started", output).group(1))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_two_process_server(paths, cache_dir, server):
+    """A ``--engine-process`` server like ``server`` (started after it: its shapes are cached):
+    greedy outputs (completions and chat, with log-probabilities) equal the one-process server's; a
+    stream's chunks join up to the same text; refusals from the engine process (the context, stop
+    ids) and from the front end are the same 400s naming the field, counted in the engine's
+    metrics; a client that hangs up frees its slot. Then the engine process is killed with streams
+    running and queued: each stream ends (an error event, then [DONE]) instead of hanging,
+    /health is 503, new requests get 503."""
+    s = Server(paths, _env(cache_dir), "--engine-process", log_name="two_process.log")
+    try:
+        s.wait_ready()
+        _same_as_one_process(server, s.base)
+        _hangup_frees_the_slot(s.base)
+        _killed_engine_ends_the_streams(s)
+    except BaseException:
+        print(s.output()[-3000:])
+        raise
+    finally:
+        s.close()
+
+
+def _same_as_one_process(server, base):
+    for prompt, n in (("The quick", 12), ("Tree", 20), ("0123", 7)):
+        body = dict(prompt=prompt, max_tokens=n, temperature=0, logprobs=2)
+        one, two = (httpx.post(b + "/v1/completions", json=body, timeout=120).json() for b in (server, base))
+        assert two["choices"] == one["choices"] and two["usage"] == one["usage"]
+        status, events, done = sse(base, "/v1/completions", {**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}})
+        text, _, usage = check_stream(events, done)
+        assert status == 200 and text == one["choices"][0]["text"] and usage == one["usage"]
+    chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0)
+    one, two = (httpx.post(b + "/v1/chat/completions", json=chat, timeout=120).json() for b in (server, base))
+    assert two["choices"] == one["choices"]
+    bad = 'ddtree_rejected_requests_total{reason="invalid"}'
+    before = metrics(base).get(bad, 0)
+    refusals = ((dict(prompt="hello", max_tokens=60), "max_tokens"), (dict(prompt="x" * 70, max_tokens=1), "prompt"),
+                (dict(prompt="x", logprobs=MAX_LOGPROBS + 1), "logprobs"),
+                (dict(prompt="x", stop_token_ids=[128]), "stop_token_ids"))
+    for body, param in refusals:
+        assert _openai_error(httpx.post(base + "/v1/completions", json=body, timeout=60), 400)["param"] == param
+    assert metrics(base)[bad] == before + len(refusals)
+    health = httpx.get(base + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["device"] == httpx.get(server + "/health", timeout=10).json()["device"]
+
+
+def _hangup_frees_the_slot(base):
+    before = metrics(base)
+    status, events, done = sse(base, "/v1/completions", dict(prompt="ab", max_tokens=50, temperature=0,
+                                                             ignore_eos=True, stream=True), stop_after=2)
+    assert status == 200 and len(events) == 2 and not done
+    key = 'ddtree_requests_total{reason="cancelled"}'
+    deadline = time.monotonic() + 60
+    while (m := metrics(base)).get(key, 0) - before.get(key, 0) < 1 or m["ddtree_free_slots"] < SLOTS:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+def _killed_engine_ends_the_streams(s):
+    body = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True, stream=True)
+    with concurrent.futures.ThreadPoolExecutor(SLOTS + 2) as pool:
+        jobs = [pool.submit(sse, s.base, "/v1/completions", body) for _ in range(SLOTS + 2)]
+        deadline = time.monotonic() + 120
+        while metrics(s.base)["ddtree_queue_length"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(_engine_pid(s.output()), signal.SIGKILL)
+        results = [j.result(timeout=60) for j in jobs]
+    errors = 0
+    for status, events, done in results:
+        assert status == 200 and done
+        if "error" in events[-1]:
+            assert "engine process exited" in events[-1]["error"]["message"]
+            errors += 1
+        else:
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert errors >= 2
+    health = httpx.get(s.base + "/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert _openai_error(httpx.post(s.base + "/v1/completions", json=dict(prompt="x"), timeout=10), 503)["code"] \
+        == "overloaded"
+
+
+def test_two_process_sigterm_drains_and_the_engine_process_exits(paths, cache_dir, server):
+    """SIGTERM with every slot busy and two streams queued: all six finish, the server exits 0 and
+    its engine process with it."""
+    output, streams, during, code = _drain_run_retrying(
+        paths, cache_dir, drain_timeout=300, sig=signal.SIGTERM, log_name="drain2.log", slots=SLOTS,
+        max_model_len=64, max_tokens=60, extra=("--engine-process",))
+    assert during[0] == "draining" and _openai_error(during[1], 503)["code"] == "shutting_down"
+    for events, done in streams:
+        _, reason, usage = check_stream(events, done)
+        assert reason == "length" and usage["completion_tokens"] == 60
+    assert code == 0, output[-3000:]
+    pid = _engine_pid(output)
+    deadline = time.monotonic() + 30
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"engine process {pid} outlived the server"
+        time.sleep(0.1)

@@ -18,6 +18,11 @@ listening is one line on stderr, ``<prog>: error: <option> <path>: ...``, exit s
 (``--debug``: the traceback of loading errors). The server's shutdown on SIGTERM / SIGINT drains
 (``--drain-timeout``; ``ddtree_jax/serving/server.py``) and exits 0.
 
+``--engine-process``: the compilation cache, the models, the warm-up and the engine run in a
+spawned process of their own, the HTTP front end in this one
+(``ddtree_jax/serving/engine_process.py``); a loading error there is the same one line and exit
+status 2.
+
 The API key: ``--api-key``, else the environment variable ``DDTREE_JAX_API_KEY`` (which keeps it
 out of the process list); without one, ``/v1/*`` is open.
 """
@@ -34,7 +39,8 @@ from ddtree_jax import _preflight as pf
 from ddtree_jax._preflight import PreflightError, option_error
 from ddtree_jax.config import METHODS, ConfigError, DecodeConfig, EngineConfig, ExecutionConfig
 
-__all__ = ["add_arguments", "add_serve_parser", "build_engine", "main", "preflight", "run_serve"]
+__all__ = ["add_arguments", "add_serve_parser", "build_engine", "chat_template", "main", "preflight", "run_serve",
+           "served_model_name", "warm_up"]
 
 # ddtree_jax.serving.server's constants, restated so that argument parsing does not import the
 # server (tests/test_serve_cli.py checks that they agree).
@@ -97,6 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "device). auto (the default): on where they run compiled (an NVIDIA GPU, no --mesh); "
                         "docs/serving.md, 'Deterministic mode'")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling before listening")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine (models, device steps, detokenisation) in a process of its own, the HTTP "
+                        "front end in this one: they no longer share one interpreter lock (docs/serving.md, "
+                        "'Two processes')")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help=f"folder of JAX's persistent compilation cache, or 'off' (default: ${cc.ENV_VAR}, else "
                         f"{cc.default_dir()})")
@@ -218,7 +228,6 @@ def build_engine(args):
 
     from ddtree_jax.checkpoints import load_drafter, load_target
     from ddtree_jax.serving.engine import Engine
-    from ddtree_jax.serving.server import load_chat_template
     from ddtree_jax.serving.sharding import make_mesh, state_sharding
 
     debug = getattr(args, "debug", False)
@@ -239,10 +248,6 @@ def build_engine(args):
                      lambda: load_drafter(args.drafter, target, mesh=mesh, execution=execution))
                if config.decode.uses_drafter else None)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
-    template, specials = load_chat_template(tokenizer_path)
-    if args.chat_template:
-        with open(args.chat_template) as f:
-            template = f.read()
     stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, tokenizer_path)
     stop += list(config.decode.stop_token_ids)
     deterministic = config.deterministic or (args.deterministic == "auto" and mesh is None
@@ -260,8 +265,47 @@ def build_engine(args):
     _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
          f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB; deterministic mode "
          f"{'on' if deterministic else 'off'}")
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.target))
-    return engine, name, template, specials
+    return (engine, served_model_name(args), *chat_template(args))
+
+
+def served_model_name(args) -> str:
+    """The model id clients use: ``--served-model-name``, else the target directory's name."""
+    return args.served_model_name or os.path.basename(os.path.normpath(args.target))
+
+
+def chat_template(args) -> tuple[str | None, dict]:
+    """``(template, special tokens)``: ``--chat-template``'s file, else ``tokenizer_config.json``'s."""
+    from ddtree_jax.serving.server import load_chat_template
+
+    template, specials = load_chat_template(pf.resolve_tokenizer(args.tokenizer))
+    if args.chat_template:
+        with open(args.chat_template) as f:
+            template = f.read()
+    return template, specials
+
+
+def warm_up(engine) -> None:
+    """``engine.warmup()``, its time and compilations (and cache hits) logged."""
+    from ddtree_jax import compilation_cache as cc
+
+    t1 = time.perf_counter()
+    with cc.CompileWatch(log=_log, prefix="  ") as watch:
+        engine.warmup()
+    _log(f"warm-up in {time.perf_counter() - t1:.1f}s ({watch.summary()})")
+
+
+def _launch_engine_process(args):
+    """``(EngineClient, model name, template, specials)``: the engine in a process of its own
+    (``ddtree_jax/serving/engine_process.py``), which loads and warms up; the tokenizer and chat
+    template load here too."""
+    from ddtree_jax.serving.engine_process import EngineClient
+
+    tokenizer = pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
+    engine = EngineClient.launch(args, tokenizer, log=_log)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # the front end computes nothing: it never claims the device
+    return (engine, served_model_name(args), *chat_template(args))
 
 
 def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
@@ -277,21 +321,22 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
     except PreflightError as e:
         _fail(parser, str(e))
     try:
-        _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
-        engine, name, template, specials = build_engine(args)
+        if args.engine_process:  # the engine process enables the cache, loads and warms up
+            engine, name, template, specials = _launch_engine_process(args)
+        else:
+            _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
+            engine, name, template, specials = build_engine(args)
     except PreflightError as e:
         sock.close()
         _fail(parser, str(e))
-    if not args.no_warmup:
-        t1 = time.perf_counter()
-        with cc.CompileWatch(log=_log, prefix="  ") as watch:
-            engine.warmup()
-        _log(f"warm-up in {time.perf_counter() - t1:.1f}s ({watch.summary()})")
+    if not args.engine_process and not args.no_warmup:
+        warm_up(engine)
     from ddtree_jax.serving.server import serve
 
     host, port = sock.getsockname()[:2]
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, chat template: "
+    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, "
+         f"{'engine in process ' + str(engine.pid) if args.engine_process else 'one process'}, chat template: "
          f"{'yes' if template else 'no'}, API key: {'required' if api_key else 'none'}) on http://{host}:{port} "
          f"after {time.perf_counter() - t0:.1f}s")
     serve(engine, model_name=name, host=args.host, port=port, chat_template=template, specials=specials,

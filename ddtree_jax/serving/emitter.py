@@ -178,10 +178,13 @@ class Emit:
 
 class Emitter:
     """Detokenisation, stop strings, results and client chunks for one engine (see the module
-    docstring). ``seen`` is the host time the items' tokens reached the host (latency metrics)."""
+    docstring). ``seen`` is the host time the items' tokens reached the host (latency metrics).
+    ``deliver``: called once per ``submit`` with what the handles' ``_push`` appended for the pass
+    (default ``deliver``: the async listeners' event loops; ``Engine.set_delivery`` replaces it)."""
 
     def __init__(self, metrics: EngineMetrics):
         self.metrics = metrics
+        self.deliver = deliver
         self._stopped: list[_Request] = []
 
     def submit(self, items: list[Emit], seen: float) -> None:
@@ -189,7 +192,7 @@ class Emitter:
         step = _StepLatency()
         for item in items:
             self._process(item, seen, step)
-        deliver(step.deliveries)
+        self.deliver(step.deliveries)
         if step.tokens:
             self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
 

@@ -656,6 +656,12 @@ class Engine:
         self._emitter.submit([Emit(r, [], [], reason) for r in active], time.perf_counter())
         self._state = self._empty_state()
 
+    def set_delivery(self, deliver: Callable[[list], None]) -> None:
+        """Hand every emitter pass's chunk deliveries (what the handles' ``_push`` appended, in
+        order; once per engine step) to ``deliver`` instead of to the async listeners' event loops
+        (``ddtree_jax.serving.engine_process`` sends them to the front-end process)."""
+        self._emitter.deliver = deliver
+
     def stop(self) -> None:
         """Stop the background thread; requests still queued or running finish with ``"abort"``
         (after every token already committed for them)."""

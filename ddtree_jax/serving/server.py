@@ -431,12 +431,26 @@ def _fingerprint(engine, model_name: str, device: dict) -> str:
     return "fp_" + hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _device_facts(engine) -> dict:
+    """The device facts of ``/health`` and the fingerprint: where the engine runs."""
+    from ddtree_jax.serving.engine_process import EngineClient
+
+    if isinstance(engine, EngineClient):
+        return dict(engine.device)
+    import jax
+
+    return dict(device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
+                devices=jax.device_count(), processes=jax.process_count())
+
+
 def create_app(engine: Engine, *, model_name: str, chat_template: str | None = None,
                specials: dict[str, Any] | None = None, default_max_tokens: int = 16, manage_engine: bool = True,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                cpu_workers: int = CPU_WORKERS):
-    """The FastAPI app serving ``engine`` as model ``model_name``. With ``manage_engine`` the app
-    starts the engine's thread at startup and stops it at shutdown. ``api_key``: required on
+    """The FastAPI app serving ``engine`` as model ``model_name``: an ``Engine``, or an
+    ``EngineClient`` (the engine in a process of its own: ``engine_process``; once that process is
+    gone, ``/health`` answers 503 with its ``failure``). With ``manage_engine`` the app starts the
+    engine at startup and stops it at shutdown. ``api_key``: required on
     ``/v1/*``; ``max_request_bytes``: the largest body; ``cpu_workers``: the threads that parse,
     render and tokenize. ``app.state.admission`` is the app's ``Admission`` (``serve`` drains it)."""
     import contextlib
@@ -447,10 +461,7 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     template = ChatTemplate(chat_template, specials or {}) if chat_template else None
     created = int(time.time())
-    import jax
-
-    device = dict(device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform,
-                  devices=jax.device_count(), processes=jax.process_count())
+    device = _device_facts(engine)
     fingerprint = _fingerprint(engine, model_name, device)
     admission = Admission(api_key)
     texts = TokenTexts(engine.tokenizer)
@@ -485,10 +496,13 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
 
     @app.get("/health")
     async def health():
-        status = "draining" if admission.draining else "ok"
-        return JSONResponse({"status": status, "model": model_name, "method": engine.method, "budget": engine.budget,
-                             "slots": engine.slots, "max_model_len": engine.max_model_len, **device},
-                            status_code=503 if admission.draining else 200)
+        failure = getattr(engine, "failure", None)
+        status = "draining" if admission.draining else "failed" if failure else "ok"
+        body = {"status": status, "model": model_name, "method": engine.method, "budget": engine.budget,
+                "slots": engine.slots, "max_model_len": engine.max_model_len, **device}
+        if failure:
+            body["error"] = failure
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -496,8 +510,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                                             "owned_by": "ddtree-jax", "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
-    async def metrics():
-        body, ctype = metrics_text(engine)
+    async def metrics():  # off the loop: an engine in another process answers a round trip
+        body, ctype = await asyncio.get_running_loop().run_in_executor(pool, metrics_text, engine)
         return Response(body, media_type=ctype)
 
     async def read_body(request: Request) -> bytes:
@@ -603,7 +617,12 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply", None) from None
 
-    def submit(p: _Prepared, chat: bool) -> list:
+    async def engine_submit(*args, **kw):
+        """``engine.submit``; an engine in another process is awaited (``EngineClient.asubmit``)."""
+        asubmit = getattr(engine, "asubmit", None)
+        return engine.submit(*args, **kw) if asubmit is None else await asubmit(*args, **kw)
+
+    async def submit(p: _Prepared, chat: bool) -> list:
         """The request's ``n`` engine requests (none of them if one is refused)."""
         if admission.aborting:
             raise _unavailable()
@@ -613,8 +632,9 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                 sampling = p.sampling
                 if i and sampling.seed is not None:
                     sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
-                handles.append(engine.submit(p.ids, sampling, max_tokens=p.max_tokens, stop=p.stop,
-                                             stop_token_ids=p.stop_ids, ignore_eos=p.ignore_eos, logprobs=p.logprobs))
+                handles.append(await engine_submit(p.ids, sampling, max_tokens=p.max_tokens, stop=p.stop,
+                                                   stop_token_ids=p.stop_ids, ignore_eos=p.ignore_eos,
+                                                   logprobs=p.logprobs))
         except RequestError as e:  # (the engine counted it)
             for handle in handles:
                 handle.cancel()
@@ -627,6 +647,10 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             for handle in handles:
                 handle.cancel()
             raise APIError(503, str(e), None, kind="server_overloaded", code="overloaded") from None
+        if admission.aborting:  # the drain deadline passed while the engine process answered
+            for handle in handles:
+                handle.cancel()
+            raise _unavailable()
         for handle in handles:
             admission.handles.add(handle)
         return handles
@@ -687,7 +711,7 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         try:
             raw = await read_body(request)
             prepared = await asyncio.get_running_loop().run_in_executor(pool, prepare, raw, chat)
-            handles = submit(prepared, chat)
+            handles = await submit(prepared, chat)
         except APIError as e:
             if e.status in (400, 413) and not e.counted:
                 engine.metrics.count("rejected", "invalid" if e.status == 400 else "too_large")
@@ -786,10 +810,10 @@ def serve(engine: Engine, *, model_name: str, host: str = "127.0.0.1", port: int
           chat_template: str | None = None, specials: dict | None = None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, sock: socket.socket | None = None) -> None:
-    """Run the server until SIGTERM or SIGINT, then drain (module doc) and return (uvicorn, one
-    process; the engine thread does the work). ``sock``: a bound socket to listen on
-    (``ddtree_jax._preflight.bind_port``, which ``serve``'s command line calls before loading
-    anything); default: bind ``host:port`` now."""
+    """Run the server until SIGTERM or SIGINT, then drain (module doc) and return (uvicorn; the
+    engine's thread, or with an ``EngineClient`` the engine's process, does the work). ``sock``: a
+    bound socket to listen on (``ddtree_jax._preflight.bind_port``, which ``serve``'s command line
+    calls before loading anything); default: bind ``host:port`` now."""
     from ddtree_jax._preflight import bind_port
 
     app = create_app(engine, model_name=model_name, chat_template=chat_template, specials=specials,

@@ -1,0 +1,382 @@
+"""The engine in a process of its own (``serve --engine-process``): ``EngineClient``, the front
+end's stand-in for an ``Engine``, and the engine process's main loop.
+
+The front-end process (uvicorn's event loop, the HTTP worker threads: parsing, chat templates,
+tokenizing, SSE formatting) never touches the device. The engine process, started with the
+``spawn`` method (JAX must not be forked), loads the models exactly as the one-process server
+does (``cli.build_engine``), warms up, and runs the ``Engine``'s thread and its ``Emitter``
+(detokenisation, stop strings, results). The two talk over one duplex ``multiprocessing``
+connection; every message is a tuple whose first element names it:
+
+front end -> engine
+  ``("submit", rid, prompt, sampling, options)``: a request with the front end's request id
+  ``rid`` (``Engine.submit``'s ``request_id``: it keys an unseeded request's random stream);
+  ``options`` are ``submit``'s keyword arguments.
+  ``("cancel", rid)``; ``("count", field, key, n)``: a metrics counter (requests the front end
+  refused); ``("snapshot", tag)``: the metrics, answered with ``("reply", tag, snapshot)``;
+  ``("stop",)``: stop the engine (``Engine.stop``), answered with ``("stopped",)``; the process
+  then exits.
+
+engine -> front end
+  ``("ready", facts)`` once, after the warm-up (the engine's settings and device, ``FACTS``), or
+  ``("failed", message)`` (a loading error, one line naming the option) and exit.
+  ``("submitted", rid, refusal)``: ``refusal`` is ``None`` (queued), ``("request", field,
+  message)`` (``RequestError``) or ``("overloaded", message)`` (``EngineOverloaded``).
+  ``("chunks", items)``: ONE message per emitter pass (once per engine step) with every stream
+  chunk of the step, in order: ``(rid, token_ids, text, finish_reason, result, logprobs)``, the
+  ``StreamChunk``'s fields.
+
+A request's handle is registered with the front end's reader before its ``submit`` is sent, so
+that its chunks find it whatever the order of the reply and the first chunk. The engine process
+ignores SIGINT and SIGTERM (the front end drains and then stops it) and stops when the front
+end's end of the connection closes (the front end exited). When the engine process dies, every
+open stream ends with an ``"error: ..."`` finish (the server sends an error event, then
+``[DONE]``), new requests are refused (503) and ``failure`` says why (``/health``: 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ddtree_jax.serving.emitter import RequestResult, StreamChunk, deliver
+from ddtree_jax.serving.engine import EngineOverloaded, RequestError, RequestHandle
+
+__all__ = ["FACTS", "EngineClient", "RemoteMetrics"]
+
+# The engine's settings the server reads, copied to the front end at start-up.
+FACTS = ("method", "budget", "slots", "max_model_len", "max_output_tokens", "max_logprobs", "vocab_size",
+         "cache_len", "state_bytes")
+STOP_TIMEOUT = 60.0  # seconds the engine process gets to stop before it is killed
+
+
+# --------------------------------------------------------------------------------------------- engine side
+
+
+class _PipeHandle(RequestHandle):
+    """A request's handle inside the engine process: its chunks go to the step's outgoing batch."""
+
+    def __init__(self, engine, request_id: int, sink: Callable[[list], None], table: dict):
+        super().__init__(engine, request_id)
+        self._sink, self._table = sink, table
+
+    def _push(self, chunk: StreamChunk, deliveries: list | None = None) -> None:
+        item = (self.request_id, chunk.token_ids, chunk.text, chunk.finish_reason, chunk.result, chunk.logprobs)
+        if chunk.finished:
+            self._result = chunk.result
+            self._table.pop(self.request_id, None)
+        if deliveries is None:
+            self._sink([item])
+        else:
+            deliveries.append(item)
+
+
+class _Sender:
+    """One connection's sending end, shared by threads."""
+
+    def __init__(self, conn):
+        self.conn, self._lock = conn, threading.Lock()
+
+    def __call__(self, message) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+def _engine_main(args, conn) -> None:
+    """The engine process: load, warm up, report ``ready``, then serve the front end's messages."""
+    from ddtree_jax import compilation_cache as cc
+    from ddtree_jax._preflight import PreflightError
+    from ddtree_jax.serving.cli import _log, build_engine, warm_up
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    send = _Sender(conn)
+    try:
+        _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
+        engine = build_engine(args)[0]
+        if not args.no_warmup:
+            warm_up(engine)
+    except PreflightError as e:
+        send(("failed", str(e)))
+        return
+    table: dict[int, _PipeHandle] = {}
+
+    def steps(items: list) -> None:
+        if items:
+            send(("chunks", items))
+
+    engine.set_delivery(steps)
+    engine.start()
+    import jax
+
+    dev = jax.devices()[0]
+    facts = {name: getattr(engine, name) for name in FACTS}
+    facts["device"] = dict(device=dev.device_kind, platform=dev.platform, devices=jax.device_count(),
+                           processes=jax.process_count())
+    send(("ready", facts))
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the front end has gone
+                break
+            kind = message[0]
+            if kind == "submit":
+                _, rid, prompt, sampling, options = message
+                table[rid] = handle = _PipeHandle(engine, rid, steps, table)
+                refusal = None
+                try:
+                    engine.submit(prompt, sampling, handle=handle, **options)
+                except RequestError as e:
+                    refusal = ("request", e.field, e.message)
+                except EngineOverloaded as e:
+                    refusal = ("overloaded", str(e))
+                if refusal is not None:
+                    table.pop(rid, None)
+                send(("submitted", rid, refusal))
+            elif kind == "cancel":
+                handle = table.get(message[1])
+                if handle is not None:
+                    handle.cancel()
+            elif kind == "count":
+                engine.metrics.count(*message[1:])
+            elif kind == "snapshot":
+                send(("reply", message[1], engine.metrics.snapshot()))
+            elif kind == "stop":
+                break
+    finally:
+        engine.stop()
+        try:
+            send(("stopped",))
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------- front end
+
+
+class _RemoteHandle(RequestHandle):
+    """A request's handle in the front end (``RequestHandle``'s interface); its chunks come from
+    the engine process."""
+
+    def __init__(self, client: EngineClient, request_id: int, prompt_tokens: int):
+        super().__init__(client, request_id)
+        self._prompt_tokens = prompt_tokens
+        self._submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        """Cancel the request; its slot is free again after the engine's current step."""
+        self.cancel_requested = True
+        if not self.done:
+            self._engine._send_quietly(("cancel", self.request_id))
+
+    def _fail(self, reason: str, deliveries: list) -> None:
+        """End the stream with ``reason`` (the engine process is gone)."""
+        with self._cond:
+            tokens = [t for c in self._chunks for t in c.token_ids]
+            text = "".join(c.text for c in self._chunks)
+        result = RequestResult(request_id=self.request_id, prompt_tokens=self._prompt_tokens, tokens=tokens,
+                               text=text, finish_reason=reason, acceptance_lengths=[], ttft=None,
+                               seconds=time.perf_counter() - self._submitted)
+        self._push(StreamChunk([], "", reason, result), deliveries)
+
+
+class RemoteMetrics:
+    """The engine process's metrics, as the server uses an ``EngineMetrics``: ``snapshot()`` (a
+    round trip: call it off the event loop) and ``count()`` (sent, not waited for)."""
+
+    def __init__(self, client: EngineClient):
+        self._client = client
+
+    def snapshot(self) -> dict:
+        return self._client._ask("snapshot").result(timeout=STOP_TIMEOUT)
+
+    def count(self, field: str, key: str | None = None, n: int = 1) -> None:
+        self._client._send_quietly(("count", field, key, n))
+
+
+class EngineClient:
+    """An ``Engine`` running in a process of its own (module doc), with the interface the server
+    uses: the settings in ``FACTS`` as attributes, ``tokenizer`` (loaded here), ``device`` (the
+    engine process's device facts), ``metrics`` (``RemoteMetrics``), ``asubmit`` / ``submit``
+    returning handles with ``RequestHandle``'s interface (``astream``, ``stream``, ``result``,
+    ``cancel``, ``done``, ``request_id``), ``start`` / ``stop``. ``failure``: ``None`` while the
+    engine process runs, else why it is gone. ``pid``: the engine process's id.
+
+    Start it with ``launch``."""
+
+    def __init__(self, process, conn, facts: dict, tokenizer):
+        self._process, self._conn = process, conn
+        self._send = _Sender(conn)
+        for name in FACTS:
+            setattr(self, name, facts[name])
+        self.device = facts["device"]
+        self.tokenizer = tokenizer
+        self.metrics = RemoteMetrics(self)
+        self.failure: str | None = None
+        self.pid = process.pid
+        self._lock = threading.Lock()
+        self._handles: dict[int, _RemoteHandle] = {}
+        self._waiting: dict[tuple, concurrent.futures.Future] = {}
+        self._ids = itertools.count(1)
+        self._tags = itertools.count()
+        self._stopped = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="ddtree-engine-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def launch(cls, args, tokenizer, *, log: Callable[[str], None] | None = None) -> EngineClient:
+        """Spawn the engine process for parsed ``serve`` arguments and wait until it has loaded and
+        warmed up. ``tokenizer``: the front end's copy. Raises ``PreflightError`` with the engine
+        process's message when loading fails, or when it exits before it is ready."""
+        from ddtree_jax._preflight import PreflightError
+
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=_engine_main, args=(args, child), name="ddtree-engine")
+        process.start()
+        child.close()  # the engine process's end lives only there: its exit closes the connection
+        if log is not None:
+            log(f"engine process {process.pid} started")
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            process.join()
+            raise PreflightError(f"the engine process exited while loading (exit code {process.exitcode})") from None
+        if message[0] != "ready":
+            process.join()
+            raise PreflightError(message[1])
+        return cls(process, conn, message[1], tokenizer)
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, prompt, sampling, options: dict) -> tuple[_RemoteHandle, concurrent.futures.Future]:
+        rid = next(self._ids) % 2**32
+        handle = _RemoteHandle(self, rid, int(np.size(prompt)))
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.failure is not None:
+                raise EngineOverloaded(f"the engine is not running ({self.failure})")
+            self._handles[rid] = handle
+            self._waiting["submitted", rid] = reply
+        try:
+            self._send(("submit", rid, np.asarray(prompt), sampling, options))
+        except OSError:
+            self._forget(rid)
+            raise EngineOverloaded("the engine process is gone") from None
+        return handle, reply
+
+    def _accepted(self, handle: _RemoteHandle, refusal) -> _RemoteHandle:
+        if refusal is None:
+            return handle
+        self._forget(handle.request_id)
+        if refusal[0] == "request":
+            raise RequestError(refusal[1], refusal[2])
+        raise EngineOverloaded(refusal[1])
+
+    def _forget(self, rid: int) -> None:
+        with self._lock:
+            self._handles.pop(rid, None)
+            self._waiting.pop(("submitted", rid), None)
+
+    async def asubmit(self, prompt, sampling=None, **options) -> _RemoteHandle:
+        """``Engine.submit`` for asyncio code: the engine process's answer is awaited, not blocked
+        on. Raises ``RequestError`` / ``EngineOverloaded`` as ``Engine.submit`` does."""
+        handle, reply = self._request(prompt, sampling, options)
+        return self._accepted(handle, await asyncio.wrap_future(reply))
+
+    def submit(self, prompt, sampling=None, **options) -> _RemoteHandle:
+        """``Engine.submit``, blocking until the engine process has queued or refused the request."""
+        handle, reply = self._request(prompt, sampling, options)
+        return self._accepted(handle, reply.result())
+
+    def _ask(self, kind: str) -> concurrent.futures.Future:
+        tag = next(self._tags)
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.failure is not None:
+                reply.set_exception(RuntimeError(f"the engine is not running ({self.failure})"))
+                return reply
+            self._waiting["reply", tag] = reply
+        self._send_quietly((kind, tag))
+        return reply
+
+    def _send_quietly(self, message) -> None:
+        """Send ``message``; a gone engine process is noticed by the reader instead."""
+        try:
+            self._send(message)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ the reader
+
+    def _read(self) -> None:
+        """The front end's reader thread: the engine process's messages, until it is gone."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "chunks":
+                deliveries: list = []
+                with self._lock:
+                    handles = [self._handles.get(item[0]) for item in message[1]]
+                    for item in message[1]:
+                        if item[3] is not None:
+                            self._handles.pop(item[0], None)
+                for handle, item in zip(handles, message[1], strict=True):
+                    if handle is not None:
+                        handle._push(StreamChunk(*item[1:]), deliveries)
+                deliver(deliveries)
+            elif kind in ("submitted", "reply"):
+                with self._lock:
+                    reply = self._waiting.pop((kind, message[1]), None)
+                if reply is not None:
+                    reply.set_result(message[2])
+            elif kind == "stopped":
+                self._stopped.set()
+        self._gone()
+
+    def _gone(self) -> None:
+        """The connection closed: fail what is open, refuse what comes."""
+        self._process.join(timeout=5)
+        reason = ("the engine process stopped" if self._stopped.is_set() else
+                  f"the engine process exited (exit code {self._process.exitcode})")
+        with self._lock:
+            self.failure = reason
+            handles, self._handles = list(self._handles.values()), {}
+            waiting, self._waiting = self._waiting, {}
+        deliveries: list = []
+        for handle in handles:
+            handle._fail(f"error: {reason}", deliveries)
+        deliver(deliveries)
+        for (kind, _), reply in waiting.items():
+            if kind == "submitted":
+                reply.set_result(("overloaded", f"the engine is not running ({reason})"))
+            else:
+                reply.set_exception(RuntimeError(f"the engine is not running ({reason})"))
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> EngineClient:
+        """Nothing to do: the engine process steps from ``launch`` on."""
+        return self
+
+    def stop(self) -> None:
+        """Stop the engine (requests still queued or running finish with ``"abort"``) and its
+        process (killed after ``STOP_TIMEOUT`` seconds)."""
+        self._send_quietly(("stop",))
+        self._process.join(timeout=STOP_TIMEOUT)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._reader.join(timeout=STOP_TIMEOUT)
