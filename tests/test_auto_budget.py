@@ -286,7 +286,7 @@ def test_generate_times_its_costs_on_running_rows_and_puts_them_back(law_models,
     decodes them from where they were: greedy equality with autoregressive decoding."""
     table = auto_costs.CostTable(str(tmp_path))
     monkeypatch.setattr(auto_costs, "_default", table)
-    config = DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2, impl="reference")
+    config = DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
     stored = _stored(table)
