@@ -2,9 +2,11 @@
 
 ``cost_key`` names what a round's cost depends on: the device kind, the models (a hash of their
 configurations, execution settings and parameter shapes and dtypes), the decode backend, the
-batch rows, the cache positions per row, the budget set and the JAX version. ``measure`` times a
-compiled round at each budget (after one untimed call that compiles and warms it; repetitions
-interleaved across budgets; the median). ``CostTable`` keeps measured costs in memory and, with a
+batch rows, the cache positions per row, the rounds per compiled call, the budget set and the JAX
+version. ``measure`` times the compiled rounds of each budget (after one untimed call that
+compiles and warms them; repetitions interleaved across budgets; the median); the callers time
+them on running rows (a round's cost includes what committing costs) and put the rows back
+before every call. ``CostTable`` keeps measured costs in memory and, with a
 folder, one JSON file per key (``{"key": ..., "costs": [...]}``), so a later process with the same
 key loads them instead of timing again. ``default_table()`` keeps its files under the compilation
 cache folder (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that
@@ -43,26 +45,35 @@ def models_digest(target, drafter) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def cost_key(models: str, *, backend, rows: int, cache_len: int, budgets: tuple[int, ...]) -> dict:
+def cost_key(models: str, *, backend, rows: int, cache_len: int, per_call: int, budgets: tuple[int, ...]) -> dict:
     """What a round's cost depends on (module docstring), as a JSON-able dict; ``models``: the
-    models' ``models_digest``."""
+    models' ``models_digest``; ``per_call``: rounds per compiled call."""
     return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
-                backend=repr(backend), rows=int(rows), cache_len=int(cache_len), budgets=[int(b) for b in budgets],
-                jax=jax.__version__)
+                backend=repr(backend), rows=int(rows), cache_len=int(cache_len), per_call=int(per_call),
+                budgets=[int(b) for b in budgets], jax=jax.__version__)
 
 
-def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1) -> tuple[float, ...]:
+def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1,
+            before: Callable[[], object] | None = None) -> tuple[float, ...]:
     """Seconds per round of ``run(k)`` (``per_call`` rounds) for ``k < count``: one untimed call
     each (compilation, warm-up), then ``reps`` timed calls each, interleaved across ``k``, each
-    waited for (``jax.block_until_ready``); the median per ``k`` over ``per_call``."""
-    for k in range(count):
+    waited for (``jax.block_until_ready``); the median per ``k`` over ``per_call``. ``before``,
+    if given, runs (untimed, waited for) before every call: e.g. to put the rows back where the
+    timing started."""
+
+    def call(k):
+        if before is not None:
+            jax.block_until_ready(before())
+        t0 = time.perf_counter()
         jax.block_until_ready(run(k))
+        return time.perf_counter() - t0
+
+    for k in range(count):
+        call(k)
     times = [[] for _ in range(count)]
     for _ in range(reps):
         for k in range(count):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(k))
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(call(k))
     return tuple(statistics.median(t) / per_call for t in times)
 
 
@@ -115,12 +126,13 @@ class CostTable:
             json.dump(dict(key=key, costs=list(costs)), f, indent=1)
         os.replace(tmp, path)
 
-    def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3,
-                       per_call: int = 1) -> tuple[float, ...]:
-        """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call)``, stored."""
+    def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3, per_call: int = 1,
+                       before: Callable[[], object] | None = None) -> tuple[float, ...]:
+        """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call, before)``,
+        stored."""
         costs = self.get(key)
         if costs is None:
-            costs = measure(run, len(key["budgets"]), reps, per_call)
+            costs = measure(run, len(key["budgets"]), reps, per_call, before)
             self.put(key, costs)
         return costs
 

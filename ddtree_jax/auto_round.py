@@ -1,17 +1,17 @@
-"""The compiled round of ``budget="auto"``: gate, draft, choose, verify the chosen prefix, commit.
+"""The compiled rounds of ``budget="auto"``: one fixed-budget program per budget of the set, each
+also tallying what the host's choice needs.
 
-    gate    ``auto_budget.should_draft`` on the recent rounds' statistics
-    plain   (gate closed) an autoregressive step: root-only tree, no drafter; the verify's hidden
-            states still extend the drafter's context, so a later round can draft
-    drafted (gate open) the drafter's block, the best-first tree of the largest budget, every
-            budget's expected tokens (``auto_budget.expected_tokens``), the choice
-            (``auto_budget.choose_budget``), then verify, sample and commit the tree's prefix of
-            the chosen budget, one ``lax.switch`` branch per budget (static verify shapes)
+``round_plans`` gives the ``DecodePlan`` of each budget: budget 0 is the autoregressive round
+(a root-only tree, no drafter; the verify's hidden states still extend the drafter's context,
+so a later round can draft); a positive budget ``b`` is DDTree's round that builds the tree of
+the largest budget, verifies its prefix of ``b + 1`` slots (the tree a build of ``b`` gives) and
+reports every budget's expected tokens (``DecodePlan.expected_budgets``). No program holds a
+conditional: the host picks the program (``auto_budget.AutoChooser``). The stages are
+``decode_round``'s, so every committed token keeps the target's exact law.
 
-Both sides are ``lax.cond`` branches; ``force >= 0`` skips the gate and the choice and runs the
-budget of that index (0: the plain step), which is how the round costs are timed
-(``ddtree_jax.auto_costs``). The stages are ``decode_round``'s: which tree is verified is the only
-difference from a fixed-budget round, so every committed token keeps the target's exact law.
+The tally of a run of rounds is f32 ``[B, 2 + K]`` per row, summed over the rounds in which the
+row was running: rounds, tokens accepted (bonus included: the acceptance lengths), then the
+expected committed tokens at each of the ``K`` budgets (ones at budget 0).
 Design note: docs/auto-budget.md.
 """
 
@@ -23,90 +23,58 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.auto_budget import (
-    AutoPlan,
-    AutoStats,
-    calibrated,
-    calibration,
-    choose_budget,
-    expected_tokens,
-    should_draft,
-)
-from ddtree_jax.decode_round import STAGES, DecodePlan, Models, _commit, _draft, _sample, _tree, _verify
+from ddtree_jax.auto_budget import AutoPlan
+from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
 from ddtree_jax.decode_state import DecodeState
 
-__all__ = ["auto_round", "run_auto_rounds", "timed_auto_round", "unrolled_auto_rounds"]
+__all__ = ["round_plans", "run_tallied_rounds", "tallied_round", "unrolled_tallied_rounds"]
 
 
-def auto_round(models: Models, tparams, dparams, plan: DecodePlan, auto: AutoPlan, state: DecodeState,
-               stats: AutoStats, base_key, costs, force) -> tuple[DecodeState, AutoStats]:
-    """One round (module docstring). ``plan``: DDTree at the largest budget of ``auto.budgets``;
-    ``costs`` f32 ``[K]``: a round's cost at each budget; ``force`` i32: -1 to choose, else the
-    index of the budget to run. Returns the next state and statistics."""
-    target, drafter = models.merge(tparams, dparams)
+def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
+    """The plan of each budget of ``auto.budgets`` (module docstring); ``plan``: the DDTree plan
+    (its models' settings, backend and drafter layers)."""
+    return tuple(dataclasses.replace(plan, method="ddtree" if b else "ar", budget=b, logprobs=0,
+                                     expected_budgets=auto.budgets) for b in auto.budgets)
+
+
+def tallied_round(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                  tally) -> tuple[DecodeState, jax.Array]:
+    """One round (inside a compiled function) and ``tally`` with its running rows added."""
     active = ~state.done
-    caps = jnp.asarray(auto.caps)
-    B, K = state.batch_size, len(auto.budgets)
-    plain_plan = dataclasses.replace(plan, method="ar", budget=0)
-
-    def plain(state):
-        work = {}
-        for _, stage in STAGES:
-            work = stage(target, drafter, plain_plan, state, base_key, work)
-        return work["state"], jnp.int32(0), jnp.ones((B, K), jnp.float32)
-
-    def drafted(state):
-        work = _tree(target, drafter, plan, state, base_key, _draft(target, drafter, plan, state, base_key, {}))
-        tree = work["tree"]
-        expected = expected_tokens(tree, auto.budgets)
-        batch = jnp.sum(jnp.where(active[:, None], calibrated(expected, calibration(stats), caps), 0.0), axis=0)
-        k = jnp.where(force >= 0, force, choose_budget(batch, costs)).astype(jnp.int32)
-
-        def verify(budget):
-            def run(state):
-                work = dict(tree=tree.prefix(budget + 1))
-                for stage in (_verify, _sample, _commit):
-                    work = stage(target, drafter, plan, state, base_key, work)
-                return work["state"]
-            return run
-
-        return jax.lax.switch(k, [verify(b) for b in auto.budgets], state), k, expected
-
-    draft = jnp.where(force >= 0, force > 0, should_draft(stats, jnp.sum(active), costs, auto))
-    new, k, expected = jax.lax.cond(draft, drafted, plain, state)
+    new, expected = round_with_expected(models, tparams, dparams, plan, state, base_key)
     accepted = jnp.take_along_axis(new.accept_lengths, jnp.minimum(state.rounds, state.capacity - 1)[:, None],
-                                   axis=1)[:, 0]
-    return new, stats.update(draft, k, expected, accepted, active, auto)
+                                   axis=1)
+    row = jnp.concatenate([jnp.ones_like(accepted, jnp.float32), accepted.astype(jnp.float32), expected], axis=1)
+    return new, tally + jnp.where(active[:, None], row, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "auto", "max_rounds"),
-                   donate_argnames=("state", "stats"))
-def run_auto_rounds(models: Models, tparams, dparams, plan: DecodePlan, auto: AutoPlan, state: DecodeState,
-                    stats: AutoStats, base_key, costs, max_rounds: int) -> tuple[DecodeState, AutoStats]:
-    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done
-    (``decode_round.run_rounds`` with the chooser's statistics carried along)."""
+def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
+    return jnp.zeros((state.batch_size, 2 + len(plan.expected_budgets)), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
+def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                       max_rounds: int) -> tuple[DecodeState, jax.Array]:
+    """``decode_round.run_rounds`` at one of ``round_plans``: up to ``max_rounds`` rounds,
+    stopping early once every row is done; returns ``(state, tally)``."""
 
     def cond(carry):
         i, st, _ = carry
         return (i < max_rounds) & ~jnp.all(st.done)
 
     def body(carry):
-        i, st, sts = carry
-        return (i + 1, *auto_round(models, tparams, dparams, plan, auto, st, sts, base_key, costs, jnp.int32(-1)))
+        i, st, tally = carry
+        return (i + 1, *tallied_round(models, tparams, dparams, plan, st, base_key, tally))
 
-    _, state, stats = jax.lax.while_loop(cond, body, (jnp.int32(0), state, stats))
-    return state, stats
+    _, state, tally = jax.lax.while_loop(cond, body, (jnp.int32(0), state, _zeros(plan, state)))
+    return state, tally
 
 
-def unrolled_auto_rounds(models: Models, tparams, dparams, plan: DecodePlan, auto: AutoPlan, state: DecodeState,
-                         stats: AutoStats, base_key, costs, force, rounds: int) -> tuple[DecodeState, AutoStats]:
-    """``rounds`` rounds one after the other, inside a compiled function
-    (``decode_round.unrolled_rounds``'s counterpart)."""
+def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                            rounds: int) -> tuple[DecodeState, jax.Array]:
+    """``rounds`` rounds one after the other inside a compiled function
+    (``decode_round.unrolled_rounds``'s counterpart); returns ``(state, tally)``."""
+    tally = _zeros(plan, state)
     for _ in range(rounds):
-        state, stats = auto_round(models, tparams, dparams, plan, auto, state, stats, base_key, costs, force)
-    return state, stats
-
-
-timed_auto_round = jax.jit(auto_round, static_argnames=("models", "plan", "auto"),
-                           donate_argnames=("state", "stats"))
-"""``auto_round`` compiled alone (one round whatever the rows' state): what ``generate`` times."""
+        state, tally = tallied_round(models, tparams, dparams, plan, state, base_key, tally)
+    return state, tally

@@ -428,7 +428,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="weight dtype; auto (default): the checkpoint's own")
-    g.add_argument("--sync-every", type=pf.positive_int, default=8, help="rounds on device between host checks, >= 1")
+    g.add_argument("--sync-every", type=pf.positive_int, default=None,
+                   help="rounds on device between host checks, >= 1 (default 8; 4 with --budget auto)")
     g.add_argument("--profile", action="store_true", help="time draft/tree/verify/sample/commit separately")
     g.add_argument("--no-stream", action="store_true")
 

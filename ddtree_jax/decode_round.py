@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ddtree_jax.accept import _accept_path
+from ddtree_jax.auto_budget import expected_tokens
 from ddtree_jax.backend import Backend
 from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
 from ddtree_jax.rng import round_keys
@@ -43,7 +44,8 @@ from ddtree_jax.sampling import (
 )
 from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
 
-__all__ = ["STAGES", "DecodePlan", "prefill", "round_with_logprobs", "run_rounds", "run_stage", "token_logprobs"]
+__all__ = ["STAGES", "DecodePlan", "prefill", "round_with_expected", "round_with_logprobs", "run_rounds", "run_stage",
+           "token_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,10 @@ class DecodePlan:
       backend: kernels or references for the tree, sampling and walk (resolved once).
       logprobs: top alternatives reported per committed token (``token_logprobs``); 0: no
         log-probabilities are computed at all.
+      expected_budgets: ``budget="auto"``'s budget set, or empty. Non-empty, a DDTree round builds
+        the tree of its largest budget, verifies that tree's prefix of ``budget + 1`` slots (the
+        tree a build of ``budget`` gives: ``DraftTree.prefix``) and reports each row's expected
+        tokens at every budget of the set (``round_with_expected``); an ar round reports ones.
     """
 
     method: str
@@ -64,6 +70,7 @@ class DecodePlan:
     hidden_layer_ids: tuple[int, ...]
     backend: Backend
     logprobs: int = 0
+    expected_budgets: tuple[int, ...] = ()
 
 
 class _Static:
@@ -178,13 +185,23 @@ def _draft(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work
 
 
 def _tree(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
+    expected = None
     if plan.method == "ar":
         tree = root_only_tree(state.batch_size)
+        if plan.expected_budgets:
+            expected = jnp.ones((state.batch_size, len(plan.expected_budgets)), jnp.float32)
     elif plan.method == "dflash":
         tree = chain_draft_tree(work["draft_logits"])
+    elif plan.expected_budgets:
+        full = _build_draft_tree(work["draft_logits"], max(plan.expected_budgets), plan.backend)
+        expected = expected_tokens(full, plan.expected_budgets)
+        tree = full.prefix(plan.budget + 1)
     else:
         tree = _build_draft_tree(work["draft_logits"], plan.budget, plan.backend)
-    return dict(tree=tree.with_root_tokens(state.root))
+    out = dict(tree=tree.with_root_tokens(state.root))
+    if expected is not None:
+        out["expected"] = expected
+    return out
 
 
 def _verify(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
@@ -279,9 +296,12 @@ STAGES = (("draft", _draft), ("tree", _tree), ("verify", _verify), ("sample", _s
 
 def _round_work(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key) -> dict:
     target, drafter = models.merge(tparams, dparams)
-    work = {}
+    work, expected = {}, None
     for _, stage in STAGES:
         work = stage(target, drafter, plan, state, base_key, work)
+        expected = work.get("expected", expected)
+    if expected is not None:
+        work["expected"] = expected
     return work
 
 
@@ -297,6 +317,15 @@ def round_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, stat
         raise ValueError(f"round_with_logprobs needs plan.logprobs >= 1, got {plan.logprobs}")
     work = _round_work(models, tparams, dparams, plan, state, base_key)
     return work["state"], work["logprobs"]
+
+
+def round_with_expected(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key):
+    """One round (for use inside a compiled function) with ``plan.expected_budgets``: ``(the next
+    state, f32 [B, K] each row's expected committed tokens at each budget of the set)``."""
+    if not plan.expected_budgets:
+        raise ValueError("round_with_expected needs plan.expected_budgets")
+    work = _round_work(models, tparams, dparams, plan, state, base_key)
+    return work["state"], work["expected"]
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))

@@ -20,6 +20,7 @@ running ones are gathered into the next smaller power-of-two batch (caches inclu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import auto_costs
-from ddtree_jax.auto_budget import AutoPlan, AutoReport, AutoStats
-from ddtree_jax.auto_round import run_auto_rounds, timed_auto_round
+from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
+from ddtree_jax.auto_round import round_plans, run_tallied_rounds
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
-from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP
+from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP, DecodeState
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 
 __all__ = ["METHODS", "GenerateOutput", "RequestOutput", "generate"]
@@ -128,8 +129,10 @@ class GenerateOutput:
 
 
 _GREEDY = SamplingParams(temperature=0.0)
-# generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner
+# generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner (with
+# budget="auto" the budget is chosen per sync, so fewer rounds per sync)
 _SYNC_EVERY = 8
+_AUTO_SYNC_EVERY = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +246,8 @@ def generate(
         index, round)`` (``ddtree_jax.rng``), so a seeded request's output does not depend on the
         batch.
       max_len: cache size per request; default: just what this call needs.
-      sync_every: rounds run on the device between host checks for completion (default 8).
+      sync_every: rounds run on the device between host checks for completion (default 8; 4
+        with ``budget="auto"``, whose budget is chosen on the host once per such chunk).
       profile: time each stage separately (see ``GenerateOutput.time_split``).
       compact: re-pack the running requests into a smaller batch once at most half are running.
       impl: tree builder, sampler and walk: ``"auto"`` (default: Pallas kernels on GPU and TPU,
@@ -269,7 +273,8 @@ def generate(
     checked = _check_inputs(target, drafter, prompts, decode, max_new_tokens, max_len)
     if decode.is_auto and profile:
         raise ValueError("generate: profile=True times the stages of one fixed budget; not with budget='auto'")
-    method, sync_every = decode.method, decode.sync_every or _SYNC_EVERY
+    method = decode.method
+    sync_every = decode.sync_every or (_AUTO_SYNC_EVERY if decode.is_auto else _SYNC_EVERY)
     backend = resolve_backend(decode.impl)
     B = len(checked.prompts)
     sampling_batch = batch_sampling(sampling, B)
@@ -303,8 +308,9 @@ def generate(
     if decode.is_auto:
         auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
                              draft_len=drafter.config.block_size - 1)
-        stats, costs = AutoStats.start(auto_plan), {}
+        chooser, costs, plans = AutoChooser(auto_plan), {}, round_plans(plan, auto_plan)
         digest = auto_costs.models_digest(target, drafter) if decode.auto_costs is None else None
+        active = B
 
     def harvest(state):
         got = jax.device_get({k: getattr(state, k) for k in host})
@@ -319,13 +325,17 @@ def generate(
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:
-                state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plan, auto_plan, state,
-                                                  base_key, checked.max_len)
-            state, stats = run_auto_rounds(models, tparams, dparams, plan, auto_plan, state, stats, base_key,
-                                           jnp.asarray(costs[rows], jnp.float32), sync_every)
+                scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
+                state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
+                                                  checked.max_len, scratch, sync_every)
+            k = chooser.choose(active, costs[rows])
+            state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
+            tally = np.asarray(tally)
+            chooser.record(k, tally, costs[rows])
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
         done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
+        active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)
             if on_progress is not None:
@@ -357,36 +367,70 @@ def generate(
     return GenerateOutput(
         requests=requests, method=method, budget=checked.budget, rounds=int(host["rounds"].max()), seconds=seconds,
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
-        auto=AutoReport.of(stats, auto_plan, costs) if decode.is_auto else None,
+        auto=AutoReport.of(chooser, costs) if decode.is_auto else None,
     )
 
 
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
 
 
-def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plan: DecodePlan,
-                 auto_plan: AutoPlan, state, base_key, max_len: int):
-    """``(state, costs)``: the round costs at ``state``'s batch size, ``decode.auto_costs`` if
-    given, else from the cost table (``auto_costs.default_table``; ``digest``: the models'
-    ``auto_costs.models_digest``), timed there if it has none:
-    ``timed_auto_round`` at each budget on ``state`` with every row marked free (a free row
-    commits nothing, so the rows' tokens and caches do not change; their finish codes are put
-    back after)."""
+def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
+                 base_key, max_len: int, scratch: int, sync_every: int):
+    """``(state, costs)``: seconds per round at each budget at ``state``'s batch size,
+    ``decode.auto_costs`` if given, else from the cost table (``auto_costs.default_table``;
+    ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
+    compiled rounds of each of ``plans`` (``sync_every`` per call) on ``state``'s own rows,
+    running, their stop ids cleared and their limits raised to what their output buffer and cache
+    hold (``scratch``: the positions a round needs past a row's tokens), put back before every
+    call and after (a round writes the caches only past each row's length, so restoring the rows'
+    small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
         return state, decode.auto_costs
-    finish = state.finish
-    work = [dataclasses.replace(state, finish=jnp.full_like(finish, FREE))]
-    flat = jnp.ones((len(auto_plan.budgets),), jnp.float32)
+    saved = _row_fields(state)
+    room = state.generated + max_len - scratch - 1 - state.target_cache.lengths
+    timing = dict(saved, stop_ids=jnp.full_like(state.stop_ids, NO_STOP),
+                  max_new_tokens=jnp.clip(room, 1, state.capacity).astype(jnp.int32))
+    work = [state]
 
     def run(k):
-        work[0], _ = timed_auto_round(models, tparams, dparams, plan, auto_plan, work[0], AutoStats.start(auto_plan),
-                                      base_key, flat, jnp.int32(k))
+        work[0], tally = run_tallied_rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
+        return tally
+
+    def before():
+        work[0] = _put_row_fields(work[0], timing)
         return work[0]
 
-    key = auto_costs.cost_key(digest, backend=plan.backend, rows=state.batch_size, cache_len=max_len,
-                              budgets=auto_plan.budgets)
-    costs = auto_costs.default_table().get_or_measure(key, run)
-    return dataclasses.replace(work[0], finish=finish), costs
+    key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
+                              per_call=sync_every, budgets=plans[-1].expected_budgets)
+    costs = auto_costs.default_table().get_or_measure(key, run, per_call=sync_every, before=before)
+    return _put_row_fields(work[0], saved), costs
+
+
+_ROW_FIELDS = ("root", "out", "generated", "finish", "accept_lengths", "rounds", "max_new_tokens", "stop_ids")
+
+
+@jax.jit
+def _row_fields(state: DecodeState) -> dict:
+    """Copies of what a round changes besides the caches' contents: the rows' fields and the
+    caches' lengths."""
+    fields = {f: jnp.copy(getattr(state, f)) for f in _ROW_FIELDS}
+    fields["target_lengths"] = jnp.copy(state.target_cache.lengths)
+    if state.draft_cache is not None:
+        fields["draft_lengths"] = jnp.copy(state.draft_cache.lengths)
+    return fields
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _put_row_fields(state: DecodeState, fields: dict) -> DecodeState:
+    """``state`` with copies of ``_row_fields``' fields put back (copies: ``state`` is donated
+    later, ``fields`` is used again)."""
+    fields = {f: jnp.copy(x) for f, x in fields.items()}
+    new = dataclasses.replace(state, **{f: fields[f] for f in _ROW_FIELDS},
+                              target_cache=dataclasses.replace(state.target_cache, lengths=fields["target_lengths"]))
+    if state.draft_cache is not None:
+        new = dataclasses.replace(new, draft_cache=dataclasses.replace(state.draft_cache,
+                                                                       lengths=fields["draft_lengths"]))
+    return new
 
 
 def _profiled_round(models, tparams, dparams, plan, state, base_key, split):

@@ -6,6 +6,7 @@ report. Costs are injected (``DecodeConfig.auto_costs``): no test depends on a t
 
 import argparse
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 
 import ddtree_jax as dt
 from ddtree_jax import _preflight, auto_costs
-from ddtree_jax.auto_budget import AutoPlan, AutoStats, calibrated, choose_budget, expected_tokens, should_draft
+from ddtree_jax.auto_budget import DECAY, AutoChooser, AutoPlan, calibrated, choose_budget, expected_tokens
 from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
 from ddtree_jax.generation import generate
 from ddtree_jax.serving import Engine
@@ -53,45 +54,59 @@ def test_calibration_scales_the_drafted_part_and_caps_it():
     np.testing.assert_allclose(calibrated(e, 10.0, PLAN.caps), [1.0, 5.0, 5.0])  # at most L = 4 drafted tokens
 
 
-def _stats(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
-    s = AutoStats.start(PLAN)
-    return AutoStats(expected_ema=jnp.asarray(expected_ema, jnp.float32), accepted_ema=jnp.float32(accepted),
-                     predicted_ema=jnp.float32(predicted), skipped=jnp.int32(skipped), interval=jnp.int32(interval),
-                     drafted=jnp.int32(1),
-                     rounds=s.rounds, expected=s.expected, realized=s.realized)
+def _chooser(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
+    c = AutoChooser(PLAN)
+    c.expected_ema, c.accepted_ema, c.predicted_ema = np.asarray(expected_ema, float), accepted, predicted
+    c.skipped, c.interval, c.drafted = skipped, interval, 1
+    return c
 
 
-def test_gate_drafts_when_recent_rounds_say_it_pays():
-    costs = jnp.asarray([1.0, 1.5, 2.0])
-    assert bool(should_draft(_stats([1.0, 2.5, 3.0]), 8, costs, PLAN))
-    assert not bool(should_draft(_stats([1.0, 1.2, 1.3]), 8, costs, PLAN))  # the draft is poor
+def test_choice_before_a_dispatch_from_the_recent_curve():
+    costs = (1.0, 1.5, 2.0)
+    assert _chooser([1.0, 2.5, 3.0]).choose(8, costs) == 1  # 2.5 / 1.5 beats 3 / 2 and 1 / 1
+    assert _chooser([1.0, 2.5, 4.5]).choose(8, costs) == 2
+    assert _chooser([1.0, 1.2, 1.3]).choose(8, costs) == 0  # the draft is poor
     # well predicted, but the rows accepted a tenth of it: calibrated, it does not pay
-    assert not bool(should_draft(_stats([1.0, 2.5, 3.0], accepted=0.1, predicted=1.0), 8, costs, PLAN))
-    # after `interval` rounds without the drafter, a probe
-    assert bool(should_draft(_stats([1.0, 1.2, 1.3], skipped=3), 8, costs, PLAN))
-    assert not bool(should_draft(_stats([1.0, 1.2, 1.3], skipped=3, interval=6), 8, costs, PLAN))
-    assert bool(should_draft(AutoStats.start(PLAN), 8, costs, PLAN))  # the first round drafts
+    assert _chooser([1.0, 2.5, 3.0], accepted=0.1, predicted=1.0).choose(8, costs) == 0
+    # after `interval` rounds at budget 0, a probe at the best positive budget
+    assert _chooser([1.0, 1.2, 1.3], skipped=3).choose(8, costs) == 1
+    assert _chooser([1.0, 1.2, 1.6], skipped=3).choose(8, costs) == 2  # 0.6 / 2 beats 0.2 / 1.5
+    assert _chooser([1.0, 1.2, 1.3], skipped=3, interval=6).choose(8, costs) == 0
+    assert AutoChooser(PLAN).choose(8, costs) == 1  # the first dispatch drafts, at the cheapest tree
 
 
-def test_statistics_of_a_drafted_and_a_plain_round():
-    s = AutoStats.start(PLAN)
-    expected = jnp.asarray([[1.0, 2.0, 2.5], [1.0, 3.0, 4.0], [1.0, 9.0, 9.0]])
-    active = jnp.asarray([True, True, False])
-    s = s.update(jnp.bool_(True), jnp.int32(1), expected, jnp.asarray([2, 4, 7]), active, PLAN)
-    np.testing.assert_allclose(s.expected_ema, [1.0, 2.5, 3.25])  # the first drafted round, as it is
-    assert (float(s.accepted_ema), float(s.predicted_ema)) == (4.0, 3.0)  # drafted tokens: 1 + 3 vs 1 + 2
-    assert s.rounds.tolist() == [0, 1, 0] and s.expected.tolist() == [0, 5, 0] and s.realized.tolist() == [0, 6, 0]
-    assert (int(s.skipped), int(s.drafted), int(s.interval)) == (0, 1, 3)
-    s = s.update(jnp.bool_(False), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
-    np.testing.assert_allclose(s.expected_ema, [1.0, 2.5, 3.25])  # plain rounds teach the averages nothing
-    assert s.rounds.tolist() == [1, 1, 0] and s.expected.tolist() == [2, 5, 0] and s.realized.tolist() == [2, 6, 0]
-    assert (int(s.skipped), int(s.drafted)) == (1, 1)
-    wasted = s.update(jnp.bool_(True), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
-    assert int(wasted.interval) == 6 and int(wasted.skipped) == 0  # a probe that found nothing: back off
-    again = wasted.update(jnp.bool_(True), jnp.int32(0), expected, jnp.asarray([1, 1, 1]), active, PLAN)
-    assert int(again.interval) == 12
-    assert int(again.update(jnp.bool_(True), jnp.int32(2), expected, jnp.asarray([3, 3, 3]), active,
-                            PLAN).interval) == 3  # a tree verified: probe often again
+def _tally(rows):
+    """Rows of (rounds, accepted, expected at each budget)."""
+    return np.asarray(rows, np.float32)
+
+
+def test_statistics_of_drafted_and_plain_dispatches():
+    costs = (1.0, 1.5, 2.0)
+    c = AutoChooser(PLAN)
+    # two rows ran 2 rounds at budget 4 (index 1), one row did not run
+    report = c.record(1, _tally([[2, 4, 2, 4, 5], [2, 8, 2, 6, 8], [0, 0, 0, 0, 0]]), costs)
+    np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 3.25])  # the first drafted dispatch, as it is
+    assert (c.accepted_ema, c.predicted_ema) == (2.0, 1.5)  # drafted tokens per row-round: 8 / 4 vs 6 / 4
+    np.testing.assert_allclose(report, [[0, 2, 0], [0, 10, 0], [0, 12, 0]])
+    assert c.rounds.tolist() == [0, 2, 0] and c.expected.tolist() == [0, 10, 0] and c.realized.tolist() == [0, 12, 0]
+    assert (c.skipped, c.drafted, c.interval) == (0, 2, 3)  # the tree pays: probe often
+    report = c.record(0, _tally([[3, 3, 3, 3, 3], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), costs)
+    np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 3.25])  # plain rounds teach the averages nothing
+    np.testing.assert_allclose(report, [[3, 0, 0], [4, 0, 0], [4, 0, 0]])
+    assert (c.skipped, c.drafted) == (3, 2)
+    # a drafted dispatch of 1 round (weight DECAY) whose statistics say drafting does not pay at
+    # these costs: back off
+    dear = (1.0, 5.0, 5.0)
+    c.record(2, _tally([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), dear)
+    np.testing.assert_allclose(c.expected_ema, np.array([1.0, 2.5, 3.25]) * (1 - DECAY) + DECAY * 1.0)
+    np.testing.assert_allclose(c.predicted_ema, 1.5 * (1 - DECAY))
+    assert (c.skipped, c.interval) == (0, 6)
+    c.record(2, _tally([[4, 4, 4, 4, 4]]), dear)  # 4 rounds: weight 1 - (1 - DECAY)^4
+    np.testing.assert_allclose(c.expected_ema[1], 2.125 * (1 - DECAY) ** 4 + (1 - (1 - DECAY) ** 4))
+    assert c.interval == 12
+    c.record(1, _tally([[1, 5, 1, 5, 5]] * 2), (1.0, 1.0, 1.0))
+    assert c.interval == 3  # a tree pays again: probe often
+    assert not c.record(1, _tally([[0, 0, 0, 0, 0]]), costs).any()  # nothing ran: nothing learned
 
 
 def test_tree_prefix_is_the_smaller_build_and_expected_tokens_its_prefix_sums():
@@ -145,9 +160,9 @@ def test_cost_key_names_device_models_shapes_and_versions():
     target = tiny_kimi(0)
     drafter = tiny_dflash(target, 1)
     key = auto_costs.cost_key(auto_costs.models_digest(target, drafter), backend="ref", rows=16, cache_len=80,
-                              budgets=(0, 4, 8))
+                              per_call=4, budgets=(0, 4, 8))
     assert key["device"] == jax.devices()[0].device_kind and key["jax"] == jax.__version__
-    assert (key["rows"], key["cache_len"], key["budgets"]) == (16, 80, [0, 4, 8])
+    assert (key["rows"], key["cache_len"], key["per_call"], key["budgets"]) == (16, 80, 4, [0, 4, 8])
     other = tiny_kimi(0, num_hidden_layers=2)
     assert auto_costs.models_digest(target, drafter) == auto_costs.models_digest(tiny_kimi(5), drafter)  # weights: no
     assert auto_costs.models_digest(other, drafter) != key["models"]  # shapes: yes
@@ -172,8 +187,10 @@ def test_cost_table_saves_loads_and_refuses_what_does_not_match(tmp_path):
     with open(table.path(key), "w") as f:
         f.write("{not json")
     assert auto_costs.CostTable(str(tmp_path)).get(key) is None
-    measured = auto_costs.CostTable(None).get_or_measure(key, calls.append, reps=2, per_call=4)
-    assert calls == [0, 1, 2] * 3 and len(measured) == 3 and all(c > 0 for c in measured)
+    measured = auto_costs.CostTable(None).get_or_measure(key, calls.append, reps=2, per_call=4,
+                                                         before=lambda: calls.append("before"))
+    assert calls == ["before", 0, "before", 1, "before", 2] * 3
+    assert len(measured) == 3 and all(c > 0 for c in measured)
 
 
 def test_default_table_lives_under_the_compilation_cache(tmp_path, monkeypatch):
@@ -221,7 +238,7 @@ def _two_token_law(target, params):
 
 def test_sampling_law_with_auto_budget(law_models, mixed_run):
     """The first two tokens of each sampled setting follow the target's law (chi-square, p > 1e-4;
-    fixed seed) while the rounds verify trees of several budgets; the control (the same counts
+    fixed seed) while the rounds verify the budget-4 prefix of the budget-8 tree; the control (the same counts
     against the other setting's law) is rejected (p < 1e-6, or a token outside its support)."""
     out = mixed_run
     assert out.auto.rounds[1] >= 1, "a tree smaller than the largest must have been verified"
@@ -252,17 +269,44 @@ def test_greedy_auto_equals_autoregressive_and_reports_its_rounds(mixed_run, gre
     report = mixed_run.auto
     assert report.budgets == (0, 4, 8) and report.costs == {len(mixed_run.requests): AUTO.auto_costs}
     assert sum(report.rounds) == mixed_run.rounds and report.rounds[0] >= 1  # plain rounds and drafted ones
-    assert report.drafted_rounds >= report.rounds[1] + report.rounds[2]
+    assert report.drafted_rounds == report.rounds[1] + report.rounds[2]
     assert report.realized[0] == report.expected[0]  # a plain round expects and commits one token per row
     assert sum(report.realized) == sum(sum(r.acceptance_lengths) for r in mixed_run.requests)
 
 
-def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar):
-    config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_costs=(1.0, 1.25),
-                                                 auto_probe_every=2),
+def _stored(table: auto_costs.CostTable) -> dict:
+    """The one file of ``table``'s folder."""
+    (name,) = os.listdir(table.folder)
+    with open(os.path.join(table.folder, name)) as f:
+        return json.load(f)
+
+
+def test_generate_times_its_costs_on_running_rows_and_puts_them_back(law_models, greedy_ar, tmp_path, monkeypatch):
+    """Without injected costs, generate times each budget's compiled rounds on its own rows, then
+    decodes them from where they were: greedy equality with autoregressive decoding."""
+    table = auto_costs.CostTable(str(tmp_path))
+    monkeypatch.setattr(auto_costs, "_default", table)
+    config = DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2)
+    out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert out.tokens == greedy_ar.tokens
+    stored = _stored(table)
+    assert (stored["key"]["rows"], stored["key"]["per_call"], stored["key"]["budgets"]) == (3, 4, [0, 4])
+    assert out.auto.costs == {3: tuple(stored["costs"])} and all(c > 0 for c in stored["costs"])
+
+
+def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar, tmp_path, monkeypatch):
+    """The engine times its costs at start-up on a scratch state (into the cost table), then
+    decodes: greedy equality with autoregressive decoding, and the per-budget metrics."""
+    table = auto_costs.CostTable(str(tmp_path))
+    monkeypatch.setattr(auto_costs, "_default", table)
+    config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2),
                              slots=2, max_model_len=32, prefill_chunk=16)
     engine = Engine(*law_models, config)
-    assert engine.budget == "auto" and engine.auto_costs == (1.0, 1.25)
+    assert engine.budget == "auto" and len(engine.auto_costs) == 2
+    stored = _stored(table)
+    assert stored["key"] == auto_costs.cost_key(auto_costs.models_digest(*law_models), backend=engine.plan.backend,
+                                                rows=2, cache_len=engine.cache_len, per_call=1, budgets=(0, 4))
+    assert list(engine.auto_costs) == stored["costs"] and all(c > 0 for c in engine.auto_costs)
     results = engine.generate(GREEDY_PROMPTS, max_tokens=GREEDY_TOKENS)
     assert [r.tokens for r in results] == greedy_ar.tokens
     snap = engine.metrics.snapshot()["auto_budget"]

@@ -13,8 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.auto_budget import AutoPlan, AutoStats
-from ddtree_jax.auto_round import unrolled_auto_rounds
+from ddtree_jax.auto_round import unrolled_tallied_rounds
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_logprobs, unrolled_rounds
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
@@ -118,30 +117,22 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     (``tokens`` columns, the first ``n`` valid) and the rounds' acceptance lengths (``rounds``
     columns). With ``plan.logprobs = K > 0``, ``tokens * (1 + 2 K)`` more columns follow: for
     each token column, ``decode_round.token_logprobs``'s ``1 + 2 K`` entries (float32 bits as
-    int32). Returns ``(state, packed)``."""
+    int32). With ``plan.expected_budgets`` (``budget="auto"``'s rounds, ``auto_round.round_plans``;
+    no log-probabilities), ``2 + len(expected_budgets)`` more columns follow instead: the rounds'
+    tally (``auto_round``, float32 bits as int32). Returns ``(state, packed)``."""
     gen0, rnd0 = state.generated, state.rounds
+    if plan.expected_budgets:
+        if plan.logprobs:
+            raise ValueError("rounds_and_harvest: no log-probabilities with expected_budgets")
+        state, tally = unrolled_tallied_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+        bits = jax.lax.bitcast_convert_type(tally, jnp.int32)
+        return state, jnp.concatenate([_harvest(state, gen0, rnd0, rounds, tokens), bits], axis=1)
     if plan.logprobs:
         state, logprobs = _rounds_with_logprobs(models, tparams, dparams, plan, state, base_key, rounds, tokens)
         packed = _harvest(state, gen0, rnd0, rounds, tokens)
         return state, jnp.concatenate([packed, logprobs.reshape(logprobs.shape[0], -1)], axis=1)
     state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
     return state, _harvest(state, gen0, rnd0, rounds, tokens)
-
-
-@functools.partial(jax.jit, static_argnames=("models", "plan", "auto", "rounds", "tokens"),
-                   donate_argnames=("state", "stats"))
-def auto_rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, auto: AutoPlan, state: DecodeState,
-                            stats: AutoStats, base_key, costs, force, *, rounds: int, tokens: int):
-    """``rounds_and_harvest`` with ``budget="auto"`` rounds (``auto_round.unrolled_auto_rounds``:
-    ``costs [K]``, ``force`` -1 to choose, else a budget's index; no log-probabilities). Returns
-    ``(state, stats, packed, report)``; ``report`` f32 ``[3, K]``: these rounds' rounds, expected
-    tokens and realized tokens at each budget (``AutoStats``' report fields, as increments)."""
-    gen0, rnd0 = state.generated, state.rounds
-    new, new_stats = unrolled_auto_rounds(models, tparams, dparams, plan, auto, state, stats, base_key, costs, force,
-                                          rounds)
-    report = jnp.stack([(new_stats.rounds - stats.rounds).astype(jnp.float32), new_stats.expected - stats.expected,
-                        new_stats.realized - stats.realized])
-    return new, new_stats, _harvest(new, gen0, rnd0, rounds, tokens), report
 
 
 def _harvest(state: DecodeState, gen0, rnd0, rounds: int, tokens: int):

@@ -41,11 +41,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import auto_costs
-from ddtree_jax.auto_budget import AutoPlan, AutoStats
+from ddtree_jax.auto_budget import AutoChooser, AutoPlan
+from ddtree_jax.auto_round import round_plans
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
@@ -209,8 +209,10 @@ class Engine:
     ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``sync_every``, ``stop_token_ids``,
     ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
     ``auto_plan`` (the budget set) and ``auto_costs`` (seconds per round at each budget:
-    ``decode.auto_costs``, else the cost table's, timed at start-up on the empty slots if it has
-    none); the metrics count the rounds, expected and realized tokens per budget.
+    ``decode.auto_costs``, else the cost table's, timed at start-up on a scratch state of running
+    rows if it has none); each dispatch runs the compiled rounds of the budget the host chooses
+    from the dispatches read back so far (``auto_budget.AutoChooser``); the metrics count the
+    rounds, expected and realized tokens per budget.
     """
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, *, tokenizer=None,
@@ -249,11 +251,7 @@ class Engine:
         self.cache_len = self.max_model_len + max(budget + 1, depth + 1, self.prefill_chunk)
         self.tokens_per_round = depth + 1
         self._shard_state = shard_state
-        self._state = self._empty_state()
         self._base_key = jax.random.key(decode.seed)
-        # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
-        # one while it compiles in the background (serving/shapes.py).
-        self._prefill = _device.prefill_shapes(self._models, self.plan, self._tparams, self._dparams, self._state)
         self.auto_plan = None
         if decode.is_auto:
             if config.max_logprobs:
@@ -261,8 +259,13 @@ class Engine:
                                   "budget='auto' yet; use a fixed budget or max_logprobs=0")
             self.auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), draft_len=depth,
                                       probe_every=decode.auto_probe_every)
-            self._auto_stats = AutoStats.start(self.auto_plan)
+            self._auto_plans = round_plans(self.plan, self.auto_plan)
+            self._auto = AutoChooser(self.auto_plan)
             self.auto_costs = decode.auto_costs or self._measure_costs()
+        self._state = self._empty_state()
+        # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
+        # one while it compiles in the background (serving/shapes.py).
+        self._prefill = _device.prefill_shapes(self._models, self.plan, self._tparams, self._dparams, self._state)
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -279,22 +282,44 @@ class Engine:
     def _new_metrics(self) -> EngineMetrics:
         return EngineMetrics(self.slots, auto_budgets=self.auto_plan.budgets if self.auto_plan else ())
 
-    def _auto_rounds(self, stats, costs, force):
-        """``budget="auto"`` rounds and their harvest on the engine's state: ``(packed, stats, report)``."""
-        self._state, stats, packed, report = _device.auto_rounds_and_harvest(
-            self._models, self._tparams, self._dparams, self.plan, self.auto_plan, self._state, stats,
-            self._base_key, jnp.asarray(costs, jnp.float32), jnp.int32(force),
-            rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
-        return packed, stats, report
+    def _rounds(self, plan: DecodePlan, state):
+        """``sync_every`` rounds of ``plan`` on ``state`` and their harvest: ``(state, packed)``."""
+        return _device.rounds_and_harvest(self._models, self._tparams, self._dparams, plan, state, self._base_key,
+                                          rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
 
     def _measure_costs(self) -> tuple[float, ...]:
-        """Seconds per round at each budget (``auto_costs``): the cost table's, or timed now on the
-        empty slots (free slots commit nothing: the state does not change)."""
-        flat = [1.0] * len(self.auto_plan.budgets)
+        """Seconds per round at each budget (``auto_costs``): the cost table's, or timed now
+        (before the engine's own state exists) on a scratch state whose slots all run: distinct
+        roots, empty caches, sampled at temperature 1, limits the output buffer's, put back before
+        every call. With several processes, process 0's costs (every process must choose alike)."""
         key = auto_costs.cost_key(auto_costs.models_digest(self._target, self._drafter), backend=self.plan.backend,
-                                  rows=self.slots, cache_len=self.cache_len, budgets=self.auto_plan.budgets)
-        run = lambda k: self._auto_rounds(AutoStats.start(self.auto_plan), flat, k)[0]
-        return auto_costs.default_table().get_or_measure(key, run, per_call=self.sync_every)
+                                  rows=self.slots, cache_len=self.cache_len, per_call=self.sync_every,
+                                  budgets=self.auto_plan.budgets)
+        scratch = [self._empty_state()]
+        S = self.slots
+        rows = np.arange(S, dtype=np.int32)
+        ones = np.ones((S,), np.float32)
+        sampling = SamplingBatch(temperature=ones, top_k=np.zeros((S,), np.int32), top_p=ones,
+                                 min_p=np.zeros((S,), np.float32), seed=rows.astype(np.uint32),
+                                 has_seed=np.ones((S,), bool))
+
+        def before():
+            scratch[0] = _device.activate(scratch[0], rows, rows % self.vocab_size, np.zeros((S,), np.int32),
+                                          np.full((S,), self.max_output_tokens, np.int32),
+                                          np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows)
+            return scratch[0]
+
+        def run(k):
+            scratch[0], packed = self._rounds(self._auto_plans[k], scratch[0])
+            return packed
+
+        costs = auto_costs.default_table().get_or_measure(key, run, per_call=self.sync_every, before=before)
+        del scratch[0]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            costs = tuple(float(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(costs, np.float64)))
+        return costs
 
     @property
     def state_bytes(self) -> int:
@@ -565,10 +590,11 @@ class Engine:
         if not any(snapshot):
             return None
         if self.auto_plan is not None:
-            packed, self._auto_stats, report = self._auto_rounds(self._auto_stats, self.auto_costs, -1)
+            k = self._auto.choose(sum(r is not None for r in snapshot), self.auto_costs)
+            self._state, packed = self._rounds(self._auto_plans[k], self._state)
             if jax.process_count() == 1:
                 packed.copy_to_host_async()
-            return packed, snapshot, report
+            return packed, snapshot, k
         self._state, packed = _device.rounds_and_harvest(
             self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
             rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
@@ -576,18 +602,21 @@ class Engine:
             packed.copy_to_host_async()
         return packed, snapshot
 
-    def _read_back(self, packed, snapshot: list[_Request | None], auto_report=None) -> list[Emit]:
+    def _read_back(self, packed, snapshot: list[_Request | None], auto_budget: int | None = None) -> list[Emit]:
         """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose
         request ended on the device are freed (host side now, device side at the next step).
-        ``auto_report``: the dispatch's ``budget="auto"`` report, recorded in the metrics."""
+        ``auto_budget``: the index of the budget of a ``budget="auto"`` dispatch, whose tally
+        (the harvest's last columns) goes to the chooser and the metrics."""
         t0 = time.perf_counter()
         got = np.asarray(self._fetch(packed))
-        if auto_report is not None:
-            self.metrics.record_auto(self._fetch(auto_report))
         self._waited += time.perf_counter() - t0
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
         T = self.sync_every * self.tokens_per_round
         live = np.array([r is not None and not r.retired for r in snapshot])
+        if auto_budget is not None:
+            tally = np.ascontiguousarray(got[:, -(2 + len(self.auto_plan.budgets)):]).view(np.float32)
+            self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0),
+                                                       self.auto_costs))
         n_rounds = np.where(live, n_rounds, 0)
         self.metrics.count("rounds", n=int(n_rounds.sum()))
         accept = got[:, _device.HARVEST_FIELDS + T : _device.HARVEST_FIELDS + T + self.sync_every]

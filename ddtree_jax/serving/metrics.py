@@ -123,7 +123,7 @@ class EngineMetrics:
 
     def record_auto(self, report) -> None:
         """Adds ``budget="auto"`` rounds: ``report [3, K]`` = rounds, expected tokens and realized
-        tokens at each budget (``serving._device.auto_rounds_and_harvest``)."""
+        tokens at each budget (``auto_budget.AutoChooser.record``)."""
         rounds, expected, realized = np.asarray(report, np.float64).tolist()
         with self._lock:
             for i in range(len(self.auto_budgets)):
