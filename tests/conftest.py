@@ -7,13 +7,6 @@
   CPU compiler late in the run, in a test that passes alone (tests/test_vocab_top_k.py); the
   cause was not pinned down, and with the caches dropped and the files split over two workers
   (the README's ``-n 2 --dist loadfile``) it has not recurred.
-* One persistent compilation cache per run, shared by the pytest-xdist workers (a directory the
-  controller makes and removes): a program compiled again after the per-module cache drop above,
-  or by the other worker, or under another jit cache key (an explicit default argument), is read
-  back instead of recompiled. JAX keys its entries by the program and compile options, so a hit
-  runs the same executable. Its locking (on when the cache has a size limit) keeps the workers
-  from reading each other's half-written entries. A cache directory set by the user
-  (``JAX_COMPILATION_CACHE_DIR``) is used as it is.
 * The slowest test files are collected first (``_SLOW_FIRST``), the rest in their usual order:
   pytest-xdist hands out whole files in collection order, so a long file started last would
   leave the other worker idle at the end of the run.
@@ -24,40 +17,11 @@
 import fcntl
 import gc
 import os
-import shutil
-import tempfile
 
 import jax
 import pytest
 
 from ddtree_jax.training.recipe import make_default
-
-_CACHE_KEY = "ddtree_jax_compilation_cache"  # the workers' input naming the run's cache directory
-_CACHE_STASH = pytest.StashKey[str]()  # the directory this process made (and removes)
-
-
-def pytest_configure(config):
-    if jax.config.jax_compilation_cache_dir:
-        return
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller's directory
-        path = config.workerinput[_CACHE_KEY]
-    else:
-        path = tempfile.mkdtemp(prefix="ddtree-jax-compilation-cache-")
-        config.stash[_CACHE_STASH] = path
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_compilation_cache_max_size", 64 << 30)  # a limit turns the file lock on
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    if _CACHE_STASH in node.config.stash:
-        node.workerinput[_CACHE_KEY] = node.config.stash[_CACHE_STASH]
-
-
-def pytest_unconfigure(config):
-    if _CACHE_STASH in config.stash:
-        shutil.rmtree(config.stash[_CACHE_STASH], ignore_errors=True)
-
 
 # Longest first; a file not listed runs after these, in the usual order.
 _SLOW_FIRST = [
