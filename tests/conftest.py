@@ -7,6 +7,9 @@
   CPU compiler late in the run, in a test that passes alone (tests/test_vocab_top_k.py); the
   cause was not pinned down, and with the caches dropped and the files split over two workers
   (the README's ``-n 2 --dist loadfile``) it has not recurred.
+* The slowest test files are collected first (``_SLOW_FIRST``), the rest in their usual order:
+  pytest-xdist hands out whole files in collection order, so a long file started last would
+  leave the other worker idle at the end of the run.
 * ``default_dir``: the small default model, trained once per run for every test that needs it
   (tests/test_cli.py, tests/test_tpu_kernels.py), whichever pytest-xdist worker asks first.
 """
@@ -20,8 +23,27 @@ import pytest
 
 from ddtree_jax.training.recipe import make_default
 
+# Longest first; a file not listed runs after these, in the usual order.
+_SLOW_FIRST = [
+    "test_triton_fused_sample.py",
+    "test_tree.py",
+    "test_serving_sharded.py",
+    "test_cli.py",
+    "test_generate.py",
+    "test_sharded_generate.py",
+    "test_default_pair.py",
+    "test_near_zero_temperature.py",
+    "test_exactness.py",
+    "test_tpu_kernels.py",
+    "test_training.py",
+    "test_mla_kernel.py",
+    "test_mla_prefix_kernel.py",
+]
+
 
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (compiled Pallas kernels); run `python -m pytest -m gpu` on one")

@@ -6,6 +6,8 @@ has no rules for ``wgmma``, so the two products run as plain dots there (the com
 cases are few and small.
 """
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,39 @@ from ddtree_jax.models.tree_cache import BlockMask, tree_block_mask
 from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits, prefix_attention, split_size, supports
 
 _LOG2E = float(np.log2(np.e))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_each_thread_program_once():
+    """The interpreter runs a kernel call's CTAs one after another, each as concurrent thread
+    programs (one jaxpr per call, the grid point and thread id among its arguments), and its
+    ``thread_map._run_jaxpr`` traces and compiles that jaxpr again for every thread of every CTA.
+    Here each (jaxpr, thread id) is compiled once and the executable reused by every CTA: the same
+    programs run on the same inputs, only the recompilation is skipped. One executable per thread
+    id, not one for all: the threads of a CTA wait on each other at barriers, and concurrent runs
+    of one executable do not get that far. Applied only where the interpreter has that function."""
+    from jax._src import core
+    from jax._src.pallas.mosaic.interpret import thread_map
+
+    if not hasattr(thread_map, "_run_jaxpr"):
+        yield
+        return
+    compiled, lock = {}, threading.Lock()
+
+    def run(jaxpr, consts, thread_id, *args):
+        key = (jaxpr, int(thread_id))
+        with lock:
+            program = compiled.get(key)
+        if program is None:
+            traced = jax.jit(core.eval_jaxpr, static_argnums=0).trace(jaxpr, consts, thread_id, *args)
+            program = traced.lower().compile()
+            with lock:
+                compiled[key] = program
+        program(consts, thread_id, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(thread_map, "_run_jaxpr", run)
+        yield
 
 
 def _interpreter():
