@@ -26,8 +26,11 @@ from ddtree_jax.training.recipe import make_default
 # Longest first; a file not listed runs after these, in the usual order.
 _SLOW_FIRST = [
     "test_triton_fused_sample.py",
+    "test_serving_server.py",
     "test_tree.py",
     "test_serving_sharded.py",
+    "test_deterministic.py",
+    "test_auto_budget.py",
     "test_cli.py",
     "test_generate.py",
     "test_sharded_generate.py",

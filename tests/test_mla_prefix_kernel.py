@@ -36,8 +36,11 @@ def _compile_each_thread_program_once():
     id, not one for all: the threads of a CTA wait on each other at barriers, and concurrent runs
     of one executable do not get that far. Applied only where the interpreter has that function."""
     from jax._src import core
-    from jax._src.pallas.mosaic.interpret import thread_map
 
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:
+        thread_map = None
     if not hasattr(thread_map, "_run_jaxpr"):
         yield
         return
