@@ -15,6 +15,7 @@ import pytest
 import ddtree_jax as dt
 from ddtree_jax.decode_state import FREE
 from ddtree_jax.serving import Engine, EngineOverloaded, RequestError
+from ddtree_jax.serving.shapes import ShapeCache
 from ddtree_jax.serving.text import TextStream
 from tests._model_fixtures import tiny_dflash, tiny_kimi
 from tests._serving_fixtures import char_tokenizer
@@ -298,3 +299,18 @@ def test_overlapped_loop_under_many_streams_loses_and_duplicates_nothing(models,
         eng.stop()
     assert np.all([h is None for h in eng._slot])
     assert (np.asarray(eng._state.finish) == FREE).all()
+
+
+def test_prefill_on_a_cover_gives_generates_tokens(models, reference):
+    """A prefill shape not compiled yet runs padded on a compiled cover (more rows, repeating the
+    first), then, once compiled in the background, on its own shape: generate()'s tokens both ways."""
+    eng = engine(models, slots=2)
+    fresh = ShapeCache(eng._prefill._compile_shape)  # nothing compiled but the largest shape
+    fresh.warm(2, 16)
+    eng._prefill = fresh
+    got = [eng.generate([PROMPTS[i]], max_tokens=MAX_TOKENS)[0].tokens for i in (0, 3)]  # one at a time: 1 row
+    assert got == [reference.tokens[0], reference.tokens[3]]
+    assert fresh.wait(300) and (1, 16) in fresh.shapes
+    assert [r.tokens for r in eng.generate([PROMPTS[3], PROMPTS[0]], max_tokens=MAX_TOKENS)] == \
+        [reference.tokens[3], reference.tokens[0]]
+    assert eng.generate([PROMPTS[1]], max_tokens=MAX_TOKENS)[0].tokens == reference.tokens[1]  # (1, 16) now

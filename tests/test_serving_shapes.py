@@ -1,13 +1,10 @@
 """serving.shapes.ShapeCache: a prefill shape not compiled yet runs on the smallest compiled cover
-while the exact one compiles in the background; and through the engine, a prefill run on a cover
-gives the same tokens as generate()."""
+while the exact one compiles in the background (through the engine: tests/test_serving_engine.py,
+``test_prefill_on_a_cover_gives_generates_tokens``)."""
 
 import threading
 
-import ddtree_jax as dt
-from ddtree_jax.serving import Engine
 from ddtree_jax.serving.shapes import ShapeCache
-from tests._model_fixtures import tiny_dflash, tiny_kimi
 
 
 class FakeCompiler:
@@ -66,24 +63,6 @@ def test_a_failed_background_compile_keeps_serving_on_the_cover():
     assert cache.get(2, 16)[:2] == (4, 32)
     assert cache.wait(10) and cache.get(2, 16)[:2] == (4, 32)  # retried, failed again, still the cover
     assert cache.wait(10)
-
-
-def test_engine_prefill_on_a_cover_gives_generates_tokens():
-    method = "ddtree"
-    target = tiny_kimi(0)
-    drafter = tiny_dflash(target, 1)
-    prompts = [[1, 2, 3, 4, 5], list(range(20, 45))]
-    ref = dt.generate(target, drafter, prompts, method=method, budget=6, max_new_tokens=8, compact=False,
-                      max_len=80)
-    eng = Engine(target, drafter, dt.EngineConfig(decode=dt.DecodeConfig(method=method, budget=6), slots=2,
-                                                  max_model_len=64, prefill_chunk=32, prefill_batch=2))
-    fresh = ShapeCache(eng._prefill._compile_shape)  # nothing compiled but the largest shape
-    fresh.warm(2, 32)
-    eng._prefill = fresh
-    got = [eng.generate([p], max_tokens=8)[0].tokens for p in prompts]  # one at a time: rows 1, chunks 16 and 32
-    assert got == ref.tokens
-    assert fresh.wait(300) and {(1, 16), (1, 32)} <= set(fresh.shapes)
-    assert [r.tokens for r in eng.generate(prompts[::-1], max_tokens=8)] == ref.tokens[::-1]  # exact shapes now
 
 
 def test_close_waits_for_the_running_compilation_and_starts_no_other():
