@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.config import ConfigError, ExecutionConfig
+
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> jax.Array:
     """Random N(0, 1/fan_in) weights: large enough that tiny random test models are not trivial.
@@ -30,6 +33,20 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype) -> j
         return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
     return jnp.asarray((rng.standard_normal(shape, np.float32) / math.sqrt(fan_in)).astype(dtype))
+
+
+def execution_backend(execution: ExecutionConfig, role: str) -> Backend:
+    """``execution``'s resolved backend, checked for a model (``role``: "model", "drafter"): a
+    ``TypeError`` for anything but an ``ExecutionConfig``, a ``ConfigError`` naming
+    ``batch_invariant`` where the fixed-order product has no kernels to run (it is a Triton kernel)."""
+    if not isinstance(execution, ExecutionConfig):
+        raise TypeError(f"execution must be an ExecutionConfig, got {type(execution).__name__}")
+    backend = resolve_backend(execution.impl)
+    if execution.batch_invariant and not (backend.kernels and backend.family == "triton"):
+        raise ConfigError("ExecutionConfig", "batch_invariant",
+                          f"needs the Triton kernels: impl 'pallas' (or 'auto' on an NVIDIA GPU); the {role} runs "
+                          f"{backend}")
+    return backend
 
 
 def dense_product(x: jax.Array, kernel: jax.Array, fixed_order=None, out_dtype=None) -> jax.Array:

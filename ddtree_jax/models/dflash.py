@@ -34,9 +34,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, ExecutionConfig, execution_of
-from ddtree_jax.models._layers import GatedMLP, Linear, RMSNorm, dense_product, masked_softmax, write_rows
+from ddtree_jax.models._layers import (
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    dense_product,
+    execution_backend,
+    masked_softmax,
+    write_rows,
+)
 from ddtree_jax.models.dflash_config import DFlashConfig
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 
@@ -184,13 +191,7 @@ class DFlashDrafter(nnx.Module):
     def _configure(self, execution: ExecutionConfig) -> None:
         """Check ``execution`` and set every product's static ``fixed_order`` from it (the one
         place that does)."""
-        if not isinstance(execution, ExecutionConfig):
-            raise TypeError(f"execution must be an ExecutionConfig, got {type(execution).__name__}")
-        backend = resolve_backend(execution.impl)
-        if execution.batch_invariant and not (backend.kernels and backend.family == "triton"):
-            raise ConfigError("ExecutionConfig", "batch_invariant",
-                              "needs the Triton kernels: impl 'pallas' (or 'auto' on an NVIDIA GPU); the drafter runs "
-                              f"{backend}")
+        backend = execution_backend(execution, "drafter")
         if execution.batch_invariant and _on_several_devices(self):
             raise ConfigError("ExecutionConfig", "batch_invariant",
                               "the fixed-order product runs on one device; this drafter is placed on a mesh")

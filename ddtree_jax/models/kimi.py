@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.backend import Backend
 from ddtree_jax.config import ConfigError, ExecutionConfig, execution_of
 from ddtree_jax.models._layers import (
     Embed,
@@ -34,6 +34,7 @@ from ddtree_jax.models._layers import (
     Linear,
     RMSNorm,
     dense_product,
+    execution_backend,
     normal_init,
     write_rows,
 )
@@ -389,13 +390,7 @@ class KimiForCausalLM(nnx.Module):
     def _configure(self, execution: ExecutionConfig, mesh, mesh_axes: tuple[tuple[str, str], ...]) -> None:
         """Check ``execution`` against its backend and the placement, then set every submodule's
         static settings from them (the one place that does)."""
-        if not isinstance(execution, ExecutionConfig):
-            raise TypeError(f"execution must be an ExecutionConfig, got {type(execution).__name__}")
-        backend = resolve_backend(execution.impl)
-        if execution.batch_invariant and not (backend.kernels and backend.family == "triton"):
-            raise ConfigError("ExecutionConfig", "batch_invariant",
-                              "needs the Triton kernels: impl 'pallas' (or 'auto' on an NVIDIA GPU); the model runs "
-                              f"{backend}")
+        backend = execution_backend(execution, "model")
         axes = dict(mesh_axes)
         attention = AttentionMesh.of(mesh, axes)
         if execution.batch_invariant and attention is not None:
