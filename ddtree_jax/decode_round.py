@@ -35,6 +35,7 @@ from ddtree_jax.auto_budget import expected_tokens
 from ddtree_jax.backend import Backend
 from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
 from ddtree_jax.rng import round_keys
+from ddtree_jax.rows import RowMesh, per_rows
 from ddtree_jax.sampling import (
     INVALID_TOKEN,
     SamplingBatch,
@@ -178,6 +179,17 @@ def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths
 # stages so far produced. The last one returns {"state": the next DecodeState}.
 
 
+def _rows(target) -> RowMesh | None:
+    """Where the target's batch rows live (``ddtree_jax.rows``): the tree build, the sampler and
+    the walk run on each device's own rows."""
+    return getattr(target, "row_mesh", None)
+
+
+def _tree_of(target, draft_logits, budget: int, backend: Backend):
+    return per_rows(functools.partial(_build_draft_tree, budget=budget, backend=backend), _rows(target),
+                    draft_logits.shape[0], draft_logits)
+
+
 def _draft(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
     if plan.method == "ar":
         return dict(draft_logits=None)
@@ -193,11 +205,11 @@ def _tree(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work)
     elif plan.method == "dflash":
         tree = chain_draft_tree(work["draft_logits"])
     elif plan.expected_budgets:
-        full = _build_draft_tree(work["draft_logits"], max(plan.expected_budgets), plan.backend)
+        full = _tree_of(target, work["draft_logits"], max(plan.expected_budgets), plan.backend)
         expected = expected_tokens(full, plan.expected_budgets)
         tree = full.prefix(plan.budget + 1)
     else:
-        tree = _build_draft_tree(work["draft_logits"], plan.budget, plan.backend)
+        tree = _tree_of(target, work["draft_logits"], plan.budget, plan.backend)
     out = dict(tree=tree.with_root_tokens(state.root))
     if expected is not None:
         out["expected"] = expected
@@ -215,7 +227,8 @@ def _verify(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
 
 def _sample(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
     keys = round_keys(base_key, state.sampling, state.request_ids, state.rounds)
-    samples = _sample_tree_nodes(work["logits"], state.sampling, keys, plan.backend)
+    samples = per_rows(functools.partial(_sample_tree_nodes, backend=plan.backend), _rows(target),
+                       state.batch_size, work["logits"], state.sampling, keys)
     out = dict(tree=work["tree"], samples=samples, feats=work["feats"], target_cache=work["target_cache"])
     if plan.logprobs:
         out["logits"] = work["logits"]
@@ -223,7 +236,8 @@ def _sample(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
 
 
 def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
-    res = _accept_path(work["tree"], work["samples"], plan.backend)
+    res = per_rows(functools.partial(_accept_path, backend=plan.backend), _rows(target), state.batch_size,
+                   work["tree"], work["samples"])
     B, A = res.committed.shape
     idx = jnp.arange(A)[None]
     n = res.num_accepted + 1
@@ -235,9 +249,11 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
     count = jnp.minimum(jnp.minimum(n, stop_at), state.max_new_tokens - state.generated)
     count = jnp.where(active & ~invalid, count, 0).astype(jnp.int32)
 
-    rows = jnp.arange(B)[:, None]
+    # Row-wise writes (a vmapped scatter keeps its rows as a batch dim, which a mesh splitting the
+    # rows partitions without gathering them)
+    set_row = jax.vmap(lambda row, at, values: row.at[at].set(values, mode="drop"))
     pos = jnp.where(idx < count[:, None], state.generated[:, None] + idx, state.capacity)
-    out = state.out.at[rows, pos].set(res.committed, mode="drop")
+    out = set_row(state.out, pos, res.committed)
     generated = state.generated + count
     last = jnp.take_along_axis(res.committed, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
 
@@ -245,7 +261,7 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
     finish = jnp.where(active & ~invalid & (stop_at <= count), STOP, finish)
     finish = jnp.where(active & (finish == RUNNING) & (generated >= state.max_new_tokens), LENGTH, finish)
     hist_pos = jnp.where(active, state.rounds, state.capacity)
-    accept_lengths = state.accept_lengths.at[jnp.arange(B), hist_pos].set(n, mode="drop")
+    accept_lengths = set_row(state.accept_lengths, hist_pos, n)
 
     draft_cache = state.draft_cache
     if plan.hidden_layer_ids:

@@ -35,6 +35,7 @@ from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
 from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP, DecodeState
+from ddtree_jax.rows import place_state
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 
 __all__ = ["METHODS", "GenerateOutput", "RequestOutput", "generate"]
@@ -204,6 +205,13 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
                     stop_ids=np.array([stop or [NO_STOP]] * B, np.int32), budget=budget, max_len=max_len or needed)
 
 
+def _on_rows(state, target):
+    """``state`` with its rows where the target computes them (``ddtree_jax.rows``: on a mesh, split
+    over the row axes that divide the batch), so the rounds' carry keeps one layout."""
+    rows = getattr(target, "row_mesh", None)
+    return state if rows is None else place_state(state, rows, rows.split(state.batch_size))
+
+
 def generate(
     target,
     drafter,
@@ -294,6 +302,7 @@ def generate(
                     jnp.asarray(roots), max_len=checked.max_len, capacity=capacity,
                     max_new_tokens=jnp.asarray(checked.max_new_tokens), stop_ids=jnp.asarray(checked.stop_ids),
                     sampling=sampling_batch, request_ids=jnp.arange(B, dtype=jnp.uint32))
+    state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
 
@@ -349,7 +358,7 @@ def generate(
             size = 1 << int(len(running) - 1).bit_length()
             take = np.concatenate([running, np.full(size - len(running), running[0])])
             pad = np.arange(size) >= len(running)
-            state = _take_rows(state, jnp.asarray(take))
+            state = _on_rows(_take_rows(state, jnp.asarray(take)), target)
             # Padding slots repeat a running request's rows but are free: they commit nothing.
             state = dataclasses.replace(state, finish=jnp.where(jnp.asarray(pad), FREE, state.finish))
             slot_request = np.where(pad, -1, slot_request[take])

@@ -15,7 +15,7 @@ from ddtree_jax.config import DecodeConfig, EngineConfig
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(20, 45)), [9, 10, 11]]
 SAMPLING = [dict(temperature=0.0)] * 3 + [dict(temperature=0.9, top_p=0.9, seed=5)]
-CONFIG = EngineConfig(decode=DecodeConfig(method="ddtree", budget=6), slots=2, max_model_len=64, prefill_chunk=16,
+CONFIG = EngineConfig(decode=DecodeConfig(method="ddtree", budget=6), slots=8, max_model_len=64, prefill_chunk=16,
                       prefill_batch=2)
 MAX_TOKENS = 10
 LOGIT_TOL = 1e-4
@@ -77,3 +77,53 @@ def check_runs(runs: list[dict], meshes: list[str]) -> None:
             assert r["equal"], f"{r['spec']}: expert/data parallelism changed the tokens"
         else:
             assert all(d <= LOGIT_TOL for d in r["logit_diffs"]), r
+
+
+def check_round_collectives(target, drafter, *, batch: int = 16, budget: int = 6) -> None:
+    """The compiled decoding round of ``batch`` rows on the models' mesh, rows split over every
+    device (data-parallel attention, ``ddtree_jax.rows``): its only collectives are each MoE
+    layer's exchange of tokens (an all-gather of the expert group's ``N = batch * (budget + 1)``
+    token rows and routing, and a reduce-scatter of ``[N / devices, H]`` back) and the loop's
+    stop test; nothing gathers logits, drafts or trees, and no device computes the logits of
+    rows it does not hold."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    import ddtree_jax as dt
+    from ddtree_jax.backend import resolve_backend
+    from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
+    from ddtree_jax.rows import place_state
+    from ddtree_jax.sampling import batch_sampling
+
+    rows = target.row_mesh
+    devices = rows.devices
+    assert rows.split(batch) == rows.axes and batch % devices == 0
+    m, vocab, hidden = budget + 1, target.config.vocab_size, target.config.hidden_size
+    plan = DecodePlan(method="ddtree", budget=budget, backend=resolve_backend("reference"),
+                      hidden_layer_ids=tuple(drafter.config.target_layer_ids))
+    models, tparams, dparams = Models.split(target, drafter)
+    full = lambda v: jnp.full((batch,), v, jnp.int32)  # noqa: E731
+    state = prefill(models, tparams, dparams, plan, jnp.ones((batch, 4), jnp.int32), full(4), full(1), max_len=64,
+                    capacity=16, max_new_tokens=full(16), stop_ids=jnp.full((batch, 1), -1, jnp.int32),
+                    sampling=batch_sampling(dt.SamplingParams(temperature=0.7, seed=1), batch),
+                    request_ids=jnp.arange(batch, dtype=jnp.uint32))
+    state = place_state(state, rows, rows.axes)
+    hlo = run_rounds.lower(models, tparams, dparams, plan, state, jax.random.key(0), 1).compile().as_text()
+    n = batch * m
+    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                       r"(?:-start)?\(", hlo)
+    kinds = {}
+    for dtype, dims, op in found:
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        kinds.setdefault(op, set()).add((dtype, shape))
+        if op == "all-gather":
+            assert shape[0] == n, (op, dtype, shape)
+        elif op == "reduce-scatter":
+            assert shape == (n // devices, hidden), (op, dtype, shape)
+        else:
+            assert op == "all-reduce" and shape == () and dtype == "pred", (op, dtype, shape)
+    assert set(kinds) == {"all-gather", "reduce-scatter", "all-reduce"}, kinds
+    assert not re.search(rf"\[{batch},{m},{vocab}\]", hlo), "a device computes every row's logits"
+    assert re.search(rf"f32\[{batch // devices},{m},{vocab}\]", hlo), "no per-device verify logits found"

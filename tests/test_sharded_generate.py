@@ -1,6 +1,8 @@
-"""generate() with the target and drafter sharded over a device mesh (8 CPU devices, expert x
-tensor axes) gives the same tokens as the unsharded models, greedy and seeded sampling; the MoE
-kernel path runs expert-parallel without gathering weights; the per-head prefill too."""
+"""generate() with the target and drafter sharded over a device mesh (8 CPU devices: expert x
+tensor axes, and expert=8 with data-parallel attention) gives the same tokens as the unsharded
+models, greedy and seeded sampling; the compiled round on the data-parallel layout exchanges
+only the MoE's tokens; the MoE kernel path runs expert-parallel without gathering weights, with
+rows over data or over data and expert; the per-head prefill too."""
 
 import os
 import subprocess
@@ -35,6 +37,20 @@ SCRIPT = textwrap.dedent("""
     kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=dt.SamplingParams(temperature=0.0))
     sharded, plain = dt.generate(st, sd, prompts, **kw), dt.generate(pt, pd, prompts, **kw)
     assert sharded.tokens == plain.tokens, ("per-head", sharded.tokens, plain.tokens)
+    # expert=8 with data-parallel attention: 8 prompts, one per device; then the compiled round's
+    # collectives (tests/_mesh_check.py)
+    from ddtree_jax.serving.sharding import make_mesh
+    from tests._mesh_check import check_round_collectives
+    mesh = make_mesh("expert=8")
+    st = dt.load_target(path + "/target", mesh=mesh, dtype=jnp.float32)
+    sd = dt.load_drafter(path + "/drafter", st, mesh=mesh)
+    assert st.row_mesh.axes == ("expert",)
+    eight = [[1, 2, 3, 4, 5], [7], [9, 10], [3] * 7, [4, 5], [6], [11, 12, 13], [2, 2]]
+    for sampling in [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.9, top_p=0.9, seed=5)]:
+        kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=sampling)
+        sharded, plain = dt.generate(st, sd, eight, **kw), dt.generate(pt, pd, eight, **kw)
+        assert sharded.tokens == plain.tokens, ("dp", sharded.tokens, plain.tokens)
+    check_round_collectives(st, sd)
     print("SHARDED_OK")
 """)
 
@@ -60,49 +76,57 @@ EXPERT_PARALLEL = textwrap.dedent("""
     path, S = sys.argv[1], 40
     dt.save_checkpoint(tiny_kimi(0, num_hidden_layers=2), path)  # 1 dense + 1 MoE layer
     plain = dt.load_target(path, dtype=jnp.float32, impl="reference")
-    tokens, depths, mask, valid = _tree_inputs(2, 8, 3)
-    f = nnx.jit(lambda m, *a: m.verify(*a, valid=valid)[0])
-    args = (tokens, depths, mask)
-    want = f(plain, *args, plain.init_cache(2, S))
-    v = np.asarray(valid)
 
     def lines(hlo, op):
         return [l for l in hlo.splitlines() if re.search(r"= \\S+ " + op + r"(-start)?\\(", l)]
 
-    # The all-gathers each mesh may keep: on data x expert only token-sized routing arrays (N = 16
-    # tokens; GSPMD alone also gathers each layer's cache rows and ``start`` around the attention
-    # kernel, or every expert's weights around the MoE kernel); on expert x tensor only the local
-    # experts' weights over tensor (the stacked gate/up layout; GSPMD alone also gathers the
-    # heads-split queries around the attention kernel).
-    allowed = {"data=2,expert=4": r"\\[16[,\\]]", "expert=2,tensor=4": r"f32\\[4,(32|64),64\\]"}
-    for spec, ok in allowed.items():
+    # (mesh, batch, the all-gathers it may keep, its reductions). On data x expert with 2 rows the
+    # rows split over data only: token-sized routing arrays (N = 16 tokens) and one psum of the
+    # MoE's [N/2, H]; with 8 rows they split over data and expert too (data-parallel attention):
+    # each device gathers its expert group's 32 tokens and a psum_scatter hands its rows back. (GSPMD
+    # alone also gathers each layer's cache rows and ``start`` around the attention kernel, or
+    # every expert's weights around the MoE kernel.) On expert x tensor (rows over expert) the
+    # expert group's tokens and the local experts' weights over tensor (the stacked gate/up layout;
+    # GSPMD alone also gathers the heads-split queries around the attention kernel).
+    cases = [("data=2,expert=4", 2, r"\\[16[,\\]]", ("all-reduce",)),
+             ("data=2,expert=4", 8, r"\\[32[,\\]]", ("reduce-scatter",)),
+             ("expert=2,tensor=4", 2, r"f32\\[4,(32|64),64\\]|\\[16[,\\]]", None)]
+    for spec, b, ok, reductions in cases:
+        tokens, depths, mask, valid = _tree_inputs(b, 8, 3)
+        f = nnx.jit(lambda m, *a, valid=valid: m.verify(*a, valid=valid)[0])
+        args = (tokens, depths, mask)
+        want = f(plain, *args, plain.init_cache(b, S))
+        v = np.asarray(valid)
         mesh = make_mesh(spec)
         sharded = dt.load_target(path, mesh=mesh, dtype=jnp.float32, impl="pallas")
-        cache = sharded.init_cache(2, S)
-        if "data" in mesh.axis_names:  # the serving state's placement: cache rows over data
-            cache = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))), cache)
+        cache = sharded.init_cache(b, S)
+        rows = sharded.row_mesh.split(b) if sharded.row_mesh is not None else ()
+        if rows:  # the serving state's placement: cache rows over the row axes
+            cache = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(rows))), cache)
         with jax.set_mesh(mesh):
             hlo = f.lower(sharded, *args, cache).compile().as_text()
             got = f(sharded, *args, cache)
-        gathers, reduces = lines(hlo, "all-gather"), lines(hlo, "all-reduce")
+        gathers = lines(hlo, "all-gather")
         bad = [l for l in gathers if not re.search(ok, l.split("=", 1)[1].split("all-gather")[0])]  # result shape
-        assert not bad, (spec, bad)
-        if spec.startswith("data"):
-            assert len(reduces) == 1, reduces  # the MoE layer's psum of [N/2, H], nothing else
+        assert not bad, (spec, b, bad)
+        if reductions is not None:  # the one MoE layer's reduction, nothing else
+            found = {op: len(lines(hlo, op)) for op in ("all-reduce", "reduce-scatter")}
+            assert found == {op: int(op in reductions) for op in found}, (spec, b, found)
         err = np.abs(np.asarray(got) - np.asarray(want))[v].max()
-        assert err <= 2e-5 * np.abs(np.asarray(want)).max(), (spec, err)
+        assert err <= 2e-5 * np.abs(np.asarray(want)).max(), (spec, b, err)
     print("EP_OK")
 """)
 
 
 def test_kernel_paths_on_meshes_of_8_devices(tmp_path):
     """The kernel paths (impl="pallas", interpret) on meshes of 8 CPU devices: verify logits equal
-    one device's reference (float32) on data=2 x expert=4 (cache rows over data) and expert=2 x
-    tensor=4 (heads over tensor). In the compiled program: no all-gather of the caches, of
-    ``start`` or of the heads-split queries (the attention kernel runs in a shard_map: GSPMD alone
-    gathers them around the pallas_call), none of the experts' weights over the expert axis, and
-    on data x expert exactly one all-reduce per MoE layer (the expert-parallel shard_map's psum of
-    [N, H])."""
+    one device's reference (float32) on data=2 x expert=4 (2 rows: cache rows over data; 8 rows:
+    over data and expert, data-parallel attention) and expert=2 x tensor=4 (heads over tensor). In
+    the compiled program: no all-gather of the caches, of ``start`` or of the heads-split queries
+    (the attention kernel runs in a shard_map: GSPMD alone gathers them around the pallas_call),
+    none of the experts' weights over the expert axis, and on data x expert exactly one reduction
+    per MoE layer (the expert-parallel shard_map's psum of [N, H], or with rows over the expert
+    axis its psum_scatter)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}

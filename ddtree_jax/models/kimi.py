@@ -46,9 +46,10 @@ from ddtree_jax.models.latent_attention import (
     latent_attention,
     per_head_causal_attention,
 )
-from ddtree_jax.models.moe import experts_reference, routed_experts
+from ddtree_jax.models.moe import ExpertMesh, experts_reference, routed_experts
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
 from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
+from ddtree_jax.rows import RowMesh, per_rows
 
 __all__ = ["KVCache", "KimiForCausalLM"]
 
@@ -198,16 +199,23 @@ class Router(nnx.Module):
         self.e_score_correction_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=(None,))
         self.fixed_order = None  # static, as ``Linear.fixed_order``
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``x [N,H]`` -> ``(weights [N,k] float32, expert ids [N,k] int32)``."""
+    def __call__(self, x: jax.Array, *, rows: RowMesh | None = None,
+                 batch: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """``x [N,H]`` -> ``(weights [N,k] float32, expert ids [N,k] int32)``. ``rows``: the tokens
+        are the row-major flattening of ``batch`` rows placed as ``rows`` says; each device routes
+        its own (``ddtree_jax.rows.per_rows``)."""
+        return per_rows(self._route, rows, x.shape[0] if batch is None else batch, x,
+                        shared=(self.weight[...], self.e_score_correction_bias[...]))
+
+    def _route(self, x: jax.Array, weight: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        scores = jax.nn.sigmoid(dense_product(x.astype(jnp.float32), self.weight[...].T, self.fixed_order))
-        choice = scores + self.e_score_correction_bias[...]
+        scores = jax.nn.sigmoid(dense_product(x.astype(jnp.float32), weight.T, self.fixed_order))
+        choice = scores + bias
         n = x.shape[0]
         grouped = choice.reshape(n, cfg.n_group, -1)
         group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
         _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-        group_ok = jnp.zeros((n, cfg.n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+        group_ok = jnp.any(top_groups[:, :, None] == jnp.arange(cfg.n_group)[None, None], axis=1)  # [n, groups]
         choice = jnp.where(group_ok[:, :, None], grouped, -jnp.inf).reshape(n, -1)
         _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)
         weights = jnp.take_along_axis(scores, ids, axis=-1)
@@ -241,7 +249,7 @@ class Experts(nnx.Module):
             setattr(self, f"{name}_scale", nnx.Param(w.scale, axes=axes))
             if w.zero is not None:
                 setattr(self, f"{name}_zero_point", nnx.Param(w.zero, axes=axes))
-        # static, set by ``KimiForCausalLM``: (mesh, mesh axis) when the weights' expert dim is
+        # static, set by ``KimiForCausalLM``: the ``ExpertMesh`` when the weights' expert dim is
         # split over a mesh axis, and the kernel's pinned ``MoEBlocks`` (None: by the token count)
         self.expert_mesh = None
         self.blocks = None
@@ -259,13 +267,14 @@ class Experts(nnx.Module):
         return packed("gate_up_proj"), packed("down_proj")
 
     def __call__(self, x: jax.Array, weights: jax.Array, ids: jax.Array, *, backend: Backend,
-                 valid: jax.Array | None = None) -> jax.Array:
+                 valid: jax.Array | None = None, batch: int | None = None) -> jax.Array:
         """Grouped matmuls over token copies sorted by expert: the Pallas kernel where
         ``backend.kernels``, else ``jax.lax.ragged_dot``. ``x [N,H]``, ``weights/ids [N,k]``,
-        ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output)."""
+        ``valid [N]`` bool (None: all): invalid tokens route to no expert (zero output); ``batch``:
+        the rows the tokens flatten (``routed_experts``)."""
         gate_up, down = self.weights()
         return routed_experts(x, gate_up, down, weights, ids, backend=backend, valid=valid,
-                              expert_mesh=self.expert_mesh, blocks=self.blocks)
+                              expert_mesh=self.expert_mesh, blocks=self.blocks, batch=batch)
 
     def reference(self, x: jax.Array, weights: jax.Array, ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
         """Same result with every expert run densely on every token (the slow, obvious version)."""
@@ -281,18 +290,19 @@ class MoE(nnx.Module):
         self.shared_experts = GatedMLP(
             cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, rngs=rngs, dtype=dtype
         )
+        self.row_mesh = None  # static, set by ``KimiForCausalLM``: where the batch rows live
 
     def __call__(self, x: jax.Array, *, backend: Backend, dense_experts: bool = False,
                  valid: jax.Array | None = None) -> jax.Array:
         """``[B,T,H] -> [B,T,H]``; ``dense_experts`` runs ``Experts.reference`` (tests, benchmark);
         ``valid [B,T]`` bool (None: all): invalid tokens get only the shared experts' output."""
         flat = x.reshape(-1, x.shape[-1])
-        weights, ids = self.gate(flat)
+        weights, ids = self.gate(flat, rows=self.row_mesh, batch=x.shape[0])
         flat_valid = None if valid is None else valid.reshape(-1)
         if dense_experts:
             routed = self.experts.reference(flat, weights, ids, flat_valid)
         else:
-            routed = self.experts(flat, weights, ids, backend=backend, valid=flat_valid)
+            routed = self.experts(flat, weights, ids, backend=backend, valid=flat_valid, batch=x.shape[0])
         return routed.reshape(x.shape) + self.shared_experts(x)
 
 
@@ -351,9 +361,10 @@ class KimiForCausalLM(nnx.Module):
     Placement: ``load_target(mesh=...)`` and ``init_on_mesh`` place the weights and tell the model
     its mesh, so that the kernels run sharded: with the expert dim split over a mesh axis, the MoE
     kernel path runs expert-parallel (``ddtree_jax.models.moe.experts_expert_parallel``); the
-    attention runs in a ``shard_map`` with batch rows over the mesh's ``data`` axis (the serving
-    state's caches: ``ddtree_jax.serving.sharding.state_sharding``) and heads over the ``tensor``
-    axis (``latent_attention``).
+    batch rows split over the mesh's row axes (``row_mesh``, a ``ddtree_jax.rows.RowMesh``: by
+    default ``data`` and ``expert``, data-parallel attention; the serving state's caches follow,
+    ``ddtree_jax.serving.sharding.state_sharding``), the attention running in a ``shard_map`` on
+    each device's rows with heads over the ``tensor`` axis (``latent_attention``).
     """
 
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, execution: ExecutionConfig | None = None,
@@ -393,6 +404,7 @@ class KimiForCausalLM(nnx.Module):
         backend = execution_backend(execution, "model")
         axes = dict(mesh_axes)
         attention = AttentionMesh.of(mesh, axes)
+        rows = RowMesh.of(mesh, axes)
         if execution.batch_invariant and attention is not None:
             raise ConfigError("ExecutionConfig", "batch_invariant",
                               "the fixed-order product runs on one device; this model is placed on a mesh")
@@ -406,12 +418,14 @@ class KimiForCausalLM(nnx.Module):
                 module.fixed_order = fixed
             elif isinstance(module, MLAttention):
                 module.execution, module.attention_mesh = execution, attention
+            elif isinstance(module, MoE):
+                module.row_mesh = rows
             elif isinstance(module, Experts):
                 split = (mesh is not None and expert_axis in mesh.axis_names
                          and module.num_experts % mesh.shape[expert_axis] == 0)
-                module.expert_mesh = (mesh, expert_axis) if split else None
+                module.expert_mesh = ExpertMesh(mesh, expert_axis, rows) if split else None
                 module.blocks = blocks
-        self._execution, self.backend = execution, backend
+        self._execution, self.backend, self.row_mesh = execution, backend, rows
         self._mesh, self._mesh_axes = mesh, mesh_axes
 
     def _decode_moe_blocks(self):

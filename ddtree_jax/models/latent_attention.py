@@ -24,6 +24,7 @@ from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.config import SEGMENT_GROUP, SEGMENT_KEYS
 from ddtree_jax.models._layers import masked_softmax
 from ddtree_jax.models.tree_cache import BlockMask
+from ddtree_jax.rows import RowMesh
 
 __all__ = [
     "CACHE_SLOT_MULTIPLE",
@@ -68,7 +69,7 @@ def per_head_causal_attention(q_nope: jax.Array, q_rope: jax.Array, latent: jax.
     builds them). The values are zero-padded to the key width (the function takes one head dim), and
     the block to a multiple of ``PER_HEAD_PAD`` tokens (padding after the last query is invisible to
     every query under the causal mask; flash kernels favour whole tiles). ``mesh``: run in a
-    ``shard_map`` with batch rows over ``mesh.data`` and heads over ``mesh.tensor`` (each head is
+    ``shard_map`` with batch rows over ``mesh.rows`` and heads over ``mesh.tensor`` (each head is
     independent), so no partitioner has to split the attention call."""
     data, tensor = _split_axes(mesh, q_nope.shape[0], q_nope.shape[2])
     local = functools.partial(_per_head_local, scale=scale, implementation=implementation)
@@ -105,30 +106,32 @@ _LOG2E = 1.4426950408889634
 @dataclasses.dataclass(frozen=True)
 class AttentionMesh:
     """Where a model's attention inputs live: ``mesh`` with batch rows (caches, ``start``) split
-    over ``data`` and heads over ``tensor`` (either ``None``: not split)."""
+    over ``rows`` (``ddtree_jax.rows.RowMesh``) and heads over ``tensor`` (either ``None``: not
+    split)."""
 
     mesh: Mesh
-    data: str | None = None
+    rows: RowMesh | None = None
     tensor: str | None = None
 
     @classmethod
-    def of(cls, mesh: Mesh | None, mesh_axes: dict[str, str], data_axis: str = "data") -> AttentionMesh | None:
+    def of(cls, mesh: Mesh | None, mesh_axes: dict) -> AttentionMesh | None:
         """From a mesh and the checkpoints' logical -> mesh axis map (``None`` without a mesh)."""
         if mesh is None:
             return None
-        names = mesh.axis_names
-        data = data_axis if data_axis in names and mesh.shape[data_axis] > 1 else None
+        rows = RowMesh.of(mesh, mesh_axes)
         tensor = mesh_axes.get("tensor")
-        tensor = tensor if tensor in names and mesh.shape[tensor] > 1 else None
-        return cls(mesh, data, tensor) if data or tensor else None
+        tensor = tensor if tensor in mesh.axis_names and mesh.shape[tensor] > 1 else None
+        return cls(mesh, rows, tensor) if rows or tensor else None
 
 
-def _split_axes(mesh: AttentionMesh | None, b: int, h: int) -> tuple[str | None, str | None]:
-    """The mesh axes a ``shard_map`` splits batch rows (``data``, when it divides ``b``) and heads
-    (``tensor``, when it divides ``h``) over; ``None`` where not split."""
+def _split_axes(mesh: AttentionMesh | None, b: int, h: int):
+    """The mesh axes a ``shard_map`` splits batch rows (``RowMesh.split``: the row axes that divide
+    ``b``, as one ``PartitionSpec`` entry) and heads (``tensor``, when it divides ``h``) over;
+    ``None`` where not split."""
     if mesh is None:
         return None, None
-    data = mesh.data if mesh.data and b % mesh.mesh.shape[mesh.data] == 0 else None
+    axes = mesh.rows.split(b) if mesh.rows is not None else ()
+    data = (axes if len(axes) > 1 else axes[0]) if axes else None
     tensor = mesh.tensor if mesh.tensor and h % mesh.mesh.shape[mesh.tensor] == 0 else None
     return data, tensor
 
@@ -146,8 +149,8 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
     for a row whatever the batch: the batch-invariant mode passes ``hopper=False``).
 
     The block's own latents must already be in ``latent``/``k_rope`` at ``[start, start+T)``.
-    ``mesh``: the kernel runs in a ``shard_map``, batch rows split over ``mesh.data`` (when it
-    divides B) and heads over ``mesh.tensor`` (when it divides H), so that GSPMD never gathers
+    ``mesh``: the kernel runs in a ``shard_map``, batch rows split over ``mesh.rows`` (the axes
+    that divide B) and heads over ``mesh.tensor`` (when it divides H), so that GSPMD never gathers
     the caches or the heads around the kernel; the reference is left to GSPMD.
     ``segment_keys``, ``segment_group``: the kernel's fixed reduction segments and their groups
     (``None``/0: the older layout-dependent splits, ``auto_split_keys`` alone).

@@ -34,8 +34,10 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.models._layers import silu_glu
 from ddtree_jax.models.int4 import PackedWeight, dequantize
+from ddtree_jax.rows import RowMesh, row_spec
 
 __all__ = [
+    "ExpertMesh",
     "ExpertRouting",
     "experts_expert_parallel",
     "experts_grouped_matmul",
@@ -135,17 +137,19 @@ def experts_reference(x, gate_up, down, weights, ids, valid=None) -> jax.Array:
     return jnp.einsum("enh,ne->nh", out, dense_w.astype(out.dtype))
 
 
-def experts_ragged_dot(x, gate_up, down, routing: ExpertRouting) -> jax.Array:
+def experts_ragged_dot(x, gate_up, down, routing: ExpertRouting, out_dtype=None) -> jax.Array:
     """``jax.lax.ragged_dot`` over the sorted copies, then each token's k rows summed in float32 in
     copy order (a gather, not a scatter-add: a GPU scatter-add adds with atomics in no fixed order,
-    so replicas of one computation could disagree). INT4 weights are dequantised to x's dtype first."""
+    so replicas of one computation could disagree), cast to ``out_dtype`` (default x's). INT4
+    weights are dequantised to x's dtype first."""
     gate_up, down = dense_weights(gate_up, x.dtype), dense_weights(down, x.dtype)
     n, k = routing.slot_row.shape
     token = routing.sorted_token[: n * k]
     gate_up_rows = jax.lax.ragged_dot(x[token], gate_up, routing.group_sizes)
     gate, up = jnp.split(gate_up_rows, 2, axis=-1)
     out = jax.lax.ragged_dot(silu_glu(gate, up), down, routing.group_sizes)
-    return combine_copies(out.astype(jnp.float32) * routing.sorted_weight[: n * k, None], routing, x.dtype)
+    return combine_copies(out.astype(jnp.float32) * routing.sorted_weight[: n * k, None], routing,
+                          out_dtype or x.dtype)
 
 
 def combine_copies(rows: jax.Array, routing: ExpertRouting, out_dtype) -> jax.Array:
@@ -180,21 +184,22 @@ def experts_grouped_matmul(x, gate_up, down, routing: ExpertRouting, blocks, *, 
 
 def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: jax.Array, ids: jax.Array, *,
                    backend: Backend, valid: jax.Array | None = None,
-                   expert_mesh: tuple[Mesh, str] | None = None, blocks=None) -> jax.Array:
+                   expert_mesh: ExpertMesh | None = None, blocks=None, batch: int | None = None) -> jax.Array:
     """The routed experts' combined output ``[N, H]`` (``valid [N]`` bool or None: all valid).
+    ``batch``: the batch rows the N tokens are (row-major) the flattening of (None: N), which
+    ``expert_mesh.rows`` splits as it splits the rest of the model.
     ``gate_up`` / ``down``: dense arrays or INT4 ``PackedWeight`` (see the module docstring).
 
-    ``expert_mesh = (mesh, axis)``: the weights' expert dim is sharded over ``axis`` of ``mesh``;
-    the kernel path then runs ``experts_expert_parallel`` (the ragged_dot path leaves it to GSPMD,
-    which partitions ragged_dot by expert without gathering the weights).
+    ``expert_mesh``: the weights' expert dim is sharded over ``expert_mesh.axis`` (of more than
+    one device); both paths then run ``experts_expert_parallel``.
     ``blocks``: the kernel's ``MoEBlocks`` pinned (``None``: ``choose_blocks`` by the number of
     token copies). A row's arithmetic depends on the blocks (the hidden dim's chunking
     ``block_k`` and the MMA shape ``block_m`` x ``num_warps`` pick), never on the other rows:
     pinned blocks make the routed experts batch-invariant at any N (see docs/kernels.md)."""
     kernel = has_kernel(backend, "moe_grouped_matmul")  # Triton only so far: TPUs run ragged_dot
-    if kernel and expert_mesh is not None and expert_mesh[0].shape[expert_mesh[1]] > 1:
-        return experts_expert_parallel(x, gate_up, down, weights, ids, valid, *expert_mesh, backend=backend,
-                                       blocks=blocks)
+    if expert_mesh is not None and expert_mesh.mesh.shape[expert_mesh.axis] > 1:
+        return experts_expert_parallel(x, gate_up, down, weights, ids, valid, expert_mesh, backend=backend,
+                                       blocks=blocks, batch=batch)
     if kernel:
         return _experts_kernel(x, gate_up, down, weights, ids, valid, backend, blocks=blocks)
     return experts_ragged_dot(x, gate_up, down, route_tokens(weights, ids, gate_up.shape[0], valid=valid))
@@ -211,34 +216,62 @@ def _experts_kernel(x, gate_up, down, weights, ids, valid, backend: Backend, out
                                   out_dtype=out_dtype)
 
 
-def experts_expert_parallel(x, gate_up, down, weights, ids, valid, mesh: Mesh, axis: str, *,
-                            backend: Backend, blocks=None) -> jax.Array:
-    """Expert parallelism without moving weights: each device of ``axis`` runs the kernel for its
-    own ``E / devices`` experts on all (its data shard's) tokens, copies routed elsewhere count as
-    invalid there, and one float32 ``psum`` over ``axis`` adds the partial outputs.
+@dataclasses.dataclass(frozen=True)
+class ExpertMesh:
+    """Where a MoE layer's experts and tokens live: the experts' dim split over ``axis`` of
+    ``mesh``, the tokens' rows over ``rows`` (``None``: every device holds every token)."""
+
+    mesh: Mesh
+    axis: str
+    rows: RowMesh | None = None
+
+
+def experts_expert_parallel(x, gate_up, down, weights, ids, valid, expert_mesh: ExpertMesh, *,
+                            backend: Backend, blocks=None, batch: int | None = None) -> jax.Array:
+    """Expert parallelism without moving weights: each device of the expert axis runs its own
+    ``E / devices`` experts (the kernel where ``backend`` has it, else ``ragged_dot``), copies
+    routed elsewhere count as invalid there, and the float32 partial outputs are summed over the
+    axis.
+
+    The tokens enter split as their ``batch`` rows split (``RowMesh.split``; ``batch`` None: N
+    rows of one token). Where that
+    includes the expert axis (data-parallel attention: each device holds its own rows), each
+    device gathers the tokens of its expert group (``all_gather``), runs its experts on all of
+    them, and a ``psum_scatter`` sums the partial outputs and hands each device its own rows back;
+    otherwise every device of the axis holds the same tokens and one ``psum`` adds the partials.
 
     The weights (each array of a ``PackedWeight`` alike) enter the ``shard_map`` split over
-    ``axis`` only: a weight also split over
-    another axis (``tensor``) is gathered over it first, because ``gate_up``'s gate and up
-    halves would land on different tensor shards (a limitation of the stacked layout).
-    Tokens stay split over ``data`` when the mesh has it and it divides N; else replicated.
+    the expert axis only: a weight also split over another axis (``tensor``) is gathered over it
+    first, because ``gate_up``'s gate and up halves would land on different tensor shards (a
+    limitation of the stacked layout).
     """
+    mesh, axis = expert_mesh.mesh, expert_mesh.axis
     n, k = ids.shape
     e = gate_up.shape[0]
     ep = mesh.shape[axis]
     if e % ep:
         raise ValueError(f"expert parallelism: {e} experts do not split over {ep} devices of {axis!r}")
     e_local = e // ep
-    data = "data" if "data" in mesh.axis_names and mesh.shape["data"] > 1 and n % mesh.shape["data"] == 0 else None
+    rows = expert_mesh.rows.split(n if batch is None else batch) if expert_mesh.rows is not None else ()
+    gathered = axis in rows
     valid = jnp.ones((n,), bool) if valid is None else valid
 
     def local(x, weights, ids, valid, gate_up, down):
+        if gathered:
+            x, weights, ids, valid = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, ids, valid))
         local_ids = ids - jax.lax.axis_index(axis) * e_local
         mine = valid[:, None] & (local_ids >= 0) & (local_ids < e_local)
-        out = _experts_kernel(x, gate_up, down, weights, jnp.where(mine, local_ids, 0), mine, backend,
-                              out_dtype=jnp.float32, blocks=blocks)
+        local_ids = jnp.where(mine, local_ids, 0)
+        if has_kernel(backend, "moe_grouped_matmul"):
+            out = _experts_kernel(x, gate_up, down, weights, local_ids, mine, backend, out_dtype=jnp.float32,
+                                  blocks=blocks)
+        else:
+            out = experts_ragged_dot(x, gate_up, down, route_tokens(weights, local_ids, e_local, valid=mine),
+                                     out_dtype=jnp.float32)
+        if gathered:
+            return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
         return jax.lax.psum(out, axis).astype(x.dtype)
 
-    tok = P(data)
+    tok = row_spec(rows)
     return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, tok, P(axis), P(axis)), out_specs=tok,
                          check_vma=False)(x, weights, ids, valid, gate_up, down)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -96,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--mesh", default="", help="device mesh, e.g. expert=4,tensor=2 or data=2,expert=4 "
                                               "(default: one device)")
+    p.add_argument("--dp-attention", choices=("on", "off"), default="on",
+                   help="on (the default): the slots split over the mesh's data and expert axes, each device "
+                        "holding and computing only its own slots' attention, caches, dense layers, LM head and "
+                        "trees, the experts exchanging tokens around each MoE layer; off: slots split over data "
+                        "only (docs/sharding.md)")
     p.add_argument("--impl", choices=("auto", "pallas", "reference"), default="auto")
     p.add_argument("--deterministic", choices=DETERMINISTIC, default="auto",
                    help="batch-invariant models: a seeded request's output depends only on the request, never on "
@@ -135,6 +141,25 @@ def engine_config(args) -> EngineConfig:
     return config
 
 
+def mesh_axes_of(args) -> dict:
+    """The models' and the state's logical -> mesh axis map for ``--dp-attention``."""
+    from ddtree_jax.checkpoints import DEFAULT_MESH_AXES
+    from ddtree_jax.serving.sharding import NO_DP_ATTENTION
+
+    return DEFAULT_MESH_AXES if args.dp_attention == "on" else NO_DP_ATTENTION
+
+
+def _check_slots(args, sizes: dict[str, int]) -> None:
+    """``--slots`` splits over the devices the slots live on (``ddtree_jax.rows``)."""
+    rows = mesh_axes_of(args)["rows"]
+    split = {a: sizes[a] for a in rows if sizes.get(a, 1) > 1}
+    devices = math.prod(split.values())
+    if args.slots % devices:
+        hint = "; or --dp-attention off: slots split over data only" if "expert" in split else ""
+        raise PreflightError(f"--slots {args.slots}: must be a multiple of the {devices} devices the slots split "
+                             f"over ({', '.join(f'{a}={n}' for a, n in split.items())}){hint}")
+
+
 def preflight(args) -> str:
     """Checks every option and file before anything loads (no JAX): the folders, configs and
     weights headers of the target and drafter and that they fit together, the stop tokens, the
@@ -168,9 +193,11 @@ def preflight(args) -> str:
         raise PreflightError(f"--max-model-len {args.max_model_len}: must be in [2, {context}] (--target "
                              f"{args.target}'s max_position_embeddings)")
     try:
-        parse_mesh_spec(args.mesh)
+        sizes = parse_mesh_spec(args.mesh)
     except ValueError as e:
         raise PreflightError(f"--mesh: {e}") from None
+    if -1 not in sizes.values():
+        _check_slots(args, sizes)
     tokenizer = pf.resolve_tokenizer(args.tokenizer)
     tokenizer_config = os.path.join(os.path.dirname(os.path.abspath(tokenizer)), "tokenizer_config.json")
     if os.path.isfile(tokenizer_config):
@@ -238,14 +265,19 @@ def build_engine(args):
         mesh = make_mesh(args.mesh)
     except ValueError as e:
         raise PreflightError(f"--mesh: {e}") from None
+    if mesh is not None:
+        _check_slots(args, dict(mesh.shape))
+    mesh_axes = mesh_axes_of(args)
     dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     t0 = time.perf_counter()
     # --deterministic on: both models on --impl's kernels (on a CPU, --impl pallas: interpret mode)
     execution = ExecutionConfig(impl=args.impl) if config.deterministic else None
     target = _load("--target", args.target, debug,
-                   lambda: load_target(args.target, mesh=mesh, dtype=dtype, execution=execution))
+                   lambda: load_target(args.target, mesh=mesh, dtype=dtype, execution=execution,
+                                       mesh_axes=mesh_axes))
     drafter = (_load("--drafter", args.drafter, debug,
-                     lambda: load_drafter(args.drafter, target, mesh=mesh, execution=execution))
+                     lambda: load_drafter(args.drafter, target, mesh=mesh, execution=execution,
+                                          mesh_axes=mesh_axes))
                if config.decode.uses_drafter else None)
     _log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
     stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, tokenizer_path)
@@ -255,7 +287,7 @@ def build_engine(args):
     try:
         config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, stop_token_ids=tuple(stop)),
                                      deterministic=deterministic)
-        engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh))
+        engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh, mesh_axes))
     except ConfigError as e:
         if e.field == "stop_token_ids":  # the EOS ids joined the option's
             raise PreflightError(f"--stop-token-id or the EOS ids of {args.target}: {e.message}") from None

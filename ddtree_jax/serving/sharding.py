@@ -2,9 +2,11 @@
 engine's slots live.
 
 Mesh axes: ``data`` (slots: each data shard decodes its own slots), ``expert`` (routed experts,
-expert parallelism) and ``tensor`` (the tensor-parallel dimensions the models declare). The models'
-logical axes map onto the mesh by ``ddtree_jax.checkpoints.DEFAULT_MESH_AXES`` (``"expert"`` ->
-``expert``, ``"tensor"`` -> ``tensor``); weights are replicated over ``data``. One size may be
+expert parallelism; by default the slots split over it too: data-parallel attention) and
+``tensor`` (the tensor-parallel dimensions the models declare). The models' logical axes map onto
+the mesh by ``ddtree_jax.checkpoints.DEFAULT_MESH_AXES`` (``"expert"`` -> ``expert``, ``"tensor"``
+-> ``tensor``, ``"rows"`` -> ``("data", "expert")``; ``NO_DP_ATTENTION`` keeps every slot on every
+device of the expert axis); weights are replicated over ``data``. One size may be
 ``-1``: whatever the other axes leave of the devices. The product must use every device given.
 
     mesh = make_mesh("expert=4,tensor=2")                       # 8 devices
@@ -17,9 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["MESH_AXES", "make_mesh", "parse_mesh_spec", "state_sharding"]
+__all__ = ["MESH_AXES", "NO_DP_ATTENTION", "make_mesh", "parse_mesh_spec", "state_sharding"]
 
 MESH_AXES = ("data", "expert", "tensor")
+
+# The models' and the state's mesh axes without data-parallel attention: slots split over ``data``
+# only, every device of the expert axis holding and computing every slot of its data shard.
+NO_DP_ATTENTION = {"expert": "expert", "tensor": "tensor", "rows": ("data",)}
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
@@ -80,50 +86,26 @@ def make_mesh(spec: str | dict[str, int] | None, devices: Sequence | None = None
     return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def _batch_axes(tree, batch: int):
-    """For each leaf of a ``RowCache``, the axis that holds its rows (found by asking the cache
-    itself: the axis whose size follows the number of rows ``take_rows`` is given)."""
-    import jax
-    import jax.numpy as jnp
+def state_sharding(mesh, mesh_axes: dict | None = None) -> Callable | None:
+    """A function placing a ``DecodeState`` on ``mesh``: every per-slot array split over the row
+    axes (``ddtree_jax.rows.RowMesh.of(mesh, mesh_axes)``; default
+    ``ddtree_jax.checkpoints.DEFAULT_MESH_AXES``: ``data`` and ``expert``, the layout the models
+    loaded with the same ``mesh_axes`` compute in) along its row axis (caches included), the rest
+    replicated. ``None`` when the mesh has no row axis of more than one device (the state then
+    follows the compiler's placement). The slots must split over every row device."""
+    from ddtree_jax.checkpoints import DEFAULT_MESH_AXES
+    from ddtree_jax.rows import RowMesh, place_state
 
-    bigger = jax.eval_shape(lambda t: t.take_rows(jnp.arange(batch + 1)), tree)
-
-    def axis(a, b):
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
-        return diff[0] if diff else None
-
-    return jax.tree.map(axis, tree, bigger)
-
-
-def state_sharding(mesh, data_axis: str = "data") -> Callable | None:
-    """A function placing a ``DecodeState`` on ``mesh``: every per-slot array split over
-    ``data_axis`` along its row axis (caches included), the rest replicated. ``None`` when the mesh
-    has no such axis (the state then follows the compiler's placement)."""
-    if mesh is None or data_axis not in mesh.axis_names:
+    rows = RowMesh.of(mesh, DEFAULT_MESH_AXES if mesh_axes is None else mesh_axes)
+    if rows is None:
         return None
-
-    import dataclasses
-
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    def place(axis, leaf):
-        spec = [None] * leaf.ndim
-        if axis is not None:
-            spec[axis] = data_axis
-        return jax.device_put(leaf, NamedSharding(mesh, PartitionSpec(*spec)))
 
     def shard(state):
         B = state.batch_size
-        if B % mesh.shape[data_axis]:
-            raise ValueError(f"slots={B} must be a multiple of the mesh's {data_axis!r} size {mesh.shape[data_axis]}")
-        caches = {}
-        for name in ("target_cache", "draft_cache"):
-            cache = getattr(state, name)
-            if cache is not None:
-                caches[name] = jax.tree.map(place, _batch_axes(cache, B), cache)
-        rest = {f.name: jax.tree.map(lambda x: place(0, x), getattr(state, f.name))
-                for f in dataclasses.fields(state) if f.name not in ("target_cache", "draft_cache")}
-        return dataclasses.replace(state, **rest, **caches)
+        if B % rows.devices:
+            sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in rows.axes)
+            raise ValueError(f"slots={B} must be a multiple of the {rows.devices} devices the slots split over "
+                             f"({sizes}; without data-parallel attention only 'data' splits them)")
+        return place_state(state, rows, rows.axes)
 
     return shard
