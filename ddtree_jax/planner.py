@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ddtree_jax.checkpoints import DEFAULT_MESH_AXES, partition_spec
+from ddtree_jax.checkpoints import DEFAULT_MESH_AXES, CheckpointError, partition_spec
 from ddtree_jax.config import ConfigError, DecodeConfig, EngineConfig
 from ddtree_jax.models import DFlashConfig, DFlashDrafter, Int4Format, KimiConfig, KimiForCausalLM
 from ddtree_jax.models.dflash_config import default_target_layer_ids
@@ -48,6 +48,7 @@ __all__ = [
     "drafter_config_for",
     "plan_capacity",
     "shard_bytes",
+    "target_from_hf",
     "usable_memory",
 ]
 
@@ -97,7 +98,8 @@ def device_memory(name_or_bytes: str | int) -> int:
     try:
         value = float(name_or_bytes)
     except (TypeError, ValueError):
-        raise ValueError(f"expected a number of bytes or one of {sorted(DEVICE_MEMORY)}, got {name_or_bytes!r}") from None
+        raise ValueError(f"expected a number of bytes or one of {sorted(DEVICE_MEMORY)}, "
+                         f"got {name_or_bytes!r}") from None
     if not math.isfinite(value) or value != int(value) or value < 1:
         raise ValueError(f"expected a whole number of bytes >= 1, got {name_or_bytes!r}")
     return int(value)
@@ -148,6 +150,24 @@ def abstract_target(cfg: KimiConfig, *, dtype=jnp.bfloat16, int4: Int4Format | N
 def abstract_drafter(cfg: DFlashConfig, *, dtype=jnp.bfloat16) -> DFlashDrafter:
     """``DFlashDrafter(cfg, dtype=dtype)`` with ``jax.ShapeDtypeStruct`` parameters."""
     return nnx.eval_shape(lambda: DFlashDrafter(cfg, rngs=_TracedKeys(), dtype=dtype))
+
+
+def target_from_hf(raw: dict, path: str, dtype="auto") -> tuple[KimiConfig, Int4Format | None, object]:
+    """What ``checkpoints.load_target(path, dtype=dtype)`` builds from the folder's parsed
+    ``config.json`` ``raw``, weights aside: ``(config, the routed experts' Int4Format from its
+    quantization_config or None, the weight dtype)``. ``dtype="auto"`` resolves as loading does
+    (config.json's ``dtype``/``torch_dtype``, else the weights' own; ``ConfigError`` on ``dtype``
+    when neither says). ``ValueError`` (``CheckpointError`` included) for a config loading would
+    refuse."""
+    from ddtree_jax.checkpoints import _int4_format, _resolve_dtype
+
+    cfg = KimiConfig.from_hf_dict(raw)
+    try:
+        dtype = _resolve_dtype(dtype, raw, path)
+    except CheckpointError as e:
+        raise _error("dtype", f"{dtype!r}: config.json names no dtype and the weights cannot tell ({e}); name the "
+                              "dtype") from None
+    return cfg, _int4_format(raw, abstract_target(cfg, dtype=dtype), path), dtype
 
 
 def shard_bytes(var: nnx.Variable, mesh_sizes: Mapping[str, int], mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> int:
