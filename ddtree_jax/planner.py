@@ -252,9 +252,9 @@ class ActivationRule:
       partial outputs of two key splits ``2 * kv_lora * 4``, the block's float32 scores and
       probabilities ``2 * t * 4``, and the outputs ``(kv_lora + v_head) * b``;
     * routed experts: ``moe_rows * t * k`` token copies of ``moe_intermediate * b`` (the
-      activated gate times up) + ``2 * hidden * 4`` (the float32 expert outputs and their
-      gathered copies for the combine), plus ``expert_gather`` (one layer's local experts
-      gathered over ``tensor``).
+      activated gate times up) + ``hidden * 4`` (the float32 expert output; the combine of a
+      token's copies fuses into one pass over them), plus ``expert_gather`` (one layer's local
+      experts gathered over ``tensor``).
 
     The verify: ``rows`` = slots per row device, ``t`` = ``verify_tokens`` (the tree's
     ``budget + 1`` nodes, or the drafter's block if longer). The prefill: the engine's largest
@@ -287,7 +287,7 @@ class ActivationRule:
                                       + 2 * self.kv_lora * 4 + 2 * t * 4 + (self.kv_lora + self.v_head) * b)
         moe = 0
         if self.experts_per_token:
-            per_copy = self.moe_intermediate * b + 2 * self.hidden * 4
+            per_copy = self.moe_intermediate * b + self.hidden * 4
             moe = moe_rows * t * self.experts_per_token * per_copy + self.expert_gather
         return ((2 * n * self.vocab * 4 if logits else 0) + (4 + self.captured) * n * self.hidden * b
                 + attention + moe)
@@ -420,9 +420,10 @@ def plan_capacity(target_cfg: KimiConfig, drafter_cfg: DFlashConfig | None, mesh
                           prefill_chunk=prefill_chunk, prefill_batch=prefill_batch)
     config.check_for(target_cfg.vocab_size, drafter_cfg is not None, target_cfg.max_position_embeddings)
     if slots % row_devices:
-        where = "data x expert (data-parallel attention)" if dp else "data"
-        raise _error("slots", f"{slots} slots do not split over the {row_devices} row devices ({where} of mesh "
-                              f"{mesh}); use a multiple of {row_devices}")
+        spec = ",".join(f"{a}={s}" for a, s in mesh.items())
+        where = "data x expert: data-parallel attention" if dp else "data"
+        raise _error("slots", f"{slots} slots do not split over the {row_devices} row devices of mesh {spec} "
+                              f"({where}); use a multiple of {row_devices}")
     if int4 is not None:
         try:
             int4.check(target_cfg.hidden_size, target_cfg.moe_intermediate_size)
