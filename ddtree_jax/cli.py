@@ -496,6 +496,7 @@ def run_plan(args, parser=None) -> None:
             "description": words, "mesh": plan.mesh, "dp_attention": plan.dp_attention,
             "row_devices": plan.row_devices, "slots": plan.slots, "max_model_len": plan.max_model_len,
             "cache_len": plan.cache_len, "budget": plan.budget, "activation_pass": plan.activation_pass,
+            "activation_passes_bytes": plan.activation.passes(plan.slots),
             "per_device_bytes": plan.bytes, "total_bytes": plan.total, "device_memory_bytes": memory,
             "memory_fraction": args.memory_fraction, "usable_bytes": usable, "fits": plan.fits(usable),
             "max_slots": plan.max_slots(usable)}, indent=2))
