@@ -490,7 +490,7 @@ def run_plan(args, parser=None) -> None:
         _fail(parser, str(pf.option_error(e)))
     except PreflightError as e:
         _fail(parser, str(e))
-    usable = int(memory * args.memory_fraction)
+    usable = planner.usable_memory(memory, args.memory_fraction)
     if args.json:
         print(json.dumps({
             "description": words, "mesh": plan.mesh, "dp_attention": plan.dp_attention,
