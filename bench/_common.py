@@ -42,18 +42,11 @@ def k2_slice(layers: int, experts: int, *, smoke: bool, **smoke_overrides):
 
 
 def one_layer_drafter_config(tcfg):
-    """A one-layer DFlash drafter (block 16) for the target ``tcfg``: random weights make it a
-    real drafter's compute with about one accepted token per round."""
-    import ddtree_jax as dt
+    """A one-layer DFlash drafter (block 16) for the target ``tcfg`` (``planner.drafter_config_for``):
+    random weights make it a real drafter's compute with about one accepted token per round."""
+    from ddtree_jax.planner import drafter_config_for
 
-    heads = max(4, tcfg.hidden_size // 256)
-    return dt.DFlashConfig(
-        hidden_size=tcfg.hidden_size, intermediate_size=2 * tcfg.hidden_size, num_hidden_layers=1,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=tcfg.hidden_size // heads,
-        num_target_layers=tcfg.num_hidden_layers, block_size=16, mask_token_id=tcfg.vocab_size - 1,
-        target_layer_ids=dt.default_target_layer_ids(tcfg.num_hidden_layers, 1), layer_types=("full_attention",),
-        vocab_size=tcfg.vocab_size,
-    )
+    return drafter_config_for(tcfg, 1)
 
 
 def prefill_every_layer(m, ids, n, c, dense_experts=False):

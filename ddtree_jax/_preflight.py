@@ -4,12 +4,13 @@ Everything here reads only option values, paths, JSON files and safetensors head
 costs a one-line message in well under a second instead of a traceback after the models load.
 
 * ``positive_int``, ``budget`` (or ``auto``), ``nonnegative_int``, ``nonnegative_float``, ``port``, ``temperature``,
-  ``top_p``, ``min_p``, ``seed``: argparse ``type=`` functions. The sampling ranges restate
+  ``top_p``, ``min_p``, ``seed``, ``memory_fraction``: argparse ``type=`` functions. The sampling ranges restate
   ``ddtree_jax.sampling.SamplingParams``, which stays authoritative (it checks again when the
   request is built; ``tests/test_cli.py`` checks that both agree).
 * ``check_model_dir(path, role)``: a checkpoint folder for ``role`` ``"target"`` or ``"drafter"``
   (``config.json`` present and readable, the architecture of that role, weights present, every
-  safetensors header readable and consistent with its file's size: ``ddtree_jax._safetensors``).
+  safetensors header readable and consistent with its file's size: ``ddtree_jax._safetensors``;
+  ``weights=False``: the config alone).
 * ``check_pair(target_cfg, drafter_cfg)``: the drafter was made for this target.
 * ``resolve_tokenizer(path)``: a ``tokenizer.json`` file, or a folder holding one.
 * ``option_error(e)``: a ``ddtree_jax.config.ConfigError`` (the settings the commands build from
@@ -46,6 +47,7 @@ __all__ = [
     "check_pair",
     "load_tokenizer",
     "eos_token_ids",
+    "memory_fraction",
     "min_p",
     "nonnegative_float",
     "nonnegative_int",
@@ -166,6 +168,14 @@ def min_p(text: str) -> float:
     return value
 
 
+def memory_fraction(text: str) -> float:
+    """The share of a device's memory a capacity plan may fill, in (0, 1]."""
+    value = _float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def seed(text: str) -> int:
     value = _int(text)
     if not 0 <= value < 2**32:
@@ -207,9 +217,10 @@ def _subfolders_with_config(path: str) -> list[str]:
     return [n for n in names if os.path.isfile(os.path.join(path, n, "config.json"))]
 
 
-def check_model_dir(path: str, role: str, option: str | None = None) -> dict:
+def check_model_dir(path: str, role: str, option: str | None = None, *, weights: bool = True) -> dict:
     """Checks that ``path`` is a checkpoint folder of ``role`` (``"target"`` or ``"drafter"``);
-    returns its parsed ``config.json``. Raises ``PreflightError`` naming ``option`` and ``path``."""
+    returns its parsed ``config.json``. Raises ``PreflightError`` naming ``option`` and ``path``.
+    ``weights=False``: the folder's ``config.json`` alone is checked (the weights may be absent)."""
     if role not in _EXPECTED:
         raise ValueError(f"role must be 'target' or 'drafter', got {role!r}")
     where = f"{option or '--' + role} {path}"
@@ -249,6 +260,14 @@ def check_model_dir(path: str, role: str, option: str | None = None) -> dict:
     if role == "target" and cfg.get("model_type", "deepseek_v3") not in TARGET_MODEL_TYPES:
         raise PreflightError(f"{where}: model_type {cfg.get('model_type')!r} is not supported, expected "
                              f"{' or '.join(TARGET_MODEL_TYPES)}")
+    if weights:
+        _check_weights(path, where)
+    return cfg
+
+
+def _check_weights(path: str, where: str) -> None:
+    """The weights ``model.safetensors.index.json`` names (or the folder's ``*.safetensors``) are
+    present, each with a readable header."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -267,7 +286,6 @@ def check_model_dir(path: str, role: str, option: str | None = None) -> dict:
             raise PreflightError(f"{where}: no weights (no *.safetensors file and no model.safetensors.index.json)")
     for name in shards:
         _check_safetensors_header(os.path.join(path, name), where)
-    return cfg
 
 
 def _check_safetensors_header(file: str, where: str) -> None:

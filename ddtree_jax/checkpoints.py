@@ -29,7 +29,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -269,12 +269,22 @@ def _sharding(var: nnx.Variable, mesh: Mesh | None, mesh_axes: dict[str, str]):
             "load_*: the mesh needs Auto axes (the models leave layouts to the compiler): "
             "jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))"
         )
+    axes = var.get_metadata().get("axes", (None,) * len(var.shape))
+    return NamedSharding(mesh, PartitionSpec(*partition_spec(var.shape, axes, mesh.shape, mesh_axes)))
+
+
+def partition_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_sizes: Mapping[str, int],
+                   mesh_axes: dict[str, str] = DEFAULT_MESH_AXES) -> tuple[str | None, ...]:
+    """Where a parameter of ``shape`` whose dims have the logical ``axes`` lives on a mesh of
+    ``mesh_sizes`` (mesh axis name -> size): per dim, the mesh axis ``mesh_axes`` maps its logical
+    axis to when the mesh has that axis and its size divides the dim, else ``None`` (replicated).
+    Dims past ``axes`` are replicated and not listed. Every placement of weights uses this rule (``_sharding``;
+    ``ddtree_jax.planner`` counts per-device bytes with it)."""
     spec = []
-    for dim, logical in zip(var.shape, var.get_metadata().get("axes", (None,) * len(var.shape)), strict=False):
+    for dim, logical in zip(shape, axes, strict=False):
         axis = mesh_axes.get(logical) if logical else None
-        ok = axis in mesh.axis_names and dim % mesh.shape[axis] == 0
-        spec.append(axis if ok else None)
-    return NamedSharding(mesh, PartitionSpec(*spec))
+        spec.append(axis if axis in mesh_sizes and dim % mesh_sizes[axis] == 0 else None)
+    return tuple(spec)
 
 
 def init_on_mesh(factory: Callable[[], nnx.Module], mesh: Mesh | None = None, *,

@@ -1,9 +1,12 @@
-"""Command line: ``python -m ddtree_jax generate ...`` and ``python -m ddtree_jax demo``.
+"""Command line: ``python -m ddtree_jax generate ...``, ``python -m ddtree_jax demo`` and ``plan``.
 
     python -m ddtree_jax generate --target DIR --drafter DIR --tokenizer tokenizer.json \\
         --prompt "Speculative decoding" --method ddtree --budget 64 --temperature 0.7 --top-p 0.9
 
     python -m ddtree_jax demo      # makes the built-in default once, then runs every method on it
+
+    python -m ddtree_jax plan --config kimi-k2 --int4 --mesh expert=8 --slots 64 --max-model-len 32768
+                                   # per-device bytes by kind, whether they fit, the most slots that fit
 
 Every option, model folder (``config.json``, architecture, weights) and the tokenizer path are
 checked before JAX, a tokenizer or a model loads (``ddtree_jax/_preflight.py``). Progress goes to
@@ -393,6 +396,114 @@ def _summary(runs: list[_Run], prompts, max_new_tokens: int, same: bool) -> None
         _log("[ddtree_jax] " + line)
 
 
+# ---- plan ------------------------------------------------------------------------------------
+
+
+def _plan_models(args):
+    """``(target config, its Int4Format or None, dtype, drafter config, words describing them)``
+    from ``--target``/``--config``, ``--drafter``/``--drafter-layers``, ``--int4``, ``--dtype``."""
+    import jax.numpy as jnp
+
+    from ddtree_jax import planner
+    from ddtree_jax.models import DFlashConfig, KimiConfig
+
+    dtype = {"auto": "auto", "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    if args.target:
+        raw = pf.check_model_dir(args.target, "target", weights=False)
+        try:
+            tcfg, int4, dtype = planner.target_from_hf(raw, args.target, dtype)
+        except ValueError as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise PreflightError(f"--target {args.target}: {e}") from None
+        if args.int4 and int4 is None:
+            raise PreflightError(f"--int4: --target {args.target} has no INT4 quantization_config in config.json; "
+                                 "its routed experts load dense")
+        name = args.target
+    else:
+        tcfg, raw = KimiConfig.kimi_k2(), None
+        int4 = planner.K2_INT4 if args.int4 else None
+        dtype = jnp.bfloat16 if dtype == "auto" else dtype
+        name = "Kimi K2"
+    if args.drafter:
+        draw = pf.check_model_dir(args.drafter, "drafter", weights=False)
+        pf.check_pair(raw or tcfg.to_hf_dict(), draw, args.target or "kimi-k2", args.drafter)
+        try:
+            dcfg = DFlashConfig.from_hf_dict(draw)
+        except ValueError as e:
+            raise PreflightError(f"--drafter {args.drafter}: {e}") from None
+    else:
+        dcfg = planner.drafter_config_for(tcfg, args.drafter_layers or 1)
+    experts = f"INT4 in groups of {int4.group_size}" if int4 is not None else "dense"
+    words = (f"target {name}: {tcfg.num_hidden_layers} layers, {tcfg.n_routed_experts} routed experts ({experts}), "
+             f"{jnp.dtype(dtype).name}; DFlash drafter: {dcfg.num_hidden_layers} layer(s), block {dcfg.block_size}")
+    return tcfg, int4, dtype, dcfg, words
+
+
+def _plan_report(plan, words: str, memory: int, fraction: float, usable: int) -> list[str]:
+    from ddtree_jax.planner import KINDS
+
+    gib = 2**30
+    mesh = ",".join(f"{a}={s}" for a, s in plan.mesh.items()) or "none (one device)"
+    rows = "data x expert" if plan.dp_attention else "data"
+    lines = [words,
+             f"mesh {mesh}; data-parallel attention {'on' if plan.dp_attention else 'off'}: slots split over "
+             f"{plan.row_devices} row device(s) ({rows}), replicated over the rest",
+             f"{plan.slots} slots of {plan.max_model_len} positions (+{plan.cache_len - plan.max_model_len} scratch), "
+             f"budget {plan.budget}; largest pass: {plan.activation_pass}",
+             f"  {'per device':<32} {'GiB':>9}"]
+    for kind, value in plan.bytes.items():
+        lines.append(f"  {KINDS[kind]:<32} {value / gib:>9.3f}")
+    spare = usable - plan.total
+    lines += [f"  {'total':<32} {plan.total / gib:>9.3f}",
+              f"usable memory: {memory / gib:.2f} GiB x {fraction:g} = {usable / gib:.2f} GiB per device",
+              f"fits: {'yes' if plan.fits(usable) else 'no'} ({abs(spare) / gib:.2f} GiB "
+              f"{'to spare' if spare >= 0 else 'over'})",
+              f"most slots that fit at {plan.max_model_len} positions: {plan.max_slots(usable)} "
+              f"(a multiple of {plan.row_devices})"]
+    return lines
+
+
+def run_plan(args, parser=None) -> None:
+    """Checks the options and model folders, plans (``ddtree_jax.planner.plan_capacity``) and
+    prints the per-device bytes by kind, whether they fit and the most slots that fit (``--json``:
+    the same as one JSON object)."""
+    from ddtree_jax.serving.sharding import parse_mesh_spec
+
+    try:
+        try:
+            mesh = parse_mesh_spec(args.mesh)
+        except ValueError as e:
+            raise PreflightError(f"--mesh: {e}") from None
+        from ddtree_jax import planner
+
+        try:
+            memory = planner.device_memory(args.device_memory)
+        except ValueError as e:
+            raise PreflightError(f"--device-memory: {e}") from None
+        tcfg, int4, dtype, dcfg, words = _plan_models(args)
+        dp = {"auto": "auto", "on": True, "off": False}[args.dp_attention]
+        plan = planner.plan_capacity(tcfg, dcfg, mesh, slots=args.slots, max_model_len=args.max_model_len,
+                                     budget=args.budget, int4=int4, dtype=dtype, dp_attention=dp,
+                                     prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch)
+    except ConfigError as e:
+        _fail(parser, str(pf.option_error(e)))
+    except PreflightError as e:
+        _fail(parser, str(e))
+    usable = planner.usable_memory(memory, args.memory_fraction)
+    if args.json:
+        print(json.dumps({
+            "description": words, "mesh": plan.mesh, "dp_attention": plan.dp_attention,
+            "row_devices": plan.row_devices, "slots": plan.slots, "max_model_len": plan.max_model_len,
+            "cache_len": plan.cache_len, "budget": plan.budget, "activation_pass": plan.activation_pass,
+            "activation_passes_bytes": plan.activation.passes(plan.slots),
+            "per_device_bytes": plan.bytes, "total_bytes": plan.total, "device_memory_bytes": memory,
+            "memory_fraction": args.memory_fraction, "usable_bytes": usable, "fits": plan.fits(usable),
+            "max_slots": plan.max_slots(usable)}, indent=2))
+    else:
+        print("\n".join(_plan_report(plan, words, memory, args.memory_fraction, usable)))
+
+
 # ---- argument parsing ------------------------------------------------------------------------
 
 
@@ -453,7 +564,39 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     from ddtree_jax.serving.cli import add_serve_parser
 
     s = add_serve_parser(sub)
-    return ap, {"generate": g, "demo": d, "serve": s}
+    return ap, {"generate": g, "demo": d, "serve": s, "plan": _plan_parser(sub)}
+
+
+def _plan_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", epilog=_EPILOG,
+                       help="per-device memory of a serving setup by kind (weights, caches, state, activations), "
+                            "whether it fits, and the most slots that fit (docs/capacity.md)")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--target", help="target checkpoint folder (its config.json; the weights may be absent)")
+    target.add_argument("--config", choices=("kimi-k2",), help="a published target architecture")
+    drafter = p.add_mutually_exclusive_group()
+    drafter.add_argument("--drafter", help="DFlash drafter checkpoint folder (its config.json)")
+    drafter.add_argument("--drafter-layers", type=pf.positive_int,
+                         help="instead: a DFlash drafter of this many layers shaped for the target (default 1)")
+    p.add_argument("--mesh", default="", help="device mesh, e.g. expert=8 or data=2,expert=4 (default: one device)")
+    p.add_argument("--dp-attention", choices=("auto", "on", "off"), default="auto",
+                   help="split the slots over the expert axis too (auto, the default: when the mesh has one)")
+    p.add_argument("--int4", action="store_true",
+                   help="INT4 routed experts in groups of 32 (Kimi K2 Thinking's); a --target's come from its "
+                        "quantization_config")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weight dtype; auto (default): the target's own (--config kimi-k2: bfloat16)")
+    p.add_argument("--slots", type=pf.positive_int, required=True, help="requests decoded at once")
+    p.add_argument("--max-model-len", type=pf.positive_int, required=True, help="prompt + max_tokens per slot")
+    p.add_argument("--budget", type=pf.budget, default=64, help="DDTree node budget, >= 1 (default 64), or auto")
+    p.add_argument("--prefill-chunk", type=pf.positive_int, default=512, help="prompt tokens per slot per engine step")
+    p.add_argument("--prefill-batch", type=pf.positive_int, help="most slots prefilled per engine step (default: all)")
+    p.add_argument("--device-memory", default="h200",
+                   help="bytes per device, or h200 (141e9 bytes; the default)")
+    p.add_argument("--memory-fraction", type=pf.memory_fraction, default=0.9,
+                   help="share of the device memory the plan may fill, in (0, 1] (default 0.9)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
 
 
 def main(argv=None) -> None:
@@ -467,6 +610,8 @@ def main(argv=None) -> None:
             from ddtree_jax.serving.cli import run_serve
 
             run_serve(args, sub)
+        elif args.command == "plan":
+            run_plan(args, sub)
         else:
             run_demo(args, sub)
     except KeyboardInterrupt:

@@ -277,6 +277,15 @@ class EngineConfig:
         _require(self.max_logprobs <= vocab_size, "EngineConfig", "max_logprobs",
                  f"must be in [0, {vocab_size}] (the target's vocabulary), got {self.max_logprobs}")
 
+    def cache_len(self, max_model_len: int, depth: int) -> int:
+        """Cache positions per slot: ``max_model_len`` (the resolved context) plus one block of
+        scratch, the largest of a verify (``budget + 1`` nodes; ``budget`` the largest tree,
+        ``decode.max_budget``, for ddtree, else ``depth``), a commit (``depth + 1`` positions;
+        ``depth``: tokens the drafter drafts per round, its block size - 1, 0 without one) and a
+        prompt chunk (``prefill_chunk``). The serving engine allocates this many (``Engine.cache_len``)."""
+        budget = self.decode.max_budget if self.decode.method == "ddtree" else depth
+        return max_model_len + max(budget + 1, depth + 1, self.prefill_chunk)
+
 
 def auto_budget_set(max_budget: int) -> tuple[int, ...]:
     """The budgets ``budget="auto"`` chooses from: 0 (an autoregressive step), the powers of two

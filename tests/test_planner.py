@@ -1,0 +1,208 @@
+"""The capacity planner (ddtree_jax/planner.py, ``python -m ddtree_jax plan``): its exact kinds equal
+what real placement holds per device (weights placed by init_on_mesh, caches and the decoding
+state split over the row devices, on 8 CPU devices), the serving engine's own cache length and
+state bytes, and a real INT4 model's expert bytes; ``max_slots`` is the largest multiple that
+fits; the command prints the table and JSON and names the flag of a bad option."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+
+from ddtree_jax.cli import main
+from ddtree_jax.config import DecodeConfig, EngineConfig
+from ddtree_jax.models import Int4Format, KimiForCausalLM
+from ddtree_jax.planner import KINDS, plan_capacity
+from tests._model_fixtures import tiny_dflash, tiny_dflash_config, tiny_kimi, tiny_kimi_config
+
+PLACEMENT = textwrap.dedent("""
+    import collections, math
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import ddtree_jax as dt
+    from ddtree_jax.backend import REFERENCE
+    from ddtree_jax.checkpoints import DEFAULT_MESH_AXES, _sharding
+    from ddtree_jax.decode_round import DecodePlan
+    from ddtree_jax.planner import plan_capacity
+    from ddtree_jax.serving._device import empty_state
+    from ddtree_jax.serving.sharding import make_mesh
+    from tests._model_fixtures import tiny_dflash_config, tiny_kimi_config
+    assert len(jax.devices()) == 8
+    SLOTS, LEN = 8, 40
+    tcfg = tiny_kimi_config()
+    dcfg = tiny_dflash_config(tcfg)
+    decode_plan = DecodePlan(method="ddtree", budget=6, hidden_layer_ids=dcfg.target_layer_ids, backend=REFERENCE)
+
+    def per_device(arrays):
+        out = collections.Counter()
+        for x in arrays:
+            for s in x.addressable_shards:
+                out[s.device] += s.data.nbytes
+        return out
+
+    def kind(path):
+        if "experts" in path[:-1]:
+            return "routed_experts"
+        return "embeddings" if path[0] == "lm_head" or path[1] == "embed_tokens" else "dense_weights"
+
+    def placed(model, mesh):  # as loading places each weight: from the host, with its sharding
+        return [(path, jax.device_put(np.asarray(var[...]), _sharding(var, mesh, DEFAULT_MESH_AXES)))
+                for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Variable)]
+
+    CASES = [("expert=4,tensor=2", dt.Int4Format(32), jnp.bfloat16), ("expert=8", None, jnp.float32),
+             ("data=2,expert=4", dt.Int4Format(32, False), jnp.float32)]
+    for spec, int4, dtype in CASES:
+        mesh = make_mesh(spec)
+        target = dt.KimiForCausalLM(tcfg, rngs=nnx.Rngs(0), dtype=dtype, experts_int4=int4)
+        drafter = dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=dtype)
+        held = {k: collections.Counter() for k in ("routed_experts", "dense_weights", "embeddings")}
+        for path, x in placed(target, mesh):
+            held[kind(path)].update(per_device([x]))
+        held["drafter_weights"] = per_device(x for _, x in placed(drafter, mesh))
+        for dp in (True, False):
+            plan = plan_capacity(tcfg, dcfg, dict(mesh.shape), slots=SLOTS, max_model_len=LEN, budget=6, int4=int4,
+                                 dtype=dtype, dp_attention=dp, prefill_chunk=16)
+            rows = tuple(a for a in (("data", "expert") if dp else ("data",)) if a in mesh.axis_names)
+            assert plan.row_devices == math.prod(mesh.shape[a] for a in rows), (spec, dp, plan.row_devices)
+            state = empty_state(target, drafter, decode_plan, SLOTS, plan.cache_len, LEN - 1, 8)
+            rows_split = NamedSharding(mesh, P(rows or None))  # every leaf's rows lead
+            state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), rows_split), state)
+            held["target_cache"] = per_device(jax.tree.leaves(state.target_cache))
+            held["drafter_cache"] = per_device(jax.tree.leaves(state.draft_cache))
+            rest = per_device(jax.tree.leaves(state))
+            rest.subtract(held["target_cache"] + held["drafter_cache"])
+            held["decode_state"] = rest
+            for k, counts in held.items():
+                assert len(counts) == 8 and set(counts.values()) == {plan.bytes[k]}, (spec, dp, k, counts, plan.bytes)
+    print("PLACEMENT_OK")
+""")
+
+
+def test_exact_kinds_equal_real_placement_on_8_devices():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-c", PLACEMENT], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=root)
+    assert "PLACEMENT_OK" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("decode, chunk", [(DecodeConfig(budget=6), 16), (DecodeConfig(budget=40), 8),
+                                           (DecodeConfig(budget="auto", auto_costs=(1, 2, 3, 4, 5)), 4),
+                                           (DecodeConfig(method="ar"), 16)])
+def test_cache_length_and_state_bytes_are_the_engine_s(decode, chunk):
+    from ddtree_jax.serving import Engine
+
+    target = tiny_kimi(0)
+    drafter = tiny_dflash(target, 1) if decode.uses_drafter else None
+    config = EngineConfig(decode=decode, slots=2, max_model_len=48, prefill_chunk=chunk)
+    engine = Engine(target, drafter, config)
+    depth = drafter.config.block_size - 1 if drafter is not None else 0
+    plan = plan_capacity(target.config, drafter.config if drafter is not None else None, {}, slots=2, max_model_len=48,
+                         budget=decode.budget, dtype=jnp.float32, prefill_chunk=chunk)
+    assert engine.cache_len == config.cache_len(48, depth) == plan.cache_len
+    assert engine.state_bytes == sum(plan.bytes[k] for k in ("target_cache", "drafter_cache", "decode_state"))
+
+
+def test_int4_expert_bytes_equal_a_real_int4_model():
+    from flax import nnx
+
+    cfg = tiny_kimi_config()
+    for fmt in (Int4Format(32), Int4Format(16, symmetric=False)):
+        model = KimiForCausalLM(cfg, rngs=nnx.Rngs(0), experts_int4=fmt)
+        held = sum(var[...].nbytes for path, var in nnx.iter_graph(model)
+                   if isinstance(var, nnx.Variable) and "experts" in path)
+        plan = plan_capacity(cfg, None, {}, slots=1, max_model_len=8, int4=fmt, dtype=jnp.float32)
+        assert plan.bytes["routed_experts"] == held
+        dense = plan_capacity(cfg, None, {}, slots=1, max_model_len=8, dtype=jnp.float32)
+        assert plan.bytes["routed_experts"] < dense.bytes["routed_experts"]
+
+
+def test_max_slots_is_the_largest_multiple_that_fits():
+    cfg = tiny_kimi_config()
+    plan = plan_capacity(cfg, tiny_dflash_config(cfg), {"data": 2, "expert": 2}, slots=4, max_model_len=64,
+                         dtype=jnp.float32)
+    assert plan.row_devices == 4 and plan.dp_attention
+    assert plan.total == sum(plan.bytes.values()) and plan.bytes == plan.bytes_at(4)
+    for slots in (4, 12, 36):
+        memory = sum(plan.bytes_at(slots).values()) + 1
+        assert plan.max_slots(memory) == slots
+        assert plan.fits(memory) == (slots >= 4)
+    assert plan.max_slots(sum(plan.weights.values())) == 0
+    per_slot = {k: plan.bytes_at(8)[k] - plan.bytes_at(4)[k] for k in ("target_cache", "drafter_cache")}
+    off = plan_capacity(cfg, tiny_dflash_config(cfg), {"data": 2, "expert": 2}, slots=4, max_model_len=64,
+                        dtype=jnp.float32, dp_attention="off")
+    assert off.row_devices == 2
+    assert all(off.bytes_at(8)[k] - off.bytes_at(4)[k] == 2 * v for k, v in per_slot.items())
+
+
+@pytest.fixture
+def pair_dirs(tmp_path):
+    cfg = tiny_kimi_config()
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    target.mkdir()
+    drafter.mkdir()
+    (target / "config.json").write_text(json.dumps({**cfg.to_hf_dict(), "torch_dtype": "float32"}))
+    (drafter / "config.json").write_text(json.dumps(tiny_dflash_config(cfg).to_hf_dict()))
+    return str(target), str(drafter)
+
+
+def test_plan_command_prints_the_table_and_json(pair_dirs, capsys):
+    target, drafter = pair_dirs
+    args = ["plan", "--target", target, "--drafter", drafter, "--mesh", "expert=4,tensor=2", "--slots", "8",
+            "--max-model-len", "64", "--budget", "6", "--device-memory", "3e6"]
+    main(args)
+    table = capsys.readouterr().out
+    for label in KINDS.values():
+        assert label in table
+    assert "fits: " in table and "most slots that fit at 64 positions: " in table
+    main(args + ["--json"])
+    out = json.loads(capsys.readouterr().out)
+    cfg = tiny_kimi_config()
+    plan = plan_capacity(cfg, tiny_dflash_config(cfg), {"expert": 4, "tensor": 2}, slots=8, max_model_len=64, budget=6,
+                         dtype=jnp.float32)
+    assert out["per_device_bytes"] == plan.bytes and out["total_bytes"] == plan.total
+    assert out["row_devices"] == 4 and out["dp_attention"] is True and out["usable_bytes"] == int(3e6 * 0.9)
+    assert out["max_slots"] == plan.max_slots(out["usable_bytes"]) and out["fits"] == plan.fits(out["usable_bytes"])
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--slots", "6"], "--slots"),
+    (["--mesh", "expert=3"], "--mesh"),
+    (["--mesh", "rows=2"], "--mesh"),
+    (["--mesh", "expert=-1"], "--mesh"),
+    (["--budget", "0"], "--budget"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-model-len", "1000"], "--max-model-len"),
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
+    (["--device-memory", "lots"], "--device-memory"),
+    (["--memory-fraction", "0"], "--memory-fraction"),
+    (["--int4"], "--int4"),
+])
+def test_plan_errors_name_the_flag(pair_dirs, capsys, extra, flag):
+    target, drafter = pair_dirs
+    with pytest.raises(SystemExit) as e:  # the last of a repeated option counts
+        main(["plan", "--target", target, "--drafter", drafter, "--mesh", "expert=4", "--slots", "8",
+              "--max-model-len", "64", *extra])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_plan_errors_for_the_target_folder(pair_dirs, tmp_path, capsys):
+    target, _ = pair_dirs
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    untyped = tmp_path / "untyped"
+    untyped.mkdir()
+    (untyped / "config.json").write_text(json.dumps(tiny_kimi_config().to_hf_dict()))
+    for folder, want in [(str(tmp_path / "absent"), "--target"), (str(bad), "not valid JSON"),
+                         (str(untyped), "--dtype")]:
+        with pytest.raises(SystemExit):
+            main(["plan", "--target", folder, "--slots", "1", "--max-model-len", "64"])
+        assert want in capsys.readouterr().err
