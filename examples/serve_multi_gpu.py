@@ -4,10 +4,11 @@
         [--mesh expert=8] [--slots 32] [--port 8000]
 
 Mesh: by default ``expert=<number of GPUs>``: the routed experts are split over every GPU (expert
-parallelism) and everything else is replicated. Other layouts: ``--mesh expert=4,tensor=2``
-(experts over 4, the models' tensor-parallel dimensions over 2) or ``--mesh data=2,expert=4``
-(the decoding slots split over 2 groups of 4 GPUs, experts over the 4 in each group; ``--slots``
-must divide by the data size). Axes are named by ``ddtree_jax.serving.sharding``; one size may be
+parallelism) and so are the slots (data-parallel attention: each GPU holds and computes its own
+slots; ``--slots`` must divide by the GPUs; ``--dp-attention off`` replicates them instead). Other
+layouts: ``--mesh expert=4,tensor=2`` (experts over 4, the models' tensor-parallel dimensions over
+2) or ``--mesh data=2,expert=4`` (slots over all 8, experts over the 4 of each data group); the
+layouts: docs/sharding.md. Axes are named by ``ddtree_jax.serving.sharding``; one size may be
 -1 ("the rest"). Listens on 127.0.0.1 unless ``--host 0.0.0.0`` is given.
 """
 

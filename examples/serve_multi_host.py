@@ -6,9 +6,10 @@
 
 Mesh: one global mesh over every process's devices, hosts along the leading axis. Default
 ``data=<processes>,expert=<GPUs per host>``: each host decodes its own share of the slots (``data``
-spans the hosts) with the routed experts split over its own GPUs, so the experts' all-to-all stays
+spans the hosts) with the routed experts split over its own GPUs, so the experts' token exchange stays
 inside a host; ``--mesh expert=16`` (experts over all GPUs of both hosts) or
-``--mesh data=2,expert=4,tensor=2`` work too. ``--slots`` must divide by the data size.
+``--mesh data=2,expert=4,tensor=2`` work too. ``--slots`` must divide by the devices the slots
+split over (data x expert: data-parallel attention, docs/sharding.md).
 
 Requests enter on process 0 only (its HTTP server); before every engine step process 0 broadcasts
 the new requests and cancellations to the others with

@@ -246,9 +246,7 @@ class Engine:
                                logprobs=config.max_logprobs)
         self._models, self._tparams, self._dparams = Models.split(target, drafter if decode.uses_drafter else None)
         self._target, self._drafter = target, drafter
-        # The cache holds a prompt + its tokens, and one verify block (or one prompt chunk) of scratch.
-        # (a commit writes depth + 1 positions: more than the verify block when budget < depth)
-        self.cache_len = self.max_model_len + max(budget + 1, depth + 1, self.prefill_chunk)
+        self.cache_len = config.cache_len(self.max_model_len, depth)
         self.tokens_per_round = depth + 1
         self._shard_state = shard_state
         self._base_key = jax.random.key(decode.seed)
