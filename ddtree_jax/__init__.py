@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "DEFAULT_MESH_AXES": "ddtree_jax.checkpoints",
+    "DEFAULT_MESH_AXES": "ddtree_jax.mesh_axes",
     "CheckpointError": "ddtree_jax.checkpoints",
     "init_on_mesh": "ddtree_jax.checkpoints",
     "load_drafter": "ddtree_jax.checkpoints",

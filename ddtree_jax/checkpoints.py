@@ -42,12 +42,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ddtree_jax._safetensors import SafetensorsError, read_header, read_index
 from ddtree_jax.backend import Backend
 from ddtree_jax.config import ExecutionConfig, execution_of
+from ddtree_jax.mesh_axes import DEFAULT_MESH_AXES
 from ddtree_jax.models.int4 import Int4Format, pack_int4, unpack_int4_np
 from ddtree_jax.models.registry import lookup_architecture
 from ddtree_jax.quant_config import QuantConfigError, int4_experts_format, int4_quantization_config
-
-# Logical axis -> mesh axis; "rows": the mesh axes batch rows split over (``ddtree_jax.rows``).
-DEFAULT_MESH_AXES = {"expert": "expert", "tensor": "tensor", "rows": ("data", "expert")}
 
 _DTYPES = {
     "F64": np.float64,

@@ -6,7 +6,7 @@ mesh every device holds and computes only its own rows (data-parallel attention:
 the dense layers, the LM head, the sampler, the tree build and the walk run per device on its
 rows) while the routed experts stay split over the same devices (tokens exchanged around each MoE
 layer: ``ddtree_jax.models.moe.experts_expert_parallel``). The logical key ``"rows"`` of a
-``mesh_axes`` map (``ddtree_jax.checkpoints.DEFAULT_MESH_AXES``) names the row axes; ``("data",)``
+``mesh_axes`` map (``ddtree_jax.mesh_axes``) names the row axes; ``("data",)``
 keeps every row on every device of the expert axis (the layout without data-parallel attention).
 
 A batch splits over the longest leading run of the row axes whose devices divide it (a batch of
@@ -24,9 +24,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ROW_AXES", "RowMesh", "per_rows", "place_state", "row_spec"]
+from ddtree_jax.mesh_axes import ROW_AXES
 
-ROW_AXES = ("data", "expert")
+__all__ = ["RowMesh", "per_rows", "place_state", "row_spec"]
 
 
 @dataclasses.dataclass(frozen=True)

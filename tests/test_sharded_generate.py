@@ -46,10 +46,11 @@ SCRIPT = textwrap.dedent("""
     sd = dt.load_drafter(path + "/drafter", st, mesh=mesh)
     assert st.row_mesh.axes == ("expert",)
     eight = [[1, 2, 3, 4, 5], [7], [9, 10], [3] * 7, [4, 5], [6], [11, 12, 13], [2, 2]]
-    for sampling in [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.9, top_p=0.9, seed=5)]:
-        kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=sampling)
-        sharded, plain = dt.generate(st, sd, eight, **kw), dt.generate(pt, pd, eight, **kw)
-        assert sharded.tokens == plain.tokens, ("dp", sharded.tokens, plain.tokens)
+    mixed = [dt.SamplingParams(temperature=0.0)] * 4 + [
+        dt.SamplingParams(temperature=0.9, top_p=0.9, seed=s) for s in range(4)]  # greedy and seeded rows
+    kw = dict(method="ddtree", budget=6, max_new_tokens=8, sampling=mixed)
+    sharded, plain = dt.generate(st, sd, eight, **kw), dt.generate(pt, pd, eight, **kw)
+    assert sharded.tokens == plain.tokens, ("dp", sharded.tokens, plain.tokens)
     check_round_collectives(st, sd)
     print("SHARDED_OK")
 """)

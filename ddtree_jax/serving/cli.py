@@ -143,8 +143,7 @@ def engine_config(args) -> EngineConfig:
 
 def mesh_axes_of(args) -> dict:
     """The models' and the state's logical -> mesh axis map for ``--dp-attention``."""
-    from ddtree_jax.checkpoints import DEFAULT_MESH_AXES
-    from ddtree_jax.serving.sharding import NO_DP_ATTENTION
+    from ddtree_jax.mesh_axes import DEFAULT_MESH_AXES, NO_DP_ATTENTION
 
     return DEFAULT_MESH_AXES if args.dp_attention == "on" else NO_DP_ATTENTION
 

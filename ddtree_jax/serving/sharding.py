@@ -4,7 +4,7 @@ engine's slots live.
 Mesh axes: ``data`` (slots: each data shard decodes its own slots), ``expert`` (routed experts,
 expert parallelism; by default the slots split over it too: data-parallel attention) and
 ``tensor`` (the tensor-parallel dimensions the models declare). The models' logical axes map onto
-the mesh by ``ddtree_jax.checkpoints.DEFAULT_MESH_AXES`` (``"expert"`` -> ``expert``, ``"tensor"``
+the mesh by ``ddtree_jax.mesh_axes.DEFAULT_MESH_AXES`` (``"expert"`` -> ``expert``, ``"tensor"``
 -> ``tensor``, ``"rows"`` -> ``("data", "expert")``; ``NO_DP_ATTENTION`` keeps every slot on every
 device of the expert axis); weights are replicated over ``data``. One size may be
 ``-1``: whatever the other axes leave of the devices. The product must use every device given.
@@ -19,13 +19,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from ddtree_jax.mesh_axes import NO_DP_ATTENTION
+
 __all__ = ["MESH_AXES", "NO_DP_ATTENTION", "make_mesh", "parse_mesh_spec", "state_sharding"]
 
 MESH_AXES = ("data", "expert", "tensor")
-
-# The models' and the state's mesh axes without data-parallel attention: slots split over ``data``
-# only, every device of the expert axis holding and computing every slot of its data shard.
-NO_DP_ATTENTION = {"expert": "expert", "tensor": "tensor", "rows": ("data",)}
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
@@ -89,11 +87,11 @@ def make_mesh(spec: str | dict[str, int] | None, devices: Sequence | None = None
 def state_sharding(mesh, mesh_axes: dict | None = None) -> Callable | None:
     """A function placing a ``DecodeState`` on ``mesh``: every per-slot array split over the row
     axes (``ddtree_jax.rows.RowMesh.of(mesh, mesh_axes)``; default
-    ``ddtree_jax.checkpoints.DEFAULT_MESH_AXES``: ``data`` and ``expert``, the layout the models
+    ``ddtree_jax.mesh_axes.DEFAULT_MESH_AXES``: ``data`` and ``expert``, the layout the models
     loaded with the same ``mesh_axes`` compute in) along its row axis (caches included), the rest
     replicated. ``None`` when the mesh has no row axis of more than one device (the state then
     follows the compiler's placement). The slots must split over every row device."""
-    from ddtree_jax.checkpoints import DEFAULT_MESH_AXES
+    from ddtree_jax.mesh_axes import DEFAULT_MESH_AXES
     from ddtree_jax.rows import RowMesh, place_state
 
     rows = RowMesh.of(mesh, DEFAULT_MESH_AXES if mesh_axes is None else mesh_axes)
