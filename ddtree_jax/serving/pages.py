@@ -21,10 +21,10 @@ Design note: ``docs/paged-caches.md``.
   one slot). ``admit`` matches the prefix cache, ``ensure`` covers positions, ``commit`` records
   the committed length and returns the pages past it, ``publish`` registers the committed full
   pages, ``release_all`` empties it, ``as_row`` gives the device row. Its first ``read_only``
-  pages are in the prefix cache (matched or published) and are never written again; every page
-  after them is private (one reference, no key), and a round writes only at positions at or past
-  ``length >= read_only * page_size``. That is the whole copy-on-write rule: no shared page is
-  ever a write target, so no page is ever copied.
+  pages are those it matched or published (in the prefix cache, or private duplicates of cached
+  pages) and are never written again; every page after them is private (one reference, no key),
+  and a round writes only at positions at or past ``length >= read_only * page_size``. That is the
+  whole copy-on-write rule: no shared page is ever a write target, so no page is ever copied.
 * ``preemption_order(tables)``: the running tables, the most recently admitted first.
 
 Cache convention followed: a request whose tokens so far are ``t`` (its prompt, then what it
@@ -358,7 +358,7 @@ class PageTable:
     ``k * page_size .. (k + 1) * page_size - 1``. One per engine slot, reused by its requests.
 
     ``length``: the committed positions (the request's tokens but the last); ``read_only``: the
-    leading pages in the prefix cache, never written again (``read_only * page_size <= length``);
+    leading pages it matched or published, never written again (``read_only * page_size <= length``);
     ``admitted``: the pool's admission number of the current request (``None`` when empty);
     ``capacity``: the positions its pages cover. A round writes positions ``length ..
     length + scratch - 1`` after ``ensure(length + scratch)``, all in private pages.
@@ -418,7 +418,7 @@ class PageTable:
     def commit(self, length: int) -> None:
         """The first ``length`` positions now hold the request's cache (after a prefill chunk or a
         round kept its accepted positions): record it and return the pages past them to the pool.
-        ``length`` must lie in ``[read_only * page_size, capacity]``: cached pages are never cut."""
+        ``length`` must lie in ``[read_only * page_size, capacity]``: read-only pages are never cut."""
         if self.admitted is None:
             raise _bad("PageTable.commit", "no request is admitted (admit first)")
         lo = self.read_only * self.pool.page_size
