@@ -102,6 +102,8 @@ BAD_INPUTS = {
     "stop token outside the vocabulary": (["--stop-token-id", "300"], ["--stop-token-id 300", "[0, 128)"]),
     "more alternatives than the vocabulary": (["--max-logprobs", "200"], ["--max-logprobs 200", "128 tokens"]),
     "bad mesh": (["--mesh", "bogus=2"], ["--mesh", "bogus=2"]),
+    "slots that do not split over the mesh": (["--mesh", "data=2,expert=4", "--slots", "12"],
+                                              ["--slots 12", "8 devices", "data=2, expert=4", "--dp-attention off"]),
     "empty API key": (["--api-key", ""], ["--api-key", "empty"]),
     "budget 0": (["--budget", "0"], ["--budget", ">= 1"]),
     "deterministic with a mesh": (["--deterministic", "on", "--mesh", "expert=2"],
