@@ -53,8 +53,8 @@ class ExpertLoad(nnx.Variable):
 class LoadRecordingRouter(Router):
     """``Router`` that also records its expert loads (for the bias balancing); same parameters."""
 
-    def __call__(self, x):
-        weights, ids = super().__call__(x)
+    def __call__(self, x, **placement):
+        weights, ids = super().__call__(x, **placement)
         self.load[...] = jnp.zeros(self.load.shape, jnp.float32).at[ids.reshape(-1)].add(1.0)
         return weights, ids
 
