@@ -44,13 +44,13 @@ def _reference(ql, qr, lat, kr, table, mask, scale):
     return latent_attention_reference(*f32, mask, scale=scale)
 
 
-# (B, T, H, r, dr, page size, pages per slot, starts, tree, split_keys, dtype, tolerance); 16 x 16 tiles
+# (B, T, H, r, dr, page size, pages per slot, starts, tree, split_keys, dtype, tolerance); 16 x 16 tiles.
+# A float32 prefill runs in the dispatch test below.
 CASES = {
     "decode-split-f32": (3, 1, 8, 32, 8, 16, 5, [20, 37, 79], False, 32, jnp.float32, 2e-6),
     "decode-bf16": (3, 1, 8, 32, 8, 32, 3, [0, 40, 95], False, 0, jnp.bfloat16, 2e-2),
     "verify-f32": (3, 7, 3, 32, 8, 32, 2, [33, 40, 0], True, 0, jnp.float32, 2e-6),
     "verify-split-bf16": (3, 7, 3, 32, 8, 16, 4, [18, 20, 57], True, 32, jnp.bfloat16, 2e-2),
-    "prefill-f32": (2, 20, 2, 16, 4, 16, 4, [0, 20], False, 0, jnp.float32, 2e-6),
     "prefill-bf16": (2, 20, 2, 16, 4, 64, 1, [0, 30], False, 0, jnp.bfloat16, 2e-2),
 }
 
@@ -71,10 +71,11 @@ def test_paged_kernel_matches_reference(name):
 def test_dispatch_kernel_equals_contiguous_kernel_bitwise():
     """``paged_latent_attention`` with kernels == ``latent_attention``'s Triton kernel over the
     gathered caches, bit for bit (same tiles, split and segments: 32-key segments in groups of 2
-    over 96 positions); the reference backend == the dense reference."""
-    b, t, h, r, dr, page_size, pages = 3, 4, 4, 32, 8, 32, 3
+    over 96 positions), for a causal prefill block after a shared prefix; the reference backend ==
+    the dense reference."""
+    b, t, h, r, dr, page_size, pages = 3, 12, 2, 32, 8, 32, 3
     rng = np.random.default_rng(21)
-    ql, qr, lat, kr, table, mask = _inputs(rng, b, t, h, r, dr, page_size, pages, [40, 60, 92], True, jnp.float32)
+    ql, qr, lat, kr, table, mask = _inputs(rng, b, t, h, r, dr, page_size, pages, [40, 33, 0], False, jnp.float32)
     kw = dict(scale=0.2, segment_keys=32, segment_group=2)
     paged = paged_latent_attention(ql, qr, lat, kr, table, mask, backend=KERNELS, **kw)
     s = pages * page_size
@@ -118,3 +119,25 @@ def test_bad_arguments():
     small = [x[:, :8] for x in (lat, kr)]
     with pytest.raises(ValueError, match="power of two"):
         paged_latent_attention(ql, qr, *small, table, mask, scale=1.0, backend=KERNELS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-4)])
+@pytest.mark.parametrize("t,tree", [(1, False), (17, True), (256, False)])
+def test_compiled_paged_kernel_k2_shapes(t, tree, dtype, tol):
+    """The compiled dispatch (shipped tiles, the model's segments) at Kimi K2 attention shapes over
+    64-position pages: bit for bit ``latent_attention``'s Triton kernel on the gathered caches, and
+    near the float32 reference."""
+    b, h, r, dr, page_size, pages = 2, 64, 512, 64, 64, 48
+    rng = np.random.default_rng(t)
+    starts = [page_size + 5, pages * page_size - t - 3]
+    ql, qr, lat, kr, table, mask = _inputs(rng, b, t, h, r, dr, page_size, pages, starts, tree, dtype)
+    gpu = Backend(kernels=True)
+    paged = paged_latent_attention(ql, qr, lat, kr, table, mask, scale=0.13, backend=gpu)
+    s = pages * page_size
+    contiguous = latent_attention(ql, qr, jnp.asarray(plain_gather(lat, table, s)),
+                                  jnp.asarray(plain_gather(kr, table, s)), mask, scale=0.13, backend=gpu, hopper=False)
+    np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(contiguous, np.float32))
+    with jax.default_matmul_precision("highest"):
+        want = _reference(ql, qr, lat, kr, table, mask, 0.13)
+    np.testing.assert_allclose(np.asarray(paged, np.float32), np.asarray(want), atol=tol, rtol=0)
