@@ -22,7 +22,7 @@ REFERENCE = Backend(kernels=False)
 
 def _inputs(rng, b, t, h, r, dr, page_size, pages, starts, tree, dtype):
     """Queries, pools and a table whose rows own the pages their ``start + T`` positions need
-    (row 1 shares row 0's first page when both reach past it); the block mask."""
+    (row 1 shares row 0's first page when both rows start past it); the block mask."""
     need = [-(-(s + t) // page_size) for s in starts]
     shared = 1 if len(starts) > 1 and min(starts[:2]) >= page_size else 0
     table, num_pages = random_page_table(rng, need, pages, shared=shared)
