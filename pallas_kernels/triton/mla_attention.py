@@ -10,8 +10,12 @@ mask allows; every token sees at least one key; ``start + T <= S``. Reference:
 FlashAttention-2 online softmax over key tiles; the ``T*H`` query rows are flattened (all heads
 share the keys) and each row's key loop stops at its length. Optional key splits (``split_keys``,
 merged by a second kernel) and fixed segments (``segment_keys``): with segments a row's bits
-depend only on its data and the tiles, not on ``B``, ``T`` or the split. Design and
-measurements: docs/kernels.md, "MLA attention".
+depend only on its data and the tiles, not on ``B``, ``T`` or the split. With ``page_table`` the
+cache is a page pool (``latent [N,P,r]``, ``k_rope [N,P,dr]``, position p of row b at page
+``page_table[b, p // P]``, slot ``p % P``; ``P`` a multiple of ``block_k``, so each key tile lies
+in one page): the same kernel, each key tile loaded from its page, the same bits as over the
+gathered contiguous cache. Design and measurements: docs/kernels.md, "MLA attention";
+the paged layout: docs/paged-caches.md, "Device layout and kernels".
 """
 
 from __future__ import annotations
@@ -69,8 +73,23 @@ def _fresh(BM, RP):
     return jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32)
 
 
+def _contiguous_tile(b, k0):
+    """The cache row and first slot of row ``b``'s key tile at position ``k0`` in a ``[B,S,...]`` cache."""
+    return b, k0
+
+
+def _paged_attn_kernel(table_ref, *refs, page_size, **static):
+    """``_attn_kernel`` over a page pool: row ``b``'s key tile at position ``k0`` (a multiple of the
+    key tile, which divides ``page_size``) is slots ``[k0 % page_size, + BK)`` of page
+    ``table[b, k0 // page_size]``."""
+    def tile_at(b, k0):
+        return table_ref[b, k0 // page_size], k0 % page_size
+
+    _attn_kernel(*refs, tile_at=tile_at, **static)
+
+
 def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
-                 TMP, causal, chunk, seg, grp, scale_log2):
+                 TMP, causal, chunk, seg, grp, scale_log2, tile_at=_contiguous_tile):
     b, rt, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[b]
     rows, tok, tok_lo, kv_end = _row_span(rt, H=H, T=T, S=S, BM=BM, causal=causal, start=start)
@@ -108,8 +127,9 @@ def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, 
             k0 = s_lo + i * BK
             kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
             kin = (kpos < s_hi)[:, None] if masked else None
-            lat = load(lat_ref.at[b, pl.ds(k0, BK), pl.ds(0, RP)], both(kin, col_ok))
-            kr = load(kr_ref.at[b, pl.ds(k0, BK), pl.ds(0, DRP)], both(kin, dcol_ok))
+            row, slot = tile_at(b, k0)
+            lat = load(lat_ref.at[row, pl.ds(slot, BK), pl.ds(0, RP)], both(kin, col_ok))
+            kr = load(kr_ref.at[row, pl.ds(slot, BK), pl.ds(0, DRP)], both(kin, dcol_ok))
             s = (_dot(qn, lat, trans_b=True) + _dot(qr, kr, trans_b=True)) * scale_log2
             if masked:
                 rel = kpos - start
@@ -250,12 +270,13 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
                   block_m: int | None = None, block_k: int | None = None, split_keys: int = 0,
                   segment_keys: int = 0, segment_group: int = 1, num_warps: int | None = None,
                   num_stages: int | None = None, interpret: bool = False,
-                  merge_tiles: tuple[int, int] | None = None) -> jax.Array:
+                  merge_tiles: tuple[int, int] | None = None, page_table: jax.Array | None = None) -> jax.Array:
     """Absorbed MLA attention of a block of ``T`` tokens per row over the latent cache.
 
     Args:
       q_latent: ``[B,T,H,r]``; q_rope: ``[B,T,H,dr]`` (bf16 or float32).
       latent: ``[B,S,r]``; k_rope: ``[B,S,dr]``; the block's own keys at ``[start, start+T)``.
+        With ``page_table``: page pools ``[N,P,r]``, ``[N,P,dr]``.
       start: int32 ``[B]``, committed prefix length per row (``start + T <= S``).
       block_mask: bool ``[B,T,T]`` (which block tokens see which), or ``None`` with ``causal``.
       scale: the softmax scale. causal: the block is causal (prefill, decode).
@@ -271,17 +292,28 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
         num_warps / num_stages: Triton launch parameters. ``None``: ``default_tiles(latent.dtype)``.
       merge_tiles: ``(rows, value columns)`` per program of the split merge (powers of two, rows
         dividing ``block_m``); ``None``: ``merge_block``. Any choice gives the same bits.
+      page_table: ``None`` (contiguous caches), or int32 ``[B, pages]``: position p of row b is
+        slot ``p % P`` of pool page ``page_table[b, p // P]`` (``S = pages * P``; ``P`` a
+        multiple of ``block_k``; every entry a page of the pool). The result has the same bits as
+        the contiguous kernel over the gathered ``[B,S,...]`` caches.
 
     Returns:
       ``[B,T,H,r]`` in ``q_latent``'s dtype.
     """
     B, T, H, r = q_latent.shape
-    S, dr = latent.shape[1], k_rope.shape[-1]
-    if q_rope.shape != (B, T, H, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr):
+    n, slots = latent.shape[:2]  # batch rows and slots, or pages and the page size
+    dr = k_rope.shape[-1]
+    S = slots if page_table is None else page_table.shape[-1] * slots
+    rows_ok = n == B if page_table is None else page_table.ndim == 2 and page_table.shape[0] == B
+    if (q_rope.shape != (B, T, H, dr) or latent.shape != (n, slots, r) or k_rope.shape != (n, slots, dr)
+            or not rows_ok):
         raise ValueError(f"mla_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, "
-                         f"latent {latent.shape}, k_rope {k_rope.shape} do not agree")
+                         f"latent {latent.shape}, k_rope {k_rope.shape}"
+                         + ("" if page_table is None else f", page_table {page_table.shape}") + " do not agree")
     tiles = default_tiles(latent.dtype)
     block_m, block_k = block_m or tiles["block_m"], block_k or tiles["block_k"]
+    if page_table is not None and slots % block_k:
+        raise ValueError(f"mla_attention: the page size {slots} must be a multiple of block_k {block_k}")
     num_warps, num_stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     if (block_mask is None) != causal:
         raise ValueError("mla_attention: pass exactly one of block_mask and causal=True")
@@ -312,17 +344,23 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     seg = segment_keys if segment_keys and segment_keys < S else 0  # one segment: same as none
     static = dict(H=H, T=T, S=S, R=R, r=r, BM=BM, causal=causal, chunk=chunk, seg=seg, grp=seg * segment_group)
+    tile = dict(dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E, **static)
+    args = (start.astype(jnp.int32), q_latent.reshape(B, R, r), q_rope.reshape(B, R, dr), latent, k_rope, bm)
+    if page_table is None:
+        kernel = functools.partial(_attn_kernel, **tile)
+    else:
+        kernel = functools.partial(_paged_attn_kernel, page_size=slots, **tile)
+        args = (page_table.astype(jnp.int32),) + args
     outs = pl.pallas_call(
-        functools.partial(_attn_kernel, dr=dr, RP=RP, DRP=DRP, BK=BK, TMP=TMP, scale_log2=float(scale) * _LOG2E,
-                          **static),
+        kernel,
         grid=grid,
-        in_specs=[any_spec] * 6,
+        in_specs=[any_spec] * len(args),
         out_specs=[any_spec] * len(out_shape),
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="mla_attention",
-    )(start.astype(jnp.int32), q_latent.reshape(B, R, r), q_rope.reshape(B, R, dr), latent, k_rope, bm)
+    )(*args)
     if chunk:
         mr, mc = merge_tiles or merge_block(B, R, r, BM)
         if BM % mr or mr & (mr - 1) or mc & (mc - 1):

@@ -1,0 +1,73 @@
+"""MLA attention in the absorbed form over a paged latent cache (``paged_cache.PagedKVCache``).
+
+``paged_latent_attention`` dispatches on the ``Backend``: where the family has the Triton MLA
+kernel, ``pallas_kernels.triton.mla_attention`` with its ``page_table`` (each key tile loaded from
+its page; the same fixed reduction segments as ``latent_attention``); elsewhere
+``paged_latent_attention_reference``, the contiguous view (``gather_positions``) through
+``latent_attention_reference``. The Hopper kernel has no paged form yet. Design:
+docs/paged-caches.md, "Device layout and kernels".
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+
+from ddtree_jax.backend import Backend, has_kernel
+from ddtree_jax.config import SEGMENT_GROUP, SEGMENT_KEYS
+from ddtree_jax.models.latent_attention import latent_attention_reference, segmented_split
+from ddtree_jax.models.paged_cache import gather_positions
+from ddtree_jax.models.tree_cache import BlockMask
+
+__all__ = ["MIN_KERNEL_PAGE", "paged_latent_attention", "paged_latent_attention_reference"]
+
+# The smallest page the kernel takes: its smallest key tile (each tile lies in one page).
+MIN_KERNEL_PAGE = 16
+
+
+def paged_latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, pool_latent: jax.Array,
+                                     pool_k_rope: jax.Array, page_table: jax.Array, mask: BlockMask, *,
+                                     scale: float) -> jax.Array:
+    """``q_latent [B,T,H,r]``, ``q_rope [B,T,H,dr]`` over the pools ``pool_latent [N,P,r]``,
+    ``pool_k_rope [N,P,dr]`` through ``page_table [B, pages]`` -> ``[B,T,H,r]`` in ``q_latent``'s
+    dtype: ``latent_attention_reference`` on the gathered ``[B, pages * P, ...]`` caches."""
+    s = page_table.shape[1] * pool_latent.shape[1]
+    return latent_attention_reference(q_latent, q_rope, gather_positions(pool_latent, page_table, s),
+                                      gather_positions(pool_k_rope, page_table, s), mask, scale=scale)
+
+
+def paged_latent_attention(q_latent: jax.Array, q_rope: jax.Array, pool_latent: jax.Array, pool_k_rope: jax.Array,
+                           page_table: jax.Array, mask: BlockMask, *, scale: float, backend: Backend,
+                           segment_keys: int | None = SEGMENT_KEYS, segment_group: int = SEGMENT_GROUP) -> jax.Array:
+    """Absorbed MLA attention over a paged cache (shapes: ``paged_latent_attention_reference``).
+
+    The block's own latents must already be in the pools at positions ``[start, start+T)`` of
+    each row (``paged_cache.write_tokens``), with ``start + T <= pages * P``. With the Triton
+    kernel: key tiles of ``min(default_tiles' block_k, P)`` keys (``P`` a power of two of at
+    least ``MIN_KERNEL_PAGE``, else a ``ValueError``), the split chosen as ``latent_attention``
+    chooses it, and fixed segments of ``segment_keys`` (``None``/0: none) in groups of
+    ``segment_group``. Runs on one device's arrays: on a mesh the caller runs it per shard with
+    that shard's pool and table.
+    """
+    b, t, h, r = q_latent.shape
+    n, page, _ = pool_latent.shape
+    chex.assert_shape([q_latent, pool_latent, pool_k_rope, page_table, mask.start],
+                      [(b, t, h, r), (n, page, r), (n, page, q_rope.shape[-1]), (b, None), (b,)])
+    if not has_kernel(backend, "mla_attention"):
+        return paged_latent_attention_reference(q_latent, q_rope, pool_latent, pool_k_rope, page_table, mask,
+                                                scale=scale)
+    from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
+
+    if page < MIN_KERNEL_PAGE or page & (page - 1):
+        raise ValueError(f"paged_latent_attention: the kernel needs pages of a power of two >= {MIN_KERNEL_PAGE} "
+                         f"positions, got {page}")
+    tiles = default_tiles(pool_latent.dtype)
+    block_k = min(tiles["block_k"], page)
+    s = page_table.shape[1] * page
+    split, segment_keys = segmented_split(auto_split_keys(b, t * h, s, block_m=tiles["block_m"], block_k=block_k),
+                                          segment_keys or 0, segment_group, block_k)
+    out = mla_attention(q_latent.astype(pool_latent.dtype), q_rope.astype(pool_k_rope.dtype), pool_latent,
+                        pool_k_rope, mask.start, mask.within, scale=float(scale), causal=mask.causal, block_k=block_k,
+                        split_keys=split, segment_keys=segment_keys, segment_group=segment_group,
+                        interpret=backend.interpret, page_table=page_table)
+    return out.astype(q_latent.dtype)
