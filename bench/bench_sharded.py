@@ -11,8 +11,9 @@ Parts (``--parts``, default all, in this order):
 
 * ``equal``: a slice of ``--layers-one`` layers (fits one GPU) decoded by the serving engine
   (``ddtree_jax.serving.Engine``, the mesh and state placement of the serving scripts) on GPU 0
-  and on each mesh of ``--meshes``; greedy and seeded-sampled requests mixed, with prompts of
-  several lengths. Reports, per mesh, the share of tokens equal to one GPU's and, at each
+  and on each mesh of ``--meshes`` (``:nodp``: without data-parallel attention, docs/sharding.md);
+  greedy and seeded-sampled requests mixed, with prompts of several lengths, and the caches' bytes
+  per GPU. Reports, per mesh, the share of tokens equal to one GPU's and, at each
   divergence, the largest gap between the two targets' logits for the common prefix. Then the
   scaling point: DDTree tokens/s on the mesh at ``--scale-batch`` rows against one GPU at
   ``--scale-batch / n_gpus`` rows (same per-GPU load, same model).
@@ -64,6 +65,7 @@ from bench._common import (
     weight_read_bytes,
 )
 from ddtree_jax.compiled import CompiledFn
+from ddtree_jax.mesh_axes import DEFAULT_MESH_AXES, NO_DP_ATTENTION
 from ddtree_jax.serving import Engine
 from ddtree_jax.serving.sharding import make_mesh, state_sharding
 
@@ -79,11 +81,29 @@ def target_config(args, layers: int) -> dt.KimiConfig:
     return k2_slice(layers, args.experts, smoke=args.smoke)
 
 
-def make_models(tcfg, mesh, dtype, impl):
-    target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(tcfg, rngs=nnx.Rngs(0), dtype=dtype, impl=impl), mesh)
+def mesh_of(spec: str):
+    """``(mesh, mesh_axes)`` of a ``--meshes`` entry: a mesh spec, with ``:nodp`` for the layout
+    without data-parallel attention (slots split over ``data`` only)."""
+    spec, _, option = spec.partition(":")
+    if option not in ("", "nodp"):
+        raise SystemExit(f"--meshes: unknown option {option!r} (only ':nodp')")
+    return make_mesh(spec), (NO_DP_ATTENTION if option else DEFAULT_MESH_AXES)
+
+
+def make_models(tcfg, mesh, dtype, impl, mesh_axes=DEFAULT_MESH_AXES):
+    target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(tcfg, rngs=nnx.Rngs(0), dtype=dtype, impl=impl), mesh,
+                             mesh_axes=mesh_axes)
     dcfg = one_layer_drafter_config(tcfg)
-    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=dtype), mesh)
+    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(dcfg, rngs=nnx.Rngs(1), dtype=dtype), mesh,
+                              mesh_axes=mesh_axes)
     return target, drafter
+
+
+def cache_bytes_per_device(state) -> int:
+    """Bytes of the decoding state's two caches held by the first device."""
+    dev = jax.devices()[0]
+    leaves = jax.tree.leaves((state.target_cache, state.draft_cache))
+    return sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards if s.device == dev)
 
 
 def param_bytes(tcfg, dtype) -> dict[str, float]:
@@ -154,12 +174,12 @@ def part_equal(args, report, dtype, n_dev):
     for spec in args.meshes:
         if past_deadline(args):
             break
-        mesh = make_mesh(spec)
+        mesh, axes = mesh_of(spec)
         log(f"equal: mesh {spec} = {dict(mesh.shape)}")
-        st, sd = make_models(tcfg, mesh, dtype, args.impl)
-        data = mesh.shape.get("data", 1)
-        eng = Engine(st, sd, dataclasses.replace(shape, slots=-(-len(prompts) // data) * data),
-                     shard_state=state_sharding(mesh))
+        st, sd = make_models(tcfg, mesh, dtype, args.impl, axes)
+        rows = st.row_mesh.devices if st.row_mesh is not None else 1
+        eng = Engine(st, sd, dataclasses.replace(shape, slots=-(-len(prompts) // rows) * rows),
+                     shard_state=state_sharding(mesh, axes))
         got = [r.tokens for r in eng.generate(prompts, params, max_tokens=args.eq_tokens)]
         copies = {}
         for shard in eng._state.out.addressable_shards:
@@ -177,8 +197,9 @@ def part_equal(args, report, dtype, n_dev):
                 gaps.append(f"{'greedy' if p.temperature == 0 else 'seeded'}@{j}: "
                             f"{float(jnp.max(jnp.abs(st(ids)[0, -1] - one_t(ids)[0, -1]))):.3g}")
         report.add("equal", dict(mesh=spec, layers=tcfg.num_hidden_layers, requests=len(prompts),
-                                 requests_equal=equal, tokens_equal_share=same / max(total, 1),
-                                 replicas_consistent=consistent, logit_gaps="; ".join(gaps) or "-"))
+                                 slots=eng.slots, requests_equal=equal, tokens_equal_share=same / max(total, 1),
+                                 replicas_consistent=consistent, logit_gaps="; ".join(gaps) or "-",
+                                 cache_MiB_per_device=cache_bytes_per_device(eng._state) / 2**20))
         log(f"  {equal}/{len(prompts)} requests equal, {same}/{total} tokens before divergence, "
             f"replicas consistent: {consistent}, gaps: {gaps}")
         if spec == args.meshes[0] and not past_deadline(args):
@@ -221,9 +242,9 @@ def fit_layers(args, dtype, n_dev) -> int:
 def part_passes(args, report, dtype, n_dev, bw):
     layers = fit_layers(args, dtype, n_dev)
     tcfg = target_config(args, layers)
-    mesh = make_mesh(args.meshes[0])
+    mesh, axes = mesh_of(args.meshes[0])
     log(f"passes: mesh {args.meshes[0]}, {layers} layers ({sum(param_bytes(tcfg, dtype).values()) / 2**30:.1f} GiB)")
-    target, drafter = make_models(tcfg, mesh, dtype, args.impl)
+    target, drafter = make_models(tcfg, mesh, dtype, args.impl, axes)
     rng = np.random.default_rng(3)
     max_len = args.prompt + max(args.budgets) + 8
     prefill = CompiledFn(lambda m, ids, n, c: m.prefill(ids, n, c)[2], reads=(target,))
@@ -300,7 +321,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on 4 CPU devices")
     ap.add_argument("--parts", nargs="+", default=["equal", "passes", "rounds"], choices=("equal", "passes", "rounds"))
-    ap.add_argument("--meshes", nargs="+", default=None, help="mesh specs (default: expert=-1 tensor=-1 data=-1)")
+    ap.add_argument("--meshes", nargs="+", default=None,
+                    help="mesh specs, ':nodp' for slots over data only (default: expert=-1 expert=-1:nodp "
+                         "tensor=-1 data=-1)")
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--layers-one", type=int, default=2, help="layers of the equality slice (must fit one GPU)")
     ap.add_argument("--layers", type=int, default=0, help="layers of the speed slice (0: what fits)")
@@ -322,7 +345,7 @@ def main():
         args.batches, args.budgets, args.round_budgets = [1, 4], [3, 8], [4]
         args.prompt, args.new, args.eq_tokens, args.scale_batch = 8, 8, 10, 4
     n_dev = len(jax.devices())
-    args.meshes = args.meshes or ["expert=-1", "tensor=-1", "data=-1"]
+    args.meshes = args.meshes or ["expert=-1", "expert=-1:nodp", "tensor=-1", "data=-1"]
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     if dtype == jnp.float32:
         jax.config.update("jax_default_matmul_precision", "highest")
@@ -338,7 +361,8 @@ def main():
     elif "rounds" in args.parts:
         layers = fit_layers(args, dtype, n_dev)
         tcfg = target_config(args, layers)
-        part_rounds(args, report, tcfg, *make_models(tcfg, make_mesh(args.meshes[0]), dtype, args.impl))
+        mesh, axes = mesh_of(args.meshes[0])
+        part_rounds(args, report, tcfg, *make_models(tcfg, mesh, dtype, args.impl, axes))
     report.write()
     log(f"wrote {report.stem}.md")
 
