@@ -1,0 +1,65 @@
+"""generate(page_size=...): paged caches give the contiguous run's tokens (greedy, every method;
+seeded sampling through a compaction that pads), prompts sharing full pages of a prefix share them
+(``cached_prompt_tokens``) with the same outputs, and a bad page size names the field."""
+
+import numpy as np
+import pytest
+
+from ddtree_jax.config import ConfigError
+from ddtree_jax.generation import generate
+from ddtree_jax.paged_generate import prefix_waves
+from ddtree_jax.sampling import SamplingParams
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11] * 7]
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_kimi(0)
+    return target, tiny_dflash(target, 1)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_greedy_paged_equals_contiguous(models, method):
+    kw = dict(method=method, budget=6, max_new_tokens=[12, 5, 12])
+    want = generate(*models, PROMPTS, **kw)
+    got = generate(*models, PROMPTS, page_size=PAGE, **kw)
+    assert got.tokens == want.tokens
+    assert [r.acceptance_lengths for r in got.requests] == [r.acceptance_lengths for r in want.requests]
+    assert got.cached_prompt_tokens == 0
+
+
+def test_seeded_paged_equals_contiguous_through_padded_compaction(models):
+    """Six requests, three finishing early: the rounds go on at a batch of four whose padding row
+    repeats a running one (its table is nulled, so it cannot write that row's pages)."""
+    prompts = PROMPTS * 2
+    kw = dict(method="ddtree", budget=4, seed=5, sampling=SamplingParams(temperature=1.0, seed=3),
+              max_new_tokens=[14, 2, 14, 2, 14, 2], sync_every=2)
+    want = generate(*models, prompts, **kw)
+    got = generate(*models, prompts, page_size=PAGE, **kw)
+    assert 4 in want.batch_sizes
+    assert got.batch_sizes == want.batch_sizes
+    assert got.tokens == want.tokens
+
+
+def test_prompts_sharing_a_prefix_share_its_full_pages(models):
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(1, 100, 40).tolist()
+    prompts = [prefix + [5, 6], [3, 4], prefix + [7], prefix + [8, 9, 10, 11], prefix[:20] + [1]]
+    assert prefix_waves([np.asarray(p) for p in prompts], PAGE) == [[0, 1], [2, 3, 4]]
+    kw = dict(method="ddtree", budget=4, max_new_tokens=8)
+    want = generate(*models, prompts, **kw)
+    got = generate(*models, prompts, page_size=PAGE, **kw)
+    assert got.tokens == want.tokens
+    # the first prompt publishes the prefix's two full pages; the later ones match what they share
+    assert [r.cached_prompt_tokens for r in got.requests] == [0, 0, 32, 32, 16]
+    assert got.cached_prompt_tokens == 80
+
+
+@pytest.mark.parametrize("page_size", [8, 24, 16.0, "16"])
+def test_bad_page_size_names_the_field(models, page_size):
+    with pytest.raises(ConfigError) as err:
+        generate(*models, PROMPTS, method="ar", max_new_tokens=2, page_size=page_size)
+    assert err.value.field == "page_size"
