@@ -22,11 +22,13 @@ def models():
     return target, tiny_dflash(target, 1)
 
 
-@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+SAMPLING = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_paged_equals_contiguous(models, method):
-    sampling = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
-                SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
-    kw = dict(method=method, budget=6, max_new_tokens=[12, 5, 12], sampling=sampling, seed=5)
+    kw = dict(method=method, budget=6, max_new_tokens=[12, 5, 12], sampling=SAMPLING, seed=5)
     want = generate(*models, PROMPTS, **kw)
     got = generate(*models, PROMPTS, page_size=PAGE, **kw)
     assert got.tokens == want.tokens
@@ -35,11 +37,11 @@ def test_paged_equals_contiguous(models, method):
 
 
 def test_paged_equals_contiguous_through_padded_compaction(models):
-    """Six requests, three finishing early: the rounds go on at a batch of four whose padding row
-    repeats a running one (its table is nulled, so it cannot write that row's pages)."""
+    """ar, six requests (greedy and seeded), three finishing early: the rounds go on at a batch
+    of four whose padding row repeats a running one (its table is nulled, so it cannot write that
+    row's pages)."""
     prompts = PROMPTS * 2
-    kw = dict(method="ar", seed=5, sampling=SamplingParams(temperature=1.0, seed=3),
-              max_new_tokens=[10, 2, 10, 2, 10, 2], sync_every=2)
+    kw = dict(method="ar", seed=5, sampling=SAMPLING * 2, max_new_tokens=[10, 2, 10, 2, 10, 2], sync_every=2)
     want = generate(*models, prompts, **kw)
     got = generate(*models, prompts, page_size=PAGE, **kw)
     assert 4 in want.batch_sizes
