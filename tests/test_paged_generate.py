@@ -3,13 +3,18 @@ seeded rows in one batch; a compaction that pads), prompts sharing full pages of
 (``cached_prompt_tokens``) with the same outputs, and a bad page size names the field. Two-layer
 models: compilation dominates."""
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddtree_jax.config import ConfigError
+from ddtree_jax.decode_state import DecodeState
 from ddtree_jax.generation import generate
-from ddtree_jax.paged_generate import prefix_waves
-from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.models.paged_cache import NULL_PAGE, PagedDraftCache, PagedKVCache
+from ddtree_jax.paged_generate import prefix_waves, without_pages
+from ddtree_jax.sampling import SamplingParams, batch_sampling
 from tests._model_fixtures import tiny_dflash, tiny_kimi
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11] * 7]
@@ -68,3 +73,17 @@ def test_bad_page_size_names_the_field(models, page_size):
     with pytest.raises(ConfigError) as err:
         generate(*models, PROMPTS, method="ar", max_new_tokens=2, page_size=page_size)
     assert err.value.field == "page_size"
+
+
+def test_without_pages_nulls_the_given_rows_of_both_tables():
+    table = jnp.arange(1, 13, dtype=jnp.int32).reshape(4, 3)
+    caches = [dataclasses.replace(cls.init(13, 16, 3, 4, num_layers=1, dtype=jnp.float32, **dims), page_table=table)
+              for cls, dims in ((PagedKVCache, dict(kv_lora_rank=2, qk_rope_head_dim=1)),
+                                (PagedDraftCache, dict(kv_heads=1, head_dim=2)))]
+    state = DecodeState.start(*caches, jnp.zeros((4,), jnp.int32), capacity=2, max_new_tokens=jnp.ones((4,), jnp.int32),
+                              stop_ids=jnp.full((4, 1), -2, jnp.int32), sampling=batch_sampling(SamplingParams(), 4),
+                              request_ids=jnp.arange(4, dtype=jnp.uint32))
+    pad = np.array([False, True, False, True])
+    state = without_pages(state, jnp.asarray(pad))
+    for cache in (state.target_cache, state.draft_cache):
+        np.testing.assert_array_equal(np.asarray(cache.page_table), np.where(pad[:, None], NULL_PAGE, table))
