@@ -282,7 +282,8 @@ def generate(
       page_size: ``None`` (default): contiguous caches of ``max_len`` positions per request. Else
         paged caches (``ddtree_jax.models.paged_cache``) of pages of ``page_size`` positions, a
         power of two >= 16 (a ``ConfigError`` naming it otherwise), each request's table covering
-        what it needs; prompts that share full pages of a prefix share those pages, computed once
+        what it needs (``max_len`` then only bounds it); prompts that share full pages of a prefix
+        share those pages, computed once
         (``RequestOutput.cached_prompt_tokens``). The outputs are the contiguous run's up to
         floating-point rounding (docs/paged-caches.md, "Paged caches in generate"); one device.
 
@@ -320,16 +321,16 @@ def generate(
     for i, p in enumerate(checked.prompts):
         padded[i, : len(p) - 1] = p[:-1]
     roots = np.array([p[-1] for p in checked.prompts], np.int32)
-    rows = dict(capacity=capacity, max_new_tokens=jnp.asarray(checked.max_new_tokens),
-                stop_ids=jnp.asarray(checked.stop_ids), sampling=sampling_batch,
-                request_ids=jnp.arange(B, dtype=jnp.uint32))
+    per_row = dict(capacity=capacity, max_new_tokens=jnp.asarray(checked.max_new_tokens),
+                   stop_ids=jnp.asarray(checked.stop_ids), sampling=sampling_batch,
+                   request_ids=jnp.arange(B, dtype=jnp.uint32))
     cached = np.zeros((B,), np.int32)
     if page_size is None:
         state = prefill(models, tparams, dparams, plan, jnp.asarray(padded), jnp.asarray(lengths - 1),
-                        jnp.asarray(roots), max_len=checked.max_len, **rows)
+                        jnp.asarray(roots), max_len=checked.max_len, **per_row)
     else:
         state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
-                                      checked.prompts, checked.needs, page_size, jnp.asarray(roots), **rows)
+                                      checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0

@@ -57,9 +57,9 @@ def prefix_waves(prompts: Sequence[np.ndarray], page_size: int) -> list[list[int
 
 def paged_prefill(models: Models, tparams, dparams, plan: DecodePlan, target, drafter,
                   prompts: Sequence[np.ndarray], needs: np.ndarray, page_size: int, roots: jax.Array,
-                  **rows) -> tuple[DecodeState, np.ndarray]:
+                  **per_row) -> tuple[DecodeState, np.ndarray]:
     """``(state, cached)``: a fresh ``DecodeState`` (``DecodeState.start`` of ``roots`` and the
-    per-row ``rows``) over paged caches holding every prompt but its last token, and ``cached
+    keywords ``per_row``) over paged caches holding every prompt but its last token, and ``cached
     [B]`` int32, the prompt positions each request took from pages another request computed.
 
     Request ``b``'s table covers ``needs[b]`` positions (its prompt, its output and a round's
@@ -96,7 +96,7 @@ def paged_prefill(models: Models, tparams, dparams, plan: DecodePlan, target, dr
             tables[i].commit(len(prompts[i]) - 1)
             tables[i].publish(prompts[i][:-1])
             cover(i)
-    state = _start(_with_table(tcache, table), _with_table(dcache, table), roots, **rows)
+    state = _start(_with_table(tcache, table), _with_table(dcache, table), roots, **per_row)
     return state, cached
 
 
