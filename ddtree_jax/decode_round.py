@@ -45,8 +45,8 @@ from ddtree_jax.sampling import (
 )
 from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
 
-__all__ = ["STAGES", "DecodePlan", "prefill", "round_with_expected", "round_with_logprobs", "run_rounds", "run_stage",
-           "token_logprobs"]
+__all__ = ["STAGES", "DecodePlan", "prefill", "prefill_rows", "round_with_expected", "round_with_logprobs",
+           "run_rounds", "run_stage", "token_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +165,37 @@ def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths
     """
     target, drafter = models.merge(tparams, dparams)
     B = prompts.shape[0]
-    _, hidden, tcache = target.prefill(prompts, lengths, target.init_cache(B, max_len),
-                                       hidden_layer_ids=plan.hidden_layer_ids)
-    dcache = None
-    if plan.hidden_layer_ids:
-        dcache = drafter.append_context(drafter.init_cache(B, max_len), jnp.concatenate(hidden, axis=-1), lengths)
+    dcache = drafter.init_cache(B, max_len) if plan.hidden_layer_ids else None
+    tcache, dcache = _append_prompts(target, drafter, plan, target.init_cache(B, max_len), dcache, prompts, lengths)
     return DecodeState.start(tcache, dcache, roots, capacity=capacity, max_new_tokens=max_new_tokens,
                              stop_ids=stop_ids, sampling=sampling, request_ids=request_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("tcache", "dcache"))
+def prefill_rows(models: Models, tparams, dparams, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths):
+    """``(tcache, dcache)`` with ``prompts [R, T]`` (right-padded, ``lengths [R]`` valid) appended
+    to rows ``rows [R]`` (distinct) of both caches after their first ``starts [R]`` positions,
+    which they hold already (their lengths are set to ``starts`` first); ``dcache`` is ``None``
+    without a drafter. Paged caches (the caches donated): the other rows' pages are left as they
+    are, since the rows write only their own pages past ``starts``."""
+    target, drafter = models.merge(tparams, dparams)
+
+    def rows_of(cache):
+        if cache is None:
+            return None
+        return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(starts)).take_rows(rows)
+
+    new_t, new_d = _append_prompts(target, drafter, plan, rows_of(tcache), rows_of(dcache), prompts, lengths)
+    return tcache.put_rows(rows, new_t), None if dcache is None else dcache.put_rows(rows, new_d)
+
+
+def _append_prompts(target, drafter, plan: DecodePlan, tcache, dcache, prompts, lengths):
+    """The target's prefill of ``prompts [B, T]`` (``lengths [B]`` valid) and, with a drafter, the
+    context it feeds: ``(tcache, dcache)``."""
+    _, hidden, tcache = target.prefill(prompts, lengths, tcache, hidden_layer_ids=plan.hidden_layer_ids)
+    if plan.hidden_layer_ids:
+        dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), lengths)
+    return tcache, dcache
 
 
 # ---------------------------------------------------------------------------------------------- stages

@@ -15,6 +15,9 @@ Finished requests stop costing work where the shapes allow: inside a batch of ro
 along (fixed shapes), but at a host sync where at most half the slots are still running, the
 running ones are gathered into the next smaller power-of-two batch (caches included, through
 ``DecodeState.take_rows``) and the rounds continue on that; each batch size compiles once.
+
+With ``page_size`` the caches are paged, and prompts sharing full pages of a prefix share those
+pages (``ddtree_jax.paged_generate``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
 from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP, DecodeState
+from ddtree_jax.paged_generate import check_page_size, paged_prefill, without_pages
 from ddtree_jax.rows import place_state
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 
@@ -53,11 +57,14 @@ class RequestOutput:
         before truncation at a stop token or the length limit. Round 1 verifies the prompt's last
         token as its root, so its count includes the first new token (the one the DFlash
         reference samples from its prefill and does not count); see ``tau_published``.
+      cached_prompt_tokens: prompt positions taken from pages another request of the call
+        computed (``page_size`` runs; 0 otherwise).
     """
 
     tokens: list[int]
     finish_reason: str
     acceptance_lengths: list[int]
+    cached_prompt_tokens: int = 0
 
     @property
     def rounds(self) -> int:
@@ -128,6 +135,11 @@ class GenerateOutput:
     def new_tokens(self) -> int:
         return sum(len(r.tokens) for r in self.requests)
 
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt positions served from shared pages, over all requests (not computed again)."""
+        return sum(r.cached_prompt_tokens for r in self.requests)
+
 
 _GREEDY = SamplingParams(temperature=0.0)
 # generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner (with
@@ -143,6 +155,7 @@ class _Checked:
     stop_ids: np.ndarray  # i32 [B, S]
     budget: int
     max_len: int
+    needs: np.ndarray  # i32 [B]: positions each request's cache must hold (prompt, output, scratch)
 
 
 def _decode_config(config: DecodeConfig | None, **keywords) -> DecodeConfig:
@@ -192,17 +205,18 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
     # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
     scratch = max(budget, L) + 1
-    needed = 0
     for i, (p, m) in enumerate(zip(checked, limits, strict=False)):
         if len(p) + m > context:
             raise ValueError(f"prompts[{i}] ({len(p)} tokens) + max_new_tokens ({m}) exceeds the target's context "
                              f"of {context} positions (max_position_embeddings)")
-        needed = max(needed, len(p) + m + scratch)
+    needs = np.array([len(p) + m + scratch for p, m in zip(checked, limits, strict=True)], np.int32)
+    needed = int(needs.max())
     if max_len is not None and needed > max_len:
         raise ValueError(f"budget={budget}: the verify block and commit ({scratch} tokens) do not fit the cache: a "
                          f"prompt + its max_new_tokens + {scratch} = {needed} > max_len={max_len}")
     return _Checked(prompts=checked, max_new_tokens=np.array(limits, np.int32),
-                    stop_ids=np.array([stop or [NO_STOP]] * B, np.int32), budget=budget, max_len=max_len or needed)
+                    stop_ids=np.array([stop or [NO_STOP]] * B, np.int32), budget=budget, max_len=max_len or needed,
+                    needs=needs)
 
 
 def _on_rows(state, target):
@@ -230,6 +244,7 @@ def generate(
     impl: str | Backend | None = None,
     on_progress: Callable[[np.ndarray, np.ndarray], None] | None = None,
     config: DecodeConfig | None = None,
+    page_size: int | None = None,
 ) -> GenerateOutput:
     """Generates continuations of ``prompts`` with the target's exact sampling law.
 
@@ -264,6 +279,13 @@ def generate(
         ``"reference"`` or a resolved ``Backend`` (``ddtree_jax.backend``).
       on_progress: called after each host sync with ``(tokens [B, max_new], generated [B])``.
       config: the decode settings as one ``DecodeConfig`` instead of the keywords above.
+      page_size: ``None`` (default): contiguous caches of ``max_len`` positions per request. Else
+        paged caches (``ddtree_jax.models.paged_cache``) of pages of ``page_size`` positions, a
+        power of two >= 16 (a ``ConfigError`` naming it otherwise), each request's table covering
+        what it needs (``max_len`` then only bounds it); prompts that share full pages of a prefix
+        share those pages, computed once
+        (``RequestOutput.cached_prompt_tokens``). The outputs are the contiguous run's up to
+        floating-point rounding (docs/paged-caches.md, "Paged caches in generate"); one device.
 
     Returns:
       ``GenerateOutput``.
@@ -279,6 +301,7 @@ def generate(
     decode = _decode_config(config, method=method, budget=budget, stop_token_ids=stop_tokens, seed=seed,
                             sync_every=sync_every, impl=impl)
     checked = _check_inputs(target, drafter, prompts, decode, max_new_tokens, max_len)
+    check_page_size(page_size, target)
     if decode.is_auto and profile:
         raise ValueError("generate: profile=True times the stages of one fixed budget; not with budget='auto'")
     method = decode.method
@@ -298,10 +321,16 @@ def generate(
     for i, p in enumerate(checked.prompts):
         padded[i, : len(p) - 1] = p[:-1]
     roots = np.array([p[-1] for p in checked.prompts], np.int32)
-    state = prefill(models, tparams, dparams, plan, jnp.asarray(padded), jnp.asarray(lengths - 1),
-                    jnp.asarray(roots), max_len=checked.max_len, capacity=capacity,
-                    max_new_tokens=jnp.asarray(checked.max_new_tokens), stop_ids=jnp.asarray(checked.stop_ids),
-                    sampling=sampling_batch, request_ids=jnp.arange(B, dtype=jnp.uint32))
+    per_row = dict(capacity=capacity, max_new_tokens=jnp.asarray(checked.max_new_tokens),
+                   stop_ids=jnp.asarray(checked.stop_ids), sampling=sampling_batch,
+                   request_ids=jnp.arange(B, dtype=jnp.uint32))
+    cached = np.zeros((B,), np.int32)
+    if page_size is None:
+        state = prefill(models, tparams, dparams, plan, jnp.asarray(padded), jnp.asarray(lengths - 1),
+                        jnp.asarray(roots), max_len=checked.max_len, **per_row)
+    else:
+        state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
+                                      checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
@@ -359,8 +388,11 @@ def generate(
             take = np.concatenate([running, np.full(size - len(running), running[0])])
             pad = np.arange(size) >= len(running)
             state = _on_rows(_take_rows(state, jnp.asarray(take)), target)
-            # Padding slots repeat a running request's rows but are free: they commit nothing.
+            # Padding slots repeat a running request's rows but are free: they commit nothing
+            # (and, paged, hold no pages: they would write the pages of the row they repeat).
             state = dataclasses.replace(state, finish=jnp.where(jnp.asarray(pad), FREE, state.finish))
+            if page_size is not None:
+                state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
             batch_sizes.append(size)
     seconds = time.perf_counter() - t0
@@ -370,6 +402,7 @@ def generate(
             tokens=host["out"][b, : host["generated"][b]].tolist(),
             finish_reason=FINISH_REASONS[int(host["finish"][b])],
             acceptance_lengths=host["accept_lengths"][b, : host["rounds"][b]].tolist(),
+            cached_prompt_tokens=int(cached[b]),
         )
         for b in range(B)
     ]

@@ -12,7 +12,8 @@ only; attention is non-causal, as in the reference. A ``sliding_attention`` laye
 positions (see ``DFlashConfig``). RoPE is Qwen3's: default, linear or yarn (yarn's attention
 factor multiplies cos and sin, so scores scale by its square), the same tables for the context
 keys and the block queries/keys. The projected context K/V are cached per layer
-(``DraftCache``) and grow only by accepted tokens.
+(``DraftCache``, or paged: ``paged_cache.PagedDraftCache``, read and written only through the
+cache's ``layout``) and grow only by accepted tokens.
 
 The target is passed to the calls that need it: any object with ``embed(tokens) -> [..., H]``
 and ``lm_logits(hidden) -> [..., V]`` (``KimiForCausalLM`` has both).
@@ -42,10 +43,11 @@ from ddtree_jax.models._layers import (
     dense_product,
     execution_backend,
     masked_softmax,
-    write_rows,
 )
 from ddtree_jax.models.dflash_config import DFlashConfig
+from ddtree_jax.models.paged_cache import PagedDraftCache
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
+from ddtree_jax.models.tree_cache import ROWS, RowLayout
 
 __all__ = ["DFlashDrafter", "DraftCache"]
 
@@ -67,6 +69,11 @@ class DraftCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[1]
+
+    @property
+    def layout(self) -> RowLayout:
+        """Contiguous: position p of row b at ``[b, p]``."""
+        return ROWS
 
     def take_rows(self, rows: jax.Array) -> DraftCache:
         """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
@@ -214,6 +221,15 @@ class DFlashDrafter(nnx.Module):
             jnp.zeros((batch,), jnp.int32),
         )
 
+    def init_paged_cache(self, num_pages: int, page_size: int, pages_per_slot: int, batch: int,
+                         dtype=None) -> PagedDraftCache:
+        """An empty paged context (``PagedDraftCache.init``; ``dtype`` defaults to the weights'):
+        ``append_context`` and ``propose`` take it where they take a ``DraftCache``."""
+        cfg = self.config
+        return PagedDraftCache.init(num_pages, page_size, pages_per_slot, batch, num_layers=cfg.num_hidden_layers,
+                                    kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                    dtype=dtype or self.fc.kernel.dtype)
+
     def _context_kv(self, target_hidden: jax.Array, positions: jax.Array):
         """``[B,A,n*H]`` target features at ``positions [B,A]`` -> per-layer ``(k, v)`` lists."""
         features = self.hidden_norm(self.fc(target_hidden))
@@ -221,20 +237,21 @@ class DFlashDrafter(nnx.Module):
         kvs = [layer.self_attn.kv(features, cos, sin) for layer in self.layers]
         return [k for k, _ in kvs], [v for _, v in kvs]
 
-    def append_context(self, cache: DraftCache, target_hidden: jax.Array, counts: jax.Array) -> DraftCache:
-        """Add accepted tokens to the context.
+    def append_context(self, cache, target_hidden: jax.Array, counts: jax.Array):
+        """Add accepted tokens to the context (a ``DraftCache`` or a ``PagedDraftCache``).
 
         ``target_hidden [B,A,n*H]``: the target's hidden states after ``config.target_layer_ids``
         (concatenated on features, in that order) for the next ``A`` committed positions of each
-        row; only the first ``counts [B]`` are valid. Needs ``lengths + A <= max_len``.
+        row; only the first ``counts [B]`` are valid. Needs ``lengths + A <= max_len`` (paged:
+        positions past a row's pages are dropped, so its table must cover the valid ones).
         """
         b, a, _ = target_hidden.shape
         chex.assert_shape(counts, (b,))
-        start = cache.lengths
+        start, layout = cache.lengths, cache.layout
         ks, vs = self._context_kv(target_hidden, start[:, None] + jnp.arange(a)[None])
-        k = tuple(write_rows(buf, new, start) for buf, new in zip(cache.k, ks, strict=True))
-        v = tuple(write_rows(buf, new, start) for buf, new in zip(cache.v, vs, strict=True))
-        return DraftCache(k, v, start + counts.astype(jnp.int32))
+        k = tuple(layout.write(buf, start, new) for buf, new in zip(cache.k, ks, strict=True))
+        v = tuple(layout.write(buf, start, new) for buf, new in zip(cache.v, vs, strict=True))
+        return dataclasses.replace(cache, k=k, v=v, lengths=start + counts.astype(jnp.int32))
 
     # ---- block ----
 
@@ -260,18 +277,21 @@ class DFlashDrafter(nnx.Module):
             x = layer(x, cos, sin, k_ctx[i], v_ctx[i], mask)
         return target.lm_logits(self.norm(x)[:, 1:])
 
-    def propose(self, target, cache: DraftCache, last_token: jax.Array) -> jax.Array:
-        """Draft one block per row from the cached context.
+    def propose(self, target, cache, last_token: jax.Array) -> jax.Array:
+        """Draft one block per row from the cached context (a ``DraftCache`` or a
+        ``PagedDraftCache``: its contiguous view of ``max_len`` positions).
 
         ``last_token [B]``: each row's last committed token (not yet in the context), placed at
         position ``cache.lengths``. Returns logits ``float32 [B, block_size-1, V]`` for depths
         ``1 .. block_size-1``.
         """
-        b = last_token.shape[0]
+        b, s = last_token.shape[0], cache.max_len
         block_pos = cache.lengths[:, None] + jnp.arange(self.config.block_size)[None]
-        ctx_pos = jnp.broadcast_to(jnp.arange(cache.max_len)[None], (b, cache.max_len))
+        ctx_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
         ctx_valid = ctx_pos < cache.lengths[:, None]
-        return self._block_logits(target, last_token, block_pos, list(cache.k), list(cache.v), ctx_pos, ctx_valid)
+        k = [cache.layout.view(buf, s) for buf in cache.k]
+        v = [cache.layout.view(buf, s) for buf in cache.v]
+        return self._block_logits(target, last_token, block_pos, k, v, ctx_pos, ctx_valid)
 
     def anchored_blocks(self, target, target_hidden: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:
         """Many blocks per sequence in one pass (training, the DFlash recipe's random anchors).

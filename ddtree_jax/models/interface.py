@@ -12,7 +12,7 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import jax
 
-__all__ = ["DraftModel", "RowCache", "TargetModel"]
+__all__ = ["CacheLayout", "DraftModel", "RowCache", "TargetModel"]
 
 
 @runtime_checkable
@@ -28,6 +28,28 @@ class RowCache(Protocol):
 
     def put_rows(self, rows: jax.Array, src: Self) -> Self:
         """This cache with rows ``rows [R]`` replaced by the R rows of ``src``."""
+        ...
+
+
+class CacheLayout(Protocol):
+    """Where a cache's buffers hold each row's positions: the one place the models' forward passes
+    learn whether a cache is contiguous (``tree_cache.ROWS``: buffers ``[B, S, ...]``) or paged
+    (``paged_cache.PageLayout``: pools ``[N, P, ...]`` through a page table). The Kimi target and
+    the DFlash drafter read and write their caches only through their cache's ``layout``."""
+
+    page_table: jax.Array | None  # None: contiguous
+
+    def write(self, buffer: jax.Array, start: jax.Array, values: jax.Array) -> jax.Array:
+        """``buffer`` with ``values [B, T, ...]`` at positions ``start[b] + t`` of each row."""
+        ...
+
+    def commit(self, buffer: jax.Array, start: jax.Array, accepted: jax.Array) -> jax.Array:
+        """``buffer`` with the accepted nodes ``accepted [B, A]`` (``-1`` padded) of the block at
+        ``[start, start + T)`` moved to ``start + i`` (``tree_cache.commit_accepted``)."""
+        ...
+
+    def view(self, buffer: jax.Array, length: int) -> jax.Array:
+        """The contiguous ``[B, length, ...]`` view of positions ``[0, length)``."""
         ...
 
 

@@ -9,6 +9,10 @@ modes used by tree speculative decoding:
   the block's latents are written after the prefix but the lengths do not move;
 * ``commit``: move the accepted nodes' latents into place and advance the lengths.
 
+Each takes the contiguous ``KVCache`` or the paged ``paged_cache.PagedKVCache``: the forward pass
+reads and writes a cache only through its ``layout`` (``ddtree_jax.models.interface.CacheLayout``)
+and attends through ``paged_attention.layout_latent_attention``.
+
 Numerics follow transformers' ``modeling_deepseek_v3.py`` (checked by tests/test_kimi.py).
 Differences between transformers and DeepSeek's own inference code, where we follow transformers:
 the ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6 regardless of ``rms_norm_eps``; the yarn
@@ -36,19 +40,19 @@ from ddtree_jax.models._layers import (
     dense_product,
     execution_backend,
     normal_init,
-    write_rows,
 )
 from ddtree_jax.models.int4 import Int4Format, PackedWeight, random_packed_weight
 from ddtree_jax.models.kimi_config import KimiConfig
 from ddtree_jax.models.latent_attention import (
     AttentionMesh,
     cache_slots,
-    latent_attention,
     per_head_causal_attention,
 )
 from ddtree_jax.models.moe import ExpertMesh, experts_reference, routed_experts
+from ddtree_jax.models.paged_attention import layout_latent_attention
+from ddtree_jax.models.paged_cache import PagedKVCache
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
-from ddtree_jax.models.tree_cache import BlockMask, commit_accepted, tree_block_mask
+from ddtree_jax.models.tree_cache import ROWS, BlockMask, RowLayout, tree_block_mask
 from ddtree_jax.rows import RowMesh, per_rows
 
 __all__ = ["KVCache", "KimiForCausalLM"]
@@ -74,6 +78,11 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.latent[0].shape[1]
+
+    @property
+    def layout(self) -> RowLayout:
+        """Contiguous: position p of row b at ``[b, p]``."""
+        return ROWS
 
     def take_rows(self, rows: jax.Array) -> KVCache:
         """The cache of batch rows ``rows [R]`` (a gather; rows may repeat)."""
@@ -129,9 +138,11 @@ class MLAttention(nnx.Module):
         k_rope = apply_rope(kv[..., cfg.kv_lora_rank :], cos, sin, interleaved=cfg.rope_interleave)
         return latent, k_rope
 
-    def __call__(self, x, cos, sin, latent, k_rope, mask: BlockMask, *, backend: Backend) -> jax.Array:
-        """Attend from ``x [B,T,H]`` to keys ``latent [B,S,r]``/``k_rope [B,S,dr]`` (the block's own
-        latents at ``[mask.start, mask.start + T)``) where ``mask`` allows (``BlockMask``)."""
+    def __call__(self, x, cos, sin, latent, k_rope, mask: BlockMask, *, backend: Backend, layout=ROWS) -> jax.Array:
+        """Attend from ``x [B,T,H]`` to keys ``latent``/``k_rope`` (the block's own latents at
+        ``[mask.start, mask.start + T)``) where ``mask`` allows (``BlockMask``): one layer's cache
+        buffers laid out as ``layout`` (a ``CacheLayout``) says, contiguous ``[B,S,r]``/``[B,S,dr]``
+        by default."""
         cfg = self.cfg
         b, t, _ = x.shape
         nh, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -151,11 +162,11 @@ class MLAttention(nnx.Module):
         ex = self.execution
 
         def absorbed():
-            out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=cfg.softmax_scale(),
-                                          backend=backend, mesh=self.attention_mesh,
-                                          segment_keys=ex.attention_segment_keys,
-                                          segment_group=ex.attention_segment_group,
-                                          hopper=ex.hopper_attention and fixed is None).astype(x.dtype)
+            out_latent = layout_latent_attention(layout, q_latent, q_rope, latent, k_rope, mask,
+                                                 scale=cfg.softmax_scale(), backend=backend,
+                                                 mesh=self.attention_mesh, segment_keys=ex.attention_segment_keys,
+                                                 segment_group=ex.attention_segment_group,
+                                                 hopper=ex.hopper_attention and fixed is None).astype(x.dtype)
             if fixed is None:
                 return jnp.einsum("btnr,rnd->btnd", out_latent, w_v)
             return dense_product(out_latent, w_v.transpose(1, 0, 2), fixed)
@@ -167,8 +178,8 @@ class MLAttention(nnx.Module):
         if impl:
             def per_head():
                 # the block's own slots: a block starting at slot 0 sees nothing else
-                return per_head_causal_attention(q_nope, q_rope, latent[:, :t], k_rope[:, :t], w_k, w_v,
-                                                 scale=cfg.softmax_scale(), implementation=impl,
+                return per_head_causal_attention(q_nope, q_rope, layout.view(latent, t), layout.view(k_rope, t),
+                                                 w_k, w_v, scale=cfg.softmax_scale(), implementation=impl,
                                                  mesh=self.attention_mesh).astype(x.dtype)
 
             out = jax.lax.cond(jnp.all(mask.start == 0), per_head, absorbed)
@@ -317,18 +328,19 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, mask, cache_rows, start, *, backend: Backend, dense_experts=False, valid=None):
+    def __call__(self, x, cos, sin, mask, cache_rows, start, *, backend: Backend, dense_experts=False, valid=None,
+                 layout=ROWS):
         """One block. ``cache_rows``: ``None`` (attend within ``x``) or this layer's
-        ``(latent [B,S,r], k_rope [B,S,dr])``; the new latents are written at ``start [B]`` and
-        ``mask`` (``BlockMask``) says what the block sees; ``valid [B,T]`` (or None) is for the MoE.
-        Returns ``(x, cache_rows)``."""
+        ``(latent, k_rope)`` cache buffers, laid out as ``layout`` (a ``CacheLayout``) says; the
+        new latents are written at ``start [B]`` and ``mask`` (``BlockMask``) says what the block
+        sees; ``valid [B,T]`` (or None) is for the MoE. Returns ``(x, cache_rows)``."""
         h = self.input_layernorm(x)
         latent, k_rope = self.self_attn.latents(h, cos, sin)
         if cache_rows is not None:
-            latent = write_rows(cache_rows[0], latent, start)
-            k_rope = write_rows(cache_rows[1], k_rope, start)
+            latent = layout.write(cache_rows[0], start, latent)
+            k_rope = layout.write(cache_rows[1], start, k_rope)
             cache_rows = (latent, k_rope)
-        x = x + self.self_attn(h, cos, sin, latent, k_rope, mask, backend=backend)
+        x = x + self.self_attn(h, cos, sin, latent, k_rope, mask, backend=backend, layout=layout)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
             x = x + self.mlp(h, backend=backend, dense_experts=dense_experts, valid=valid)
@@ -483,6 +495,16 @@ class KimiForCausalLM(nnx.Module):
             jnp.zeros((batch,), jnp.int32),
         )
 
+    def init_paged_cache(self, num_pages: int, page_size: int, pages_per_slot: int, batch: int,
+                         dtype=None) -> PagedKVCache:
+        """An empty paged cache (``PagedKVCache.init``: zero pools of ``num_pages`` pages of
+        ``page_size`` positions, ``batch`` rows of ``pages_per_slot`` null table entries); ``dtype``
+        defaults to the weights'. Every forward pass takes it where it takes a ``KVCache``."""
+        cfg = self.config
+        return PagedKVCache.init(num_pages, page_size, pages_per_slot, batch, num_layers=cfg.num_hidden_layers,
+                                 kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                                 dtype=dtype or self.model.embed_tokens.weight.dtype)
+
     def prefill(
         self,
         input_ids: jax.Array,
@@ -497,7 +519,9 @@ class KimiForCausalLM(nnx.Module):
         ``input_ids [B,T]`` right-padded, ``lengths [B]`` valid tokens per row (0 leaves a row
         untouched). Needs ``cache.lengths + T <= max_len``. Returns ``(logits [B,T,V] float32,
         hidden tuple of [B,T,H] after each requested layer (see ``forward_uncached``), cache)``;
-        the lengths advance by ``lengths``. Outputs at padded positions are meaningless.
+        the lengths advance by ``lengths``. Outputs at padded positions are meaningless. ``cache``:
+        a ``KVCache`` or a ``PagedKVCache`` whose tables cover ``[0, cache.lengths + lengths)``
+        (``verify``'s and ``commit``'s the same, over their blocks).
         ``dense_experts`` runs the dense reference MoE (benchmarks).
         """
         b, t = input_ids.shape
@@ -540,35 +564,36 @@ class KimiForCausalLM(nnx.Module):
         )
 
     @staticmethod
-    def commit(cache: KVCache, accepted: jax.Array, counts: jax.Array) -> KVCache:
+    def commit(cache: KVCache | PagedKVCache, accepted: jax.Array, counts: jax.Array) -> KVCache | PagedKVCache:
         """Keep the accepted nodes of the last ``verify`` block and drop the rest.
 
         ``accepted [B,A]`` node indices in path order (root first), ``-1`` padded; ``counts [B]``
         how many are valid. Node ``accepted[b,i]``'s latents move to ``lengths[b] + i``; lengths
         advance by ``counts``.
         """
-        start = cache.lengths
-        return KVCache(
-            tuple(commit_accepted(a, start, accepted) for a in cache.latent),
-            tuple(commit_accepted(a, start, accepted) for a in cache.k_rope),
-            start + counts.astype(jnp.int32),
-        )
+        start, layout = cache.lengths, cache.layout
+        return dataclasses.replace(cache, latent=tuple(layout.commit(a, start, accepted) for a in cache.latent),
+                                   k_rope=tuple(layout.commit(a, start, accepted) for a in cache.k_rope),
+                                   lengths=start + counts.astype(jnp.int32))
 
     # ---- shared trunk ----
 
-    def _run_cached(self, tokens, positions, block_mask, cache: KVCache, hidden_layer_ids, dense_experts, valid=None):
-        """Run a block written at ``cache.lengths``; ``block_mask [B,T,T]`` says which block
-        tokens see which, ``None`` a causal block (the whole prefix is always visible)."""
+    def _run_cached(self, tokens, positions, block_mask, cache, hidden_layer_ids, dense_experts, valid=None):
+        """Run a block written at ``cache.lengths`` (a ``KVCache`` or ``PagedKVCache``);
+        ``block_mask [B,T,T]`` says which block tokens see which, ``None`` a causal block (the
+        whole prefix is always visible)."""
         start = cache.lengths
         mask = BlockMask(start, block_mask)
         logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts,
                                          valid)
         # Each layer's buffer was updated where the block landed; nothing is stacked or copied.
-        return logits, hidden, KVCache(tuple(r[0] for r in rows), tuple(r[1] for r in rows), start)
+        return logits, hidden, dataclasses.replace(cache, latent=tuple(r[0] for r in rows),
+                                                   k_rope=tuple(r[1] for r in rows))
 
     def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts, valid=None):
-        """The trunk; ``valid [B,T]`` (or None) reaches only the MoE layers (invalid tokens route
-        to no expert)."""
+        """The trunk; ``cache`` is ``None`` (cache-free) or a cache whose ``layout`` says where its
+        buffers hold the positions; ``valid [B,T]`` (or None) reaches only the MoE layers (invalid
+        tokens route to no expert)."""
         cfg = self.config
         for i in hidden_layer_ids:
             if not 0 <= i < cfg.num_hidden_layers:
@@ -577,11 +602,11 @@ class KimiForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(positions, inv_freq, rope_scale)
         x = self.embed(tokens)
         hidden, rows = {}, []
+        layout = ROWS if cache is None else cache.layout
         for i, layer in enumerate(self.model.layers):
             layer_cache = None if cache is None else (cache.latent[i], cache.k_rope[i])
-            x, layer_cache = layer(
-                x, cos, sin, mask, layer_cache, start, backend=self.backend, dense_experts=dense_experts, valid=valid
-            )
+            x, layer_cache = layer(x, cos, sin, mask, layer_cache, start, backend=self.backend,
+                                   dense_experts=dense_experts, valid=valid, layout=layout)
             rows.append(layer_cache)
             hidden[i] = x
         # transformers' ``hidden_states[i + 1]`` convention: the last entry is the NORMED output

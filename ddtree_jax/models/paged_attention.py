@@ -4,8 +4,9 @@
 kernel, ``pallas_kernels.triton.mla_attention`` with its ``page_table`` (each key tile loaded from
 its page; the same fixed reduction segments as ``latent_attention``); elsewhere
 ``paged_latent_attention_reference``, the contiguous view (``gather_positions``) through
-``latent_attention_reference``. The Hopper kernel has no paged form yet. Design:
-docs/paged-caches.md, "Device layout and kernels".
+``latent_attention_reference``. The Hopper kernel has no paged form yet. ``layout_latent_attention``
+is the models' entry: ``latent_attention`` or ``paged_latent_attention`` by the cache's
+``CacheLayout``. Design: docs/paged-caches.md, "Device layout and kernels".
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ import jax
 
 from ddtree_jax.backend import Backend, has_kernel
 from ddtree_jax.config import SEGMENT_GROUP, SEGMENT_KEYS
-from ddtree_jax.models.latent_attention import latent_attention_reference, segmented_split
+from ddtree_jax.models.interface import CacheLayout
+from ddtree_jax.models.latent_attention import (
+    AttentionMesh,
+    latent_attention,
+    latent_attention_reference,
+    segmented_split,
+)
 from ddtree_jax.models.paged_cache import gather_positions
 from ddtree_jax.models.tree_cache import BlockMask
 
-__all__ = ["MIN_KERNEL_PAGE", "paged_latent_attention", "paged_latent_attention_reference"]
+__all__ = ["MIN_KERNEL_PAGE", "layout_latent_attention", "paged_latent_attention", "paged_latent_attention_reference"]
 
 # The smallest page the kernel takes: its smallest key tile (each tile lies in one page).
 MIN_KERNEL_PAGE = 16
@@ -71,3 +78,20 @@ def paged_latent_attention(q_latent: jax.Array, q_rope: jax.Array, pool_latent: 
                         split_keys=split, segment_keys=segment_keys, segment_group=segment_group,
                         interpret=backend.interpret, page_table=page_table)
     return out.astype(q_latent.dtype)
+
+
+def layout_latent_attention(layout: CacheLayout, q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                            k_rope: jax.Array, mask: BlockMask, *, scale: float, backend: Backend,
+                            mesh: AttentionMesh | None, segment_keys: int | None, segment_group: int,
+                            hopper: bool) -> jax.Array:
+    """Absorbed MLA attention over one layer's cache buffers laid out as ``layout`` says:
+    ``latent_attention`` (every argument as there) for contiguous buffers, else
+    ``paged_latent_attention`` over the pools through ``layout.page_table`` (no Hopper form:
+    ``hopper`` is not used; one device's arrays: a ``mesh`` is a ``ValueError``)."""
+    if layout.page_table is None:
+        return latent_attention(q_latent, q_rope, latent, k_rope, mask, scale=scale, backend=backend, mesh=mesh,
+                                segment_keys=segment_keys, segment_group=segment_group, hopper=hopper)
+    if mesh is not None:
+        raise ValueError("paged latent attention runs on one device's arrays; this model is placed on a mesh")
+    return paged_latent_attention(q_latent, q_rope, latent, k_rope, layout.page_table, mask, scale=scale,
+                                  backend=backend, segment_keys=segment_keys, segment_group=segment_group)

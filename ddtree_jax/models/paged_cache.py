@@ -12,7 +12,9 @@ The pure functions are the paged counterparts of the contiguous cache's operatio
 ``write_tokens`` (``_layers.write_rows``), ``commit_path`` (``tree_cache.commit_accepted``),
 ``gather_positions`` (the contiguous ``[B, length, ...]`` view: the reference path, which then
 calls the contiguous code) and ``read_tokens``. Each equals the contiguous operation applied to
-the gathered view and scattered back through the table (tests/test_paged_cache.py). Rows must
+the gathered view and scattered back through the table (tests/test_paged_cache.py); ``PageLayout``
+bundles them as the paged ``CacheLayout`` (``ddtree_jax.models.interface``), the ``layout`` of
+both caches, through which the models read and write them. Rows must
 not write to a page another row reads or writes in the same call: a page shared by several rows
 (a common prompt prefix) lies wholly below each sharer's ``start``. Design:
 docs/paged-caches.md, "Device layout and kernels".
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "NULL_PAGE",
+    "PageLayout",
     "PagedDraftCache",
     "PagedKVCache",
     "commit_path",
@@ -66,6 +69,11 @@ class _PageTableRows:
     @property
     def pages_per_slot(self) -> int:
         return self.page_table.shape[1]
+
+    @property
+    def layout(self) -> PageLayout:
+        """Where the pools hold each row's positions: through ``page_table``."""
+        return PageLayout(self.page_table)
 
 
 @jax.tree_util.register_dataclass
@@ -188,3 +196,24 @@ def commit_path(pool: jax.Array, page_table: jax.Array, start: jax.Array, accept
     """
     source = start[:, None] + jnp.maximum(accepted, 0)
     return write_tokens(pool, page_table, start, read_tokens(pool, page_table, source))
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """The paged ``CacheLayout``: a pool ``[N, P, ...]`` holds position p of row b at
+    ``[page_table[b, p // P], p % P]``; the operations are this module's functions (their rules:
+    nothing lands on ``NULL_PAGE`` or past the table)."""
+
+    page_table: jax.Array
+
+    def write(self, pool: jax.Array, start: jax.Array, values: jax.Array) -> jax.Array:
+        """``write_tokens``."""
+        return write_tokens(pool, self.page_table, start, values)
+
+    def commit(self, pool: jax.Array, start: jax.Array, accepted: jax.Array) -> jax.Array:
+        """``commit_path``."""
+        return commit_path(pool, self.page_table, start, accepted)
+
+    def view(self, pool: jax.Array, length: int) -> jax.Array:
+        """``gather_positions``: positions ``[0, length)`` of every row, ``[B, length, ...]``."""
+        return gather_positions(pool, self.page_table, length)

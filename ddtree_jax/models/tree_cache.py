@@ -3,7 +3,9 @@
 A target's cache holds, per batch row, ``lengths[b]`` committed positions and scratch after
 them. ``verify`` writes a tree block of ``T`` nodes at ``[lengths, lengths + T)`` without moving
 the lengths; ``commit`` then moves the accepted nodes (a root-to-leaf path) into place and
-advances the lengths. These helpers do both for caches stored as ``[layers, B, S, ...]`` arrays.
+advances the lengths. These helpers do both for caches stored as ``[layers, B, S, ...]`` arrays;
+``ROWS`` bundles them as the contiguous ``CacheLayout`` (``ddtree_jax.models.interface``; the paged
+one is ``paged_cache.PageLayout``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import jax.numpy as jnp
 
 from ddtree_jax.models._layers import write_rows
 
-__all__ = ["BlockMask", "block_attention_mask", "causal_block_mask", "commit_accepted", "tree_block_mask"]
+__all__ = ["ROWS", "BlockMask", "RowLayout", "block_attention_mask", "causal_block_mask", "commit_accepted",
+           "tree_block_mask"]
 
 
 def causal_block_mask(batch: int, size: int) -> jax.Array:
@@ -79,3 +82,25 @@ def commit_accepted(buffer: jax.Array, start: jax.Array, accepted: jax.Array) ->
     index = src.reshape(src.shape + (1,) * (buffer.ndim - 2))
     picked = jnp.take_along_axis(buffer, index, axis=1)
     return write_rows(buffer, picked, start)
+
+
+class RowLayout:
+    """The contiguous ``CacheLayout``: a buffer ``[B, S, ...]`` holds position p of row b at
+    ``[b, p]``. Stateless: use ``ROWS``."""
+
+    page_table = None
+
+    def write(self, buffer: jax.Array, start: jax.Array, values: jax.Array) -> jax.Array:
+        """``write_rows``: ``values [B, T, ...]`` at positions ``start[b] + t`` (``start + T <= S``)."""
+        return write_rows(buffer, values, start)
+
+    def commit(self, buffer: jax.Array, start: jax.Array, accepted: jax.Array) -> jax.Array:
+        """``commit_accepted``."""
+        return commit_accepted(buffer, start, accepted)
+
+    def view(self, buffer: jax.Array, length: int) -> jax.Array:
+        """Positions ``[0, length)`` of every row: ``[B, length, ...]``."""
+        return buffer[:, :length]
+
+
+ROWS = RowLayout()

@@ -1,0 +1,89 @@
+"""generate(page_size=...): paged caches give the contiguous run's tokens (every method, greedy and
+seeded rows in one batch; a compaction that pads), prompts sharing full pages of a prefix share them
+(``cached_prompt_tokens``) with the same outputs, and a bad page size names the field. Two-layer
+models: compilation dominates."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.config import ConfigError
+from ddtree_jax.decode_state import DecodeState
+from ddtree_jax.generation import generate
+from ddtree_jax.models.paged_cache import NULL_PAGE, PagedDraftCache, PagedKVCache
+from ddtree_jax.paged_generate import prefix_waves, without_pages
+from ddtree_jax.sampling import SamplingParams, batch_sampling
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11] * 7]
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_kimi(0, num_hidden_layers=2)
+    return target, tiny_dflash(target, 1)
+
+
+SAMPLING = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_paged_equals_contiguous(models, method):
+    kw = dict(method=method, budget=6, max_new_tokens=[12, 5, 12], sampling=SAMPLING, seed=5)
+    want = generate(*models, PROMPTS, **kw)
+    got = generate(*models, PROMPTS, page_size=PAGE, **kw)
+    assert got.tokens == want.tokens
+    assert [r.acceptance_lengths for r in got.requests] == [r.acceptance_lengths for r in want.requests]
+    assert got.cached_prompt_tokens == 0
+
+
+def test_paged_equals_contiguous_through_padded_compaction(models):
+    """ar, six requests (greedy and seeded), three finishing early: the rounds go on at a batch
+    of four whose padding row repeats a running one (its table is nulled, so it cannot write that
+    row's pages)."""
+    prompts = PROMPTS * 2
+    kw = dict(method="ar", seed=5, sampling=SAMPLING * 2, max_new_tokens=[10, 2, 10, 2, 10, 2], sync_every=2)
+    want = generate(*models, prompts, **kw)
+    got = generate(*models, prompts, page_size=PAGE, **kw)
+    assert 4 in want.batch_sizes
+    assert got.batch_sizes == want.batch_sizes
+    assert got.tokens == want.tokens
+
+
+def test_prompts_sharing_a_prefix_share_its_full_pages(models):
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(1, 100, 40).tolist()
+    prompts = [prefix + [5, 6], [3, 4], prefix + [8, 9, 10, 11], prefix[:20] + [1]]
+    assert prefix_waves([np.asarray(p) for p in prompts], PAGE) == [[0, 1], [2, 3]]
+    kw = dict(method="dflash", max_new_tokens=8)
+    want = generate(*models, prompts, **kw)
+    got = generate(*models, prompts, page_size=PAGE, **kw)
+    assert got.tokens == want.tokens
+    # the first prompt publishes the prefix's two full pages; the later ones match what they share
+    assert [r.cached_prompt_tokens for r in got.requests] == [0, 0, 32, 16]
+    assert got.cached_prompt_tokens == 48
+
+
+@pytest.mark.parametrize("page_size", [8, 24, 16.0, "16"])
+def test_bad_page_size_names_the_field(models, page_size):
+    with pytest.raises(ConfigError) as err:
+        generate(*models, PROMPTS, method="ar", max_new_tokens=2, page_size=page_size)
+    assert err.value.field == "page_size"
+
+
+def test_without_pages_nulls_the_given_rows_of_both_tables():
+    table = jnp.arange(1, 13, dtype=jnp.int32).reshape(4, 3)
+    caches = [dataclasses.replace(cls.init(13, 16, 3, 4, num_layers=1, dtype=jnp.float32, **dims), page_table=table)
+              for cls, dims in ((PagedKVCache, dict(kv_lora_rank=2, qk_rope_head_dim=1)),
+                                (PagedDraftCache, dict(kv_heads=1, head_dim=2)))]
+    state = DecodeState.start(*caches, jnp.zeros((4,), jnp.int32), capacity=2, max_new_tokens=jnp.ones((4,), jnp.int32),
+                              stop_ids=jnp.full((4, 1), -2, jnp.int32), sampling=batch_sampling(SamplingParams(), 4),
+                              request_ids=jnp.arange(4, dtype=jnp.uint32))
+    pad = np.array([False, True, False, True])
+    state = without_pages(state, jnp.asarray(pad))
+    for cache in (state.target_cache, state.draft_cache):
+        np.testing.assert_array_equal(np.asarray(cache.page_table), np.where(pad[:, None], NULL_PAGE, table))
