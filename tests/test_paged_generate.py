@@ -1,5 +1,5 @@
-"""generate(page_size=...): paged caches give the contiguous run's tokens (ar through a compaction
-that pads, ddtree; greedy and seeded rows in one batch), prompts sharing full pages of a prefix share them
+"""generate(page_size=...): paged caches give the contiguous run's tokens (greedy and seeded rows in
+one batch, through a compaction that pads), prompts sharing full pages of a prefix share them
 (``cached_prompt_tokens``) with the same outputs, and a bad page size names the field. Two-layer
 models: compilation dominates."""
 
@@ -31,34 +31,25 @@ SAMPLING = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, see
             SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
 
 
-def test_paged_equals_contiguous_through_padded_compaction(models):
-    """ar, six requests (greedy and seeded), three finishing early: the rounds go on at a batch
-    of four whose padding row repeats a running one (its table is nulled, so it cannot write that
-    row's pages)."""
-    prompts = PROMPTS * 2
-    kw = dict(method="ar", seed=5, sampling=SAMPLING * 2, max_new_tokens=[10, 2, 10, 2, 10, 2], sync_every=2)
-    want = generate(*models, prompts, **kw)
-    got = generate(*models, prompts, page_size=PAGE, **kw)
-    assert 4 in want.batch_sizes
-    assert got.batch_sizes == want.batch_sizes
-    assert got.tokens == want.tokens
-
-
 def test_prompts_sharing_a_prefix_share_its_full_pages(models):
     """ddtree, greedy and seeded rows: the paged run equals the contiguous one token for token and
     round for round, with the prefix's full pages prefilled once and matched by the later prompts
-    (the tree's shape does not touch the caches: dflash's chain takes the same paths)."""
+    (the tree's shape does not touch the caches: dflash's and ar's take the same paths); three
+    requests finish early, so the rounds go on at a batch of four whose padding row repeats a
+    running one (its table is nulled: it cannot write that row's pages)."""
     rng = np.random.default_rng(0)
     prefix = rng.integers(1, 100, 40).tolist()
-    prompts = [prefix + [5, 6], [3, 4], prefix + [8, 9, 10, 11], prefix[:20] + [1]]
-    assert prefix_waves([np.asarray(p) for p in prompts], PAGE) == [[0, 1], [2, 3]]
-    kw = dict(method="ddtree", budget=6, max_new_tokens=[12, 5, 12, 8], sampling=SAMPLING + SAMPLING[:1], seed=5)
+    prompts = [prefix + [5, 6], [3, 4], prefix + [8, 9, 10, 11], prefix[:20] + [1], [7], [9, 10, 11] * 7]
+    assert prefix_waves([np.asarray(p) for p in prompts], PAGE) == [[0, 1, 4, 5], [2, 3]]
+    kw = dict(method="ddtree", budget=6, max_new_tokens=[12, 2, 12, 2, 12, 2], sampling=SAMPLING * 2, seed=5,
+              sync_every=2)
     want = generate(*models, prompts, **kw)
     got = generate(*models, prompts, page_size=PAGE, **kw)
+    assert 4 in want.batch_sizes and got.batch_sizes == want.batch_sizes
     assert got.tokens == want.tokens
     assert [r.acceptance_lengths for r in got.requests] == [r.acceptance_lengths for r in want.requests]
     # the first prompt publishes the prefix's two full pages; the later ones match what they share
-    assert [r.cached_prompt_tokens for r in got.requests] == [0, 0, 32, 16]
+    assert [r.cached_prompt_tokens for r in got.requests] == [0, 0, 32, 16, 0, 0]
     assert got.cached_prompt_tokens == 48
 
 

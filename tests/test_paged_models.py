@@ -78,11 +78,11 @@ def test_target_rounds_through_a_paged_cache(impl, page_size, exact):
     """Reference attention over equally long caches computes the same arithmetic (exact); the
     kernel through pages of 16 takes key tiles of 16 where the contiguous one takes 32 (rounding)."""
     rng = np.random.default_rng(7)
-    model = tiny_kimi(execution=ExecutionConfig(impl=impl))
+    model = tiny_kimi(execution=ExecutionConfig(impl=impl), num_hidden_layers=2)  # one dense, one MoE layer
     rounds, need = _script(rng)
     table, num_pages, pages_per_slot = _paged_table(rng, need, page_size)
     max_len = pages_per_slot * page_size
-    b, layers = len(PROMPTS), (0, 2)
+    b, layers = len(PROMPTS), (0, 1)
     contiguous = model.init_cache(b, max_len)
     assert contiguous.max_len == max_len  # the same cache length: the same attention shapes
     paged = dataclasses.replace(model.init_paged_cache(num_pages, page_size, pages_per_slot, b), page_table=table)
