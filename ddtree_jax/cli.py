@@ -482,7 +482,7 @@ def run_plan(args, parser=None) -> None:
         except ValueError as e:
             raise PreflightError(f"--device-memory: {e}") from None
         tcfg, int4, dtype, dcfg, words = _plan_models(args)
-        dp = {"auto": "auto", "on": True, "off": False}[args.dp_attention]
+        dp = args.dp_attention == "on"
         plan = planner.plan_capacity(tcfg, dcfg, mesh, slots=args.slots, max_model_len=args.max_model_len,
                                      budget=args.budget, int4=int4, dtype=dtype, dp_attention=dp,
                                      prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch)
@@ -579,8 +579,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     drafter.add_argument("--drafter-layers", type=pf.positive_int,
                          help="instead: a DFlash drafter of this many layers shaped for the target (default 1)")
     p.add_argument("--mesh", default="", help="device mesh, e.g. expert=8 or data=2,expert=4 (default: one device)")
-    p.add_argument("--dp-attention", choices=("auto", "on", "off"), default="auto",
-                   help="split the slots over the expert axis too (auto, the default: when the mesh has one)")
+    p.add_argument("--dp-attention", choices=("on", "off"), default="on",
+                   help="as serve's: on (the default), the slots split over the mesh's data and expert axes; off: "
+                        "over data only")
     p.add_argument("--int4", action="store_true",
                    help="INT4 routed experts in groups of 32 (Kimi K2 Thinking's); a --target's come from its "
                         "quantization_config")
