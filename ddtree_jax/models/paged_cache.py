@@ -49,6 +49,11 @@ def _check_layout(num_pages: int, page_size: int, pages_per_slot: int, batch: in
                          f"batch >= 1, got {num_pages}, {pages_per_slot}, {batch}")
 
 
+def _empty_rows(batch: int, pages_per_slot: int) -> tuple[jax.Array, jax.Array]:
+    """``(page_table, lengths)`` of ``batch`` rows holding nothing: every entry ``NULL_PAGE``."""
+    return jnp.full((batch, pages_per_slot), NULL_PAGE, jnp.int32), jnp.zeros((batch,), jnp.int32)
+
+
 class _PageTableRows:
     """``take_rows`` / ``put_rows`` of a paged cache (a dataclass with ``page_table`` and
     ``lengths``): they act on the table and lengths, never on the shared pools."""
@@ -69,6 +74,11 @@ class _PageTableRows:
     @property
     def pages_per_slot(self) -> int:
         return self.page_table.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Positions a row can hold: ``pages_per_slot * page_size``."""
+        return self.pages_per_slot * self.page_size
 
     @property
     def layout(self) -> PageLayout:
@@ -100,15 +110,11 @@ class PagedKVCache(_PageTableRows):
         layers = range(num_layers)
         return cls(tuple(jnp.zeros((num_pages, page_size, kv_lora_rank), dtype) for _ in layers),
                    tuple(jnp.zeros((num_pages, page_size, qk_rope_head_dim), dtype) for _ in layers),
-                   jnp.full((batch, pages_per_slot), NULL_PAGE, jnp.int32), jnp.zeros((batch,), jnp.int32))
+                   *_empty_rows(batch, pages_per_slot))
 
     @property
     def page_size(self) -> int:
         return self.latent[0].shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.pages_per_slot * self.page_size
 
 
 @jax.tree_util.register_dataclass
@@ -133,15 +139,11 @@ class PagedDraftCache(_PageTableRows):
         shape = (num_pages, page_size, kv_heads, head_dim)
         layers = range(num_layers)
         return cls(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   jnp.full((batch, pages_per_slot), NULL_PAGE, jnp.int32), jnp.zeros((batch,), jnp.int32))
+                   *_empty_rows(batch, pages_per_slot))
 
     @property
     def page_size(self) -> int:
         return self.k[0].shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.pages_per_slot * self.page_size
 
 
 def _locate(pool: jax.Array, page_table: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
