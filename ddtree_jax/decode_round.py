@@ -179,11 +179,20 @@ def prefill_rows(models: Models, tparams, dparams, plan: DecodePlan, tcache, dca
     without a drafter. Paged caches (the caches donated): the other rows' pages are left as they
     are, since the rows write only their own pages past ``starts``."""
     target, drafter = models.merge(tparams, dparams)
+    return append_to_rows(target, drafter, plan, tcache, dcache, rows, prompts, starts, lengths)
+
+
+def with_row_lengths(cache, rows, lengths):
+    """``cache`` with ``lengths[rows]`` replaced (a row cache's lengths are ``[B]`` by row)."""
+    return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(lengths.astype(cache.lengths.dtype)))
+
+
+def append_to_rows(target, drafter, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths):
+    """``prefill_rows`` on merged models, for use inside a compiled function (the serving engine's
+    prefill chunk runs it on its state's caches)."""
 
     def rows_of(cache):
-        if cache is None:
-            return None
-        return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(starts)).take_rows(rows)
+        return None if cache is None else with_row_lengths(cache, rows, starts).take_rows(rows)
 
     new_t, new_d = _append_prompts(target, drafter, plan, rows_of(tcache), rows_of(dcache), prompts, lengths)
     return tcache.put_rows(rows, new_t), None if dcache is None else dcache.put_rows(rows, new_d)

@@ -14,15 +14,17 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.auto_round import unrolled_tallied_rounds
-from ddtree_jax.decode_round import DecodePlan, Models, round_with_logprobs, unrolled_rounds
+from ddtree_jax.decode_round import (
+    DecodePlan,
+    Models,
+    append_to_rows,
+    round_with_logprobs,
+    unrolled_rounds,
+    with_row_lengths,
+)
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch
 from ddtree_jax.serving.shapes import ShapeCache
-
-
-def _set_lengths(cache, rows, lengths):
-    """``cache`` with ``lengths[rows]`` replaced (a ``RowCache``'s lengths are ``[B]`` by slot)."""
-    return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(lengths.astype(cache.lengths.dtype)))
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
@@ -33,14 +35,9 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
     prompt's first chunk, which discards whatever the slot held). Finish codes do not change: a
     slot being filled is not ``RUNNING`` and the rounds leave it alone."""
     target, drafter = models.merge(tparams, dparams)
-    tcache = _set_lengths(state.target_cache, rows, starts).take_rows(rows)
-    _, hidden, tcache = target.prefill(ids, counts, tcache, hidden_layer_ids=plan.hidden_layer_ids)
-    new = dict(target_cache=state.target_cache.put_rows(rows, tcache))
-    if plan.hidden_layer_ids:
-        dcache = _set_lengths(state.draft_cache, rows, starts).take_rows(rows)
-        dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), counts)
-        new["draft_cache"] = state.draft_cache.put_rows(rows, dcache)
-    return dataclasses.replace(state, **new)
+    dcache = state.draft_cache if plan.hidden_layer_ids else None
+    tcache, dcache = append_to_rows(target, drafter, plan, state.target_cache, dcache, rows, ids, starts, counts)
+    return dataclasses.replace(state, target_cache=tcache, draft_cache=dcache or state.draft_cache)
 
 
 _PREFILL_SHAPES: dict = {}
@@ -82,8 +79,8 @@ def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, sto
     but the last, ``roots [R]``): per-row limits, stop ids ``[R, S]``, sampling and request ids."""
     R = rows.shape[0]
     zeros = jnp.zeros((R,), jnp.int32)
-    tcache = _set_lengths(state.target_cache, rows, cache_lengths)
-    dcache = None if state.draft_cache is None else _set_lengths(state.draft_cache, rows, cache_lengths)
+    tcache = with_row_lengths(state.target_cache, rows, cache_lengths)
+    dcache = None if state.draft_cache is None else with_row_lengths(state.draft_cache, rows, cache_lengths)
 
     def put(x, y):
         return x.at[rows].set(jnp.asarray(y).astype(x.dtype))
