@@ -207,6 +207,11 @@ class DecodeConfig:
                  f"{self.method!r} needs a drafter; only 'ar' runs without one")
 
 
+MIN_PAGE_SIZE = 16
+"""The smallest page: the paged attention kernel's smallest key tile (``models.paged_attention.
+MIN_KERNEL_PAGE``), so that a page size valid on the CPU is valid on every backend."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The serving engine's settings (``ddtree_jax.serving.Engine``)."""
@@ -255,6 +260,18 @@ class EngineConfig:
     them. Compile-time: with it the rounds also compute and return, for every committed token,
     its log-probability and this many alternatives (docs/serving.md, "Log-probabilities")."""
 
+    page_size: int | None = None
+    """Paged caches: positions per page, a power of two >= ``MIN_PAGE_SIZE``; ``None``: every slot owns
+    ``cache_len`` contiguous positions. Paged, the target's and the drafter's caches live in one
+    pool of ``kv_pages`` pages shared by all slots, requests are admitted (and, when the pool runs
+    short, preempted and later resumed) by pages, and full pages of common prefixes are shared
+    (docs/paged-caches.md, "The engine")."""
+
+    kv_pages: int | None = None
+    """Pages in the pool (``page_size`` set), not counting the null page; it must hold one
+    request of ``max_model_len`` positions with its scratch. ``None``: ``slots`` full-length
+    slots' worth, the memory of the contiguous caches."""
+
     def __post_init__(self):
         owner = "EngineConfig"
         _require(isinstance(self.decode, DecodeConfig), owner, "decode",
@@ -267,6 +284,12 @@ class EngineConfig:
         _check_count(owner, "max_output_tokens", self.max_output_tokens, optional=True)
         _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)
         _check_count(owner, "max_logprobs", self.max_logprobs, lo=0)
+        _check_count(owner, "kv_pages", self.kv_pages, optional=True)
+        _require(self.page_size is None or (is_int(self.page_size) and self.page_size >= MIN_PAGE_SIZE
+                                            and self.page_size & (self.page_size - 1) == 0),
+                 owner, "page_size", f"must be None or a power of two >= {MIN_PAGE_SIZE}, got {self.page_size!r}")
+        _require(self.kv_pages is None or self.page_size is not None, owner, "kv_pages",
+                 "needs page_size (the pool's pages are page_size positions)")
 
     def check_for(self, vocab_size: int, has_drafter: bool, context: int) -> None:
         """``decode.check_for``, ``max_model_len`` within the target's ``context`` positions and

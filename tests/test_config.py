@@ -47,6 +47,8 @@ BAD = [
     (EngineConfig, "prefill_batch", 0),
     (EngineConfig, "max_stop_ids", 0),
     (EngineConfig, "max_logprobs", -1),
+    (EngineConfig, "page_size", 24),
+    (EngineConfig, "kv_pages", 0),
     (EngineConfig, "deterministic", "yes"),
     (ExecutionConfig, "impl", "cuda"),
     (ExecutionConfig, "batch_invariant", 1),

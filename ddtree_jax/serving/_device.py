@@ -23,6 +23,7 @@ from ddtree_jax.decode_round import (
     with_row_lengths,
 )
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
+from ddtree_jax.models.paged_cache import NULL_PAGE
 from ddtree_jax.sampling import SamplingBatch
 from ddtree_jax.serving.shapes import ShapeCache
 
@@ -74,9 +75,11 @@ def prefill_shapes(models: Models, plan: DecodePlan, tparams, dparams, state: De
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, stop_ids, sampling: SamplingBatch,
-             request_ids) -> DecodeState:
+             request_ids, rounds) -> DecodeState:
     """Start decoding in slots ``rows`` whose caches hold ``cache_lengths [R]`` prompt tokens (all
-    but the last, ``roots [R]``): per-row limits, stop ids ``[R, S]``, sampling and request ids."""
+    but the last, ``roots [R]``): per-row limits, stop ids ``[R, S]``, sampling, request ids and
+    round counts ``rounds [R]`` (0 for a new request; a resumed one's rounds so far, so that its
+    random stream continues: ``ddtree_jax/rng.py``)."""
     R = rows.shape[0]
     zeros = jnp.zeros((R,), jnp.int32)
     tcache = with_row_lengths(state.target_cache, rows, cache_lengths)
@@ -90,7 +93,7 @@ def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, sto
         out=put(state.out, jnp.zeros((R, state.capacity), jnp.int32)), generated=put(state.generated, zeros),
         finish=put(state.finish, jnp.full((R,), RUNNING, jnp.int32)),
         accept_lengths=put(state.accept_lengths, jnp.zeros((R, state.capacity), jnp.int32)),
-        rounds=put(state.rounds, zeros), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
+        rounds=put(state.rounds, rounds), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
         stop_ids=put(state.stop_ids, stop_ids), sampling=jax.tree.map(put, state.sampling, sampling),
         request_ids=put(state.request_ids, request_ids),
     )
@@ -100,6 +103,37 @@ def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, sto
 def release(state: DecodeState, rows) -> DecodeState:
     """Mark slots ``rows`` ``FREE``: they commit nothing more (a cancelled or stop-string request)."""
     return dataclasses.replace(state, finish=state.finish.at[rows].set(FREE))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_page_rows(state: DecodeState, rows, table_rows) -> DecodeState:
+    """Paged caches: the page-table rows of slots ``rows [R]`` replaced by ``table_rows [R, pages
+    per slot]`` in both caches (one table serves both: their pools share page ids)."""
+    def put(cache):
+        return None if cache is None else dataclasses.replace(
+            cache, page_table=cache.page_table.at[rows].set(table_rows.astype(cache.page_table.dtype)))
+
+    return dataclasses.replace(state, target_cache=put(state.target_cache), draft_cache=put(state.draft_cache))
+
+
+def _paged(state: DecodeState) -> bool:
+    return hasattr(state.target_cache, "page_table")
+
+
+def _with_tables(state: DecodeState, tables) -> DecodeState:
+    t, d = tables
+    return dataclasses.replace(
+        state, target_cache=dataclasses.replace(state.target_cache, page_table=t),
+        draft_cache=None if state.draft_cache is None else dataclasses.replace(state.draft_cache, page_table=d))
+
+
+def _running_tables(state: DecodeState) -> tuple:
+    """Both caches' page tables with every row not ``RUNNING`` mapped to the null page: a slot
+    between requests, or admitted but not yet prefilled, holds a stale length, and its round
+    writes past that length could reach pages it shares; through the null page they land nowhere."""
+    running = (state.finish == RUNNING)[:, None]
+    null = lambda c: None if c is None else jnp.where(running, c.page_table, NULL_PAGE)  # noqa: E731
+    return null(state.target_cache), null(state.draft_cache)
 
 
 HARVEST_FIELDS = 3  # columns before the tokens in ``rounds_and_harvest``'s packed rows
@@ -117,6 +151,17 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     int32). With ``plan.expected_budgets`` (``budget="auto"``'s rounds, ``auto_round.round_plans``;
     no log-probabilities), ``2 + len(expected_budgets)`` more columns follow instead: the rounds'
     tally (``auto_round``, float32 bits as int32). Returns ``(state, packed)``."""
+    if _paged(state):
+        tables = (state.target_cache.page_table,
+                  None if state.draft_cache is None else state.draft_cache.page_table)
+        state, packed = _rounds_and_harvest(models, tparams, dparams, plan, _with_tables(state, _running_tables(state)),
+                                            base_key, rounds, tokens)
+        return _with_tables(state, tables), packed
+    return _rounds_and_harvest(models, tparams, dparams, plan, state, base_key, rounds, tokens)
+
+
+def _rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                        rounds: int, tokens: int):
     gen0, rnd0 = state.generated, state.rounds
     if plan.expected_budgets:
         if plan.logprobs:
@@ -161,13 +206,22 @@ def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, st
 
 
 def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, capacity: int, stop_width: int,
-                shard=None) -> DecodeState:
-    """A state of ``slots`` free slots (finish ``FREE``); ``shard`` optionally places it."""
+                shard=None, pages: tuple[int, int] | None = None) -> DecodeState:
+    """A state of ``slots`` free slots (finish ``FREE``); ``shard`` optionally places it.
+    ``pages``: ``(num_pages, page_size)`` for paged caches (pools of ``num_pages`` pages, the null
+    page included; every table row of ``max_len`` positions' pages null), else contiguous ones of
+    ``max_len`` positions per slot."""
+
+    def caches(model):
+        if pages is None:
+            return model.init_cache(slots, max_len)
+        num_pages, page_size = pages
+        return model.init_paged_cache(num_pages, page_size, -(-max_len // page_size), slots)
 
     def build():
         zeros = jnp.zeros((slots,), jnp.int32)
         return DecodeState.start(
-            target.init_cache(slots, max_len), drafter.init_cache(slots, max_len) if plan.hidden_layer_ids else None,
+            caches(target), caches(drafter) if plan.hidden_layer_ids else None,
             zeros, capacity=capacity, max_new_tokens=jnp.ones((slots,), jnp.int32),
             stop_ids=jnp.full((slots, stop_width), NO_STOP, jnp.int32),
             sampling=SamplingBatch(temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,

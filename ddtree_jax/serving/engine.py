@@ -54,6 +54,7 @@ from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
 from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs, deliver
 from ddtree_jax.serving.metrics import EngineMetrics
+from ddtree_jax.serving.pages import PagePool, PageTable, preemption_order
 from ddtree_jax.serving.text import TextStream
 
 __all__ = ["Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk",
@@ -172,10 +173,18 @@ class _Request:
     retired: bool = False  # the engine is done with it (its slot is free or being freed)
     ended: bool = False  # the emitter has sent its last chunk
     acceptance: list[int] = dataclasses.field(default_factory=list)
+    out: list[int] = dataclasses.field(default_factory=list)  # tokens read back so far
+    rounds_done: int = 0  # rounds read back so far (a resumed request's random stream continues)
+    context: np.ndarray | None = None  # paged, resumed after preemption: prompt + ``out`` (None: the prompt)
     logprobs: int | None = None  # top alternatives asked for; None: no log-probabilities
     logprob_parts: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     first_token: float | None = None
     last_emit: float | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """What the slot's caches hold when the request starts decoding, and its root (the last)."""
+        return self.prompt if self.context is None else self.context
 
 
 def _batch_invariant(model, role: str):
@@ -249,6 +258,9 @@ class Engine:
         self.cache_len = config.cache_len(self.max_model_len, depth)
         self.tokens_per_round = depth + 1
         self._shard_state = shard_state
+        self.page_size = config.page_size
+        if self.page_size is not None:
+            self._init_pages(config, target, drafter if decode.uses_drafter else None)
         self._base_key = jax.random.key(decode.seed)
         self.auto_plan = None
         if decode.is_auto:
@@ -277,6 +289,123 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
+    def _init_pages(self, config: EngineConfig, target, drafter) -> None:
+        """The paged caches' host side: the pool, one page table per slot, and the coverage rule."""
+        P = self.page_size
+        if self._shard_state is not None or len(jax.devices()) > 1 and jax.process_count() > 1:
+            raise ConfigError("EngineConfig", "page_size", "paged caches run on one device (no mesh form yet)")
+        for role, model in (("target", target), ("drafter", drafter)):
+            if model is not None and not hasattr(model, "init_paged_cache"):
+                raise ConfigError("EngineConfig", "page_size",
+                                  f"the {role} ({type(model).__name__}) has no paged cache (init_paged_cache)")
+        self.pages_per_slot = -(-self.cache_len // P)
+        self.kv_pages = config.kv_pages or self.slots * self.pages_per_slot
+        # A dispatch's rounds run while the previous dispatch is not read back yet: the table must
+        # cover both dispatches' tokens past the last length read back, and a round's scratch.
+        self._block = self.cache_len - self.max_model_len
+        self._margin = 2 * self.sync_every * self.tokens_per_round
+        longest = -(-(self.max_model_len - 1 + self._block) // P)
+        if longest > self.kv_pages:
+            raise ConfigError("EngineConfig", "kv_pages",
+                              f"{self.kv_pages} pages of {P} positions cannot hold one request of max_model_len "
+                              f"{self.max_model_len} with its scratch ({longest} pages)")
+        self._pool = PagePool(self.kv_pages + 1, P)
+        self._tables = [PageTable(self._pool) for _ in range(self.slots)]
+        self._dirty: set[int] = set()
+
+    def _admit_pages(self, slot: int, r: _Request) -> bool:
+        """Admit ``r`` to ``slot``'s page table if the pool has the pages for its context and its
+        first dispatch (less a cached prefix it shares, which it will not compute again:
+        ``r.prefilled``); ``False``, changing nothing, if not."""
+        tokens = r.tokens
+        need = self._cover(r, tokens.size - 1)
+        if not self._pool.can_admit(tokens, need - (tokens.size - 1)):
+            return False
+        table = self._tables[slot]
+        r.prefilled = table.admit(tokens)
+        covered = table.ensure(need)
+        assert covered, "can_admit promised these pages"
+        self._dirty.add(slot)
+        return True
+
+    def _cover(self, r: _Request, known: int) -> int:
+        """Positions ``r``'s table must cover for its next dispatch when its caches hold ``known``
+        positions as far as the host has read back: the rounds of two dispatches and one scratch
+        block past them, never more than its whole run needs."""
+        return min(r.prompt.size + r.max_tokens - 1 + self._block, known + self._margin + self._block)
+
+    def _known(self, r: _Request) -> int:
+        """Positions of ``r``'s caches that hold its tokens for good, as far as the host knows."""
+        return r.prompt.size + len(r.out) - 1 if r.running else r.prefilled
+
+    def _release_pages(self, r: _Request, publish: bool) -> None:
+        """Give back ``r``'s pages (finish, cancellation, preemption); with ``publish``, its full
+        pages of committed tokens enter the prefix cache first. Its slot's table row becomes null
+        at the next sync (``_sync_tables``), before any later program runs."""
+        table = self._tables[r.slot]
+        if table.admitted is None:
+            return
+        if publish:
+            known = self._known(r)
+            if known >= table.read_only * self.page_size:
+                table.commit(known, keep=table.capacity)
+                table.publish(np.concatenate([r.prompt, np.asarray(r.out, np.int32)])[:known])
+        table.release_all()
+        self._dirty.add(r.slot)
+
+    def _sync_tables(self) -> None:
+        """Upload the page-table rows changed on the host since the last sync (one compiled scatter,
+        rows padded to a power of two with identical data)."""
+        if not self._dirty:
+            return
+        slots = sorted(self._dirty)
+        self._dirty.clear()
+        table = np.stack([self._tables[s].as_row(self.pages_per_slot) for s in slots])
+        R = _pow2(len(slots))
+        self._state = _device.set_page_rows(self._state, self._rows(slots, R), self._pad(table, R))
+
+    def _preempt(self, r: _Request) -> None:
+        """Free ``r``'s slot and pages and queue it first again, to resume by recomputation: its
+        context becomes prompt + the tokens read back, whose pages it published (the rounds of a
+        dispatch not read back yet are dropped and run again: same keys, so the same tokens)."""
+        self._release_pages(r, publish=True)
+        with self._lock:
+            if self._slot[r.slot] is r:
+                self._slot[r.slot] = None
+            if r in self._admitted:
+                self._admitted.remove(r)
+            self._queue.appendleft(r)
+        if r.running and self._inflight is not None and self._inflight[1][r.slot] is r:
+            self._inflight[1][r.slot] = None  # its in-flight rounds are dropped
+        if r.running:
+            self._state = _device.release(self._state, self._rows([r.slot], self.slots))
+        r.context = np.concatenate([r.prompt, np.asarray(r.out, np.int32)]) if r.out else None
+        r.running, r.prefilled, r.slot = False, 0, -1
+        self.metrics.count("preemptions")
+
+    def _ensure_pages(self, snapshot: list[_Request | None]) -> None:
+        """Before a dispatch: every running slot's table covers its next rounds (``_cover``);
+        when the pool runs short, preempt the most recently admitted requests until it does
+        (a request that is itself the most recent is preempted, and its slot leaves ``snapshot``)."""
+        for s, r in enumerate(snapshot):
+            if r is None:
+                continue
+            table = self._tables[s]
+            need = self._cover(r, self._known(r))
+            if table.capacity >= need:
+                continue
+            while not table.ensure(need):
+                victim = next(t for t in preemption_order(self._tables))
+                owner = self._slot[self._tables.index(victim)]
+                self._preempt(owner)
+                if owner is r:
+                    snapshot[s] = None
+                    break
+                if owner in snapshot:
+                    snapshot[snapshot.index(owner)] = None
+            else:
+                self._dirty.add(s)
+
     def _new_metrics(self) -> EngineMetrics:
         return EngineMetrics(self.slots, auto_budgets=self.auto_plan.budgets if self.auto_plan else ())
 
@@ -304,7 +433,8 @@ class Engine:
         def before():
             scratch[0] = _device.activate(scratch[0], rows, rows % self.vocab_size, np.zeros((S,), np.int32),
                                           np.full((S,), self.max_output_tokens, np.int32),
-                                          np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows)
+                                          np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows,
+                                          np.zeros((S,), np.int32))
             return scratch[0]
 
         def run(k):
@@ -326,7 +456,8 @@ class Engine:
 
     def _empty_state(self):
         return _device.empty_state(self._target, self._drafter, self.plan, self.slots, self.cache_len,
-                                   self.max_output_tokens, self.max_stop_ids, self._shard_state)
+                                   self.max_output_tokens, self.max_stop_ids, self._shard_state,
+                                   pages=None if self.page_size is None else (self.kv_pages + 1, self.page_size))
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -477,8 +608,13 @@ class Engine:
                     freed.append(r)
                 if r in self._admitted:
                     self._admitted.remove(r)
+            if self.page_size is not None:
+                for r in freed:
+                    self._release_pages(r, publish=r.running)
             for i in range(self.slots):
                 if self._slot[i] is None and self._queue:
+                    if self.page_size is not None and not self._admit_pages(i, self._queue[0]):
+                        break  # first come, first served: wait for pages
                     req = self._queue.popleft()
                     req.slot = i
                     self._slot[i] = req
@@ -497,6 +633,8 @@ class Engine:
             items += self._read_back(*previous)
         self._emitter.submit(items, time.perf_counter())
         self.metrics.count("engine_steps")
+        if self.page_size is not None:
+            self.metrics.set_pages(self._pool.stats())
         self.metrics.count("wait_seconds", n=self._waited)
         self.metrics.count("host_seconds", n=time.perf_counter() - t0 - self._waited)
         with self._lock:
@@ -539,23 +677,25 @@ class Engine:
             batch = [r for r in self._admitted][: self.prefill_batch]
         if not batch:
             return
-        need = [r for r in batch if r.prefilled < r.prompt.size - 1]
+        need = [r for r in batch if r.prefilled < r.tokens.size - 1]
+        if self.page_size is not None:
+            self._sync_tables()
         if need:
-            longest = max(r.prompt.size - 1 - r.prefilled for r in need)
+            longest = max(r.tokens.size - 1 - r.prefilled for r in need)
             width = min(self.prefill_chunk, max(_MIN_CHUNK, _pow2(longest)))
             R, T, prefill = self._prefill.get(_pow2(len(need)), width)
             ids = np.zeros((len(need), T), np.int32)
             counts = np.zeros((len(need),), np.int32)
             starts = np.array([r.prefilled for r in need], np.int32)
             for i, r in enumerate(need):
-                chunk = r.prompt[r.prefilled : min(r.prefilled + T, r.prompt.size - 1)]
+                chunk = r.tokens[r.prefilled : min(r.prefilled + T, r.tokens.size - 1)]
                 ids[i, : chunk.size] = chunk
                 counts[i] = chunk.size
             self._state = prefill(self._tparams, self._dparams, self._state, self._rows([r.slot for r in need], R),
                                   self._pad(ids, R), self._pad(starts, R), self._pad(counts, R))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
-        ready = [r for r in batch if r.prefilled == r.prompt.size - 1]
+        ready = [r for r in batch if r.prefilled == r.tokens.size - 1]
         if ready:
             self._activate(ready)
 
@@ -571,10 +711,16 @@ class Engine:
                                  seed=pad(np.array([r.sampling.seed or 0 for r in reqs], np.uint32)),
                                  has_seed=pad(np.array([r.sampling.seed is not None for r in reqs], bool)))
         self._state = _device.activate(
-            self._state, self._rows([r.slot for r in reqs], R), pad([r.prompt[-1] for r in reqs]),
-            pad(np.array([r.prompt.size - 1 for r in reqs], np.int32)),
-            pad(np.array([r.max_tokens for r in reqs], np.int32)), pad(stop_ids), sampling,
-            pad(np.array([r.handle.request_id for r in reqs], np.uint32)))
+            self._state, self._rows([r.slot for r in reqs], R), pad([r.tokens[-1] for r in reqs]),
+            pad(np.array([r.tokens.size - 1 for r in reqs], np.int32)),
+            pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
+            pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
+            pad(np.array([r.rounds_done for r in reqs], np.int32)))
+        if self.page_size is not None:
+            for r in reqs:  # the context's full pages join the prefix cache
+                table, n = self._tables[r.slot], r.tokens.size - 1
+                table.commit(n, keep=self._cover(r, n))
+                table.publish(r.tokens[:n])
         with self._lock:
             for r in reqs:
                 r.running = True
@@ -585,6 +731,9 @@ class Engine:
         ``(packed harvest on the device, the slots' requests at dispatch)`` or ``None``."""
         with self._lock:
             snapshot = [r if r is not None and r.running and not r.retired else None for r in self._slot]
+        if self.page_size is not None:
+            self._ensure_pages(snapshot)
+            self._sync_tables()
         if not any(snapshot):
             return None
         if self.auto_plan is not None:
@@ -625,11 +774,17 @@ class Engine:
         for s in np.flatnonzero(live & ((n_new > 0) | (finish != RUNNING))).tolist():
             r, row = snapshot[s], rows[s]
             reason = None if row[2] == RUNNING else FINISH_REASONS[row[2]]
-            items.append(Emit(r, row[first : first + row[0]], row[first + T : first + T + row[1]], reason,
+            tokens = row[first : first + row[0]]
+            r.out += tokens
+            r.rounds_done += row[1]
+            items.append(Emit(r, tokens, row[first + T : first + T + row[1]], reason,
                               self._logprobs(got[s], r, row[0])))
             if reason is not None:
                 done.append(r)
         if done:
+            if self.page_size is not None:
+                for r in done:
+                    self._release_pages(r, publish=True)
             with self._lock:
                 for r in done:
                     r.retired = True
@@ -681,6 +836,11 @@ class Engine:
         for r in active:
             r.retired = True
         self._emitter.submit([Emit(r, [], [], reason) for r in active], time.perf_counter())
+        if self.page_size is not None:
+            for table in self._tables:
+                if table.admitted is not None:
+                    table.release_all()
+            self._dirty.clear()
         self._state = self._empty_state()
 
     def set_delivery(self, deliver: Callable[[list], None]) -> None:

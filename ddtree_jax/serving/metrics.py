@@ -87,6 +87,8 @@ class EngineMetrics:
         self.engine_steps = 0
         self.host_seconds = 0.0  # engine-thread time in steps, not counting waits for the device
         self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
+        self.preemptions = 0  # paged caches: requests preempted for pages (each resumes later)
+        self.kv_pages: dict | None = None  # paged caches: the page pool's counts (PagePool.stats)
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(LATENCY_BUCKETS)
         self.accept = Histogram(ACCEPT_BUCKETS)
@@ -96,6 +98,10 @@ class EngineMetrics:
     def set_load(self, queue_length: int, running: int, prefilling: int) -> None:
         with self._lock:
             self.queue_length, self.running, self.prefilling = queue_length, running, prefilling
+
+    def set_pages(self, stats: dict) -> None:
+        with self._lock:
+            self.kv_pages = dict(stats)
 
     def tokens(self, n: int, now: float) -> None:
         with self._lock:
@@ -153,7 +159,8 @@ class EngineMetrics:
                 free_slots=self.slots - self.running - self.prefilling, requests=dict(self.requests),
                 rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
-                host_seconds=self.host_seconds, wait_seconds=self.wait_seconds,
+                host_seconds=self.host_seconds, wait_seconds=self.wait_seconds, preemptions=self.preemptions,
+                kv_pages=None if self.kv_pages is None else dict(self.kv_pages),
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
                 auto_budget=None if not self.auto_budgets else dict(

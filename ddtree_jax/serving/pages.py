@@ -415,17 +415,21 @@ class PageTable:
         self._pages += pages
         return True
 
-    def commit(self, length: int) -> None:
+    def commit(self, length: int, keep: int = 0) -> None:
         """The first ``length`` positions now hold the request's cache (after a prefill chunk or a
-        round kept its accepted positions): record it and return the pages past them to the pool.
-        ``length`` must lie in ``[read_only * page_size, capacity]``: read-only pages are never cut."""
+        round kept its accepted positions): record it and return the pages past
+        ``max(length, keep)`` positions to the pool (``keep``: positions to go on covering, e.g. the
+        scratch of rounds still to run). ``length`` must lie in ``[read_only * page_size,
+        capacity]``: read-only pages are never cut."""
         if self.admitted is None:
             raise _bad("PageTable.commit", "no request is admitted (admit first)")
         lo = self.read_only * self.pool.page_size
         if not (is_int(length) and lo <= length <= self.capacity):
             raise _bad("PageTable.commit", f"length must be an integer in [{lo}, {self.capacity}] (read-only "
                                            f"prefix to capacity), got {length!r}")
-        keep = self.pool.pages_for(length)
+        if not (is_int(keep) and keep >= 0):
+            raise _bad("PageTable.commit", f"keep must be an integer >= 0, got {keep!r}")
+        keep = self.pool.pages_for(max(int(length), int(keep)))
         self.pool.release(self._pages[keep:])
         del self._pages[keep:]
         self.length = int(length)

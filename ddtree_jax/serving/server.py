@@ -306,6 +306,20 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 for reason, n in sorted(counts.items()):
                     c.add_metric([reason], n)
                 yield c
+            pages = s["kv_pages"]
+            for name, doc, key in [
+                ("kv_pages_free", "paged caches: pages free or cached (allocatable)", "free"),
+                ("kv_pages_used", "paged caches: pages held by requests", "used"),
+                ("kv_pages_shared", "paged caches: pages held by more than one request", "shared"),
+                ("kv_pages_cached", "paged caches: prefix pages held by no request (evictable)", "cached"),
+            ] if pages else []:
+                yield GaugeMetricFamily(f"ddtree_{name}", doc, value=pages[key])
+            for name, doc, value in [
+                ("preemptions", "paged caches: requests preempted for pages (resumed later)", s["preemptions"]),
+                ("prefix_hit_tokens", "paged caches: prompt tokens found in the prefix cache",
+                 pages["prefix_hit_tokens"]),
+            ] if pages else []:
+                yield CounterMetricFamily(f"ddtree_{name}", doc, value=value)
             auto = s["auto_budget"]
             for name, doc, key in [
                 ("auto_budget_rounds", "budget='auto': rounds run at each budget", "rounds"),

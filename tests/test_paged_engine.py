@@ -1,0 +1,115 @@
+"""serving.Engine on paged caches (``EngineConfig.page_size``): the same tokens as the contiguous
+engine for greedy and seeded requests, with prefix hits, preemption and resumption, and no page
+leaked after a run of random arrivals and cancellations (``PagePool.check`` after every step).
+
+The tiny models, float32: max_model_len 64, prefill chunks of 16 (the scratch block), pages of 16
+positions, so a request's table has at most 5 pages.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import ddtree_jax as dt
+from ddtree_jax.config import ConfigError
+from ddtree_jax.serving import Engine
+from tests._model_fixtures import tiny_dflash, tiny_kimi
+
+DECODE = dt.DecodeConfig(method="ddtree", budget=6)
+SHAPE = dt.EngineConfig(decode=DECODE, slots=4, max_model_len=64, prefill_chunk=16, prefill_batch=2)
+SHARED = list(range(30, 64))  # two full pages of 16 shared by the prompts that start with it
+PROMPTS = [SHARED + [1, 2], [7, 8, 9], SHARED + [5], list(range(70, 90)), SHARED + [3, 4, 5, 6], [11] * 17]
+SAMPLING = [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+            dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.8, seed=3),
+            dt.SamplingParams(temperature=1.0, top_k=5, seed=11), dt.SamplingParams(temperature=0.0)]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_kimi(0)
+    return target, tiny_dflash(target, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """The contiguous engine's tokens, each request alone in the engine (seeded and greedy rows
+    do not depend on their neighbours in float32)."""
+    eng = Engine(*models, SHAPE)
+    return [r.tokens for r in eng.generate(PROMPTS, SAMPLING, max_tokens=MAX_TOKENS)]
+
+
+def paged(models, **kw):
+    return Engine(*models, dataclasses.replace(SHAPE, page_size=16, **kw))
+
+
+def run(eng, handles, check=True):
+    while not all(h.done for h in handles):
+        eng.step()
+        if check:
+            eng._pool.check()
+    return [h.result() for h in handles]
+
+
+def assert_no_page_held(eng):
+    eng._pool.check()
+    stats = eng._pool.stats()
+    assert stats["used"] == 0 and stats["free"] == eng.kv_pages, stats
+
+
+def test_paged_engine_equals_the_contiguous_one_with_prefix_hits(models, reference):
+    eng = paged(models)
+    assert eng.kv_pages == 4 * 5 and eng.pages_per_slot == 5  # the contiguous caches' memory by default
+    first = run(eng, [eng.submit(PROMPTS[0], SAMPLING[0], max_tokens=MAX_TOKENS)])
+    assert first[0].tokens == reference[0]
+    # The others arrive after the first published its two full pages of SHARED.
+    got = run(eng, [eng.submit(p, s, max_tokens=MAX_TOKENS) for p, s in zip(PROMPTS[1:], SAMPLING[1:], strict=True)])
+    assert [r.tokens for r in got] == reference[1:]
+    m = eng.metrics.snapshot()
+    assert m["kv_pages"]["prefix_hit_tokens"] >= 2 * 32  # PROMPTS[2] and [4] took SHARED's two pages
+    assert m["preemptions"] == 0
+    assert_no_page_held(eng)
+
+
+def test_preempted_requests_resume_with_the_same_tokens(models, reference):
+    # 6 pages: one request at full length (5 pages) always fits, four running do not.
+    eng = paged(models, kv_pages=6)
+    got = run(eng, [eng.submit(p, s, max_tokens=MAX_TOKENS) for p, s in zip(PROMPTS, SAMPLING, strict=True)])
+    assert [r.tokens for r in got] == reference
+    assert all(r.finish_reason == "length" for r in got)
+    assert eng.metrics.snapshot()["preemptions"] > 0
+    assert_no_page_held(eng)
+
+
+def test_random_arrivals_cancellations_and_preemptions_leak_no_page(models, reference):
+    rng = np.random.default_rng(0)
+    eng = paged(models, kv_pages=7, decode=dataclasses.replace(DECODE, sync_every=2))
+    handles, cancelled = [], set()
+    for _ in range(60):
+        if rng.random() < 0.4 and len(handles) < 14:
+            i = int(rng.integers(len(PROMPTS)))
+            handles.append((i, eng.submit(PROMPTS[i], SAMPLING[i], max_tokens=MAX_TOKENS)))
+        if rng.random() < 0.08 and handles:
+            k = int(rng.integers(len(handles)))
+            handles[k][1].cancel()
+            cancelled.add(k)
+        eng.step()
+        eng._pool.check()
+    results = run(eng, [h for _, h in handles])
+    for k, ((i, _), r) in enumerate(zip(handles, results, strict=True)):
+        if k in cancelled and r.finish_reason == "cancelled":
+            assert r.tokens == reference[i][: len(r.tokens)]
+        else:
+            assert r.tokens == reference[i], (k, i)
+    eng.drain()
+    assert_no_page_held(eng)
+
+
+def test_paged_settings_are_checked(models):
+    with pytest.raises(ConfigError, match="page_size"):
+        dt.EngineConfig(page_size=24)
+    with pytest.raises(ConfigError, match="kv_pages"):
+        dt.EngineConfig(kv_pages=8)
+    with pytest.raises(ConfigError, match="kv_pages"):
+        paged(models, kv_pages=4)  # one request of max_model_len with its scratch needs 5
