@@ -176,6 +176,26 @@ def memory_fraction(text: str) -> float:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_size(text: str) -> float | int:
+    """A memory size: bytes with an optional unit (``12GiB``, ``500MB``, ``1e9``), or a number in
+    (0, 1): that share of the device memory left free after loading (returned as a float)."""
+    t = text.strip().lower().replace(" ", "")
+    unit = t.lstrip("0123456789.e+-")
+    number = t[: len(t) - len(unit)] if unit else t
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected bytes (e.g. 12GiB, 500MB) or a share in (0, 1), got {text!r}")
+    value = _float(number)
+    if not unit and 0.0 < value < 1.0:
+        return value
+    if value * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, or a share in (0, 1), got {text!r}")
+    return int(value * _UNITS[unit])
+
+
 def seed(text: str) -> int:
     value = _int(text)
     if not 0 <= value < 2**32:

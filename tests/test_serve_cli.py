@@ -113,6 +113,10 @@ BAD_INPUTS = {
     "port out of range": (["--port", "70000"], ["--port", "[0, 65535]"]),
     "negative drain timeout": (["--drain-timeout", "-1"], ["--drain-timeout", ">= 0"]),
     "body limit 0": (["--max-request-bytes", "0"], ["--max-request-bytes", ">= 1"]),
+    "page size not a power of two": (["--page-size", "24"], ["--page-size", "power of two"]),
+    "pool size without pages": (["--kv-cache-memory", "1GiB"], ["--kv-cache-memory", "needs --page-size"]),
+    "pool size in no unit": (["--page-size", "16", "--kv-cache-memory", "3parsecs"],
+                             ["--kv-cache-memory", "12GiB"]),
 }
 
 

@@ -205,6 +205,17 @@ def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, st
     return state, gathered
 
 
+def page_bytes(target, drafter, page_size: int) -> int:
+    """Device bytes of one page of ``page_size`` positions: the target's latents and, with a
+    ``drafter`` (``None`` for ``ar``), its context keys and values at those positions."""
+    def one(model):
+        cache = jax.eval_shape(lambda: model.init_paged_cache(2, page_size, 1, 1))  # two pages
+        nbytes = lambda x: x.size * x.dtype.itemsize  # noqa: E731
+        return (sum(map(nbytes, jax.tree.leaves(cache))) - nbytes(cache.page_table) - nbytes(cache.lengths)) // 2
+
+    return one(target) + (0 if drafter is None else one(drafter))
+
+
 def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, capacity: int, stop_width: int,
                 shard=None, pages: tuple[int, int] | None = None) -> DecodeState:
     """A state of ``slots`` free slots (finish ``FREE``); ``shard`` optionally places it.

@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=pf.nonnegative_int, default=0,
                    help="most top alternatives a request may ask for with its tokens' log-probabilities "
                         "(default 0: no log-probabilities, requests for them get 400)")
+    p.add_argument("--page-size", type=pf.positive_int,
+                   help="paged caches of this many positions per page (a power of two >= 16): the slots share one "
+                        "pool, requests are admitted and preempted by pages and share the pages of common prefixes "
+                        "(default: every slot owns --max-model-len positions; docs/paged-caches.md)")
+    p.add_argument("--kv-cache-memory", type=pf.memory_size,
+                   help="with --page-size: the page pool's size, in bytes (e.g. 40GiB) or as a share in (0, 1) of "
+                        "the device memory free after loading (default: --slots full-length slots' worth)")
     p.add_argument("--prefill-chunk", type=pf.positive_int, default=512, help="prompt tokens per slot per engine step")
     p.add_argument("--prefill-batch", type=pf.positive_int, help="most slots prefilled per engine step (default: all)")
     p.add_argument("--sync-every", type=pf.positive_int, default=1, help="rounds per engine step")
@@ -134,11 +141,36 @@ def engine_config(args) -> EngineConfig:
                                 stop_token_ids=tuple(args.stop_token_id or ()), impl=args.impl),
             slots=args.slots, max_model_len=args.max_model_len, max_queue=args.max_queue,
             prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, max_logprobs=args.max_logprobs,
-            deterministic=args.deterministic == "on")
+            deterministic=args.deterministic == "on", page_size=args.page_size)
+        if args.kv_cache_memory is not None and args.page_size is None:
+            raise PreflightError(f"--kv-cache-memory {args.kv_cache_memory}: needs --page-size (the pool's pages)")
         config.decode.check_for(None, has_drafter=bool(args.drafter))
     except ConfigError as e:
         raise PreflightError(str(option_error(e))) from None
     return config
+
+
+def _kv_pages(args, target, drafter) -> int | None:
+    """The page pool's pages for ``--kv-cache-memory`` (bytes, or a share of the first device's
+    memory free now, after loading), ``None`` without it."""
+    import jax
+
+    from ddtree_jax.serving._device import page_bytes
+
+    memory = args.kv_cache_memory
+    if memory is None:
+        return None
+    if isinstance(memory, float):
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise PreflightError(f"--kv-cache-memory {memory}: this device reports no memory size; give bytes "
+                                 "(e.g. 8GiB)")
+        memory = int(memory * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    per_page = page_bytes(target, drafter if args.method != "ar" else None, args.page_size)
+    pages = memory // per_page
+    if pages < 1:
+        raise PreflightError(f"--kv-cache-memory {args.kv_cache_memory}: less than one page ({per_page} bytes)")
+    return int(pages)
 
 
 def mesh_axes_of(args) -> dict:
@@ -285,7 +317,7 @@ def build_engine(args):
                                              and target.backend.kernels and not target.backend.interpret)
     try:
         config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, stop_token_ids=tuple(stop)),
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, kv_pages=_kv_pages(args, target, drafter))
         engine = Engine(target, drafter, config, tokenizer=tokenizer, shard_state=state_sharding(mesh, mesh_axes))
     except ConfigError as e:
         if e.field == "stop_token_ids":  # the EOS ids joined the option's
@@ -293,8 +325,10 @@ def build_engine(args):
         if e.field in ("batch_invariant", "deterministic"):
             raise PreflightError(f"--deterministic {args.deterministic}: {e.message}") from None
         raise PreflightError(str(option_error(e))) from None
+    pages = "" if engine.page_size is None else (f", paged: a pool of {engine.kv_pages} pages of "
+                                                  f"{engine.page_size} positions")
     _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
-         f"scratch): decoding state {engine.state_bytes / 2**20:.1f} MiB; deterministic mode "
+         f"scratch){pages}: decoding state {engine.state_bytes / 2**20:.1f} MiB; deterministic mode "
          f"{'on' if deterministic else 'off'}")
     return (engine, served_model_name(args), *chat_template(args))
 
