@@ -9,10 +9,11 @@ an engine of ``--max-model-len`` positions per request. The cache memory is that
 ``--fixed-slots`` contiguous slots (each ``cache_len`` positions, whatever its request needs: the
 most requests such an engine runs at once). The paged engine gets exactly that memory as its page
 pool (``EngineConfig.kv_pages`` default for ``slots=--fixed-slots``), and up to ``--rows`` rows per
-round; all requests are submitted at once and the engine steps until every one has finished. Reported:
+round; all requests are submitted at once and the engine steps until every one has finished (or
+``--max-steps``). Reported:
 the most and the time-averaged number of requests decoding at once, preemptions, prefix hits, the
-pool's pages, and the ratio of the concurrency to the fixed slots. Every request must finish with
-its full length (nothing lost).
+pool's pages, the ratio of the concurrency to the fixed slots, and how many requests finished with
+their full length.
 
 The models are random (a small Kimi-style target with ``--max-model-len`` positions and a
 one-layer DFlash drafter): concurrency depends on the pages, not on what the models say. Results:
@@ -65,6 +66,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop after this many engine steps (0: when every request has finished); the "
+                         "concurrency is over the steps run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -93,7 +97,7 @@ def main(argv=None):
     handles = [eng.submit(p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, outputs, strict=True)]
     peak, weighted, elapsed, steps = 0, 0.0, 0.0, 0
     t0 = last = time.perf_counter()
-    while not all(h.done for h in handles):
+    while not all(h.done for h in handles) and not (args.max_steps and steps >= args.max_steps):
         eng.step()
         now = time.perf_counter()
         running = eng.metrics.snapshot()["running"]
@@ -103,8 +107,11 @@ def main(argv=None):
         if steps % 50 == 0:
             done = sum(h.done for h in handles)
             log(f"step {steps}: {running} running, {done}/{args.requests} done, {now - t0:.0f}s")
-    results = [h.result() for h in handles]
-    complete = sum(len(r.tokens) == n and r.finish_reason == "length" for r, n in zip(results, outputs, strict=True))
+    results = [h.result() if h.done else None for h in handles]
+    complete = sum(r is not None and len(r.tokens) == n and r.finish_reason == "length"
+                   for r, n in zip(results, outputs, strict=True))
+    if not all(h.done for h in handles):
+        eng.stop()  # the rest end with "abort"
     snap = eng.metrics.snapshot()
     report = Report(args, name="paged_memory", title="Concurrent requests on the same cache memory",
                     sections=("concurrency",))
@@ -116,7 +123,7 @@ def main(argv=None):
         rows=args.rows, peak_running=peak, mean_running=weighted / max(elapsed, 1e-9),
         peak_over_fixed=peak / args.fixed_slots, mean_over_fixed=weighted / max(elapsed, 1e-9) / args.fixed_slots,
         preemptions=snap["preemptions"], prefix_hit_tokens=snap["kv_pages"]["prefix_hit_tokens"],
-        complete=f"{complete}/{args.requests}", pages_left_held=snap["kv_pages"]["used"],
+        steps=steps, complete=f"{complete}/{args.requests}", finished=sum(r is not None for r in results),
         seconds=time.perf_counter() - t0))
     log(f"peak {peak} running, mean {weighted / max(elapsed, 1e-9):.1f}; complete {complete}/{args.requests}; "
         f"wrote {report.stem}.md")
