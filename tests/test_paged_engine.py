@@ -61,13 +61,17 @@ def assert_no_page_held(eng):
 def test_paged_engine_equals_the_contiguous_one_with_prefix_hits(models, reference):
     eng = paged(models)
     assert eng.kv_pages == 4 * 5 and eng.pages_per_slot == 5  # the contiguous caches' memory by default
-    first = run(eng, [eng.submit(PROMPTS[0], SAMPLING[0], max_tokens=MAX_TOKENS)])
-    assert first[0].tokens == reference[0]
-    # The others arrive after the first published its two full pages of SHARED.
-    got = run(eng, [eng.submit(p, s, max_tokens=MAX_TOKENS) for p, s in zip(PROMPTS[1:], SAMPLING[1:], strict=True)])
-    assert [r.tokens for r in got] == reference[1:]
+    # Three requests starting with SHARED arrive together: the first prefills it, the other two wait
+    # for its two full pages and compute only the rest.
+    together = [0, 2, 4]
+    got = run(eng, [eng.submit(PROMPTS[i], SAMPLING[i], max_tokens=MAX_TOKENS) for i in together])
+    assert [r.tokens for r in got] == [reference[i] for i in together]
+    assert eng.metrics.snapshot()["kv_pages"]["prefix_hit_tokens"] == 2 * 32
+    # Later arrivals match the published pages too.
+    got = run(eng, [eng.submit(p, s, max_tokens=MAX_TOKENS) for p, s in zip(PROMPTS, SAMPLING, strict=True)])
+    assert [r.tokens for r in got] == reference
     m = eng.metrics.snapshot()
-    assert m["kv_pages"]["prefix_hit_tokens"] >= 2 * 32  # PROMPTS[2] and [4] took SHARED's two pages
+    assert m["kv_pages"]["prefix_hit_tokens"] >= 2 * 32 + 3 * 32
     assert m["preemptions"] == 0
     assert_no_page_held(eng)
 

@@ -54,7 +54,7 @@ from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
 from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs, deliver
 from ddtree_jax.serving.metrics import EngineMetrics
-from ddtree_jax.serving.pages import PagePool, PageTable, preemption_order
+from ddtree_jax.serving.pages import PagePool, PageTable, page_keys, preemption_order
 from ddtree_jax.serving.text import TextStream
 
 __all__ = ["Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk",
@@ -176,6 +176,8 @@ class _Request:
     out: list[int] = dataclasses.field(default_factory=list)  # tokens read back so far
     rounds_done: int = 0  # rounds read back so far (a resumed request's random stream continues)
     context: np.ndarray | None = None  # paged, resumed after preemption: prompt + ``out`` (None: the prompt)
+    first_page: bytes | None = None  # paged: the prefix key of its first full page of context, if any
+    leader: _Request | None = None  # paged: a request prefilling the same first page, to wait for
     logprobs: int | None = None  # top alternatives asked for; None: no log-probabilities
     logprob_parts: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     first_token: float | None = None
@@ -326,7 +328,28 @@ class Engine:
         covered = table.ensure(need)
         assert covered, "can_admit promised these pages"
         self._dirty.add(slot)
+        keys = page_keys(tokens[: min(tokens.size - 1, self.page_size)], self.page_size)
+        r.first_page = keys[0] if keys else None
+        if r.prefilled == 0 and r.first_page is not None:
+            # a request prefilling the same first page publishes it soon: wait, then match it
+            r.leader = next((x for x in self._admitted if x.first_page == r.first_page and x.leader is None), None)
         return True
+
+    def _waiting(self, r: _Request) -> bool:
+        """Whether ``r`` waits for its leader's prefill; once the leader is done (decoding,
+        finished or preempted), ``r`` is admitted again to match what it published."""
+        if r.leader is None:
+            return False
+        if any(x is r.leader for x in self._admitted):
+            return True
+        r.leader = None
+        table = self._tables[r.slot]
+        table.release_all()
+        r.prefilled = table.admit(r.tokens)
+        covered = table.ensure(self._cover(r, r.tokens.size - 1))
+        assert covered, "the pages just released cover what the match does not"
+        self._dirty.add(r.slot)
+        return False
 
     def _cover(self, r: _Request, known: int) -> int:
         """Positions ``r``'s table must cover for its next dispatch when its caches hold ``known``
@@ -674,7 +697,8 @@ class Engine:
 
     def _prefill_step(self) -> None:
         with self._lock:
-            batch = [r for r in self._admitted][: self.prefill_batch]
+            batch = [r for r in self._admitted if not (self.page_size is not None and self._waiting(r))]
+            batch = batch[: self.prefill_batch]
         if not batch:
             return
         need = [r for r in batch if r.prefilled < r.tokens.size - 1]
