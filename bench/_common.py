@@ -41,6 +41,20 @@ def k2_slice(layers: int, experts: int, *, smoke: bool, **smoke_overrides):
     return dt.KimiConfig.kimi_k2(num_hidden_layers=layers, n_routed_experts=experts)
 
 
+def k2_models(layers: int, *, smoke: bool):
+    """``(target, drafter)``: a random Kimi K2-shaped target of ``layers`` layers (``k2_slice``, 384
+    experts, bf16) and a random one-layer DFlash drafter for it, placed by ``init_on_mesh``."""
+    from flax import nnx
+
+    import ddtree_jax as dt
+
+    cfg = k2_slice(layers, 384, smoke=smoke)
+    target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(one_layer_drafter_config(cfg), rngs=nnx.Rngs(1),
+                                                       dtype=jnp.bfloat16))
+    return target, drafter
+
+
 def one_layer_drafter_config(tcfg):
     """A one-layer DFlash drafter (block 16) for the target ``tcfg`` (``planner.drafter_config_for``):
     random weights make it a real drafter's compute with about one accepted token per round."""

@@ -61,17 +61,9 @@ def _models():
 
 
 def _k2_models(layers: int, smoke: bool):
-    import jax.numpy as jnp
-    from flax import nnx
+    from bench._common import k2_models
 
-    import ddtree_jax as dt
-    from bench._common import k2_slice, one_layer_drafter_config
-
-    cfg = k2_slice(layers, 384, smoke=smoke)
-    target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(one_layer_drafter_config(cfg), rngs=nnx.Rngs(1),
-                                                       dtype=jnp.bfloat16))
-    return target, drafter, None
+    return (*k2_models(layers, smoke=smoke), None)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

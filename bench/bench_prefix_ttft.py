@@ -1,0 +1,97 @@
+"""Time to first token of a request whose prompt prefix is cached (a hit) against one whose is not
+(a miss), on the paged engine, beside the contiguous engine, in one run.
+
+    PYTHONUNBUFFERED=1 python bench/bench_prefix_ttft.py            # a Kimi K2-shaped slice (GPU)
+    python bench/bench_prefix_ttft.py --smoke --out /tmp/bench     # tiny shapes on the CPU
+
+For each of ``--trials`` fresh random prefixes of ``--prefix`` tokens: request A (the prefix and a
+``--suffix``-token tail) arrives alone on an idle engine and decodes ``--new`` tokens (its prefix is
+not cached: a miss); once it has finished, request B (the same prefix, another tail) arrives
+alone (a hit: the paged engine matches the prefix's full pages and prefills only the rest). Time
+to first token is from ``submit`` to the first streamed token, stepping the engine in this thread.
+The contiguous engine runs the same A and B. Reported: median TTFT per case and the ratio miss /
+hit. The target is a random K2-shaped slice of ``--layers`` layers (bf16) with a random one-layer
+drafter, DDTree budget ``--budget``, prefill chunks of ``--prefill-chunk``. Results:
+``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+import numpy as np
+
+import ddtree_jax as dt
+from bench._common import Report, k2_models, log
+from ddtree_jax.serving import Engine
+
+
+def ttft(eng: Engine, prompt: list[int], new: int) -> float:
+    """Seconds from submitting ``prompt`` to its first streamed token (the request then finishes)."""
+    t0 = time.perf_counter()
+    handle = eng.submit(prompt, max_tokens=new, ignore_eos=True)
+    first = None
+    while not handle.done:
+        eng.step()
+        if first is None and any(c.token_ids for c in handle._chunks):
+            first = time.perf_counter() - t0
+    return first if first is not None else time.perf_counter() - t0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--new", type=int, default=8)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.prefix, args.suffix, args.trials, args.prefill_chunk, args.max_model_len = 256, 16, 2, 64, 512
+        args.page_size = 16
+
+    target, drafter = k2_models(args.layers, smoke=args.smoke)
+    vocab = target.config.vocab_size
+    base = dt.EngineConfig(decode=dt.DecodeConfig(method="ddtree", budget=args.budget), slots=4,
+                           max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
+    engines = {"paged": Engine(target, drafter, dataclasses.replace(base, page_size=args.page_size)),
+               "contiguous": Engine(target, drafter, base)}
+    for eng in engines.values():
+        eng.warmup()
+    rng = np.random.default_rng(0)
+    times: dict[str, list[float]] = {f"{name} {case}": [] for name in engines for case in ("miss", "hit")}
+    for trial in range(args.trials + 1):  # the first trial compiles what warmup() left: not counted
+        prefix = rng.integers(1, vocab, args.prefix).tolist()
+        tails = [rng.integers(1, vocab, args.suffix).tolist() for _ in range(2)]
+        for name, eng in engines.items():
+            miss = ttft(eng, prefix + tails[0], args.new)
+            hit = ttft(eng, prefix + tails[1], args.new)
+            if trial:
+                times[f"{name} miss"].append(miss)
+                times[f"{name} hit"].append(hit)
+        log(f"trial {trial}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items() if v and trial))
+    report = Report(args, name="prefix_ttft", title="Time to first token: cached prefix against none",
+                    sections=("ttft",))
+    report.notes.append(f"Prefix {args.prefix} tokens + tail {args.suffix}, {args.new} new tokens, {args.trials} "
+                        f"trials (medians), pages of {args.page_size}, prefill chunks of {args.prefill_chunk}, "
+                        f"DDTree budget {args.budget}, a random K2-shaped slice of {args.layers} layers.")
+    for name in engines:
+        miss, hit = (statistics.median(times[f"{name} {c}"]) for c in ("miss", "hit"))
+        report.add("ttft", dict(engine=name, miss_ms=miss * 1e3, hit_ms=hit * 1e3, miss_over_hit=miss / hit,
+                                prefix_hit_tokens=(engines[name].metrics.snapshot()["kv_pages"] or {}).get(
+                                    "prefix_hit_tokens", 0)))
+    log(f"wrote {report.stem}.md")
+
+
+if __name__ == "__main__":
+    main()
