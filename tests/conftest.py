@@ -36,6 +36,7 @@ _SLOW_FIRST = [
     "test_sharded_generate.py",
     "test_paged_models.py",
     "test_paged_generate.py",
+    "test_paged_engine.py",
     "test_default_pair.py",
     "test_near_zero_temperature.py",
     "test_exactness.py",
