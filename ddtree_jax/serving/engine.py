@@ -294,7 +294,7 @@ class Engine:
     def _init_pages(self, config: EngineConfig, target, drafter) -> None:
         """The paged caches' host side: the pool, one page table per slot, and the coverage rule."""
         P = self.page_size
-        if self._shard_state is not None or len(jax.devices()) > 1 and jax.process_count() > 1:
+        if self._shard_state is not None or jax.process_count() > 1:
             raise ConfigError("EngineConfig", "page_size", "paged caches run on one device (no mesh form yet)")
         for role, model in (("target", target), ("drafter", drafter)):
             if model is not None and not hasattr(model, "init_paged_cache"):
