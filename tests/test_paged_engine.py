@@ -110,3 +110,5 @@ def test_paged_settings_are_checked(models):
         dt.EngineConfig(kv_pages=8)
     with pytest.raises(ConfigError, match="kv_pages"):
         paged(models, kv_pages=4)  # one request of max_model_len with its scratch needs 5
+    with pytest.raises(ConfigError, match="one device"):
+        Engine(*models, dataclasses.replace(SHAPE, page_size=16), shard_state=lambda state: state)
