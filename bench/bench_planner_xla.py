@@ -153,19 +153,20 @@ def run(args, row: dict, devices) -> dict:
     passes = planner.activation.passes(config.slots)
     rows = planner.activation.prefill_rows(config.slots)
     t0 = time.perf_counter()
-    round_temp = _device.rounds_and_harvest.lower(models, tparams, dparams, plan, state, key, rounds=1,
-                                                  tokens=dcfg.block_size).compile().memory_analysis()
-    prefill_temp = _device.prefill_chunk.lower(models, tparams, dparams, plan, state, i32(rows),
-                                               i32(rows, config.prefill_chunk), i32(rows),
-                                               i32(rows)).compile().memory_analysis()
-    xla_round, xla_prefill = round_temp.temp_size_in_bytes, prefill_temp.temp_size_in_bytes
-    planned_round = max(passes["verify"], passes["draft"])
-    return {**row, "xla_round_bytes": xla_round, "planner_round_bytes": planned_round,
-            "round_ratio": round(planned_round / xla_round, 4), "planner_round_phase":
-            "verify" if passes["verify"] >= passes["draft"] else "draft",
-            "xla_prefill_bytes": xla_prefill, "planner_prefill_bytes": passes["prefill"],
-            "prefill_ratio": round(passes["prefill"] / xla_prefill, 4),
-            "planner_compile_workspace_bytes": planner.bytes["compile_workspace"],
+    out = dict(row)
+    if "round" in args.programs:
+        xla = _device.rounds_and_harvest.lower(models, tparams, dparams, plan, state, key, rounds=1,
+                                               tokens=dcfg.block_size).compile().memory_analysis().temp_size_in_bytes
+        planned = max(passes["verify"], passes["draft"])
+        out.update(xla_round_bytes=xla, planner_round_bytes=planned, round_ratio=round(planned / xla, 4),
+                   planner_round_phase="verify" if passes["verify"] >= passes["draft"] else "draft")
+    if "prefill" in args.programs:
+        xla = _device.prefill_chunk.lower(models, tparams, dparams, plan, state, i32(rows),
+                                          i32(rows, config.prefill_chunk), i32(rows),
+                                          i32(rows)).compile().memory_analysis().temp_size_in_bytes
+        out.update(xla_prefill_bytes=xla, planner_prefill_bytes=passes["prefill"],
+                   prefill_ratio=round(passes["prefill"] / xla, 4))
+    return {**out, "planner_compile_workspace_bytes": planner.bytes["compile_workspace"],
             "compile_seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -182,6 +183,7 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, nargs="+", default=[512])
     ap.add_argument("--prefill-batch", type=lambda v: None if v == "all" else int(v), nargs="+", default=[8],
                     help="slots per prefill step ('all': every slot)")
+    ap.add_argument("--programs", nargs="+", choices=("round", "prefill"), default=["round", "prefill"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     n = 1
@@ -198,7 +200,9 @@ def main() -> None:
     variations = [base] + [{**base, key: v} for key in ("layers", "slots", "max_model_len", "budget", "prefill_chunk",
                                                         "prefill_batch") for v in getattr(args, key)[1:]]
     day = datetime.date.today().strftime("%Y%m%d")
-    stem = os.path.join(args.out, f"planner_xla_h200{'_' + args.mesh.replace('=', '') if args.mesh else ''}_{day}")
+    tag = f"_{args.mesh.replace('=', '')}" if args.mesh else ""
+    tag += f"_{args.layers[0]}layers" if args.layers[0] != 2 else ""
+    stem = os.path.join(args.out, f"planner_xla_h200{tag}_{day}")
     meta = dict(device=f"NVIDIA H200 x {n} (compile-only)", jax=jax.__version__, mesh=args.mesh or "one device",
                 dp_attention=not args.no_dp_attention, experts=args.experts, int4=args.int4,
                 date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -210,11 +214,11 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(stem + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        cols = list(rows[0])
+        cols = list(dict.fromkeys(k for r in rows for k in r))
         lines = ["# Planner against XLA's H200 compile (temp bytes per device)", ""]
         lines += [f"- {k}: {v}" for k, v in meta.items()] + ["", "| " + " | ".join(cols) + " |",
                                                             "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
         with open(stem + ".md", "w") as f:
             f.write("\n".join(lines) + "\n")
 

@@ -275,8 +275,10 @@ class ActivationRule:
       (``rows * block * ((heads * head_dim + hidden) * b + keys)``);
     * the ``prefill`` of the largest chunk, ``R = pow2(min(prefill_batch or slots, slots))`` rows
       of ``prefill_chunk`` tokens: the R slots' caches it takes out of the state and puts back
-      (``R * row_cache_bytes``: every layer of both caches; on a mesh every device holds all R)
-      plus one target layer at R / row devices rows.
+      (``R * row_cache_bytes``: every layer of both caches; on a mesh every device holds all R),
+      with the slots split over several devices the caches of every slot the take and the put
+      gather onto each device, a layer at a time (``slots * gathered_slot_bytes``: one target
+      layer and one drafter K or V), and one target layer at R / row devices rows.
 
     One target ``layer`` of ``n`` tokens (``rows * t``): the residual stream, the normed input and
     the captured outputs, ``(2 + captured) * n * hidden * b``, plus the larger of the attention,
@@ -313,6 +315,7 @@ class ActivationRule:
     expert_gather: int
     cache_len: int
     row_cache_bytes: int  # one slot's target and drafter caches
+    gathered_slot_bytes: int  # one slot's cache of one target layer and one drafter K or V; 0: rows on one device
     draft_block: int  # 0: no drafter
     draft_heads: int  # local
     draft_kv_heads: int  # local
@@ -359,7 +362,7 @@ class ActivationRule:
             "verify": max(self.logits_bytes(rows, self.verify_tokens),
                           self.layer_bytes(rows, slots // self.data, self.verify_tokens)),
             "draft": self.draft_bytes(rows),
-            "prefill": prefill * self.row_cache_bytes + self.layer_bytes(
+            "prefill": prefill * self.row_cache_bytes + slots * self.gathered_slot_bytes + self.layer_bytes(
                 -(-prefill // self.row_devices), -(-prefill // self.data), self.prefill_chunk),
         }
 
@@ -534,6 +537,9 @@ def plan_capacity(target_cfg: KimiConfig, drafter_cfg: DFlashConfig | None, mesh
         data=mesh.get(_DATA, 1), expert_parallel=mesh.get(_EXPERT, 1) > 1, expert_gather=expert_gather,
         cache_len=cache_len,
         row_cache_bytes=sum(two[k] - one[k] for k in ("target_cache", "drafter_cache")),
+        gathered_slot_bytes=0 if row_devices == 1 else cache_len * np.dtype(dtype).itemsize * (
+            target_cfg.kv_lora_rank + target_cfg.qk_rope_head_dim
+            + (local(drafter_cfg.num_key_value_heads) * drafter_cfg.head_dim if drafter_cfg is not None else 0)),
         draft_block=drafter_cfg.block_size if drafter_cfg is not None else 0,
         draft_heads=local(drafter_cfg.num_attention_heads) if drafter_cfg is not None else 0,
         draft_kv_heads=local(drafter_cfg.num_key_value_heads) if drafter_cfg is not None else 0,
