@@ -80,7 +80,7 @@ SAMPLER_CHUNK, SAMPLER_CANDIDATES, SAMPLER_TILE, SAMPLER_SEGMENT = 64, 128, 4096
 ``CAND_CHUNKS``, ``MAX_TILE``, ``CHECK_SEG``), which sizes its per-row scratch."""
 
 HOPPER_BLOCK = 512
-"""The longest block whose attention runs the Hopper kernel plus a float32 block part that holds
+"""The longest block whose attention runs the sm_90 kernel plus a float32 block part that holds
 the block's scores (``latent_attention.HOPPER_MAX_BLOCK``); longer blocks take the Triton kernel,
 which keeps them in registers."""
 

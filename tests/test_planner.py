@@ -2,8 +2,8 @@
 what real placement holds per device (weights placed by init_on_mesh, caches and the decoding
 state split over the row devices, on 8 CPU devices), the serving engine's own cache length and
 state bytes, and a real INT4 model's expert bytes; its transient terms follow their rules (by hand
-at the H200 bench configuration), stay within their stated bounds of XLA's own temporary bytes
-for the engine's programs compiled for an H200 (recorded by bench/bench_planner_xla.py), and the
+at the GPU bench configuration), stay within their stated bounds of XLA's own temporary bytes
+for the engine's programs compiled for the GPU (recorded by bench/bench_planner_xla.py), and the
 draft phase tracks the CPU's ``memory_analysis()`` of the drafter's attention; ``max_slots`` is
 the largest multiple that fits; the command prints the table and JSON and names the flag of a bad
 option."""
@@ -168,14 +168,14 @@ def _k2_slice(layers: int = 2):
 
 
 def _bench_plan(**overrides):
-    """The H200 bench configuration: a 2-layer Kimi K2 slice (bf16, 384 experts), a one-layer
+    """The GPU bench configuration: a 2-layer Kimi K2 slice (bf16, 384 experts), a one-layer
     drafter, 64 slots of 4096 positions, budget 64, prefill chunks of 512 tokens over 8 slots."""
     tcfg, dcfg = _k2_slice(overrides.pop("layers", 2))
     setup = dict(slots=64, max_model_len=4096, budget=64, prefill_chunk=512, prefill_batch=8)
     return plan_capacity(tcfg, dcfg, overrides.pop("mesh", {}), **{**setup, **overrides})
 
 
-def test_transient_terms_by_hand_at_the_h200_bench_configuration():
+def test_transient_terms_by_hand_at_the_bench_configuration():
     plan = _bench_plan()
     rule = plan.activation
     V, H, b = 163840, 7168, 2
@@ -207,15 +207,15 @@ def test_sampler_and_attention_constants_are_the_kernels():
 
 
 def _xla_rows():
-    """Rows of bench/bench_planner_xla.py's results for one H200 (2- and 4-layer Kimi K2 slices,
+    """Rows of bench/bench_planner_xla.py's results for one GPU (2- and 4-layer Kimi K2 slices,
     the bench configuration and one setting changed at a time)."""
     with open(os.path.join(RESULTS, "planner_xla_h200_20261201.json")) as f:
         return [pytest.param(r, id=f"row{i}") for i, r in enumerate(json.load(f)["rows"])]
 
 
 @pytest.mark.parametrize("row", _xla_rows())
-def test_transient_terms_against_xla_for_an_h200(row):
-    """XLA's temporary bytes for the round and the prefill chunk compiled for an H200 (recorded by
+def test_transient_terms_against_xla_for_the_gpu(row):
+    """XLA's temporary bytes for the round and the prefill chunk compiled for the GPU (recorded by
     bench/bench_planner_xla.py) against the planner's phases, within the bounds docs/capacity.md
     states ("Which side it errs on"): the round's logits and draft phases within 1% (under or
     over); the prefill chunk an upper bound up to 45% over, but a 2-row chunk's, 10% under."""
