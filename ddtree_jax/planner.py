@@ -7,7 +7,8 @@ Nothing is allocated. Weights and the per-slot arrays are exact: the models are 
 (``ddtree_jax.checkpoints.partition_spec``); the caches and the decoding state are the serving
 engine's own (``serving._device.empty_state`` under ``jax.eval_shape``, ``EngineConfig.cache_len``
 positions per slot). Activations and the compile workspace are estimates by the rules of
-``ActivationRule`` and ``COMPILE_WORKSPACE_FACTOR``.
+``ActivationRule``: the largest live set of the engine's compiled programs, and the buffers XLA's
+GEMM autotuner allocates while it compiles them (derivations: docs/capacity.md).
 
 Rows layout: the slots are split over the "row devices" (the ``data`` axis, and with
 data-parallel attention also ``expert``); every per-slot array (both caches, the decoding state)
@@ -35,7 +36,6 @@ from ddtree_jax.models import DFlashConfig, DFlashDrafter, Int4Format, KimiConfi
 from ddtree_jax.models.dflash_config import default_target_layer_ids
 
 __all__ = [
-    "COMPILE_WORKSPACE_FACTOR",
     "DEFAULT_MEMORY_FRACTION",
     "DEVICE_MEMORY",
     "K2_INT4",
@@ -75,9 +75,14 @@ DEFAULT_MEMORY_FRACTION = 0.9
 """The share of a device's memory a plan may fill; the rest is left to the runtime (CUDA context,
 XLA's own buffers, fragmentation)."""
 
-COMPILE_WORKSPACE_FACTOR = 1.0
-"""The compile workspace estimate: XLA's temporary buffers beyond the live arrays the activation
-rule counts, taken as this multiple of the activations."""
+SAMPLER_CHUNK, SAMPLER_CANDIDATES, SAMPLER_TILE, SAMPLER_SEGMENT = 64, 128, 4096, 4
+"""The fused sampler's geometry (``pallas_kernels/triton/fused_sample.py``: ``CHUNK``,
+``CAND_CHUNKS``, ``MAX_TILE``, ``CHECK_SEG``), which sizes its per-row scratch."""
+
+HOPPER_BLOCK = 512
+"""The longest block whose attention runs the sm_90 kernel plus a float32 block part that holds
+the block's scores (``latent_attention.HOPPER_MAX_BLOCK``); longer blocks take the Triton kernel,
+which keeps them in registers."""
 
 K2_INT4 = Int4Format(group_size=32, symmetric=True)
 """Kimi K2 Thinking's routed experts: symmetric INT4 in groups of 32 inputs."""
@@ -235,40 +240,68 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
+def sampler_scratch(vocab: int) -> int:
+    """Bytes of the fused sampler's scratch per sampled row of ``vocab`` logits: per 64-column
+    chunk (a power of two of them) the candidate slots and the chunk maxima, 128 more candidate
+    slots, and a few float32 words per 4096-column tile and per segment of 4 tiles."""
+    tile = max(SAMPLER_CHUNK, min(SAMPLER_TILE, _pow2(vocab)))
+    tiles = -(-vocab // tile)
+    chunks = _pow2(tiles * (tile // SAMPLER_CHUNK))
+    return 4 * (SAMPLER_CANDIDATES + 2 * chunks + 4 * _pow2(tiles) + 3 * _pow2(-(-tiles // SAMPLER_SEGMENT)))
+
+
+def autotune_bytes(m: int, k: int, n: int, in_bytes: int, out_bytes: int) -> int:
+    """Device bytes XLA's GEMM autotuner allocates to time an ``[m, k] @ [k, n]`` product: a copy
+    of each operand (``in_bytes`` per element), the result (``out_bytes``) and a reference copy of
+    the result that every candidate is checked against."""
+    return (m * k + k * n) * in_bytes + 2 * m * n * out_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationRule:
-    """The activation estimate: per device, the largest of two passes' live intermediates (one
-    layer at a time), the verify and a prompt chunk's prefill (docs/capacity.md, "Activations").
+    """The transient bytes per device (docs/capacity.md, "Activations" and "Compile workspace").
 
-    A pass of ``rows`` rows per device (``moe_rows``: the rows whose tokens the device's MoE
-    sees) and ``t`` tokens per row, ``n = rows * t`` tokens, dtype of ``b`` bytes, counts
+    **Activations**: the largest live set of the engine's two big compiled programs, each the
+    largest of its phases (XLA reuses one phase's buffers in the next):
 
-    * logits (the verify only; the prefill discards them): ``2 * n * vocab * 4``, the float32
-      logits and one vocabulary-sized working array of the sampler;
-    * hidden states: ``(4 + captured) * n * hidden * b`` (residual, normed input, attention and
-      MLP outputs, and the ``captured`` target layers' outputs the drafter reads);
-    * attention, per token and local head (heads over ``tensor``): the queries
-      ``(qk_nope + qk_rope) * b``, the absorbed queries ``(kv_lora + qk_rope) * b``, float32
-      partial outputs of two key splits ``2 * kv_lora * 4``, the block's float32 scores and
-      probabilities ``2 * t * 4``, and the outputs ``(kv_lora + v_head) * b``;
-    * routed experts: ``moe_rows * t * k`` token copies of ``moe_intermediate * b`` (the
-      activated gate times up) + ``hidden * 4`` (the float32 expert output; the combine of a
-      token's copies fuses into one pass over them), plus ``expert_gather`` (one layer's local
-      experts gathered over ``tensor``).
+    * the round's ``verify``: the larger of the logits phase (the float32 logits of every tree
+      node, ``n * vocab * 4``, the fused sampler's scratch ``n * sampler_scratch(vocab)`` and the
+      ``captured`` target layers' outputs the drafter reads, ``captured * n * hidden * b``) and
+      one target layer (``layer``) at ``n`` = slots per row device times ``verify_tokens``;
+    * the round's ``draft``: one drafter layer's attention over the whole context of ``keys =
+      cache_len + block`` positions, which it copies with the block appended (keys or values,
+      ``rows * keys * kv_heads * head_dim * b``) beside its scores and probabilities (``2 * rows
+      * heads * block * keys * b``), the block's hidden states and queries and the boolean mask
+      (``rows * block * ((heads * head_dim + hidden) * b + keys)``);
+    * the ``prefill`` of the largest chunk, ``R = pow2(min(prefill_batch or slots, slots))`` rows
+      of ``prefill_chunk`` tokens: the R slots' caches it takes out of the state and puts back
+      (``R * row_cache_bytes``: every layer of both caches; on a mesh every device holds all R),
+      with the slots split over several devices the caches of every slot the take and the put
+      gather onto each device, a layer at a time (``slots * gathered_slot_bytes``: one target
+      layer and one drafter K or V), and one target layer at R / row devices rows.
 
-    The verify: ``rows`` = slots per row device, ``t`` = ``verify_tokens`` (the tree's
-    ``budget + 1`` nodes, or the drafter's block if longer). The prefill: the engine's largest
-    chunk, ``pow2(min(prefill_batch or slots, slots))`` rows spread over the row devices, ``t`` =
-    ``prefill_chunk``. ``moe_rows``: the pass's rows per ``data`` shard (the expert-parallel
-    MoE runs every token of its data shard on each device of the expert axis)."""
+    One target ``layer`` of ``n`` tokens (``rows * t``): the residual stream, the normed input and
+    the captured outputs, ``(2 + captured) * n * hidden * b``, plus the larger of the attention,
+    per token and local head the query in latent form ``(kv_lora + qk_rope) * b``, the float32
+    partial output ``4 * kv_lora`` and, for blocks of at most ``HOPPER_BLOCK`` tokens, the float32
+    scores and probabilities of the block's own keys ``8 * t``; and the routed experts:
+    ``moe_rows * t * k`` token copies (``moe_rows``: the rows of the data shard, all of which each
+    expert-axis device runs) of ``moe_intermediate * b + hidden * 4`` (the activated gate times up,
+    the float32 expert output), with expert parallelism the float32 sum of those tokens' outputs
+    ``moe_rows * t * hidden * 4``, and ``expert_gather`` (one layer's local experts gathered over
+    ``tensor``).
+
+    **Compile workspace**: while XLA compiles a program it times the candidates of its largest
+    matrix product on the device (``autotune_bytes``): the verify's LM head (``n_v`` rows of
+    ``hidden`` into ``lm_head_cols`` float32 logits) or the widest other projection
+    (``widest_dense`` columns in the weights' dtype) at the larger of the verify's and the
+    prefill's tokens."""
 
     vocab: int
     hidden: int
     heads: int  # local: over the tensor axis where it divides them
     kv_lora: int
     qk_rope: int
-    qk_nope: int
-    v_head: int
     experts_per_token: int  # 0: no MoE layer
     moe_intermediate: int
     captured: int
@@ -278,29 +311,68 @@ class ActivationRule:
     prefill_batch: int | None
     row_devices: int
     data: int
+    expert_parallel: bool
     expert_gather: int
+    cache_len: int
+    row_cache_bytes: int  # one slot's target and drafter caches
+    gathered_slot_bytes: int  # one slot's cache of one target layer and one drafter K or V; 0: rows on one device
+    draft_block: int  # 0: no drafter
+    draft_heads: int  # local
+    draft_kv_heads: int  # local
+    draft_head_dim: int
+    lm_head_cols: int  # per device
+    widest_dense: int  # per device
 
-    def pass_bytes(self, rows: int, moe_rows: int, t: int, *, logits: bool) -> int:
-        """Live bytes per device of one pass (the rule of the class docstring)."""
+    def layer_bytes(self, rows: int, moe_rows: int, t: int) -> int:
+        """Live bytes per device of one target layer over ``rows`` rows of ``t`` tokens."""
         b, n = self.dtype_bytes, rows * t
-        attention = n * self.heads * ((self.qk_nope + self.qk_rope) * b + (self.kv_lora + self.qk_rope) * b
-                                      + 2 * self.kv_lora * 4 + 2 * t * 4 + (self.kv_lora + self.v_head) * b)
+        scores = 8 * t if t <= HOPPER_BLOCK else 0
+        attention = n * self.heads * ((self.kv_lora + self.qk_rope) * b + 4 * self.kv_lora + scores)
         moe = 0
         if self.experts_per_token:
-            per_copy = self.moe_intermediate * b + self.hidden * 4
-            moe = moe_rows * t * self.experts_per_token * per_copy + self.expert_gather
-        return ((2 * n * self.vocab * 4 if logits else 0) + (4 + self.captured) * n * self.hidden * b
-                + attention + moe)
+            tokens = moe_rows * t
+            moe = (tokens * self.experts_per_token * (self.moe_intermediate * b + 4 * self.hidden)
+                   + (4 * tokens * self.hidden if self.expert_parallel else 0) + self.expert_gather)
+        return (2 + self.captured) * n * self.hidden * b + max(attention, moe)
+
+    def logits_bytes(self, rows: int, t: int) -> int:
+        """Live bytes per device of the verify's logits phase over ``rows`` rows of ``t`` nodes."""
+        n = rows * t
+        return n * (4 * self.vocab + sampler_scratch(self.vocab)) + self.captured * n * self.hidden * self.dtype_bytes
+
+    def draft_bytes(self, rows: int) -> int:
+        """Live bytes per device of one drafter layer's attention over ``rows`` rows' contexts."""
+        if not self.draft_block:
+            return 0
+        b, block, keys = self.dtype_bytes, self.draft_block, self.cache_len + self.draft_block
+        copy = keys * self.draft_kv_heads * self.draft_head_dim * b
+        scores = 2 * self.draft_heads * block * keys * b
+        own = block * ((self.draft_heads * self.draft_head_dim + self.hidden) * b + keys)
+        return rows * (copy + scores + own)
+
+    def prefill_rows(self, slots: int) -> int:
+        """Rows of the engine's largest prefill chunk (padded to a power of two)."""
+        return _pow2(min(self.prefill_batch or slots, slots))
 
     def passes(self, slots: int) -> dict[str, int]:
-        """``{"verify": bytes, "prefill": bytes}`` per device at ``slots`` slots."""
-        prefill_rows = _pow2(min(self.prefill_batch or slots, slots))
+        """``{"verify": bytes, "draft": bytes, "prefill": bytes}`` per device at ``slots`` slots."""
+        rows = slots // self.row_devices
+        prefill = self.prefill_rows(slots)
         return {
-            "verify": self.pass_bytes(slots // self.row_devices, slots // self.data, self.verify_tokens,
-                                      logits=True),
-            "prefill": self.pass_bytes(-(-prefill_rows // self.row_devices), -(-prefill_rows // self.data),
-                                       self.prefill_chunk, logits=False),
+            "verify": max(self.logits_bytes(rows, self.verify_tokens),
+                          self.layer_bytes(rows, slots // self.data, self.verify_tokens)),
+            "draft": self.draft_bytes(rows),
+            "prefill": prefill * self.row_cache_bytes + slots * self.gathered_slot_bytes + self.layer_bytes(
+                -(-prefill // self.row_devices), -(-prefill // self.data), self.prefill_chunk),
         }
+
+    def compile_workspace(self, slots: int) -> int:
+        """The compile workspace per device at ``slots`` slots (the class docstring)."""
+        b, rows = self.dtype_bytes, slots // self.row_devices
+        verify = rows * self.verify_tokens
+        prefill = -(-self.prefill_rows(slots) // self.row_devices) * self.prefill_chunk
+        return max(autotune_bytes(verify, self.hidden, self.lm_head_cols, b, 4),
+                   autotune_bytes(max(verify, prefill), self.hidden, self.widest_dense, b, b))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,10 +402,9 @@ class CapacityPlan:
         if slots % self.row_devices:
             raise ValueError(f"slots={slots} is not a multiple of the {self.row_devices} row devices")
         rows = slots // self.row_devices
-        activations = max(self.activation.passes(slots).values())
         return {**self.weights, **{k: self.slot_fixed[k] + rows * self.slot_per_row[k] for k in SLOT_KINDS},
-                "activations": activations,
-                "compile_workspace": math.ceil(COMPILE_WORKSPACE_FACTOR * activations)}
+                "activations": max(self.activation.passes(slots).values()),
+                "compile_workspace": self.activation.compile_workspace(slots)}
 
     @property
     def bytes(self) -> dict[str, int]:
@@ -347,7 +418,8 @@ class CapacityPlan:
 
     @property
     def activation_pass(self) -> str:
-        """``"verify"`` or ``"prefill"``: the pass whose activations are counted at ``slots``."""
+        """``"verify"``, ``"draft"`` or ``"prefill"``: the pass whose activations are counted at
+        ``slots``."""
         passes = self.activation.passes(self.slots)
         return max(passes, key=passes.get)
 
@@ -442,20 +514,37 @@ def plan_capacity(target_cfg: KimiConfig, drafter_cfg: DFlashConfig | None, mesh
     cache_len = config.cache_len(max_model_len, depth)
     one, two = (_slot_bytes(target, drafter, config, rows, cache_len) for rows in (1, 2))
     tensor = mesh.get(_TENSOR, 1)
-    heads = target_cfg.num_attention_heads
+    local = lambda n: n // tensor if n % tensor == 0 else n  # noqa: E731 - dims split over tensor where it divides
     moe = target_cfg.n_routed_experts and target_cfg.first_k_dense_replace < target_cfg.num_hidden_layers
     max_budget = config.decode.max_budget if drafter_cfg is not None else 0
+    dense = [target_cfg.num_attention_heads * target_cfg.qk_head_dim,
+             target_cfg.num_attention_heads * (target_cfg.qk_nope_head_dim + target_cfg.v_head_dim)]
+    if target_cfg.first_k_dense_replace:
+        dense.append(target_cfg.intermediate_size)
+    if moe:
+        dense.append(target_cfg.moe_intermediate_size * target_cfg.n_shared_experts)
+    if drafter_cfg is not None:
+        dense.append(drafter_cfg.intermediate_size)
     rule = ActivationRule(
-        vocab=target_cfg.vocab_size, hidden=target_cfg.hidden_size,
-        heads=heads // tensor if heads % tensor == 0 else heads, kv_lora=target_cfg.kv_lora_rank,
-        qk_rope=target_cfg.qk_rope_head_dim, qk_nope=target_cfg.qk_nope_head_dim, v_head=target_cfg.v_head_dim,
+        vocab=target_cfg.vocab_size, hidden=target_cfg.hidden_size, heads=local(target_cfg.num_attention_heads),
+        kv_lora=target_cfg.kv_lora_rank, qk_rope=target_cfg.qk_rope_head_dim,
         experts_per_token=target_cfg.num_experts_per_tok if moe else 0,
         moe_intermediate=target_cfg.moe_intermediate_size,
         captured=len(drafter_cfg.target_layer_ids) if drafter_cfg is not None else 0,
         dtype_bytes=np.dtype(dtype).itemsize,
         verify_tokens=max(max_budget + 1, drafter_cfg.block_size if drafter_cfg is not None else 1),
         prefill_chunk=prefill_chunk, prefill_batch=prefill_batch, row_devices=row_devices,
-        data=mesh.get(_DATA, 1), expert_gather=expert_gather,
+        data=mesh.get(_DATA, 1), expert_parallel=mesh.get(_EXPERT, 1) > 1, expert_gather=expert_gather,
+        cache_len=cache_len,
+        row_cache_bytes=sum(two[k] - one[k] for k in ("target_cache", "drafter_cache")),
+        gathered_slot_bytes=0 if row_devices == 1 else cache_len * np.dtype(dtype).itemsize * (
+            target_cfg.kv_lora_rank + target_cfg.qk_rope_head_dim
+            + (local(drafter_cfg.num_key_value_heads) * drafter_cfg.head_dim if drafter_cfg is not None else 0)),
+        draft_block=drafter_cfg.block_size if drafter_cfg is not None else 0,
+        draft_heads=local(drafter_cfg.num_attention_heads) if drafter_cfg is not None else 0,
+        draft_kv_heads=local(drafter_cfg.num_key_value_heads) if drafter_cfg is not None else 0,
+        draft_head_dim=drafter_cfg.head_dim if drafter_cfg is not None else 0,
+        lm_head_cols=local(target_cfg.vocab_size), widest_dense=max(local(d) for d in dense),
     )
     return CapacityPlan(
         mesh=mesh, dp_attention=dp, row_devices=row_devices, slots=slots, max_model_len=max_model_len,
