@@ -395,15 +395,14 @@ class Engine:
         with self._lock:
             if self._slot[r.slot] is r:
                 self._slot[r.slot] = None
-            if r in self._admitted:
-                self._admitted.remove(r)
+            self._admitted = [x for x in self._admitted if x is not r]
             self._queue.appendleft(r)
         if r.running and self._inflight is not None and self._inflight[1][r.slot] is r:
             self._inflight[1][r.slot] = None  # its in-flight rounds are dropped
         if r.running:
             self._state = _device.release(self._state, self._rows([r.slot], self.slots))
         r.context = np.concatenate([r.prompt, np.asarray(r.out, np.int32)]) if r.out else None
-        r.running, r.prefilled, r.slot = False, 0, -1
+        r.running, r.prefilled, r.slot, r.leader = False, 0, -1, None
         self.metrics.count("preemptions")
 
     def _ensure_pages(self, snapshot: list[_Request | None]) -> None:
@@ -424,8 +423,9 @@ class Engine:
                 if owner is r:
                     snapshot[s] = None
                     break
-                if owner in snapshot:
-                    snapshot[snapshot.index(owner)] = None
+                for i, x in enumerate(snapshot):
+                    if x is owner:
+                        snapshot[i] = None
             else:
                 self._dirty.add(s)
 
