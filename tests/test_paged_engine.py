@@ -8,12 +8,14 @@ positions, so a request's table has at most 5 pages.
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 import ddtree_jax as dt
 from ddtree_jax.config import ConfigError
 from ddtree_jax.serving import Engine
+from ddtree_jax.serving._device import page_bytes
 from tests._model_fixtures import tiny_dflash, tiny_kimi
 
 DECODE = dt.DecodeConfig(method="ddtree", budget=6)
@@ -112,3 +114,10 @@ def test_paged_settings_are_checked(models):
         paged(models, kv_pages=4)  # one request of max_model_len with its scratch needs 5
     with pytest.raises(ConfigError, match="one device"):
         Engine(*models, dataclasses.replace(SHAPE, page_size=16), shard_state=lambda state: state)
+
+    # --kv-cache-memory divides by one page's bytes: the pools' bytes per page of a real engine.
+    eng = paged(models, kv_pages=5)
+    caches = (eng._state.target_cache, eng._state.draft_cache)
+    pools = sum(x.nbytes for c in caches for x in jax.tree.leaves(c)) - sum(
+        c.page_table.nbytes + c.lengths.nbytes for c in caches)
+    assert page_bytes(*models, 16) == pools // (eng.kv_pages + 1) > 0
