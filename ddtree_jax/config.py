@@ -208,8 +208,13 @@ class DecodeConfig:
 
 
 MIN_PAGE_SIZE = 16
-"""The smallest page: the paged attention kernel's smallest key tile (``models.paged_attention.
-MIN_KERNEL_PAGE``), so that a page size valid on the CPU is valid on every backend."""
+"""The smallest page of a paged cache: the paged attention kernel's smallest key tile (each tile
+lies in one page), so that a page size valid on the CPU is valid on every backend."""
+
+
+def is_page_size(x: Any) -> bool:
+    """Whether ``x`` is a valid page size: an integer power of two >= ``MIN_PAGE_SIZE``."""
+    return is_int(x) and x >= MIN_PAGE_SIZE and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -285,9 +290,8 @@ class EngineConfig:
         _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)
         _check_count(owner, "max_logprobs", self.max_logprobs, lo=0)
         _check_count(owner, "kv_pages", self.kv_pages, optional=True)
-        _require(self.page_size is None or (is_int(self.page_size) and self.page_size >= MIN_PAGE_SIZE
-                                            and self.page_size & (self.page_size - 1) == 0),
-                 owner, "page_size", f"must be None or a power of two >= {MIN_PAGE_SIZE}, got {self.page_size!r}")
+        _require(self.page_size is None or is_page_size(self.page_size), owner, "page_size",
+                 f"must be None or a power of two >= {MIN_PAGE_SIZE}, got {self.page_size!r}")
         _require(self.kv_pages is None or self.page_size is not None, owner, "kv_pages",
                  "needs page_size (the pool's pages are page_size positions)")
 

@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.config import ConfigError, is_int
+from ddtree_jax.config import MIN_PAGE_SIZE, ConfigError, is_page_size
 from ddtree_jax.decode_round import DecodePlan, Models, prefill_rows
 from ddtree_jax.decode_state import DecodeState
-from ddtree_jax.models.paged_attention import MIN_KERNEL_PAGE
 from ddtree_jax.models.paged_cache import NULL_PAGE
 from ddtree_jax.serving.pages import PagePool, PageTable, page_keys
 
@@ -29,13 +28,13 @@ __all__ = ["check_page_size", "paged_prefill", "prefix_waves", "without_pages"]
 
 def check_page_size(page_size, target) -> None:
     """``ConfigError`` naming ``generate.page_size`` unless it is ``None`` or a power of two of at
-    least ``MIN_KERNEL_PAGE`` (the attention kernel's smallest key tile: a page size valid on every
+    least ``MIN_PAGE_SIZE`` (the attention kernel's smallest key tile: a page size valid on every
     backend) for a target with paged caches (``init_paged_cache``)."""
     if page_size is None:
         return
-    if not (is_int(page_size) and page_size >= MIN_KERNEL_PAGE and page_size & (page_size - 1) == 0):
+    if not is_page_size(page_size):
         raise ConfigError("generate", "page_size",
-                          f"must be None or a power of two >= {MIN_KERNEL_PAGE}, got {page_size!r}")
+                          f"must be None or a power of two >= {MIN_PAGE_SIZE}, got {page_size!r}")
     if not hasattr(target, "init_paged_cache"):
         raise ConfigError("generate", "page_size", f"{type(target).__name__} has no paged cache (init_paged_cache)")
 

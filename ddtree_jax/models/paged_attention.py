@@ -15,7 +15,7 @@ import chex
 import jax
 
 from ddtree_jax.backend import Backend, has_kernel
-from ddtree_jax.config import SEGMENT_GROUP, SEGMENT_KEYS
+from ddtree_jax.config import MIN_PAGE_SIZE, SEGMENT_GROUP, SEGMENT_KEYS, is_page_size
 from ddtree_jax.models.interface import CacheLayout
 from ddtree_jax.models.latent_attention import (
     AttentionMesh,
@@ -28,8 +28,7 @@ from ddtree_jax.models.tree_cache import BlockMask
 
 __all__ = ["MIN_KERNEL_PAGE", "layout_latent_attention", "paged_latent_attention", "paged_latent_attention_reference"]
 
-# The smallest page the kernel takes: its smallest key tile (each tile lies in one page).
-MIN_KERNEL_PAGE = 16
+MIN_KERNEL_PAGE = MIN_PAGE_SIZE  # the smallest page the kernel takes: its smallest key tile
 
 
 def paged_latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, pool_latent: jax.Array,
@@ -65,7 +64,7 @@ def paged_latent_attention(q_latent: jax.Array, q_rope: jax.Array, pool_latent: 
                                                 scale=scale)
     from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 
-    if page < MIN_KERNEL_PAGE or page & (page - 1):
+    if not is_page_size(page):
         raise ValueError(f"paged_latent_attention: the kernel needs pages of a power of two >= {MIN_KERNEL_PAGE} "
                          f"positions, got {page}")
     tiles = default_tiles(pool_latent.dtype)
