@@ -23,7 +23,7 @@ from ddtree_jax.decode_round import (
     with_row_lengths,
 )
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
-from ddtree_jax.models.paged_cache import NULL_PAGE
+from ddtree_jax.paged_generate import without_pages
 from ddtree_jax.sampling import SamplingBatch
 from ddtree_jax.serving.shapes import ShapeCache
 
@@ -127,15 +127,6 @@ def _with_tables(state: DecodeState, tables) -> DecodeState:
         draft_cache=None if state.draft_cache is None else dataclasses.replace(state.draft_cache, page_table=d))
 
 
-def _running_tables(state: DecodeState) -> tuple:
-    """Both caches' page tables with every row not ``RUNNING`` mapped to the null page: a slot
-    between requests, or admitted but not yet prefilled, holds a stale length, and its round
-    writes past that length could reach pages it shares; through the null page they land nowhere."""
-    running = (state.finish == RUNNING)[:, None]
-    null = lambda c: None if c is None else jnp.where(running, c.page_table, NULL_PAGE)  # noqa: E731
-    return null(state.target_cache), null(state.draft_cache)
-
-
 HARVEST_FIELDS = 3  # columns before the tokens in ``rounds_and_harvest``'s packed rows
 
 
@@ -152,10 +143,13 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     no log-probabilities), ``2 + len(expected_budgets)`` more columns follow instead: the rounds'
     tally (``auto_round``, float32 bits as int32). Returns ``(state, packed)``."""
     if _paged(state):
+        # A row not running (a slot between requests, or admitted but not yet prefilled) holds a
+        # stale length; its round's writes past it could reach pages the slot now shares, so the
+        # rounds see its table as the null page, where writes land nowhere.
         tables = (state.target_cache.page_table,
                   None if state.draft_cache is None else state.draft_cache.page_table)
-        state, packed = _rounds_and_harvest(models, tparams, dparams, plan, _with_tables(state, _running_tables(state)),
-                                            base_key, rounds, tokens)
+        state, packed = _rounds_and_harvest(models, tparams, dparams, plan,
+                                            without_pages(state, state.finish != RUNNING), base_key, rounds, tokens)
         return _with_tables(state, tables), packed
     return _rounds_and_harvest(models, tparams, dparams, plan, state, base_key, rounds, tokens)
 

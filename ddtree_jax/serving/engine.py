@@ -370,9 +370,8 @@ class Engine:
             return
         if publish:
             known = self._known(r)
-            if known >= table.read_only * self.page_size:
-                table.commit(known, keep=table.capacity)
-                table.publish(np.concatenate([r.prompt, np.asarray(r.out, np.int32)])[:known])
+            table.commit(known)
+            table.publish(np.concatenate([r.prompt, np.asarray(r.out, np.int32)])[:known])
         table.release_all()
         self._dirty.add(r.slot)
 
@@ -400,7 +399,7 @@ class Engine:
         if r.running and self._inflight is not None and self._inflight[1][r.slot] is r:
             self._inflight[1][r.slot] = None  # its in-flight rounds are dropped
         if r.running:
-            self._state = _device.release(self._state, self._rows([r.slot], self.slots))
+            self._release([r.slot])
         r.context = np.concatenate([r.prompt, np.asarray(r.out, np.int32)]) if r.out else None
         r.running, r.prefilled, r.slot, r.leader = False, 0, -1, None
         self.metrics.count("preemptions")
