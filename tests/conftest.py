@@ -10,6 +10,8 @@
 * The slowest test files are collected first (``_SLOW_FIRST``), the rest in their usual order:
   pytest-xdist hands out whole files in collection order, so a long file started last would
   leave the other worker idle at the end of the run.
+* ``models``: the tiny random target and drafter (float32, ``tests/_model_fixtures.py``), built
+  once per test module; a file that needs other models defines its own ``models``.
 * ``default_dir``: the small default model, trained once per run for every test that needs it
   (tests/test_cli.py, tests/test_tpu_kernels.py), whichever pytest-xdist worker asks first.
 """
@@ -22,6 +24,7 @@ import jax
 import pytest
 
 from ddtree_jax.training.recipe import make_default
+from tests._model_fixtures import tiny_dflash, tiny_kimi
 
 # Longest first; a file not listed runs after these, in the usual order.
 _SLOW_FIRST = [
@@ -64,6 +67,12 @@ def _drop_compiled_programs_after_the_module():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_kimi(0)
+    return target, tiny_dflash(target, 1)
 
 
 @pytest.fixture(scope="session")

@@ -20,12 +20,6 @@ SHAPES = dict(max_new_tokens=12, max_len=64)
 
 
 @pytest.fixture(scope="module")
-def models():
-    target = tiny_kimi(0)
-    return target, tiny_dflash(target, 1)
-
-
-@pytest.fixture(scope="module")
 def greedy_ar(models):
     return generate(models[0], None, PROMPTS, method="ar", **SHAPES)
 

@@ -14,17 +14,10 @@ from flax import nnx
 import ddtree_jax as dt
 from ddtree_jax.sampling import batch_sampling, target_logprobs
 from ddtree_jax.serving import Engine, RequestError
-from tests._model_fixtures import tiny_dflash, tiny_kimi
 
 K = 4
 PROMPT = [5, 17, 33, 2, 90]
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def models():
-    target = tiny_kimi(0)
-    return target, tiny_dflash(target, 1)
 
 
 @pytest.fixture(scope="module")
