@@ -41,17 +41,23 @@ def k2_slice(layers: int, experts: int, *, smoke: bool, **smoke_overrides):
     return dt.KimiConfig.kimi_k2(num_hidden_layers=layers, n_routed_experts=experts)
 
 
-def k2_models(layers: int, *, smoke: bool):
+def k2_models(layers: int, *, smoke: bool, acceptance=None):
     """``(target, drafter)``: a random Kimi K2-shaped target of ``layers`` layers (``k2_slice``, 384
-    experts, bf16) and a random one-layer DFlash drafter for it, placed by ``init_on_mesh``."""
+    experts, bf16) and a random one-layer DFlash drafter for it, placed by ``init_on_mesh``; with
+    ``acceptance`` (``bench._controlled.Acceptance``) the pair whose acceptance it sets
+    (``ControlledTarget``, ``ControlledDrafter``: the same passes)."""
     from flax import nnx
 
     import ddtree_jax as dt
+    from bench._controlled import ControlledDrafter, ControlledTarget
 
     cfg = k2_slice(layers, 384, smoke=smoke)
-    target = dt.init_on_mesh(lambda: dt.KimiForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-    drafter = dt.init_on_mesh(lambda: dt.DFlashDrafter(one_layer_drafter_config(cfg), rngs=nnx.Rngs(1),
-                                                       dtype=jnp.bfloat16))
+    target_cls, drafter_cls, extra = dt.KimiForCausalLM, dt.DFlashDrafter, {}
+    if acceptance is not None:
+        target_cls, drafter_cls, extra = ControlledTarget, ControlledDrafter, dict(acceptance=acceptance)
+    target = dt.init_on_mesh(lambda: target_cls(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, **extra))
+    drafter = dt.init_on_mesh(lambda: drafter_cls(one_layer_drafter_config(cfg), rngs=nnx.Rngs(1),
+                                                  dtype=jnp.bfloat16, **extra))
     return target, drafter
 
 

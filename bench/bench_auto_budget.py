@@ -3,6 +3,7 @@
     PYTHONUNBUFFERED=1 python bench/bench_auto_budget.py --default [--batches 1 16 64] [--new 128]
     python bench/bench_auto_budget.py --pair DIR          # a trained pair (as bench_e2e.py reads it)
     python bench/bench_auto_budget.py --smoke             # tiny random pair on the CPU, tiny sizes
+    python bench/bench_auto_budget.py --k2-slice 2 [--acceptance high medium low] [--smoke]
 
 For each batch size (``--batches``: that many held-out prompts of ``--prompt-len`` tokens decoded
 together, ``--new`` tokens each, stop tokens ignored) and each sampling setting (T=0, T=0.6 +
@@ -12,6 +13,11 @@ shapes compiles first, and for ``auto`` measures or loads the cost table) of ``a
 ratio of each to ``ar``, and for ``auto``: its ratio to the best fixed budget of the cell, the
 per-round budget histogram, expected vs realized tokens, and the cost table it used (seconds per
 round at each budget of the set, as measured by the library at that batch).
+
+``--k2-slice LAYERS``: a random Kimi K2-shaped target of that many layers and a one-layer drafter
+(``bench._common.k2_models``; with ``--smoke`` the tiny CPU shapes) whose acceptance is set by
+hand (``bench._controlled``: the real passes, steered logits), once per ``--acceptance`` level,
+on random prompts.
 
 Results go to ``bench/results/auto_budget_<device>_<date>.json`` after every run (``--resume``
 continues a run stopped by ``--minutes``) and a markdown table beside it, with the device, date
@@ -29,6 +35,8 @@ import time
 
 import jax
 
+from bench._common import k2_models
+from bench._controlled import LEVELS
 from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair, smoke_pair
 from ddtree_jax.config import DecodeConfig
 from ddtree_jax.generation import generate
@@ -74,22 +82,24 @@ def summarize(results: dict) -> str:
              f"Command: `{results['command']}`; jax {results['jax']}.", "",
              "Tokens/s over autoregressive decoding at the same batch and setting (auto/best: auto over the best "
              "fixed budget of the cell).", "",
-             "| batch | setting | ar tok/s | " + " | ".join(f"@{b}" for b in results["budgets"]) +
+             "| acceptance | batch | setting | ar tok/s | " + " | ".join(f"@{b}" for b in results["budgets"]) +
              " | auto | auto/best | auto histogram (budget: rounds) | expected / realized tokens |",
-             "|---|---|---|" + "---|" * (len(fixed) + 4)]
-    for batch in results["batches"]:
-        for setting in ORDER:
-            cell = {r["label"]: r for r in runs if r["batch"] == batch and r["setting"] == setting}
-            if "ar" not in cell:
-                continue
-            ar = cell["ar"]["tokens_per_s"]
-            ratio = lambda lab, cell=cell, ar=ar: cell[lab]["tokens_per_s"] / ar if lab in cell else float("nan")
-            best = max((ratio(lab) for lab in fixed if lab in cell), default=float("nan"))
-            auto = cell.get("auto")
-            hist = ", ".join(f"{b}: {n}" for b, n in auto["histogram"].items()) if auto else ""
-            er = f"{auto['expected']:.0f} / {auto['realized']:.0f}" if auto else ""
-            lines.append(f"| {batch} | {setting} | {ar:.1f} | " + " | ".join(f"{ratio(lab):.2f}" for lab in fixed) +
-                         f" | {ratio('auto'):.2f} | {ratio('auto') / best:.2f} | {hist} | {er} |")
+             "|---|---|---|---|" + "---|" * (len(fixed) + 4)]
+    levels = list(dict.fromkeys(r.get("acceptance") for r in runs))
+    for level, batch, setting in ((lv, b, s) for lv in levels for b in results["batches"] for s in ORDER):
+        cell = {r["label"]: r for r in runs
+                if r.get("acceptance") == level and r["batch"] == batch and r["setting"] == setting}
+        if "ar" not in cell:
+            continue
+        ar = cell["ar"]["tokens_per_s"]
+        ratio = lambda lab, cell=cell, ar=ar: cell[lab]["tokens_per_s"] / ar if lab in cell else float("nan")
+        best = max((ratio(lab) for lab in fixed if lab in cell), default=float("nan"))
+        auto = cell.get("auto")
+        hist = ", ".join(f"{b}: {n}" for b, n in auto["histogram"].items()) if auto else ""
+        er = f"{auto['expected']:.0f} / {auto['realized']:.0f}" if auto else ""
+        fixed_ratios = " | ".join(f"{ratio(lab):.2f}" for lab in fixed)
+        lines.append(f"| {level or '-'} | {batch} | {setting} | {ar:.1f} | {fixed_ratios} | {ratio('auto'):.2f} | "
+                     f"{ratio('auto') / best:.2f} | {hist} | {er} |")
     lines += ["", "Cost table (ms per round at each budget of the set, measured by the library):", ""]
     seen = set()
     for r in runs:
@@ -107,6 +117,10 @@ def main(argv=None):
     src.add_argument("--default", action="store_true", help="the shipped pair (ddtree_jax/default_pair)")
     src.add_argument("--pair", help="folder with target/, drafter/, tokenizer.json, data.json")
     src.add_argument("--smoke", action="store_true", help="tiny random pair, tiny sizes (CPU)")
+    p.add_argument("--k2-slice", type=int, metavar="LAYERS", default=None,
+                   help="a K2-shaped slice of LAYERS layers with a controlled-acceptance pair (--smoke: tiny shapes)")
+    p.add_argument("--acceptance", nargs="+", default=["high", "medium", "low"], choices=list(LEVELS),
+                   help="--k2-slice: the acceptance levels (bench/_controlled.py)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--auto-max", type=int, default=32, help="auto's largest budget (DecodeConfig.auto_max_budget)")
@@ -128,7 +142,15 @@ def main(argv=None):
     if args.compilation_cache is not None:
         os.environ[compilation_cache.ENV_VAR] = args.compilation_cache  # the cost table's folder follows it
     t_start = time.perf_counter()
-    if args.smoke:
+    levels = [None]
+    if args.k2_slice is not None:
+        target, drafter = k2_models(args.k2_slice, smoke=args.smoke, acceptance=LEVELS[args.acceptance[0]])
+        tokenizer, data_json, levels = None, None, args.acceptance
+        shapes = " (smoke shapes)" if args.smoke else ""
+        pair = f"K2-shaped slice of {args.k2_slice} layers{shapes}, controlled acceptance"
+        if args.smoke:
+            args.batches, args.budgets, args.auto_max, args.prompt_len, args.new = [1, 4], [4, 8], 8, 8, 16
+    elif args.smoke:
         target, drafter, tokenizer = smoke_pair()
         args.batches, args.budgets, args.auto_max = [1, 4], [2, 4], 4
         args.prompt_len, args.new, pair, data_json = 8, 6, "smoke (random tiny pair)", None
@@ -150,7 +172,7 @@ def main(argv=None):
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             results["runs"] = json.load(f)["runs"]
-    done = {(r["batch"], r["setting"], r["label"]) for r in results["runs"]}
+    done = {(r.get("acceptance"), r["batch"], r["setting"], r["label"]) for r in results["runs"]}
     os.makedirs(args.out, exist_ok=True)
 
     def save():
@@ -162,24 +184,28 @@ def main(argv=None):
     labels = ["ar", *(f"ddtree@{b}" for b in args.budgets), "auto"]
     _log(f"{pair} on {device}: batches {args.batches}, settings {args.settings}, {labels}")
     stopped = False
-    for batch in args.batches:
-        prompts, _ = heldout_prompts(data_json, tokenizer, batch, args.prompt_len, args.new,
-                                     target.config.vocab_size, args.seed)
-        for setting in args.settings:
-            for label in labels:
-                if (batch, setting, label) in done:
-                    continue
-                if time.perf_counter() - t_start > args.minutes * 60:
-                    stopped = True
-                    break
-                t0 = time.perf_counter()
-                rec = run_one(target, drafter, prompts, label, setting, args.new, args.auto_max, args.seed)
-                rec.update(batch=batch, setting=setting)
-                results["runs"].append(rec)
-                save()
-                extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
-                _log(f"batch {batch} {setting} {label}: {rec['tokens_per_s']:.1f} tok/s, tau {rec['tau']:.2f}"
-                     f"{extra} ({time.perf_counter() - t0:.0f}s incl. compile)")
+    for level in levels:
+        if level is not None:  # the same arrays; the level is the models' static setting
+            target.acceptance = drafter.acceptance = LEVELS[level]
+        for batch in args.batches:
+            prompts, _ = heldout_prompts(data_json, tokenizer, batch, args.prompt_len, args.new,
+                                         target.config.vocab_size, args.seed)
+            for setting in args.settings:
+                for label in labels:
+                    if (level, batch, setting, label) in done:
+                        continue
+                    if time.perf_counter() - t_start > args.minutes * 60:
+                        stopped = True
+                        break
+                    t0 = time.perf_counter()
+                    rec = run_one(target, drafter, prompts, label, setting, args.new, args.auto_max, args.seed)
+                    rec.update(acceptance=level, batch=batch, setting=setting)
+                    results["runs"].append(rec)
+                    save()
+                    extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
+                    _log(f"{level + ' ' if level else ''}batch {batch} {setting} {label}: "
+                         f"{rec['tokens_per_s']:.1f} tok/s, tau {rec['tau']:.2f}{extra} "
+                         f"({time.perf_counter() - t0:.0f}s incl. compile)")
     save()
     print(summarize(results))
     _log(f"{'stopped by --minutes; --resume continues. ' if stopped else ''}wrote {stem}.json and {stem}.md")
