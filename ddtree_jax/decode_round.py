@@ -35,7 +35,7 @@ from ddtree_jax.auto_budget import expected_tokens
 from ddtree_jax.backend import Backend
 from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
 from ddtree_jax.rng import round_keys
-from ddtree_jax.rows import RowMesh, per_rows
+from ddtree_jax.rows import RowMesh, on_own_rows, per_rows
 from ddtree_jax.sampling import (
     INVALID_TOKEN,
     SamplingBatch,
@@ -206,15 +206,27 @@ def with_row_lengths(cache, rows, lengths):
     return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(lengths.astype(cache.lengths.dtype)))
 
 
-def append_to_rows(target, drafter, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths):
+def append_to_rows(target, drafter, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths, *,
+                   by_device: bool = False):
     """``prefill_rows`` on merged models, for use inside a compiled function (the serving engine's
-    prefill chunk runs it on its state's caches)."""
+    prefill chunk runs it on its state's caches). A start of ``-1`` keeps the row's length (a
+    padding row of ``lengths`` 0: what it writes past its length, a round writes over before it
+    reads). ``by_device``: ``rows`` are laid out device by device over the target's row mesh
+    (``ddtree_jax.rows.on_own_rows``), and each device takes and puts back only its own rows."""
+    mesh = _rows(target) if by_device else None
+
+    def take(cache, idx, starts):
+        starts = jnp.where(starts < 0, cache.lengths[idx], starts)
+        return with_row_lengths(cache, idx, starts).take_rows(idx)
 
     def rows_of(cache):
-        return None if cache is None else with_row_lengths(cache, rows, starts).take_rows(rows)
+        return None if cache is None else on_own_rows(take, mesh, cache, rows, starts)
+
+    def put(cache, new):
+        return on_own_rows(lambda c, idx, n: c.put_rows(idx, n), mesh, cache, rows, new)
 
     new_t, new_d = _append_prompts(target, drafter, plan, rows_of(tcache), rows_of(dcache), prompts, lengths)
-    return tcache.put_rows(rows, new_t), None if dcache is None else dcache.put_rows(rows, new_d)
+    return put(tcache, new_t), None if dcache is None else put(dcache, new_d)
 
 
 def _append_prompts(target, drafter, plan: DecodePlan, tcache, dcache, prompts, lengths):

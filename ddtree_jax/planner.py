@@ -273,12 +273,11 @@ class ActivationRule:
       ``rows * keys * kv_heads * head_dim * b``) beside its scores and probabilities (``2 * rows
       * heads * block * keys * b``), the block's hidden states and queries and the boolean mask
       (``rows * block * ((heads * head_dim + hidden) * b + keys)``);
-    * the ``prefill`` of the largest chunk, ``R = pow2(min(prefill_batch or slots, slots))`` rows
-      of ``prefill_chunk`` tokens: the R slots' caches it takes out of the state and puts back
-      (``R * row_cache_bytes``: every layer of both caches; on a mesh every device holds all R),
-      with the slots split over several devices the caches of every slot the take and the put
-      gather onto each device, a layer at a time (``slots * gathered_slot_bytes``: one target
-      layer and one drafter K or V), and one target layer at R / row devices rows.
+    * the ``prefill`` of the largest chunk: the engine lays its rows out device by device, ``r =
+      pow2(ceil(min(prefill_batch or slots, slots) / row devices))`` per device (its admission
+      spreads newcomers over the devices), each device prefilling its own slots of ``prefill_chunk``
+      tokens: the ``r`` slots' caches it takes out of the state and puts back (``r *
+      row_cache_bytes``: every layer of both caches) and one target layer at ``r`` rows.
 
     One target ``layer`` of ``n`` tokens (``rows * t``): the residual stream, the normed input and
     the captured outputs, ``(2 + captured) * n * hidden * b``, plus the larger of the attention,
@@ -315,7 +314,6 @@ class ActivationRule:
     expert_gather: int
     cache_len: int
     row_cache_bytes: int  # one slot's target and drafter caches
-    gathered_slot_bytes: int  # one slot's cache of one target layer and one drafter K or V; 0: rows on one device
     draft_block: int  # 0: no drafter
     draft_heads: int  # local
     draft_kv_heads: int  # local
@@ -351,8 +349,8 @@ class ActivationRule:
         return rows * (copy + scores + own)
 
     def prefill_rows(self, slots: int) -> int:
-        """Rows of the engine's largest prefill chunk (padded to a power of two)."""
-        return _pow2(min(self.prefill_batch or slots, slots))
+        """Rows of the engine's largest prefill chunk: a power of two per row device."""
+        return self.row_devices * _pow2(-(-min(self.prefill_batch or slots, slots) // self.row_devices))
 
     def passes(self, slots: int) -> dict[str, int]:
         """``{"verify": bytes, "draft": bytes, "prefill": bytes}`` per device at ``slots`` slots."""
@@ -362,15 +360,15 @@ class ActivationRule:
             "verify": max(self.logits_bytes(rows, self.verify_tokens),
                           self.layer_bytes(rows, slots // self.data, self.verify_tokens)),
             "draft": self.draft_bytes(rows),
-            "prefill": prefill * self.row_cache_bytes + slots * self.gathered_slot_bytes + self.layer_bytes(
-                -(-prefill // self.row_devices), -(-prefill // self.data), self.prefill_chunk),
+            "prefill": prefill // self.row_devices * self.row_cache_bytes + self.layer_bytes(
+                prefill // self.row_devices, prefill // self.data, self.prefill_chunk),
         }
 
     def compile_workspace(self, slots: int) -> int:
         """The compile workspace per device at ``slots`` slots (the class docstring)."""
         b, rows = self.dtype_bytes, slots // self.row_devices
         verify = rows * self.verify_tokens
-        prefill = -(-self.prefill_rows(slots) // self.row_devices) * self.prefill_chunk
+        prefill = self.prefill_rows(slots) // self.row_devices * self.prefill_chunk
         return max(autotune_bytes(verify, self.hidden, self.lm_head_cols, b, 4),
                    autotune_bytes(max(verify, prefill), self.hidden, self.widest_dense, b, b))
 
@@ -537,9 +535,6 @@ def plan_capacity(target_cfg: KimiConfig, drafter_cfg: DFlashConfig | None, mesh
         data=mesh.get(_DATA, 1), expert_parallel=mesh.get(_EXPERT, 1) > 1, expert_gather=expert_gather,
         cache_len=cache_len,
         row_cache_bytes=sum(two[k] - one[k] for k in ("target_cache", "drafter_cache")),
-        gathered_slot_bytes=0 if row_devices == 1 else cache_len * np.dtype(dtype).itemsize * (
-            target_cfg.kv_lora_rank + target_cfg.qk_rope_head_dim
-            + (local(drafter_cfg.num_key_value_heads) * drafter_cfg.head_dim if drafter_cfg is not None else 0)),
         draft_block=drafter_cfg.block_size if drafter_cfg is not None else 0,
         draft_heads=local(drafter_cfg.num_attention_heads) if drafter_cfg is not None else 0,
         draft_kv_heads=local(drafter_cfg.num_key_value_heads) if drafter_cfg is not None else 0,

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.mesh_axes import ROW_AXES
 
-__all__ = ["RowMesh", "per_rows", "place_state", "row_spec"]
+__all__ = ["RowMesh", "on_own_rows", "per_rows", "place_state", "row_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +81,38 @@ def per_rows(fn: Callable, rows: RowMesh | None, batch: int, *args, shared: tupl
     spec = row_spec(axes)
     return jax.shard_map(fn, mesh=rows.mesh, in_specs=(spec,) * len(args) + (P(),) * len(shared), out_specs=spec,
                          check_vma=False)(*args, *shared)
+
+
+def on_own_rows(fn: Callable, rows: RowMesh | None, cache, idx, *args):
+    """``fn(cache, idx, *args)`` for a row cache (anything with ``take_rows``) of ``B`` rows split
+    over ``rows`` and row indices ``idx [R]`` (with ``args``: ``[R, ...]``) laid out device by
+    device: the ``j``-th block of ``R / devices`` entries indexes rows of the cache's ``j``-th
+    block of ``B / devices``. ``fn`` then runs in a ``shard_map`` on each device's block, with
+    ``idx`` as LOCAL indices into the device's rows, so no device sees another's rows (taking
+    rows by global index would gather every taken row's cache onto every device). Without a row
+    mesh, or where ``B`` or ``R`` does not split over the same axes, ``fn`` gets the whole cache
+    and the global indices. Every leaf of ``fn``'s result has the cache's row axes (``[R, ...]``
+    rows of it or ``[B, ...]``)."""
+    B, R = cache.lengths.shape[0], idx.shape[0]
+    axes = rows.split(B) if rows is not None else ()
+    if not axes or rows.split(R) != axes:
+        return fn(cache, idx, *args)
+    split = row_spec(axes)[0]
+
+    def spec(axis, leaf):
+        dims = [None] * leaf.ndim
+        if axis is not None:
+            dims[axis] = split
+        return P(*dims)
+
+    cache_spec = jax.tree.map(spec, _batch_axes(cache, B), cache)
+    local_rows = B // math.prod(rows.mesh.shape[a] for a in axes)
+    row = row_spec(axes)
+    same = jax.tree.structure(cache)
+    arg_specs = tuple(cache_spec if jax.tree.structure(a) == same else row for a in args)  # [R] rows of a cache
+    return jax.shard_map(lambda c, i, *a: fn(c, i % local_rows, *a), mesh=rows.mesh,
+                         in_specs=(cache_spec, row, *arg_specs), out_specs=cache_spec,
+                         check_vma=False)(cache, idx, *args)
 
 
 def _batch_axes(cache, batch: int):

@@ -65,14 +65,39 @@ def mesh_runs(path: str, meshes: list[str], plain: list[list[int]]) -> list[dict
             if j is not None:
                 ids = jnp.asarray([prompt + got[:j]])
                 diffs.append(float(jnp.max(jnp.abs(st(ids)[0, -1] - ref(ids)[0, -1]))))
-        runs.append(dict(spec=spec, equal=tokens == plain, consistent=consistent, logit_diffs=diffs))
+        runs.append(dict(spec=spec, equal=tokens == plain, consistent=consistent, logit_diffs=diffs,
+                         prefill_cache_collectives=prefill_cache_collectives(eng)))
     return runs
+
+
+def prefill_cache_collectives(eng) -> list[str]:
+    """The collectives of ``eng``'s compiled prefill chunk (4 rows per device, the largest chunk)
+    whose operand spans the caches' positions: on a row mesh each device prefills its own slots in
+    place, so none (taking slots by global index gathered every taken slot's cache onto every
+    device)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.serving import _device
+
+    R, T = 4 * eng._row_blocks, eng.prefill_chunk
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    tparams, dparams, state = jax.tree.map(spec, (eng._tparams, eng._dparams, eng._state))
+    hlo = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, i32(R), i32(R, T), i32(R),
+                                      i32(R)).compile().as_text()
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                       r"(?:-start)?\(", hlo)
+    return [f"{op}[{dims}]" for dims, op in found if str(eng.cache_len) in dims.split(",")]
 
 
 def check_runs(runs: list[dict], meshes: list[str]) -> None:
     assert [r["spec"] for r in runs] == meshes, runs
     for r in runs:
         assert r["consistent"], f"{r['spec']}: devices hold different committed tokens"
+        assert not r["prefill_cache_collectives"], f"{r['spec']}: the prefill moves caches between devices"
         if "tensor" not in r["spec"] or "tensor=1" in r["spec"]:
             assert r["equal"], f"{r['spec']}: expert/data parallelism changed the tokens"
         else:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.auto_round import unrolled_tallied_rounds
 from ddtree_jax.decode_round import (
@@ -33,12 +35,43 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
                   counts) -> DecodeState:
     """Append one prompt chunk to slots ``rows``: ``ids [R, T]`` right-padded, ``counts [R]`` valid,
     written after the first ``starts [R]`` prompt tokens already in those slots' caches (0 for a
-    prompt's first chunk, which discards whatever the slot held). Finish codes do not change: a
-    slot being filled is not ``RUNNING`` and the rounds leave it alone."""
+    prompt's first chunk, which discards whatever the slot held; -1 for a padding row of count 0,
+    which keeps its length). Finish codes do not change: a slot being filled is not ``RUNNING`` and
+    the rounds leave it alone. Where the target splits the slots over a row mesh, ``rows`` must be
+    laid out device by device (``prefill_layout``): each device then prefills its own slots in
+    place, and no slot's cache leaves its device."""
     target, drafter = models.merge(tparams, dparams)
     dcache = state.draft_cache if plan.hidden_layer_ids else None
-    tcache, dcache = append_to_rows(target, drafter, plan, state.target_cache, dcache, rows, ids, starts, counts)
+    tcache, dcache = append_to_rows(target, drafter, plan, state.target_cache, dcache, rows, ids, starts, counts,
+                                    by_device=True)
     return dataclasses.replace(state, target_cache=tcache, draft_cache=dcache or state.draft_cache)
+
+
+def row_blocks(target, slots: int) -> int:
+    """The devices ``slots`` slots split over on the target's row mesh (1: one block)."""
+    rows = getattr(target, "row_mesh", None)
+    axes = rows.split(slots) if rows is not None else ()
+    return math.prod(rows.mesh.shape[a] for a in axes) if axes else 1
+
+
+def prefill_layout(slots: list[int], blocks: int, per_block: int, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, pad)`` for a prefill of ``slots`` on ``blocks`` devices of ``per_block`` slots
+    each: ``blocks * block_rows`` entries, device ``j``'s block listing the positions (into
+    ``slots``) of its own slots, padded by repeating its first (identical data); ``pad`` marks a
+    block with none, whose entries are a padding row (the block's first slot, count 0, start -1).
+    ``order`` holds positions into ``slots``, or the padding slot for a padded entry."""
+    order = np.zeros((blocks * block_rows,), np.int32)
+    pad = np.zeros((blocks * block_rows,), bool)
+    for j in range(blocks):
+        mine = [i for i, s in enumerate(slots) if s // per_block == j]
+        if len(mine) > block_rows:
+            raise ValueError(f"prefill_layout: {len(mine)} slots on device {j}, more than {block_rows} rows")
+        block = slice(j * block_rows, (j + 1) * block_rows)
+        if mine:
+            order[block] = mine + [mine[0]] * (block_rows - len(mine))
+        else:
+            order[block], pad[block] = j * per_block, True
+    return order, pad
 
 
 _PREFILL_SHAPES: dict = {}

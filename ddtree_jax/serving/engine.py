@@ -260,6 +260,11 @@ class Engine:
         self.cache_len = config.cache_len(self.max_model_len, depth)
         self.tokens_per_round = depth + 1
         self._shard_state = shard_state
+        # Slots split over the target's row mesh in blocks, one per device: free slots are taken
+        # device by device in turn (a burst of requests prefills on every device at once).
+        self._row_blocks = _device.row_blocks(target, slots)
+        per = slots // self._row_blocks
+        self._admission_order = [j * per + i for i in range(per) for j in range(self._row_blocks)]
         self.page_size = config.page_size
         if self.page_size is not None:
             self._init_pages(config, target, drafter if decode.uses_drafter else None)
@@ -633,7 +638,7 @@ class Engine:
             if self.page_size is not None:
                 for r in freed:
                     self._release_pages(r, publish=r.running)
-            for i in range(self.slots):
+            for i in self._admission_order:
                 if self._slot[i] is None and self._queue:
                     if self.page_size is not None and not self._admit_pages(i, self._queue[0]):
                         break  # first come, first served: wait for pages
@@ -706,7 +711,10 @@ class Engine:
         if need:
             longest = max(r.tokens.size - 1 - r.prefilled for r in need)
             width = min(self.prefill_chunk, max(_MIN_CHUNK, _pow2(longest)))
-            R, T, prefill = self._prefill.get(_pow2(len(need)), width)
+            # Rows device by device (one block without a row mesh): each device prefills its own slots.
+            blocks, per = self._row_blocks, self.slots // self._row_blocks
+            most = max(collections.Counter(r.slot // per for r in need).values())
+            R, T, prefill = self._prefill.get(blocks * _pow2(most), width)
             ids = np.zeros((len(need), T), np.int32)
             counts = np.zeros((len(need),), np.int32)
             starts = np.array([r.prefilled for r in need], np.int32)
@@ -714,8 +722,11 @@ class Engine:
                 chunk = r.tokens[r.prefilled : min(r.prefilled + T, r.tokens.size - 1)]
                 ids[i, : chunk.size] = chunk
                 counts[i] = chunk.size
-            self._state = prefill(self._tparams, self._dparams, self._state, self._rows([r.slot for r in need], R),
-                                  self._pad(ids, R), self._pad(starts, R), self._pad(counts, R))
+            order, pad = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
+            at = np.where(pad, 0, order)
+            rows = np.where(pad, order, np.array([r.slot for r in need], np.int32)[at])
+            self._state = prefill(self._tparams, self._dparams, self._state, rows, np.where(pad[:, None], 0, ids[at]),
+                                  np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at]))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
         ready = [r for r in batch if r.prefilled == r.tokens.size - 1]
@@ -902,6 +913,7 @@ class Engine:
             for h in handles:
                 h.result()
             R *= 2
-        self._prefill.warm(_pow2(self.prefill_batch), self.prefill_chunk)
+        blocks = self._row_blocks  # a full prefill batch spread over the devices' blocks
+        self._prefill.warm(blocks * _pow2(-(-self.prefill_batch // blocks)), self.prefill_chunk)
         self.metrics = self._new_metrics()  # the warm-up requests are not traffic
         self._emitter.metrics = self.metrics
