@@ -135,6 +135,77 @@ def test_kernel_lowers_for_cuda():
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("t,tree", [(1, False), (3, True)])
+def test_paged_kernel_equals_the_contiguous_kernel_on_the_gathered_view(t, tree):
+    """Through a page table (pages of 64 positions, shuffled over a pool, a row's tail on a page
+    it shares with nothing) the kernel reads the same tiles in the same order as over the gathered
+    contiguous cache: the same bits, for decode steps and tree blocks, two splits."""
+    from ddtree_jax.models.paged_cache import gather_positions, write_tokens
+
+    rng = np.random.default_rng(7 + t)
+    b, h, r, dr, page, pages = 2, 64, 128, 64, 64, 4
+    num = 1 + b * pages
+    table = jnp.asarray(1 + rng.permutation(b * pages).reshape(b, pages), jnp.int32)
+    pool_lat, pool_kr = _arr(rng, num, page, r), _arr(rng, num, page, dr)
+    start = jnp.asarray([190, 61], jnp.int32)
+    ql, qr = _arr(rng, b, t, h, r), _arr(rng, b, t, h, dr)
+    # the block's own latents are in the pools at [start, start + t), as the models write them
+    pool_lat = write_tokens(pool_lat, table, start, _arr(rng, b, t, r))
+    pool_kr = write_tokens(pool_kr, table, start, _arr(rng, b, t, dr))
+    anc = np.zeros((b, t, t), bool)
+    if tree:
+        anc[:, 1:, 0] = True
+    within = tree_block_mask(jnp.asarray(anc)) if tree else None
+    paged = prefix_block_attention(ql, qr, pool_lat, pool_kr, start, within, scale=0.07, n_split=2,
+                                   interpret=_interpreter(), page_table=table)
+    s = pages * page
+    lat, kr = gather_positions(pool_lat, table, s), gather_positions(pool_kr, table, s)
+    plain = prefix_block_attention(ql, qr, lat, kr, start, within, scale=0.07, n_split=2, interpret=_interpreter())
+    np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(plain, np.float32))
+    want = latent_attention_reference(*[x.astype(jnp.float32) for x in (ql, qr, lat, kr)], BlockMask(start, within),
+                                      scale=0.07)
+    np.testing.assert_allclose(np.asarray(paged, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+
+
+def test_paged_kernel_lowers_for_cuda_and_refuses_pages_off_the_tile():
+    sd = jax.ShapeDtypeStruct
+    b, rows, n, page = 2, 128, 65, 64
+    args = (sd((b, rows, 512), jnp.bfloat16), sd((b, rows, 64), jnp.bfloat16), sd((n, page, 512), jnp.bfloat16),
+            sd((n, page, 64), jnp.bfloat16), sd((b,), jnp.int32), sd((1,), jnp.int32), sd((b, 32), jnp.int32))
+    text = jax.jit(lambda *a: prefix_attention(*a, scale=0.1, n_split=4)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="pages of 32 positions"):
+        prefix_attention(z((1, 64, 128), jnp.bfloat16), z((1, 64, 64), jnp.bfloat16), z((4, 32, 128), jnp.bfloat16),
+                         z((4, 32, 64), jnp.bfloat16), z((1,), jnp.int32), z((1,), jnp.int32), z((1, 4), jnp.int32),
+                         scale=1.0, n_split=1)
+
+
+def test_paged_attention_takes_the_hopper_kernel_where_latent_attention_would(monkeypatch):
+    """On a Hopper GPU (pretended) paged attention over pages of whole 64-key tiles dispatches to
+    the Hopper kernel with its table, as ``latent_attention`` does for a contiguous cache; smaller
+    pages, and ``hopper=False`` (the batch-invariant mode), keep the Triton kernel."""
+    import ddtree_jax.models.latent_attention as la
+    import ddtree_jax.models.paged_attention as pa
+    import pallas_kernels.triton.mla_attention as triton_mla
+
+    monkeypatch.setattr(la, "_hopper_gpu", lambda: True)
+    calls = []
+    monkeypatch.setattr(pa, "prefix_block_attention", lambda *a, **k: calls.append(("hopper", k["page_table"])) or a[0])
+    monkeypatch.setattr(triton_mla, "mla_attention", lambda *a, **k: calls.append(("triton", k["page_table"])) or a[0])
+    compiled = Backend(kernels=True, interpret=False)
+    z = jnp.zeros
+    q, qr = z((1, 1, 64, 512), jnp.bfloat16), z((1, 1, 64, 64), jnp.bfloat16)
+    mask = BlockMask(z((1,), jnp.int32))
+    for page, hopper, want in ((64, True, "hopper"), (128, True, "hopper"), (32, True, "triton"),
+                               (64, False, "triton")):
+        table = z((1, 256 // page), jnp.int32)
+        pa.paged_latent_attention(q, qr, z((5, page, 512), jnp.bfloat16), z((5, page, 64), jnp.bfloat16), table,
+                                  mask, scale=0.1, backend=compiled, hopper=hopper)
+        assert calls[-1][0] == want and calls[-1][1] is table, (page, hopper, calls[-1])
+
+
 def test_split_heuristics_and_shape_rules():
     s = 36864
     assert auto_splits(1, 64, s) == 132 and auto_splits(16, 64, s) == 8 and auto_splits(1, 65 * 64, s) == 2

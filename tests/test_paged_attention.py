@@ -124,19 +124,21 @@ def test_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-4)])
 @pytest.mark.parametrize("t,tree", [(1, False), (17, True), (256, False)])
-def test_compiled_paged_kernel_k2_shapes(t, tree, dtype, tol):
+@pytest.mark.parametrize("hopper", [False, True])
+def test_compiled_paged_kernel_k2_shapes(t, tree, dtype, tol, hopper):
     """The compiled dispatch (shipped tiles, the model's segments) at Kimi K2 attention shapes over
-    64-position pages: bit for bit ``latent_attention``'s Triton kernel on the gathered caches, and
-    near the float32 reference."""
+    64-position pages: bit for bit ``latent_attention``'s kernel on the gathered caches (the
+    Triton kernel; with ``hopper``, the Hopper kernel where ``latent_attention`` takes it: bf16),
+    and near the float32 reference."""
     b, h, r, dr, page_size, pages = 2, 64, 512, 64, 64, 48
     rng = np.random.default_rng(t)
     starts = [page_size + 5, pages * page_size - t - 3]
     ql, qr, lat, kr, table, mask = _inputs(rng, b, t, h, r, dr, page_size, pages, starts, tree, dtype)
     gpu = Backend(kernels=True)
-    paged = paged_latent_attention(ql, qr, lat, kr, table, mask, scale=0.13, backend=gpu)
+    paged = paged_latent_attention(ql, qr, lat, kr, table, mask, scale=0.13, backend=gpu, hopper=hopper)
     s = pages * page_size
     contiguous = latent_attention(ql, qr, jnp.asarray(plain_gather(lat, table, s)),
-                                  jnp.asarray(plain_gather(kr, table, s)), mask, scale=0.13, backend=gpu, hopper=False)
+                                  jnp.asarray(plain_gather(kr, table, s)), mask, scale=0.13, backend=gpu, hopper=hopper)
     np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(contiguous, np.float32))
     with jax.default_matmul_precision("highest"):
         want = _reference(ql, qr, lat, kr, table, mask, 0.13)

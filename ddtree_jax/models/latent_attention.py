@@ -257,7 +257,7 @@ def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_
 
 
 def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None, *, scale, n_split=None, block_k=64,
-                           stages=2, interpret=False):
+                           stages=2, interpret=False, page_table=None):
     """Absorbed MLA attention as the Hopper kernel's key splits plus the block's own keys.
 
     ``pallas_kernels.mosaic_gpu.mla_prefix.prefix_attention`` reads the committed prefix
@@ -267,26 +267,33 @@ def prefix_block_attention(q_latent, q_rope, latent, k_rope, start, within=None,
     and run here in float32 under ``within`` (or causal). The splits and the block part are merged
     by their base-2 log-sum-exps. Shapes as ``latent_attention``; returns ``[B,T,H,r]`` in
     ``q_latent``'s dtype. ``interpret``: ``False``, or Mosaic GPU interpreter params (tests).
+    ``page_table [B, pages]``: ``latent``/``k_rope`` are pools ``[N, P, *]`` read through it
+    (``paged_cache``; ``P`` a multiple of ``block_k``).
     """
+    from ddtree_jax.models.paged_cache import read_tokens
     from pallas_kernels.mosaic_gpu.mla_prefix import auto_splits, prefix_attention, split_size
 
     b, t, h, r = q_latent.shape
     dr = q_rope.shape[-1]
     dt, f32 = latent.dtype, jnp.float32
     qn, qr = q_latent.reshape(b, t * h, r).astype(dt), q_rope.reshape(b, t * h, dr).astype(dt)
-    n = n_split or auto_splits(b, t * h, latent.shape[1])
+    slots = latent.shape[1] if page_table is None else page_table.shape[1] * latent.shape[1]
+    n = n_split or auto_splits(b, t * h, slots)
     end = start + 1 if t == 1 else start
     split = split_size(end, n, block_k=block_k)
-    o, lse = prefix_attention(qn, qr, latent, k_rope, end, split, scale=scale, n_split=n, block_k=block_k,
-                              stages=stages, interpret=interpret)
+    o, lse = prefix_attention(qn, qr, latent, k_rope, end, split, page_table, scale=scale, n_split=n,
+                              block_k=block_k, stages=stages, interpret=interpret)
     # only the splits a row's end reached were written
     written = (jnp.arange(n)[None, :] * split < end[:, None])[:, :, None]  # [B, n, 1]
     lse = jnp.where(written, lse, -jnp.inf)
     lse_parts = [lse]
     if t > 1:
-        slots = (start[:, None] + jnp.arange(t))[..., None]
-        lat_blk = jnp.take_along_axis(latent, slots, axis=1)  # [B,T,r]
-        kr_blk = jnp.take_along_axis(k_rope, slots, axis=1)
+        positions = start[:, None] + jnp.arange(t)
+        if page_table is None:
+            lat_blk = jnp.take_along_axis(latent, positions[..., None], axis=1)  # [B,T,r]
+            kr_blk = jnp.take_along_axis(k_rope, positions[..., None], axis=1)
+        else:
+            lat_blk, kr_blk = read_tokens(latent, page_table, positions), read_tokens(k_rope, page_table, positions)
         s = (jnp.einsum("bqr,bkr->bqk", qn, lat_blk, preferred_element_type=f32)
              + jnp.einsum("bqd,bkd->bqk", qr, kr_blk, preferred_element_type=f32)) * (scale * _LOG2E)
         vis = jnp.tril(jnp.ones((t, t), bool))[None] if within is None else within

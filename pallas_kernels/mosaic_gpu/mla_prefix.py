@@ -3,14 +3,16 @@ GPU on Hopper: ``wgmma``, TMA, warp-specialised warpgroups): the fast path of
 ``ddtree_jax.models.latent_attention.prefix_block_attention``.
 
 ``prefix_attention(q_latent [B,R,r], q_rope [B,R,dr] bf16 (R = T*H rows, token-major), latent
-[B,S,r], k_rope [B,S,dr], end [B])``: every query row of batch row b sees cache positions
-``[0, end[b])``; split s covers ``[s * split, (s + 1) * split)`` (``split_size``). Returns per
-split ``o [B,n,R,r]`` (softmax-weighted mean of its latents) and ``lse [B,n,R]`` (base-2
-log-sum-exp of ``scale * log2(e) * scores``), float32; only the splits a row reaches are written,
-and the caller merges them. ``supports``: the shapes it takes (at least 64 cache slots, a multiple
-of 8). One CTA per (64 query rows, split, batch row): a memory warpgroup streams key tiles,
-warpgroup 0 computes scores and softmax and hands the probabilities to warpgroup 1, each
-multiplies its half of the value columns. A row's bits depend on the splits (not batch-invariant).
+[B,S,r], k_rope [B,S,dr], end [B])``: every query row of batch row b sees cache positions ``[0,
+end[b])`` (paged: ``latent [N,P,r]``, ``k_rope [N,P,dr]`` pools and a ``page_table [B, pages]``;
+each key tile is copied from its page); split s covers ``[s * split, (s + 1) * split)``
+(``split_size``). Returns per split ``o [B,n,R,r]`` (softmax-weighted mean of its latents) and
+``lse [B,n,R]`` (base-2 log-sum-exp of ``scale * log2(e) * scores``), float32; only the splits a
+row reaches are written, and the caller merges them. ``supports``: the shapes it takes (at least 64
+cache slots, a multiple of 8). One CTA per (64 query rows, split, batch row): a memory warpgroup
+streams key tiles, warpgroup 0 computes scores and softmax and hands the probabilities to warpgroup
+1, each multiplies its half of the value columns. A row's bits depend on the splits (not
+batch-invariant).
 Plain references: tests/test_mla_prefix_kernel.py. Design: docs/kernels.md, "The Hopper kernel".
 """
 
@@ -85,8 +87,8 @@ def _accumulate(acc, p, v_ref, *, interpreted):
     return pl.run_state(product)(plgpu.ACC.init(acc))
 
 
-def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, S, BK, stages, half,
-            scale_log2, interpreted):
+def _kernel(end_ref, split_ref, table_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref, scoped, *, S, BK, stages,
+            half, scale_log2, interpreted, page):
     (q_smem, qr_smem, lat_smem, kr_smem, p_smem, lse_smem, alpha_smem), (q_bar, k_bars), consumed, (p_ready,
                                                                                                  p_free) = scoped
     rt, sp, b = lax.axis_index("rt"), lax.axis_index("sp"), lax.axis_index("b")
@@ -103,8 +105,9 @@ def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref,
 
     def tile_start(t):
         # a tile that would cross the cache's end is moved back to end there (no out-of-bounds
-        # copy); the keys it repeats from the previous tile are masked like those past ``hi``
-        return jnp.minimum(lo + t * BK, S - BK)
+        # copy); the keys it repeats from the previous tile are masked like those past ``hi``.
+        # Paged, tiles never cross a page and a row's positions end inside its last page.
+        return lo + t * BK if page else jnp.minimum(lo + t * BK, S - BK)
 
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -201,11 +204,14 @@ def _kernel(end_ref, split_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_ref, lse_ref,
         plgpu.copy_gmem_to_smem(qr_ref.at[b, pl.ds(row0, _BM)], qr_smem, q_bar)
 
         def fetch(t, slot):
-            keys = pl.ds(tile_start(t), BK)
+            start = tile_start(t)
+            row, keys = b, pl.ds(start, BK)
+            if page:  # the tile's page, and the tile inside it
+                row, keys = table_ref[b, lax.div(start, page)], pl.ds(lax.rem(start, page), BK)
             for h in range(2):
-                plgpu.copy_gmem_to_smem(lat_ref.at[b, keys, pl.ds(h * half, half)], lat_smem.at[h, slot],
+                plgpu.copy_gmem_to_smem(lat_ref.at[row, keys, pl.ds(h * half, half)], lat_smem.at[h, slot],
                                         k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(kr_ref.at[b, keys], kr_smem.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(kr_ref.at[row, keys], kr_smem.at[slot], k_bars.at[slot])
 
         stream_tiles(fetch, n_tiles, stages, consumed)
 
@@ -230,18 +236,29 @@ def auto_splits(batch: int, q_rows: int, cache_len: int, *, num_sms: int = _NUM_
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret"))
 def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, end: jax.Array,
-                     split: jax.Array, *, scale: float, n_split: int, block_k: int = 64, stages: int = 2,
-                     interpret=False) -> tuple[jax.Array, jax.Array]:
+                     split: jax.Array, page_table: jax.Array | None = None, *, scale: float, n_split: int,
+                     block_k: int = 64, stages: int = 2, interpret=False) -> tuple[jax.Array, jax.Array]:
     """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
     ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see ``split_size``): ``(o [B,n,R,r]
     float32, lse [B,n,R] float32)``. Split ``s`` covers ``[s * split, (s + 1) * split)`` (``split``:
     int32 ``[1]``, a multiple of ``block_k``, see ``split_size``); only the splits a row's
     ``end`` reaches are written (the rest of ``o`` and ``lse`` is left unwritten: read a row's
     first ``ceil(end / split)`` splits only). ``stages``: key tiles in flight. ``interpret``:
-    ``False``, or Mosaic GPU interpreter params (tests)."""
+    ``False``, or Mosaic GPU interpreter params (tests). ``page_table [B, pages]`` (int32): the
+    caches are pools ``[N, P, *]`` and row ``b``'s position ``i`` is at ``[page_table[b, i // P],
+    i % P]`` (``P`` a multiple of ``block_k``); ``end <= pages * P``."""
     B, R, r = q_latent.shape
-    S, dr = latent.shape[1], k_rope.shape[-1]
-    if q_rope.shape != (B, R, dr) or latent.shape != (B, S, r) or k_rope.shape != (B, S, dr) or end.shape != (B,):
+    dr, page = k_rope.shape[-1], None
+    if page_table is None:
+        S, rows = latent.shape[1], B
+    else:
+        rows, page = latent.shape[:2]
+        S = page_table.shape[1] * page
+        if page_table.shape[0] != B or page % block_k:
+            raise ValueError(f"prefix_attention: a page table {page_table.shape} for {B} rows over pages of {page} "
+                             f"positions (a multiple of block_k={block_k})")
+    if (q_rope.shape != (B, R, dr) or latent.shape != (rows, latent.shape[1], r) or
+            k_rope.shape != (*latent.shape[:2], dr) or end.shape != (B,)):
         raise ValueError(f"prefix_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent "
                          f"{latent.shape}, k_rope {k_rope.shape}, end {end.shape} do not agree")
     if S < block_k or S % 8 or not supports(R, r, dr, latent.dtype, block_k=block_k, stages=stages):
@@ -261,9 +278,11 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         plgpu.SMEM((_BM,), jnp.float32),
     )
     body = functools.partial(_kernel, S=S, BK=block_k, stages=stages, half=half, scale_log2=float(scale) * _LOG2E,
-                             interpreted=bool(interpret))
+                             interpreted=bool(interpret), page=page)
 
     def entry(*refs):
+        if page is None:  # no table
+            refs = (*refs[:2], None, *refs[2:])
         pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
             scratch,
@@ -286,4 +305,5 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
                                              reduction_scratch_bytes=0),
         interpret=interpret,
     )
-    return kernel(end.astype(jnp.int32), split.astype(jnp.int32), q_latent, q_rope.astype(dt), latent, k_rope)
+    table = () if page is None else (page_table.astype(jnp.int32),)
+    return kernel(end.astype(jnp.int32), split.astype(jnp.int32), *table, q_latent, q_rope.astype(dt), latent, k_rope)
