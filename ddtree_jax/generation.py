@@ -368,11 +368,12 @@ def generate(
                                                   checked.max_len, scratch, sync_every)
             k = chooser.choose(active, costs[rows])
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
-            tally = np.asarray(tally)
+            tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
             chooser.record(k, tally, costs[rows])
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
-        done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
+        if not decode.is_auto:  # (profile is never auto)
+            done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
         active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)
