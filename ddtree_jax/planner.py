@@ -277,7 +277,8 @@ class ActivationRule:
       pow2(ceil(min(prefill_batch or slots, slots) / row devices))`` per device (its admission
       spreads newcomers over the devices), each device prefilling its own slots of ``prefill_chunk``
       tokens: the ``r`` slots' caches it takes out of the state and puts back (``r *
-      row_cache_bytes``: every layer of both caches) and one target layer at ``r`` rows.
+      row_cache_bytes``: every layer of both caches; on a row mesh one slot's more, the copy XLA
+      makes where the take's ``shard_map`` ends) and one target layer at ``r`` rows.
 
     One target ``layer`` of ``n`` tokens (``rows * t``): the residual stream, the normed input and
     the captured outputs, ``(2 + captured) * n * hidden * b``, plus the larger of the attention,
@@ -360,8 +361,8 @@ class ActivationRule:
             "verify": max(self.logits_bytes(rows, self.verify_tokens),
                           self.layer_bytes(rows, slots // self.data, self.verify_tokens)),
             "draft": self.draft_bytes(rows),
-            "prefill": prefill // self.row_devices * self.row_cache_bytes + self.layer_bytes(
-                prefill // self.row_devices, prefill // self.data, self.prefill_chunk),
+            "prefill": (prefill // self.row_devices + (self.row_devices > 1)) * self.row_cache_bytes
+                       + self.layer_bytes(prefill // self.row_devices, prefill // self.data, self.prefill_chunk),
         }
 
     def compile_workspace(self, slots: int) -> int:

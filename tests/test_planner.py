@@ -227,6 +227,27 @@ def test_transient_terms_against_xla_for_the_gpu(row):
     assert low <= passes["prefill"] / row["xla_prefill_bytes"] <= 1.45, (passes, row)
 
 
+def _xla_mesh_rows():
+    """Rows of bench/bench_planner_xla.py's prefill chunk of full Kimi K2 INT4 on ``expert=8``
+    H200s (each device prefilling its own slots)."""
+    with open(os.path.join(RESULTS, "planner_xla_h200_expert8_61layers_20261202.json")) as f:
+        return [pytest.param(r, id=f"row{i}") for i, r in enumerate(json.load(f)["rows"])]
+
+
+@pytest.mark.parametrize("row", _xla_mesh_rows())
+def test_prefill_term_against_xla_on_eight_devices(row):
+    """The prefill chunk on a row mesh: an upper bound of XLA's temporary bytes, up to 25% over
+    (docs/capacity.md, "Which side it errs on")."""
+    from ddtree_jax.models import KimiConfig
+    from ddtree_jax.planner import K2_INT4
+
+    tcfg = KimiConfig.kimi_k2(num_hidden_layers=row["layers"])
+    plan = plan_capacity(tcfg, drafter_config_for(tcfg), {"expert": 8}, slots=row["slots"],
+                         max_model_len=row["max_model_len"], budget=row["budget"], int4=K2_INT4,
+                         prefill_chunk=row["prefill_chunk"], prefill_batch=row["prefill_batch"])
+    assert 1.0 <= plan.activation.passes(row["slots"])["prefill"] / row["xla_prefill_bytes"] <= 1.25, row
+
+
 @pytest.mark.parametrize("slots, max_model_len", [(8, 1024), (8, 4096)])
 def test_draft_phase_against_the_cpu_memory_analysis(slots, max_model_len):
     """The drafter's attention is plain XLA on every backend: the CPU's temporary bytes for its
