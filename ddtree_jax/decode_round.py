@@ -231,8 +231,10 @@ def append_to_rows(target, drafter, plan: DecodePlan, tcache, dcache, rows, prom
 
 def _append_prompts(target, drafter, plan: DecodePlan, tcache, dcache, prompts, lengths):
     """The target's prefill of ``prompts [B, T]`` (``lengths [B]`` valid) and, with a drafter, the
-    context it feeds: ``(tcache, dcache)``."""
-    _, hidden, tcache = target.prefill(prompts, lengths, tcache, hidden_layer_ids=plan.hidden_layer_ids)
+    context it feeds: ``(tcache, dcache)``. The padding (a row's tokens past its length, every
+    token of a padding row) routes to no expert."""
+    valid = jnp.arange(prompts.shape[1])[None, :] < lengths[:, None]
+    _, hidden, tcache = target.prefill(prompts, lengths, tcache, hidden_layer_ids=plan.hidden_layer_ids, valid=valid)
     if plan.hidden_layer_ids:
         dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), lengths)
     return tcache, dcache

@@ -513,13 +513,16 @@ class KimiForCausalLM(nnx.Module):
         *,
         hidden_layer_ids: tuple[int, ...] = (),
         dense_experts: bool = False,
+        valid: jax.Array | None = None,
     ):
         """Append a causal chunk after each row's prefix (a prompt into an empty slot, or a decode step).
 
         ``input_ids [B,T]`` right-padded, ``lengths [B]`` valid tokens per row (0 leaves a row
         untouched). Needs ``cache.lengths + T <= max_len``. Returns ``(logits [B,T,V] float32,
         hidden tuple of [B,T,H] after each requested layer (see ``forward_uncached``), cache)``;
-        the lengths advance by ``lengths``. Outputs at padded positions are meaningless. ``cache``:
+        the lengths advance by ``lengths``. Outputs at padded positions are meaningless; with
+        ``valid [B,T]`` (the tokens before each row's length) they also route to no expert (the
+        valid tokens' outputs are unchanged). ``cache``:
         a ``KVCache`` or a ``PagedKVCache`` whose tables cover ``[0, cache.lengths + lengths)``
         (``verify``'s and ``commit``'s the same, over their blocks).
         ``dense_experts`` runs the dense reference MoE (benchmarks).
@@ -529,7 +532,7 @@ class KimiForCausalLM(nnx.Module):
         start = cache.lengths
         positions = start[:, None] + jnp.arange(t)[None]
         logits, hidden, cache = self._run_cached(
-            input_ids, positions, None, cache, hidden_layer_ids, dense_experts
+            input_ids, positions, None, cache, hidden_layer_ids, dense_experts, valid
         )
         return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
 
