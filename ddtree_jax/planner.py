@@ -361,7 +361,7 @@ class ActivationRule:
             "verify": max(self.logits_bytes(rows, self.verify_tokens),
                           self.layer_bytes(rows, slots // self.data, self.verify_tokens)),
             "draft": self.draft_bytes(rows),
-            "prefill": (prefill // self.row_devices + (self.row_devices > 1)) * self.row_cache_bytes
+            "prefill": (prefill // self.row_devices + (1 if self.row_devices > 1 else 0)) * self.row_cache_bytes
                        + self.layer_bytes(prefill // self.row_devices, prefill // self.data, self.prefill_chunk),
         }
 

@@ -51,15 +51,23 @@ class RowMesh:
     @property
     def devices(self) -> int:
         """Devices the rows split over when the batch allows it (the product of the axes' sizes)."""
-        return math.prod(self.mesh.shape[a] for a in self.axes)
+        return self._count(self.axes)
+
+    def _count(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
 
     def split(self, batch: int) -> tuple[str, ...]:
         """The axes a batch of ``batch`` rows splits over: the longest leading run of ``axes``
         whose device count divides ``batch`` (empty: not split)."""
         for n in range(len(self.axes), 0, -1):
-            if batch % math.prod(self.mesh.shape[a] for a in self.axes[:n]) == 0:
+            if batch % self._count(self.axes[:n]) == 0:
                 return self.axes[:n]
         return ()
+
+    def blocks(self, batch: int) -> int:
+        """The devices a batch of ``batch`` rows splits over (``split``; 1: not split): each holds
+        one block of ``batch / blocks`` consecutive rows."""
+        return self._count(self.split(batch))
 
 
 def row_spec(axes: tuple[str, ...]) -> P:
@@ -106,7 +114,7 @@ def on_own_rows(fn: Callable, rows: RowMesh | None, cache, idx, *args):
         return P(*dims)
 
     cache_spec = jax.tree.map(spec, _batch_axes(cache, B), cache)
-    local_rows = B // math.prod(rows.mesh.shape[a] for a in axes)
+    local_rows = B // rows.blocks(B)
     row = row_spec(axes)
     same = jax.tree.structure(cache)
     arg_specs = tuple(cache_spec if jax.tree.structure(a) == same else row for a in args)  # [R] rows of a cache

@@ -55,10 +55,9 @@ def test_prefill_layout_lists_each_devices_own_slots_in_its_block():
     from ddtree_jax.serving._device import prefill_layout
 
     # 4 devices of 2 slots; requests in slots 5, 0, 1 (devices 2, 0, 0); blocks of 2 rows
-    order, pad = prefill_layout([5, 0, 1], blocks=4, per_block=2, block_rows=2)
-    assert order.tolist() == [1, 2, 2, 2, 0, 0, 6, 6] and pad.tolist() == [False, False, True, True,
-                                                                            False, False, True, True]
-    order, pad = prefill_layout([3], blocks=1, per_block=8, block_rows=4)  # one device: padded by the first
-    assert order.tolist() == [0, 0, 0, 0] and not pad.any()
+    rows, pick = prefill_layout([5, 0, 1], blocks=4, per_block=2, block_rows=2)
+    assert rows.tolist() == [0, 1, 2, 2, 5, 5, 6, 6] and pick.tolist() == [1, 2, -1, -1, 0, 0, -1, -1]
+    rows, pick = prefill_layout([3], blocks=1, per_block=8, block_rows=4)  # one device: padded by the first
+    assert rows.tolist() == [3, 3, 3, 3] and pick.tolist() == [0, 0, 0, 0]
     with pytest.raises(ValueError, match="device 0"):
         prefill_layout([0, 1], blocks=2, per_block=2, block_rows=1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -50,28 +49,27 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
 def row_blocks(target, slots: int) -> int:
     """The devices ``slots`` slots split over on the target's row mesh (1: one block)."""
     rows = getattr(target, "row_mesh", None)
-    axes = rows.split(slots) if rows is not None else ()
-    return math.prod(rows.mesh.shape[a] for a in axes) if axes else 1
+    return 1 if rows is None else rows.blocks(slots)
 
 
 def prefill_layout(slots: list[int], blocks: int, per_block: int, block_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(order, pad)`` for a prefill of ``slots`` on ``blocks`` devices of ``per_block`` slots
-    each: ``blocks * block_rows`` entries, device ``j``'s block listing the positions (into
-    ``slots``) of its own slots, padded by repeating its first (identical data); ``pad`` marks a
-    block with none, whose entries are a padding row (the block's first slot, count 0, start -1).
-    ``order`` holds positions into ``slots``, or the padding slot for a padded entry."""
-    order = np.zeros((blocks * block_rows,), np.int32)
-    pad = np.zeros((blocks * block_rows,), bool)
+    """``(rows, pick)`` for a prefill of ``slots`` on ``blocks`` devices of ``per_block`` slots
+    each: ``blocks * block_rows`` entries, device ``j``'s block listing its own slots (``rows``)
+    and their positions in ``slots`` (``pick``), padded by repeating its first (identical data).
+    A block with none holds padding rows: the block's first slot, ``pick`` -1 (count 0, start -1)."""
+    rows = np.zeros((blocks * block_rows,), np.int32)
+    pick = np.full((blocks * block_rows,), -1, np.int32)
     for j in range(blocks):
         mine = [i for i, s in enumerate(slots) if s // per_block == j]
         if len(mine) > block_rows:
             raise ValueError(f"prefill_layout: {len(mine)} slots on device {j}, more than {block_rows} rows")
         block = slice(j * block_rows, (j + 1) * block_rows)
         if mine:
-            order[block] = mine + [mine[0]] * (block_rows - len(mine))
+            pick[block] = mine + [mine[0]] * (block_rows - len(mine))
+            rows[block] = np.asarray(slots, np.int32)[pick[block]]
         else:
-            order[block], pad[block] = j * per_block, True
-    return order, pad
+            rows[block] = j * per_block
+    return rows, pick
 
 
 _PREFILL_SHAPES: dict = {}

@@ -263,8 +263,9 @@ class Engine:
         # Slots split over the target's row mesh in blocks, one per device: free slots are taken
         # device by device in turn (a burst of requests prefills on every device at once).
         self._row_blocks = _device.row_blocks(target, slots)
-        per = slots // self._row_blocks
-        self._admission_order = [j * per + i for i in range(per) for j in range(self._row_blocks)]
+        self._block_slots = slots // self._row_blocks
+        self._admission_order = [j * self._block_slots + i for i in range(self._block_slots)
+                                 for j in range(self._row_blocks)]
         self.page_size = config.page_size
         if self.page_size is not None:
             self._init_pages(config, target, drafter if decode.uses_drafter else None)
@@ -712,7 +713,7 @@ class Engine:
             longest = max(r.tokens.size - 1 - r.prefilled for r in need)
             width = min(self.prefill_chunk, max(_MIN_CHUNK, _pow2(longest)))
             # Rows device by device (one block without a row mesh): each device prefills its own slots.
-            blocks, per = self._row_blocks, self.slots // self._row_blocks
+            blocks, per = self._row_blocks, self._block_slots
             most = max(collections.Counter(r.slot // per for r in need).values())
             R, T, prefill = self._prefill.get(blocks * _pow2(most), width)
             ids = np.zeros((len(need), T), np.int32)
@@ -722,9 +723,8 @@ class Engine:
                 chunk = r.tokens[r.prefilled : min(r.prefilled + T, r.tokens.size - 1)]
                 ids[i, : chunk.size] = chunk
                 counts[i] = chunk.size
-            order, pad = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
-            at = np.where(pad, 0, order)
-            rows = np.where(pad, order, np.array([r.slot for r in need], np.int32)[at])
+            rows, pick = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
+            pad, at = pick < 0, np.maximum(pick, 0)
             self._state = prefill(self._tparams, self._dparams, self._state, rows, np.where(pad[:, None], 0, ids[at]),
                                   np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at]))
             for r, c in zip(need, counts, strict=True):
