@@ -237,17 +237,22 @@ def _hopper_gpu() -> bool:
     return bool(devices) and all(str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices)
 
 
-def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_len: int) -> bool:
+def hopper_runs(backend: Backend, t: int, h: int, r: int, dr: int, dtype, cache_len: int,
+                page_size: int | None = None) -> bool:
     """Whether ``latent_attention`` runs the Hopper kernel for a block of ``t`` tokens, ``h``
-    heads, ranks ``r``/``dr`` over a ``dtype`` cache of ``cache_len`` slots under ``backend``."""
+    heads, ranks ``r``/``dr`` over a ``dtype`` cache of ``cache_len`` slots under ``backend``
+    (``page_size``: a paged cache of pages of that many positions, which must hold whole key
+    tiles; ``paged_latent_attention``)."""
     if not (backend.kernels and backend.family == "triton" and not backend.interpret) or t > HOPPER_MAX_BLOCK:
         return False
-    from pallas_kernels.mosaic_gpu.mla_prefix import supports
+    from pallas_kernels.mosaic_gpu.mla_prefix import KEY_TILE, supports
 
     if not (supports(t * h, r, dr, dtype) and _hopper_gpu()):
         return False
-    if cache_len < 64:  # shorter than one key tile
+    if cache_len < KEY_TILE:  # shorter than one key tile
         return False
+    if page_size is not None:
+        return page_size % KEY_TILE == 0
     tiled = cache_len % CACHE_SLOT_MULTIPLE == 0
     if not tiled:  # a cache not allocated by init_cache
         warnings.warn(f"latent_attention: a cache of {cache_len} slots takes the Triton kernel, not the Hopper one "

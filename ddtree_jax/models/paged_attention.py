@@ -33,7 +33,6 @@ from ddtree_jax.models.tree_cache import BlockMask
 __all__ = ["MIN_KERNEL_PAGE", "layout_latent_attention", "paged_latent_attention", "paged_latent_attention_reference"]
 
 MIN_KERNEL_PAGE = MIN_PAGE_SIZE  # the smallest page the kernel takes: its smallest key tile
-HOPPER_TILE = 64  # the Hopper kernel's key tile: pages of a multiple of it take that kernel
 
 
 def paged_latent_attention_reference(q_latent: jax.Array, q_rope: jax.Array, pool_latent: jax.Array,
@@ -58,8 +57,8 @@ def paged_latent_attention(q_latent: jax.Array, q_rope: jax.Array, pool_latent: 
     kernel: key tiles of ``min(default_tiles' block_k, P)`` keys (``P`` a power of two of at
     least ``MIN_KERNEL_PAGE``, else a ``ValueError``), the split chosen as ``latent_attention``
     chooses it, and fixed segments of ``segment_keys`` (``None``/0: none) in groups of
-    ``segment_group``. With ``hopper``, where ``hopper_runs`` says so and ``P`` is a multiple of
-    the Hopper kernel's 64-key tile: ``prefix_block_attention`` through the table (the batch-invariant
+    ``segment_group``. With ``hopper``, where ``hopper_runs`` says so (``P`` a multiple of the
+    Hopper kernel's 64-key tile among its conditions): ``prefix_block_attention`` through the table (the batch-invariant
     mode passes ``hopper=False``, as to ``latent_attention``). Runs on one device's arrays: on a
     mesh the caller runs it per shard with that shard's pool and table.
     """
@@ -73,7 +72,7 @@ def paged_latent_attention(q_latent: jax.Array, q_rope: jax.Array, pool_latent: 
     from pallas_kernels.triton.mla_attention import auto_split_keys, default_tiles, mla_attention
 
     s = page_table.shape[1] * page
-    if hopper and page % HOPPER_TILE == 0 and hopper_runs(backend, t, h, r, q_rope.shape[-1], pool_latent.dtype, s):
+    if hopper and hopper_runs(backend, t, h, r, q_rope.shape[-1], pool_latent.dtype, s, page_size=page):
         return prefix_block_attention(q_latent, q_rope, pool_latent, pool_k_rope, mask.start, mask.within,
                                       scale=float(scale), page_table=page_table)
     if not is_page_size(page):

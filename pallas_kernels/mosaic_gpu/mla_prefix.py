@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu._stream import stream_tiles
 
-__all__ = ["MIN_SPLIT_KEYS", "auto_splits", "prefix_attention", "split_size", "supports"]
+__all__ = ["KEY_TILE", "MIN_SPLIT_KEYS", "auto_splits", "prefix_attention", "split_size", "supports"]
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
@@ -39,11 +39,13 @@ _BM = 64
 _SMEM_BYTES = 227 * 1024 - 1024
 # Streaming multiprocessors the split heuristic fills (a 132-SM Hopper GPU).
 _NUM_SMS = 132
+# Keys per tile (``block_k``'s default): a paged cache takes the kernel with pages of whole tiles.
+KEY_TILE = 64
 # The shortest key split (the measured choice: docs/kernels.md, "The Hopper kernel").
 MIN_SPLIT_KEYS = 256
 
 
-def supports(q_rows: int, r: int, dr: int, dtype, *, block_k: int = 64, stages: int = 2) -> bool:
+def supports(q_rows: int, r: int, dr: int, dtype, *, block_k: int = KEY_TILE, stages: int = 2) -> bool:
     """Whether the kernel takes these shapes: bf16, whole 64-row query tiles, value halves and
     the rope part in whole 64-column (128-byte swizzle) tiles, and the slots in shared memory."""
     if jnp.dtype(dtype) != jnp.bfloat16 or q_rows % _BM or r % 128 or dr % 64 or block_k % 64:
@@ -216,7 +218,7 @@ def _kernel(end_ref, split_ref, table_ref, qn_ref, qr_ref, lat_ref, kr_ref, o_re
         stream_tiles(fetch, n_tiles, stages, consumed)
 
 
-def split_size(end: jax.Array, n_split: int, *, block_k: int = 64, min_keys: int = MIN_SPLIT_KEYS) -> jax.Array:
+def split_size(end: jax.Array, n_split: int, *, block_k: int = KEY_TILE, min_keys: int = MIN_SPLIT_KEYS) -> jax.Array:
     """Keys per split (int32 ``[1]``) so that ``n_split`` splits cover the longest row's ``end``:
     a multiple of ``block_k``, at least ``min_keys`` (shorter splits cost more in partials and
     fixed work than they save; rows shorter than ``n_split * min_keys`` use fewer splits)."""
@@ -237,7 +239,7 @@ def auto_splits(batch: int, q_rows: int, cache_len: int, *, num_sms: int = _NUM_
 @functools.partial(jax.jit, static_argnames=("scale", "n_split", "block_k", "stages", "interpret"))
 def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, end: jax.Array,
                      split: jax.Array, page_table: jax.Array | None = None, *, scale: float, n_split: int,
-                     block_k: int = 64, stages: int = 2, interpret=False) -> tuple[jax.Array, jax.Array]:
+                     block_k: int = KEY_TILE, stages: int = 2, interpret=False) -> tuple[jax.Array, jax.Array]:
     """Per-split attention of ``q_latent``/``q_rope`` ``[B,R,*]`` over the cache positions
     ``[0, end[b])`` of ``latent``/``k_rope`` ``[B,S,*]`` (see ``split_size``): ``(o [B,n,R,r]
     float32, lse [B,n,R] float32)``. Split ``s`` covers ``[s * split, (s + 1) * split)`` (``split``:
@@ -257,7 +259,7 @@ def prefix_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         if page_table.shape[0] != B or page % block_k:
             raise ValueError(f"prefix_attention: a page table {page_table.shape} for {B} rows over pages of {page} "
                              f"positions (a multiple of block_k={block_k})")
-    if (q_rope.shape != (B, R, dr) or latent.shape != (rows, latent.shape[1], r) or
+    if (q_rope.shape != (B, R, dr) or (latent.shape[0], latent.shape[2]) != (rows, r) or
             k_rope.shape != (*latent.shape[:2], dr) or end.shape != (B,)):
         raise ValueError(f"prefix_attention: shapes q_latent {q_latent.shape}, q_rope {q_rope.shape}, latent "
                          f"{latent.shape}, k_rope {k_rope.shape}, end {end.shape} do not agree")
