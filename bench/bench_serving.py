@@ -92,7 +92,8 @@ def _smoke_checkpoints(path: str) -> dict[str, str]:
 class Server:
     """``python -m ddtree_jax.serving.cli`` as a subprocess on a free 127.0.0.1 port."""
 
-    def __init__(self, paths: dict, method: str, args, log_dir: str, engine_process: bool = False):
+    def __init__(self, paths: dict, method: str, args, log_dir: str, engine_process: bool = False,
+                 paged: bool = False):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--tokenizer",
@@ -104,10 +105,13 @@ class Server:
             cmd += ["--drafter", paths["drafter"]]
         if engine_process:
             cmd += ["--engine-process"]
+        if paged:
+            cmd += ["--page-size", str(args.page_size)]
         for flag in ("max_model_len", "mesh", "dtype"):
             if getattr(args, flag):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        self.log_path = os.path.join(log_dir, f"server_{method}{'_two_process' if engine_process else ''}.log")
+        self.log_path = os.path.join(log_dir, f"server_{method}{'_two_process' if engine_process else ''}"
+                                              f"{'_paged' if paged else ''}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)  # -m: ROOT's package
 
@@ -195,7 +199,8 @@ def _markdown(report: dict) -> str:
              f"Command: `{report['command']}`", "",
              f"Models: {report['models']}; slots {report['slots']}, budget {report['budget']}, "
              f"max_tokens {report['max_tokens']}, temperature {report['temperature']}, "
-             f"sync_every {report['sync_every']}, engine process {report['engine_process']}; host {report['host']}, "
+             f"sync_every {report['sync_every']}, engine process {report['engine_process']}, paged "
+             f"{report.get('paged', 'off')} (pages of {report.get('page_size')}); host {report['host']}, "
              f"jax {report['jax']}.", "",
              "| method | concurrency | requests | tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
              "| e2e p50 ms | tau |",
@@ -234,6 +239,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
                     help="serve --engine-process: the engine in a process of its own (both: each method twice)")
+    ap.add_argument("--paged", choices=("off", "on", "both"), default="off",
+                    help="the server with paged caches (--page-size; a pool of --slots full-length slots' worth), "
+                         "the contiguous one, or both in turn (same levels)")
+    ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--startup-timeout", type=float, default=1800)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
@@ -262,10 +271,11 @@ def main(argv=None) -> dict:
         models = f"{args.target} + {args.drafter}"
 
     results, health = {}, {}
-    split = {"off": [False], "on": [True], "both": [False, True]}[args.engine_process]
-    for method, two in [(m, two) for m in args.methods for two in split]:
-        server = Server(paths, method, args, workdir, engine_process=two)
-        name = method + ("+engine-process" if two else "")
+    split = {"off": [False], "on": [True], "both": [False, True]}
+    for method, two, paged in [(m, two, pg) for m in args.methods for two in split[args.engine_process]
+                               for pg in split[args.paged]]:
+        server = Server(paths, method, args, workdir, engine_process=two, paged=paged)
+        name = method + ("+engine-process" if two else "") + (f"+paged{args.page_size}" if paged else "")
         try:
             t0 = time.perf_counter()
             health = server.wait(args.startup_timeout)
@@ -292,7 +302,7 @@ def main(argv=None) -> dict:
                   command="python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
                   host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
                   max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
-                  engine_process=args.engine_process,
+                  engine_process=args.engine_process, paged=args.paged, page_size=args.page_size,
                   mesh=args.mesh, smoke=small, results=results)
     os.makedirs(args.out, exist_ok=True)
     tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if small else "")

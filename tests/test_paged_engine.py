@@ -114,3 +114,21 @@ def test_paged_settings_are_checked(models):
     pools = sum(x.nbytes for c in caches for x in jax.tree.leaves(c)) - sum(
         c.page_table.nbytes + c.lengths.nbytes for c in caches)
     assert page_bytes(*models, 16) == pools // (eng.kv_pages + 1) > 0
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_traffic_after_warmup_compiles_nothing(models, page_size):
+    """After ``warmup`` a run of short requests (prompts within the smallest prefill chunk) with
+    every number of newcomers and finishes compiles no program: a compile inside traffic stalls
+    every stream (found on the GPU: the paged engine's first page-table upload after a round
+    compiled again, because the fresh state's arrays were not committed to the device)."""
+    from ddtree_jax.compilation_cache import CompileWatch
+
+    eng = Engine(*models, dataclasses.replace(SHAPE, page_size=page_size))
+    eng.warmup()
+    prompts = [[7, 8, 9], list(range(70, 84)), [11] * 15, [5, 6], [40 + i for i in range(9)], [3]]
+    with CompileWatch() as watch:
+        got = run(eng, [eng.submit(p, s, max_tokens=m) for p, s, m in
+                        zip(prompts, SAMPLING, (3, 9, 14, 5, 20, 7), strict=True)], check=False)
+    assert [len(r.tokens) for r in got] == [3, 9, 14, 5, 20, 7]
+    assert watch.compiles == 0

@@ -267,4 +267,9 @@ def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, cap
         )
 
     state = jax.jit(build)()  # compiled: every leaf its own buffer (the state is donated leaf by leaf)
-    return state if shard is None else shard(state)
+    if shard is not None:
+        return shard(state)
+    # Committed to its device, as every program's output is: a program first called on this state
+    # and later on a round's output would otherwise compile twice (JAX keys compiled programs on
+    # whether their arguments are committed), the second time while serving.
+    return jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.devices()[0]))

@@ -900,8 +900,9 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile before serving: a round, the activation, the prefill of every power-of-two number
-        of newcomers up to ``prefill_batch`` with the smallest prompt chunk, and the largest prefill
-        shape (which covers any other until that one has compiled in the background)."""
+        of newcomers up to ``prefill_batch`` with the smallest prompt chunk, the largest prefill
+        shape (which covers any other until that one has compiled in the background) and, paged and
+        before ``start``, the page-table upload of every power-of-two number of slots."""
         prompt = [0] * min(_MIN_CHUNK + 1, self.max_model_len - 1)
         R = 1
         while R <= min(self.prefill_batch, self.max_queue):
@@ -915,5 +916,11 @@ class Engine:
             R *= 2
         blocks = self._row_blocks  # a full prefill batch spread over the devices' blocks
         self._prefill.warm(blocks * _pow2(-(-self.prefill_batch // blocks)), self.prefill_chunk)
+        if self.page_size is not None and self._thread is None:  # page-table uploads of 1, 2, 4, ... slots
+            R = 1
+            while R <= self.slots:
+                self._dirty.update(range(R))  # rewrites rows the device already holds
+                self._sync_tables()
+                R *= 2
         self.metrics = self._new_metrics()  # the warm-up requests are not traffic
         self._emitter.metrics = self.metrics
