@@ -20,6 +20,9 @@ kernels) and the drafter a random one-layer DFlash drafter (about one token acce
 every round runs), without a tokenizer: what it shows is whether the engine's host work per
 round hides behind a large target's round.
 
+With ``--paged on`` (or ``both``: each case twice) ``generate()`` and the engine run on paged caches
+of ``--page-size`` positions per page (``EngineConfig.page_size``: a pool of the slots' memory).
+
 Every shape runs once untimed first (compilation). The engine's greedy tokens are checked against
 ``generate()``'s. Writes ``bench/results/engine_<device>_<date>.{json,md}`` with the command.
 """
@@ -71,12 +74,12 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return rng.integers(1, vocab, size=(n, length)).tolist()
 
 
-def _generate(target, drafter, prompts, B, method, budget, new):
+def _generate(target, drafter, prompts, B, method, budget, new, page_size=None):
     t0 = time.perf_counter()
     tokens, rounds = [], 0
     for i in range(0, len(prompts), B):
         out = generate(target, drafter, prompts[i : i + B], method=method, budget=budget, max_new_tokens=new,
-                       sync_every=8, compact=False, max_len=len(prompts[0]) + new + 64)
+                       sync_every=8, compact=False, max_len=len(prompts[0]) + new + 64, page_size=page_size)
         tokens += out.tokens
         rounds += max(len(r.acceptance_lengths) for r in out.requests)
     return time.perf_counter() - t0, tokens, rounds
@@ -95,17 +98,17 @@ def _engine_run(eng: Engine, prompts, new):
                 wait_ms_per_step=1e3 * (m1["wait_seconds"] - m0["wait_seconds"]) / max(steps, 1))
 
 
-def run_case(target, drafter, tokenizer, method, B, args) -> dict:
+def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
     warm = prompts[: min(B, n)]
-    _generate(target, drafter, warm, B, method, budget, args.new)  # compile
-    g_s, g_tokens, g_rounds = _generate(target, drafter, prompts, B, method, budget, args.new)
+    _generate(target, drafter, warm, B, method, budget, args.new, page_size)  # compile
+    g_s, g_tokens, g_rounds = _generate(target, drafter, prompts, B, method, budget, args.new, page_size)
 
     config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
-                          prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()))
+                          prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size)
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     eng.warmup()
     eng.start()
@@ -116,7 +119,8 @@ def run_case(target, drafter, tokenizer, method, B, args) -> dict:
         eng.stop()
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
-    row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, requests=n, new=args.new,
+    row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
+               requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
                host_ms_per_step=e["host_ms_per_step"], wait_ms_per_step=e["wait_ms_per_step"],
@@ -131,6 +135,7 @@ def _markdown(report: dict) -> str:
              "wait ms / step | generate ms / round | greedy equal |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
+        name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
@@ -148,6 +153,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--requests-per-slot", type=int, default=4)
+    ap.add_argument("--paged", choices=("off", "on", "both"), default="off",
+                    help="paged caches (--page-size; generate() and the engine alike), contiguous ones, or both "
+                         "in turn for each case")
+    ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
     if args.smoke:
@@ -160,18 +169,20 @@ def main(argv=None) -> dict:
     report = dict(device=device, date=datetime.date.today().isoformat(), host=platform.node(),
                   command="python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   jax=jax.__version__, rows=[])
-    name = f"engine_k2_slice{args.k2_slice}" if args.k2_slice else "engine"
+    name = (f"engine_k2_slice{args.k2_slice}" if args.k2_slice else "engine") + ("_paged" if args.paged != "off" else "")
     stem = os.path.join(args.out, f"{name}_{device.lower()}_{report['date'].replace('-', '')}")
+    sizes = {"off": [None], "on": [args.page_size], "both": [None, args.page_size]}[args.paged]
     for method in args.methods:
         for B in args.batches:
-            log(f"{method} batch {B} ...")
-            report["rows"].append(run_case(target, drafter, tokenizer, method, B, args))
-            if not args.smoke:  # after every case: a run cut short keeps what it measured
-                os.makedirs(args.out, exist_ok=True)
-                with open(stem + ".json", "w") as f:
-                    json.dump(report, f, indent=1)
-                with open(stem + ".md", "w") as f:
-                    f.write(_markdown(report))
+            for page_size in sizes:
+                log(f"{method} batch {B}{f' pages of {page_size}' if page_size else ''} ...")
+                report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size))
+                if not args.smoke:  # after every case: a run cut short keeps what it measured
+                    os.makedirs(args.out, exist_ok=True)
+                    with open(stem + ".json", "w") as f:
+                        json.dump(report, f, indent=1)
+                    with open(stem + ".md", "w") as f:
+                        f.write(_markdown(report))
     print(_markdown(report))
     return report
 
