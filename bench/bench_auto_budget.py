@@ -64,7 +64,7 @@ def run_one(target, drafter, prompts, label, setting, new, auto_max, seed):
     generate(*models, prompts, **kw)
     out = generate(*models, prompts, **kw)
     rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
-               rounds=out.rounds, tau=out.mean_tau)
+               rounds=out.rounds, tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes)
     if out.auto is not None:
         a = out.auto
         rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
@@ -100,6 +100,15 @@ def summarize(results: dict) -> str:
         fixed_ratios = " | ".join(f"{ratio(lab):.2f}" for lab in fixed)
         lines.append(f"| {level or '-'} | {batch} | {setting} | {ar:.1f} | {fixed_ratios} | {ratio('auto'):.2f} | "
                      f"{ratio('auto') / best:.2f} | {hist} | {er} |")
+    lines += ["", "Where each run's time went, ms per round: in the compiled calls (dispatch, the rounds, the read "
+              "back) and on the host between calls (choice, cost lookups, harvest, compaction):", "",
+              "| acceptance | batch | setting | run | rounds | ms / round in calls | host ms / round | batch sizes |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if "round_seconds" in r and r["rounds"]:
+            calls, host = r["round_seconds"] / r["rounds"], (r["seconds"] - r["round_seconds"]) / r["rounds"]
+            lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {r['label']} | "
+                         f"{r['rounds']} | {1e3 * calls:.3f} | {1e3 * host:.3f} | {r.get('batch_sizes', '')} |")
     lines += ["", "Cost table (ms per round at each budget of the set, measured by the library):", ""]
     seen = set()
     for r in runs:

@@ -169,7 +169,8 @@ def main(argv=None) -> dict:
     report = dict(device=device, date=datetime.date.today().isoformat(), host=platform.node(),
                   command="python bench/bench_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   jax=jax.__version__, rows=[])
-    name = (f"engine_k2_slice{args.k2_slice}" if args.k2_slice else "engine") + ("_paged" if args.paged != "off" else "")
+    name = f"engine_k2_slice{args.k2_slice}" if args.k2_slice else "engine"
+    name += "_paged" if args.paged != "off" else ""
     stem = os.path.join(args.out, f"{name}_{device.lower()}_{report['date'].replace('-', '')}")
     sizes = {"off": [None], "on": [args.page_size], "both": [None, args.page_size]}[args.paged]
     for method in args.methods:

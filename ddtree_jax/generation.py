@@ -96,6 +96,10 @@ class GenerateOutput:
       rounds: rounds the batch ran (the longest request's count).
       seconds: wall time of the decoding rounds (prefill excluded; compilation excluded after
         the first call with the same shapes).
+      round_seconds: the part of ``seconds`` spent in the calls of compiled rounds and the read
+        back of what the host needs after each (on a GPU a call returns once its rounds are
+        done); the rest is host work between calls: choosing budgets, cost-table lookups,
+        harvesting finished rows and compaction.
       prefill_seconds: wall time of the prompt prefill.
       time_split: seconds per stage (draft, tree, verify, sample, commit) with ``profile=True``,
         else ``None``.
@@ -113,6 +117,7 @@ class GenerateOutput:
     time_split: dict[str, float] | None
     batch_sizes: list[int]
     auto: AutoReport | None = None
+    round_seconds: float = 0.0
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -357,9 +362,12 @@ def generate(
             host[k][slot_request[used]] = v[used]
 
     t0 = time.perf_counter()
+    in_rounds = 0.0
     while True:
+        t_call = time.perf_counter()
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
+            done = np.asarray(state.done)
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:
@@ -367,13 +375,16 @@ def generate(
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
             k = chooser.choose(active, costs[rows])
+            t_call = time.perf_counter()
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
             tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
+            in_rounds += time.perf_counter() - t_call
             chooser.record(k, tally, costs[rows])
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
-        if not decode.is_auto:  # (profile is never auto)
             done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
+        if not decode.is_auto:
+            in_rounds += time.perf_counter() - t_call
         active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)
@@ -410,7 +421,7 @@ def generate(
     return GenerateOutput(
         requests=requests, method=method, budget=checked.budget, rounds=int(host["rounds"].max()), seconds=seconds,
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
-        auto=AutoReport.of(chooser, costs) if decode.is_auto else None,
+        auto=AutoReport.of(chooser, costs) if decode.is_auto else None, round_seconds=in_rounds,
     )
 
 
