@@ -4,15 +4,15 @@
     PYTHONUNBUFFERED=1 python bench/bench_prefix_ttft.py            # a Kimi K2-shaped slice (GPU)
     python bench/bench_prefix_ttft.py --smoke --out /tmp/bench     # tiny shapes on the CPU
 
-For each of ``--trials`` fresh random prefixes of ``--prefix`` tokens: request A (the prefix and a
-``--suffix``-token tail) arrives alone on an idle engine and decodes ``--new`` tokens (its prefix is
-not cached: a miss); once it has finished, request B (the same prefix, another tail) arrives
-alone (a hit: the paged engine matches the prefix's full pages and prefills only the rest). Time
-to first token is from ``submit`` to the first streamed token, stepping the engine in this thread.
-The contiguous engine runs the same A and B. Reported: median TTFT per case and the ratio miss /
-hit. The target is a random K2-shaped slice of ``--layers`` layers (bf16) with a random one-layer
-drafter, DDTree budget ``--budget``, prefill chunks of ``--prefill-chunk``. Results:
-``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
+For each prefix length of ``--prefix`` and each of ``--trials`` fresh random prefixes of that
+length: request A (the prefix and a ``--suffix``-token tail) arrives alone on an idle engine and
+decodes ``--new`` tokens (its prefix is not cached: a miss); once it has finished, request B (the
+same prefix, another tail) arrives alone (a hit: the paged engine matches the prefix's full pages
+and prefills only the rest). Time to first token is from ``submit`` to the first streamed token,
+stepping the engine in this thread. The contiguous engine runs the same A and B. Reported: median
+TTFT per case and the ratio miss / hit, per prefix length. The target is a random K2-shaped slice
+of ``--layers`` layers (bf16) with a random one-layer drafter, DDTree budget ``--budget``, prefill
+chunks of ``--prefill-chunk``. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -42,23 +42,34 @@ def ttft(eng: Engine, prompt: list[int], new: int) -> float:
     return first if first is not None else time.perf_counter() - t0
 
 
+def _hit_tokens(eng: Engine) -> int:
+    """Prompt tokens the engine has found in its prefix cache so far (0 without paged caches)."""
+    return (eng.metrics.snapshot()["kv_pages"] or {}).get("prefix_hit_tokens", 0)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--prefix", type=int, nargs="+", default=[2048], help="prefix lengths, each its own row")
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--new", type=int, default=8)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the longest prefix and tail and the new tokens, rounded up to a power of two")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if args.smoke:
-        args.prefix, args.suffix, args.trials, args.prefill_chunk, args.max_model_len = 256, 16, 2, 64, 512
+        args.prefix, args.suffix, args.trials, args.prefill_chunk, args.max_model_len = [256], 16, 2, 64, 512
         args.page_size = 16
+    need = max(args.prefix) + args.suffix + args.new + 1
+    args.max_model_len = args.max_model_len or 1 << (need - 1).bit_length()
+    if args.max_model_len < need:
+        ap.error(f"--max-model-len {args.max_model_len} cannot hold a prefix of {max(args.prefix)}, a tail of "
+                 f"{args.suffix} and {args.new} new tokens")
 
     target, drafter = k2_models(args.layers, smoke=args.smoke)
     vocab = target.config.vocab_size
@@ -68,28 +79,34 @@ def main(argv=None):
                "contiguous": Engine(target, drafter, base)}
     for eng in engines.values():
         eng.warmup()
-    rng = np.random.default_rng(0)
-    times: dict[str, list[float]] = {f"{name} {case}": [] for name in engines for case in ("miss", "hit")}
-    for trial in range(args.trials + 1):  # the first trial compiles what warmup() left: not counted
-        prefix = rng.integers(1, vocab, args.prefix).tolist()
-        tails = [rng.integers(1, vocab, args.suffix).tolist() for _ in range(2)]
-        for name, eng in engines.items():
-            miss = ttft(eng, prefix + tails[0], args.new)
-            hit = ttft(eng, prefix + tails[1], args.new)
-            if trial:
-                times[f"{name} miss"].append(miss)
-                times[f"{name} hit"].append(hit)
-        log(f"trial {trial}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items() if v and trial))
     report = Report(args, name="prefix_ttft", title="Time to first token: cached prefix against none",
                     sections=("ttft",))
-    report.notes.append(f"Prefix {args.prefix} tokens + tail {args.suffix}, {args.new} new tokens, {args.trials} "
-                        f"trials (medians), pages of {args.page_size}, prefill chunks of {args.prefill_chunk}, "
-                        f"DDTree budget {args.budget}, a random K2-shaped slice of {args.layers} layers.")
-    for name in engines:
-        miss, hit = (statistics.median(times[f"{name} {c}"]) for c in ("miss", "hit"))
-        report.add("ttft", dict(engine=name, miss_ms=miss * 1e3, hit_ms=hit * 1e3, miss_over_hit=miss / hit,
-                                prefix_hit_tokens=(engines[name].metrics.snapshot()["kv_pages"] or {}).get(
-                                    "prefix_hit_tokens", 0)))
+    report.notes.append(f"Prefixes of {', '.join(map(str, args.prefix))} tokens + tail {args.suffix}, {args.new} new "
+                        f"tokens, {args.trials} trials (medians), pages of {args.page_size}, prefill chunks of "
+                        f"{args.prefill_chunk}, max_model_len {args.max_model_len}, DDTree budget {args.budget}, a "
+                        f"random K2-shaped slice of {args.layers} layers. cached_per_hit: prompt tokens the hit "
+                        "found in the prefix cache.")
+    rng = np.random.default_rng(0)
+    for length in args.prefix:
+        times: dict[str, list[float]] = {f"{name} {case}": [] for name in engines for case in ("miss", "hit")}
+        cached: dict[str, list[int]] = {name: [] for name in engines}
+        for trial in range(args.trials + 1):  # the first trial compiles what warmup() left: not counted
+            prefix = rng.integers(1, vocab, length).tolist()
+            tails = [rng.integers(1, vocab, args.suffix).tolist() for _ in range(2)]
+            for name, eng in engines.items():
+                miss = ttft(eng, prefix + tails[0], args.new)
+                before = _hit_tokens(eng)
+                hit = ttft(eng, prefix + tails[1], args.new)
+                if trial:
+                    times[f"{name} miss"].append(miss)
+                    times[f"{name} hit"].append(hit)
+                    cached[name].append(_hit_tokens(eng) - before)
+            log(f"prefix {length}, trial {trial}: " +
+                ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items() if v and trial))
+        for name in engines:
+            miss, hit = (statistics.median(times[f"{name} {c}"]) for c in ("miss", "hit"))
+            report.add("ttft", dict(prefix=length, engine=name, miss_ms=miss * 1e3, hit_ms=hit * 1e3,
+                                    miss_over_hit=miss / hit, cached_per_hit=statistics.median(cached[name])))
     log(f"wrote {report.stem}.md")
 
 
