@@ -307,3 +307,26 @@ def test_prefill_on_a_cover_gives_generates_tokens(models, reference):
     assert [r.tokens for r in eng.generate([PROMPTS[3], PROMPTS[0]], max_tokens=MAX_TOKENS)] == \
         [reference.tokens[3], reference.tokens[0]]
     assert eng.generate([PROMPTS[1]], max_tokens=MAX_TOKENS)[0].tokens == reference.tokens[1]  # (1, 16) now
+
+
+def test_histogram_observe_many_equals_observing_one_by_one():
+    """``Histogram.observe_many`` (numpy, one call per engine step) keeps the same buckets, sum and
+    count as ``observe`` per value, weights included, with values on the bounds and past the last."""
+    from ddtree_jax.serving.metrics import ACCEPT_BUCKETS, LATENCY_BUCKETS, Histogram
+
+    rng = np.random.default_rng(0)
+    for bounds in (ACCEPT_BUCKETS, LATENCY_BUCKETS):
+        for trial in range(20):
+            n = int(rng.integers(0, 40))
+            values = rng.choice(np.concatenate([bounds, rng.uniform(0, 2 * bounds[-1], 50)]), n)
+            weights = rng.integers(1, 5, n) if trial % 2 else None
+            many, one = Histogram(bounds), Histogram(bounds)
+            many.observe_many(values, weights)
+            many.observe_many(values[: n // 2])
+            for i, v in enumerate(values):
+                one.observe(float(v), 1 if weights is None else int(weights[i]))
+            for v in values[: n // 2]:
+                one.observe(float(v))
+            assert many.counts == one.counts and many.count == one.count
+            assert many.total == pytest.approx(one.total, rel=1e-12)
+            assert all(type(c) is int for c in many.counts)

@@ -87,7 +87,9 @@ class RequestHandle:
         self.request_id = request_id
         self._cond = threading.Condition()
         self._chunks: list[StreamChunk] = []
+        # Replaced, never changed in place (copy on write): ``_push`` reads it without a copy.
         self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._blocked = 0  # threads waiting in ``result`` or ``stream``: only they need a notify
         self._result: RequestResult | None = None
         self.cancel_requested = False
 
@@ -99,8 +101,11 @@ class RequestHandle:
             self._chunks.append(chunk)
             if chunk.finished:
                 self._result = chunk.result
-            listeners = list(self._listeners)
-            self._cond.notify_all()
+            listeners = self._listeners
+            if self._blocked:
+                self._cond.notify_all()
+        if not listeners:
+            return
         if deliveries is not None:
             deliveries.extend((loop, queue, chunk) for loop, queue in listeners)
             return
@@ -118,16 +123,24 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestResult:
         """Block until the request finishes (``TimeoutError`` after ``timeout`` seconds)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._result is not None, timeout):
+            if not self._wait(lambda: self._result is not None, timeout):
                 raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
             return self._result
+
+    def _wait(self, predicate, timeout: float | None) -> bool:
+        """``Condition.wait_for`` counted in ``_blocked`` (holds the lock)."""
+        self._blocked += 1
+        try:
+            return self._cond.wait_for(predicate, timeout)
+        finally:
+            self._blocked -= 1
 
     def stream(self, timeout: float | None = None) -> Iterator[StreamChunk]:
         """The request's chunks as they come (blocking), ending with the finished one."""
         i = 0
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda i=i: len(self._chunks) > i, timeout):
+                if not self._wait(lambda i=i: len(self._chunks) > i, timeout):
                     raise TimeoutError(f"request {self.request_id}: no output for {timeout}s")
                 chunk = self._chunks[i]
             i += 1
@@ -140,7 +153,7 @@ class RequestHandle:
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
             backlog = list(self._chunks)
-            self._listeners.append((asyncio.get_running_loop(), queue))
+            self._listeners = [*self._listeners, (asyncio.get_running_loop(), queue)]
         try:
             for chunk in backlog:
                 yield chunk
@@ -812,7 +825,7 @@ class Engine:
             r.out += tokens
             r.rounds_done += row[1]
             items.append(Emit(r, tokens, row[first + T : first + T + row[1]], reason,
-                              self._logprobs(got[s], r, row[0])))
+                              None if r.logprobs is None else self._logprobs(got[s], r, row[0])))
             if reason is not None:
                 done.append(r)
         if done:

@@ -27,10 +27,12 @@ class Histogram:
     counts: list[int] = dataclasses.field(default_factory=list)  # per bucket (not cumulative), + one for +Inf
     total: float = 0.0
     count: int = 0
+    _edges: np.ndarray = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
+        self._edges = np.asarray(self.bounds, np.float64)
 
     def copy(self) -> Histogram:
         return Histogram(self.bounds, list(self.counts), self.total, self.count)
@@ -43,11 +45,16 @@ class Histogram:
     def observe_many(self, values, counts=None) -> None:
         """Observe every value of ``values`` (a numpy array), each ``counts`` times (default once)."""
         values = np.asarray(values, np.float64).ravel()
-        if values.size:
-            weights = np.ones(values.shape, np.int64) if counts is None else np.asarray(counts, np.int64).ravel()
-            idx = np.searchsorted(np.asarray(self.bounds), values, side="left")
-            for i, c in enumerate(np.bincount(idx, weights, minlength=len(self.counts)).tolist()):
-                self.counts[i] += int(c)
+        if not values.size:
+            return
+        weights = None if counts is None else np.asarray(counts, np.int64).ravel()
+        per_bucket = np.bincount(np.searchsorted(self._edges, values, side="left"), weights,
+                                 minlength=len(self.counts)).tolist()
+        self.counts = [c + int(n) for c, n in zip(self.counts, per_bucket, strict=True)]
+        if weights is None:
+            self.total += float(values.sum())
+            self.count += values.size
+        else:
             self.total += float(values @ weights)
             self.count += int(weights.sum())
 
