@@ -367,7 +367,6 @@ def generate(
         t_call = time.perf_counter()
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
-            done = np.asarray(state.done)
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:
@@ -375,16 +374,16 @@ def generate(
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
             k = chooser.choose(active, costs[rows])
-            t_call = time.perf_counter()
+            t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
             tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
-            in_rounds += time.perf_counter() - t_call
-            chooser.record(k, tally, costs[rows])
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
+        if not decode.is_auto:  # (profile is never auto)
             done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
-        if not decode.is_auto:
-            in_rounds += time.perf_counter() - t_call
+        in_rounds += time.perf_counter() - t_call
+        if decode.is_auto:
+            chooser.record(k, tally, costs[rows])
         active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)

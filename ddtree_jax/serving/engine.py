@@ -840,11 +840,10 @@ class Engine:
             self._release([r.slot for r in done])
         return items
 
-    def _logprobs(self, row: np.ndarray, r: _Request, n: int) -> TokenLogprobs | None:
+    def _logprobs(self, row: np.ndarray, r: _Request, n: int) -> TokenLogprobs:
         """The log-probabilities of a slot's ``n`` new tokens from its harvest row (after the
-        tokens and acceptance columns: ``_device.rounds_and_harvest``), if its request asked."""
-        if r.logprobs is None:
-            return None
+        tokens and acceptance columns: ``_device.rounds_and_harvest``), for a request that asked
+        (``r.logprobs`` set)."""
         K = self.max_logprobs
         start = _device.HARVEST_FIELDS + self.sync_every * (self.tokens_per_round + 1)
         block = row[start:].reshape(-1, 1 + 2 * K)[:n]
