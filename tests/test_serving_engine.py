@@ -226,9 +226,9 @@ def test_incremental_text_equals_decoding_everything():
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     rng = np.random.default_rng(0)
     for trial in range(20):
-        ids = rng.integers(0, tok.get_vocab_size(), size=int(rng.integers(1, 60))).tolist()
-        if trial % 2:
-            ids = tok.encode("日本語のテキスト 🙂 héllo wörld " * 2).ids
+        ids = rng.integers(0, tok.get_vocab_size(), size=int(rng.integers(1, 150))).tolist()
+        if trial % 2:  # (long enough for the decoding window to start over several times)
+            ids = tok.encode("日本語のテキスト 🙂 héllo wörld " * 6).ids
         s, streamed, i = TextStream(tok), "", 0
         while i < len(ids):
             n = int(rng.integers(1, 6))

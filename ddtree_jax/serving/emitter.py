@@ -145,11 +145,11 @@ class RequestResult:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class StreamChunk:
     """What one engine step produced for a request: new tokens and new text (and the tokens'
     log-probabilities when the request asked for them); the last chunk carries ``finish_reason``
-    and ``result``."""
+    and ``result``. Every reader of the request gets the same object: do not modify it."""
 
     token_ids: list[int]
     text: str
@@ -163,7 +163,7 @@ class StreamChunk:
 
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Emit:
     """One request's news from one engine step. ``finish``: the finish reason when the request
     ends with this item (``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"``, ``"error: ..."``);

@@ -85,7 +85,7 @@ class RequestHandle:
     def __init__(self, engine: Engine, request_id: int):
         self._engine = engine
         self.request_id = request_id
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # (never re-entered: a plain lock is cheaper)
         self._chunks: list[StreamChunk] = []
         # Replaced, never changed in place (copy on write): ``_push`` reads it without a copy.
         self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []

@@ -53,7 +53,10 @@ class TextStream:
         After a stop string, ``stopped`` is set and later calls keep nothing."""
         if self.stopped or not new_tokens:
             return [], ""
-        new_tokens = list(new_tokens)
+        if type(new_tokens) is not list:
+            new_tokens = list(new_tokens)
+        if not self.stop and self.tokenizer is not None:
+            return new_tokens, self._add_plain(new_tokens)
         text = self._candidate(new_tokens) if self.tokenizer is not None else ""
         start = max(0, len(self.text) - self._window + 1)
         if self.stop and self._find_stop(text, start) >= 0:
@@ -71,6 +74,19 @@ class TextStream:
             self.text = text
             self._prefix, self._read = self._read, len(self.tokens)
         return new_tokens, self._ready()
+
+    def _add_plain(self, new_tokens: list[int]) -> str:
+        """``add`` without stop strings (the engine's common case, once per request per step):
+        the same window arithmetic, and everything read is streamed at once."""
+        tokens, decode = self.tokens, self.tokenizer.decode
+        tokens += new_tokens
+        piece = decode(tokens[self._prefix :])[len(decode(tokens[self._prefix : self._read])) :]
+        if not piece or piece[-1] == _INCOMPLETE:
+            return ""
+        self.text += piece
+        self.sent = len(self.text)
+        self._prefix, self._read = self._read, len(tokens)
+        return piece
 
     def _ready(self) -> str:
         """Stream what is settled: hold back a tail that could start a stop string."""
