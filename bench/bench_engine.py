@@ -12,6 +12,9 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
   on the engine thread, the shipped tokenizer detokenising), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step;
+* the host's time to launch one dispatch of the rounds (the engine's compiled call, on a state
+  the device is done with: median of 30), which the engine overlaps with reading back and
+  streaming the dispatch before;
 * the compiled round's device time per round, from a ``generate()`` run at batch ``B``
   (wall time of the decoding rounds / rounds, with ``profile`` off: an upper bound).
 
@@ -98,6 +101,20 @@ def _engine_run(eng: Engine, prompts, new):
                 wait_ms_per_step=1e3 * (m1["wait_seconds"] - m0["wait_seconds"]) / max(steps, 1))
 
 
+def _launch_ms(eng: Engine, n: int = 30) -> float:
+    """The host's time to launch one dispatch of the engine's rounds (``Engine._launch_rounds``:
+    the compiled call and the harvest's copy to the host, not the rounds themselves), median of
+    ``n`` launches each on a state the device has finished with."""
+    times = []
+    for _ in range(n):
+        jax.block_until_ready(eng._state)
+        t0 = time.perf_counter()
+        eng._launch_rounds([None] * eng.slots, None)
+        times.append(time.perf_counter() - t0)
+    jax.block_until_ready(eng._state)
+    return 1e3 * float(np.median(times))
+
+
 def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
@@ -117,6 +134,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
         e = _engine_run(eng, prompts, args.new)
     finally:
         eng.stop()
+    launch_ms = _launch_ms(eng)
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
@@ -124,7 +142,8 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
                host_ms_per_step=e["host_ms_per_step"], wait_ms_per_step=e["wait_ms_per_step"],
-               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), greedy_equal=f"{same}/{n}")
+               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms,
+               greedy_equal=f"{same}/{n}")
     log(json.dumps(row))
     return row
 
@@ -132,13 +151,14 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
 def _markdown(report: dict) -> str:
     lines = [f"# Engine vs generate(), {report['device']}, {report['date']}", "", f"`{report['command']}`", "",
              "| method | batch | generate tok/s | engine tok/s | engine / generate | host ms / step | "
-             "wait ms / step | generate ms / round | greedy equal |", "|---|---|---|---|---|---|---|---|---|"]
+             "wait ms / step | launch ms / step | generate ms / round | greedy equal |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
-                     f"| {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
+                     f"| {r['launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
     return "\n".join(lines) + "\n"
 
 

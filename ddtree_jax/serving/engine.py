@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -306,6 +307,11 @@ class Engine:
         self.metrics = self._new_metrics()
         self._emitter = Emitter(self.metrics)
         self._inflight = None  # the last dispatched rounds, not yet read back
+        # The rounds' launch (the host's share of running a compiled program: seconds on a GPU, with
+        # the interpreter lock released) overlaps the read-back and streaming of the rounds before.
+        # With several processes every process must launch its programs in the same order as the
+        # others, so there the launch stays on the engine thread.
+        self._launcher = concurrent.futures.ThreadPoolExecutor(1, "ddtree-launch") if jax.process_count() == 1 else None
         self._waited = 0.0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -629,9 +635,10 @@ class Engine:
 
         In order: free the slots of requests that ended on the host (cancelled, or a stop string
         found by the emitter), admit queued requests into free slots, prefill one chunk, dispatch
-        ``sync_every`` rounds (asynchronously), and only then read back the PREVIOUS dispatch's
-        tokens and hand them to the emitter: the host's work runs while the device computes the
-        rounds just dispatched. A request's tokens therefore reach its stream one engine step after
+        ``sync_every`` rounds (asynchronously: launched from a second thread, ``_launch_rounds``),
+        and meanwhile read back the PREVIOUS dispatch's tokens and hand them to the emitter: the
+        host's work runs while the device computes the rounds just dispatched, and while the
+        host launches them. A request's tokens therefore reach its stream one engine step after
         the rounds that made them ran; ``drain`` reads the last dispatch back."""
         t0 = time.perf_counter()
         self._waited = 0.0
@@ -668,11 +675,20 @@ class Engine:
             self._emitter.submit(ended, time.perf_counter())
             return bool(ended or stopped)
         self._prefill_step()
-        previous, self._inflight = self._inflight, self._dispatch_rounds()
-        items = ended
-        if previous is not None:
-            items += self._read_back(*previous)
-        self._emitter.submit(items, time.perf_counter())
+        previous, launch = self._inflight, self._prepare_rounds()
+        if launch is not None and self._launcher is not None:
+            launch = self._launcher.submit(self._launch_rounds, *launch)
+        try:
+            items = ended
+            if previous is not None:
+                items += self._read_back(*previous)
+            self._emitter.submit(items, time.perf_counter())
+        finally:  # (the launch is never left running past the step)
+            if isinstance(launch, concurrent.futures.Future):
+                launch = launch.result()
+            elif launch is not None:
+                launch = self._launch_rounds(*launch)
+        self._inflight = launch
         self.metrics.count("engine_steps")
         if self.page_size is not None:
             self.metrics.set_pages(self._pool.stats())
@@ -773,9 +789,10 @@ class Engine:
                 r.running = True
                 self._admitted.remove(r)
 
-    def _dispatch_rounds(self):
-        """Dispatch ``sync_every`` rounds for the running slots (not waiting for them); returns
-        ``(packed harvest on the device, the slots' requests at dispatch)`` or ``None``."""
+    def _prepare_rounds(self):
+        """The host's decisions for the next dispatch, on the engine thread: the running slots, their
+        pages (preempting if the pool runs short) and, with ``budget="auto"``, the budget. Returns
+        ``_launch_rounds``'s arguments, or ``None`` when no slot is running."""
         with self._lock:
             snapshot = [r if r is not None and r.running and not r.retired else None for r in self._slot]
         if self.page_size is not None:
@@ -784,21 +801,28 @@ class Engine:
         if not any(snapshot):
             return None
         if self.auto_plan is not None:
-            k = self._auto.choose(sum(r is not None for r in snapshot), self.auto_costs)
-            self._state, packed = self._rounds(self._auto_plans[k], self._state)
-            if jax.process_count() == 1:
-                packed.copy_to_host_async()
-            return packed, snapshot, k
-        self._state, packed = _device.rounds_and_harvest(
-            self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
-            rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
+            return snapshot, self._auto.choose(sum(r is not None for r in snapshot), self.auto_costs)
+        return snapshot, None
+
+    def _launch_rounds(self, snapshot: list[_Request | None], auto_budget: int | None):
+        """Dispatch ``sync_every`` rounds (not waiting for them) and start their harvest's copy to
+        the host; returns the in-flight ``(packed harvest on the device, the slots' requests at
+        dispatch[, the auto budget's index])``. Touches nothing but ``_state``, so that it can run
+        beside ``_read_back`` and the emitter."""
+        if auto_budget is not None:
+            self._state, packed = self._rounds(self._auto_plans[auto_budget], self._state)
+        else:
+            self._state, packed = _device.rounds_and_harvest(
+                self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
+                rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
         if jax.process_count() == 1:
             packed.copy_to_host_async()
-        return packed, snapshot
+        return (packed, snapshot) if auto_budget is None else (packed, snapshot, auto_budget)
 
     def _read_back(self, packed, snapshot: list[_Request | None], auto_budget: int | None = None) -> list[Emit]:
         """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose
-        request ended on the device are freed (host side now, device side at the next step).
+        request ended on the device are freed on the host (on the device they no longer run: their
+        finish code says why they ended until a new request's activation replaces it).
         ``auto_budget``: the index of the budget of a ``budget="auto"`` dispatch, whose tally
         (the harvest's last columns) goes to the chooser and the metrics."""
         t0 = time.perf_counter()
@@ -837,7 +861,6 @@ class Engine:
                     r.retired = True
                     if self._slot[r.slot] is r:
                         self._slot[r.slot] = None
-            self._release([r.slot for r in done])
         return items
 
     def _logprobs(self, row: np.ndarray, r: _Request, n: int) -> TokenLogprobs:
