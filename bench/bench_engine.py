@@ -11,7 +11,9 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
 * the ``Engine`` with ``B`` slots, ``sync_every=1``, driven by its background thread (the emitter
   on the engine thread, the shipped tokenizer detokenising), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
-  outside the waits for the device) beside its wait time per step;
+  outside the waits for the device) beside its wait time per step, and three parts of a step:
+  the prefill step, the launch of the rounds (on the launcher thread, beside the rest) and the
+  emitter;
 * the host's time to launch one dispatch of the rounds (the engine's compiled call, on a state
   the device is done with: median of 30), which the engine overlaps with reading back and
   streaming the dispatch before;
@@ -97,8 +99,8 @@ def _engine_run(eng: Engine, prompts, new):
     m1 = eng.metrics.snapshot()
     steps = m1["engine_steps"] - m0["engine_steps"]
     return dict(seconds=dt_, tokens=[r.tokens for r in results], steps=steps,
-                host_ms_per_step=1e3 * (m1["host_seconds"] - m0["host_seconds"]) / max(steps, 1),
-                wait_ms_per_step=1e3 * (m1["wait_seconds"] - m0["wait_seconds"]) / max(steps, 1))
+                **{f"{k}_ms_per_step": 1e3 * (m1[f"{k}_seconds"] - m0[f"{k}_seconds"]) / max(steps, 1)
+                   for k in ("host", "wait", "prefill", "launch", "emit")})
 
 
 def _launch_ms(eng: Engine, n: int = 30) -> float:
@@ -141,7 +143,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
                requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
-               host_ms_per_step=e["host_ms_per_step"], wait_ms_per_step=e["wait_ms_per_step"],
+               **{k: e[k] for k in e if k.endswith("_ms_per_step")},
                generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms,
                greedy_equal=f"{same}/{n}")
     log(json.dumps(row))
@@ -151,13 +153,15 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
 def _markdown(report: dict) -> str:
     lines = [f"# Engine vs generate(), {report['device']}, {report['date']}", "", f"`{report['command']}`", "",
              "| method | batch | generate tok/s | engine tok/s | engine / generate | host ms / step | "
-             "wait ms / step | launch ms / step | generate ms / round | greedy equal |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "wait ms / step | prefill / launch / emit ms per step | launch ms (state ready) | "
+             "generate ms / round | greedy equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
+                     f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} / {r['emit_ms_per_step']:.2f} "
                      f"| {r['launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
     return "\n".join(lines) + "\n"
 

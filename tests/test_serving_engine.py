@@ -8,7 +8,6 @@ max_model_len 64, prefill chunks of 16, at most 2 prefilled per step); generate(
 
 import dataclasses
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -166,31 +165,30 @@ class _Chars:
 
 def test_the_launch_runs_beside_the_read_back_and_streaming(models, reference):
     """Each dispatch's rounds are launched from the launcher thread while the engine thread reads
-    back and streams the dispatch before (a launch slowed to 50 ms shows the overlap); the tokens
-    stay generate()'s."""
+    back and streams the dispatch before: a launch that waits for the step's emitter pass sees it
+    come (on the engine thread the launch would run first and wait in vain); the tokens stay
+    generate()'s."""
     eng = engine(models, slots=2)
-    launches, emits = [], []
-    launch, submit = eng._launch_rounds, eng._emitter.submit
+    emitted, saw = threading.Event(), []
+    prepare, launch, submit = eng._prepare_rounds, eng._launch_rounds, eng._emitter.submit
 
-    def slow_launch(*args):
-        t0 = time.perf_counter()
-        time.sleep(0.05)
-        out = launch(*args)
-        launches.append((t0, time.perf_counter(), threading.current_thread().name))
-        return out
+    def prepare_then_clear():
+        emitted.clear()  # (on the engine thread, before the launch is handed over)
+        return prepare()
 
-    def timed_submit(items, seen):
-        t0 = time.perf_counter()
+    def launch_after_the_emitter(*args):
+        saw.append((emitted.wait(timeout=2.0), threading.current_thread().name))
+        return launch(*args)
+
+    def submit_and_signal(items, seen):
         submit(items, seen)
-        if any(item.tokens for item in items):
-            emits.append((t0, time.perf_counter()))
+        emitted.set()
 
-    eng._launch_rounds, eng._emitter.submit = slow_launch, timed_submit
+    eng._prepare_rounds, eng._launch_rounds, eng._emitter.submit = (prepare_then_clear, launch_after_the_emitter,
+                                                                    submit_and_signal)
     results = run(eng, [eng.submit(p, max_tokens=MAX_TOKENS) for p in PROMPTS])
     assert [r.tokens for r in results] == reference.tokens
-    assert launches and all(name.startswith("ddtree-launch") for *_, name in launches)
-    inside = [any(a0 <= e0 and e1 <= a1 for a0, a1, _ in launches) for e0, e1 in emits]
-    assert sum(inside) >= 0.8 * len(emits), (sum(inside), len(emits))
+    assert saw and all(ok and name.startswith("ddtree-launch") for ok, name in saw), saw
 
 
 def test_text_stream_holds_back_stop_prefixes_and_incomplete_characters():

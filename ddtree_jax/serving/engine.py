@@ -674,20 +674,23 @@ class Engine:
         if not busy and self._inflight is None:
             self._emitter.submit(ended, time.perf_counter())
             return bool(ended or stopped)
+        t1 = time.perf_counter()
         self._prefill_step()
+        self.metrics.count("prefill_seconds", n=time.perf_counter() - t1)
         previous, launch = self._inflight, self._prepare_rounds()
-        if launch is not None and self._launcher is not None:
-            launch = self._launcher.submit(self._launch_rounds, *launch)
+        if launch is not None:  # launched before the previous dispatch is read back, beside it if it can
+            launch = (self._launch_rounds(*launch) if self._launcher is None
+                      else self._launcher.submit(self._launch_rounds, *launch))
         try:
             items = ended
             if previous is not None:
                 items += self._read_back(*previous)
-            self._emitter.submit(items, time.perf_counter())
+            t1 = time.perf_counter()
+            self._emitter.submit(items, t1)
+            self.metrics.count("emit_seconds", n=time.perf_counter() - t1)
         finally:  # (the launch is never left running past the step)
             if isinstance(launch, concurrent.futures.Future):
                 launch = launch.result()
-            elif launch is not None:
-                launch = self._launch_rounds(*launch)
         self._inflight = launch
         self.metrics.count("engine_steps")
         if self.page_size is not None:
@@ -807,8 +810,9 @@ class Engine:
     def _launch_rounds(self, snapshot: list[_Request | None], auto_budget: int | None):
         """Dispatch ``sync_every`` rounds (not waiting for them) and start their harvest's copy to
         the host; returns the in-flight ``(packed harvest on the device, the slots' requests at
-        dispatch[, the auto budget's index])``. Touches nothing but ``_state``, so that it can run
-        beside ``_read_back`` and the emitter."""
+        dispatch[, the auto budget's index])``. Touches nothing but ``_state`` (and a metrics
+        counter), so that it can run beside ``_read_back`` and the emitter."""
+        t0 = time.perf_counter()
         if auto_budget is not None:
             self._state, packed = self._rounds(self._auto_plans[auto_budget], self._state)
         else:
@@ -817,6 +821,7 @@ class Engine:
                 rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
         if jax.process_count() == 1:
             packed.copy_to_host_async()
+        self.metrics.count("launch_seconds", n=time.perf_counter() - t0)
         return (packed, snapshot) if auto_budget is None else (packed, snapshot, auto_budget)
 
     def _read_back(self, packed, snapshot: list[_Request | None], auto_budget: int | None = None) -> list[Emit]:

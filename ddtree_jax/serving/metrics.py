@@ -94,6 +94,9 @@ class EngineMetrics:
         self.engine_steps = 0
         self.host_seconds = 0.0  # engine-thread time in steps, not counting waits for the device
         self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
+        self.prefill_seconds = 0.0  # engine-thread time in prefill steps (chunks, activation, their launches)
+        self.launch_seconds = 0.0  # launcher time launching rounds (beside the engine thread's read-back)
+        self.emit_seconds = 0.0  # engine-thread time in the emitter (text, stop strings, chunks)
         self.preemptions = 0  # paged caches: requests preempted for pages (each resumes later)
         self.kv_pages: dict | None = None  # paged caches: the page pool's counts (PagePool.stats)
         self.ttft = Histogram(LATENCY_BUCKETS)
@@ -166,7 +169,8 @@ class EngineMetrics:
                 free_slots=self.slots - self.running - self.prefilling, requests=dict(self.requests),
                 rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
-                host_seconds=self.host_seconds, wait_seconds=self.wait_seconds, preemptions=self.preemptions,
+                host_seconds=self.host_seconds, wait_seconds=self.wait_seconds, prefill_seconds=self.prefill_seconds,
+                launch_seconds=self.launch_seconds, emit_seconds=self.emit_seconds, preemptions=self.preemptions,
                 kv_pages=None if self.kv_pages is None else dict(self.kv_pages),
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
