@@ -182,6 +182,7 @@ def main(argv=None) -> dict:
                          "in turn for each case")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--json", metavar="PATH", help="also write the report's JSON here (smoke runs too)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.new, args.prompt_len, args.requests_per_slot = 8, 8, 2
@@ -208,6 +209,9 @@ def main(argv=None) -> dict:
                         json.dump(report, f, indent=1)
                     with open(stem + ".md", "w") as f:
                         f.write(_markdown(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     print(_markdown(report))
     return report
 

@@ -15,7 +15,11 @@ inter-token latency ((last text - first text) / (tokens - 1), per request) as p5
 mean acceptance length the server reports. Greedy by default (``--temperature``).
 ``--engine-process on`` starts the servers with ``serve --engine-process`` (the engine in a
 process of its own); ``both`` runs every method twice, one process and two, the two-process rows
-named ``<method>+engine-process``.
+named ``<method>+engine-process``. ``--in-process`` (with ``--default`` or ``--smoke``) first runs
+``bench_engine.py`` at a batch of ``--slots`` in a process of its own (``generate()`` and the
+in-process engine, greedy, its random prompts of 64 tokens) and reports the servers' tokens/s at
+``--slots`` streams beside them: each layer of the stack in one run (with ``--smoke`` only a
+check of the pipeline: the two benches' tiny models differ).
 
 Writes ``bench/results/serving_<device>_<date>.{json,md}`` (``--out`` to change the folder) with the
 device, date and command.
@@ -215,7 +219,43 @@ def _markdown(report: dict) -> str:
     lines += ["", "tok/s: output tokens over the level's wall time (all requests, `concurrency` in flight). "
               "TTFT: request sent -> first text. ITL: (last text - first text) / (tokens - 1) per request. "
               "tau: mean acceptance length (tokens per target pass) the server reports in `usage`."]
+    if report.get("in_process"):
+        lines += _in_process_markdown(report)
     return "\n".join(lines) + "\n"
+
+
+def _in_process(args) -> list[dict]:
+    """``bench_engine.py`` at a batch of ``args.slots`` for the methods it runs, in a subprocess
+    (the servers after it get the whole device); its report's rows."""
+    if not (args.default or args.smoke):
+        raise SystemExit("bench_serving: --in-process needs --default or --smoke (bench_engine.py's models)")
+    methods = [m for m in args.methods if m in ("ar", "dflash", "ddtree")]
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_engine_"), "engine.json")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_engine.py"), "--smoke" if args.smoke else "--default",
+           "--batches", str(args.slots), "--methods", *methods, "--budget", str(args.budget),
+           "--new", str(args.max_tokens), "--out", os.path.dirname(path), "--json", path]
+    print(f"[bench_serving] in process: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def _in_process_markdown(report: dict) -> list[str]:
+    slots = report["slots"]
+    lines = ["", f"In process at a batch of {slots} (`bench_engine.py`: its own random prompts of 64 tokens, "
+             "greedy) beside the servers at the same number of streams:", "",
+             f"| method | generate() tok/s | engine tok/s | engine / generate | server | server tok/s at {slots} "
+             "streams | server / engine |", "|---|---|---|---|---|---|---|"]
+    for r in report["in_process"]:
+        for name, levels in report["results"].items():
+            if name.split("+")[0] != r["method"]:
+                continue
+            for lv in levels:
+                if lv["concurrency"] == slots:
+                    lines.append(f"| {r['method']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
+                                 f"{r['engine_over_generate']:.2f}x | {name} | {lv['tokens_per_s']:,.0f} | "
+                                 f"{lv['tokens_per_s'] / r['engine_tok_s']:.2f}x |")
+    return lines
 
 
 def main(argv=None) -> dict:
@@ -243,6 +283,8 @@ def main(argv=None) -> dict:
                     help="the server with paged caches (--page-size; a pool of --slots full-length slots' worth), "
                          "the contiguous one, or both in turn (same levels)")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--in-process", action="store_true",
+                    help="also generate() and the in-process engine at --slots (bench_engine.py, first)")
     ap.add_argument("--startup-timeout", type=float, default=1800)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
@@ -270,6 +312,7 @@ def main(argv=None) -> dict:
         paths = dict(target=args.target, drafter=args.drafter, tokenizer=args.tokenizer)
         models = f"{args.target} + {args.drafter}"
 
+    in_process = _in_process(args) if args.in_process else None
     results, health = {}, {}
     split = {"off": [False], "on": [True], "both": [False, True]}
     for method, two, paged in [(m, two, pg) for m in args.methods for two in split[args.engine_process]
@@ -303,7 +346,7 @@ def main(argv=None) -> dict:
                   host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
                   max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
                   engine_process=args.engine_process, paged=args.paged, page_size=args.page_size,
-                  mesh=args.mesh, smoke=small, results=results)
+                  mesh=args.mesh, smoke=small, results=results, in_process=in_process)
     os.makedirs(args.out, exist_ok=True)
     tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if small else "")
     stem = os.path.join(args.out, f"serving_{tag}_{date}")
