@@ -12,8 +12,8 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
   on the engine thread, the shipped tokenizer detokenising), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step, and three parts of a step:
-  the prefill step, the launch of the rounds (on the launcher thread, beside the rest) and the
-  emitter;
+  preparing the prefill, the launch of the step's programs (on the launcher thread, beside the
+  rest) and the emitter;
 * the host's time to launch one dispatch of the rounds (the engine's compiled call, on a state
   the device is done with: median of 30), which the engine overlaps with reading back and
   streaming the dispatch before;

@@ -10,11 +10,13 @@ step (``step()``)
     padded to a power of two (a shape not compiled yet runs padded on a compiled one while it
     compiles in the background: ``serving/shapes.py``); a slot whose prompt is in starts decoding
     (``activate``);
-(c) dispatches ``sync_every`` compiled rounds without waiting for them, and then reads back the
-    previous step's rounds: one packed device-to-host transfer, per-slot work only for slots with
-    news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks): the
-    host's work runs while the device computes the rounds just dispatched. Admission and retirement take effect at the
-    next round boundary.
+(c) dispatches ``sync_every`` compiled rounds without waiting for them, and meanwhile reads back
+    the previous step's rounds: one packed device-to-host transfer, per-slot work only for slots
+    with news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks):
+    the host's work runs while the device computes the rounds just dispatched. The programs (a)
+    to (c) run on the state are queued in order on the engine thread (``_ops``) and launched,
+    with the rounds, from a launcher thread beside the read-back (``_launch_rounds``): a launch is
+    host work too. Admission and retirement take effect at the next round boundary.
 
 A request's random stream depends on its seed (or, unseeded, a global request counter), never
 on its slot or its neighbours, and greedy requests give exactly ``generate()``'s tokens whatever
@@ -35,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -50,7 +53,7 @@ from ddtree_jax.auto_round import round_plans
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
-from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING
+from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
 from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs, deliver
@@ -307,6 +310,9 @@ class Engine:
         self.metrics = self._new_metrics()
         self._emitter = Emitter(self.metrics)
         self._inflight = None  # the last dispatched rounds, not yet read back
+        # The step's programs on the state (table uploads, releases, prefill chunks, activations),
+        # in program order, queued by the engine thread and launched with the rounds (_run_ops).
+        self._ops: list[Callable[[DecodeState], DecodeState]] = []
         # The rounds' launch (the host's share of running a compiled program: seconds on a GPU, with
         # the interpreter lock released) overlaps the read-back and streaming of the rounds before.
         # With several processes every process must launch its programs in the same order as the
@@ -409,7 +415,8 @@ class Engine:
         self._dirty.clear()
         table = np.stack([self._tables[s].as_row(self.pages_per_slot) for s in slots])
         R = _pow2(len(slots))
-        self._state = _device.set_page_rows(self._state, self._rows(slots, R), self._pad(table, R))
+        rows, table = self._rows(slots, R), self._pad(table, R)
+        self._ops.append(lambda state, rows=rows, table=table: _device.set_page_rows(state, rows, table))
 
     def _preempt(self, r: _Request) -> None:
         """Free ``r``'s slot and pages and queue it first again, to resume by recomputation: its
@@ -672,15 +679,16 @@ class Engine:
         ended = [Emit(r, [], [], "cancelled") for r in cancelled_queued + cancelled]
         self._release([r.slot for r in freed if r.running])
         if not busy and self._inflight is None:
+            self._run_ops()
             self._emitter.submit(ended, time.perf_counter())
             return bool(ended or stopped)
         t1 = time.perf_counter()
         self._prefill_step()
         self.metrics.count("prefill_seconds", n=time.perf_counter() - t1)
         previous, launch = self._inflight, self._prepare_rounds()
-        if launch is not None:  # launched before the previous dispatch is read back, beside it if it can
-            launch = (self._launch_rounds(*launch) if self._launcher is None
-                      else self._launcher.submit(self._launch_rounds, *launch))
+        # The step's programs are launched before the previous dispatch is read back, beside it if they can.
+        work = self._run_ops if launch is None else functools.partial(self._launch_rounds, *launch)
+        launch = work() if self._launcher is None else self._launcher.submit(work)
         try:
             items = ended
             if previous is not None:
@@ -730,7 +738,8 @@ class Engine:
 
     def _release(self, slots: list[int]) -> None:
         if slots:
-            self._state = _device.release(self._state, self._rows(slots, self.slots))
+            rows = self._rows(slots, self.slots)
+            self._ops.append(lambda state, rows=rows: _device.release(state, rows))
 
     def _prefill_step(self) -> None:
         with self._lock:
@@ -757,8 +766,9 @@ class Engine:
                 counts[i] = chunk.size
             rows, pick = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
             pad, at = pick < 0, np.maximum(pick, 0)
-            self._state = prefill(self._tparams, self._dparams, self._state, rows, np.where(pad[:, None], 0, ids[at]),
-                                  np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at]))
+            args = (rows, np.where(pad[:, None], 0, ids[at]), np.where(pad, -1, starts[at]),
+                    np.where(pad, 0, counts[at]))
+            self._ops.append(lambda state, fn=prefill, args=args: fn(self._tparams, self._dparams, state, *args))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
         ready = [r for r in batch if r.prefilled == r.tokens.size - 1]
@@ -776,12 +786,12 @@ class Engine:
                                                     ("top_p", np.float32), ("min_p", np.float32))),
                                  seed=pad(np.array([r.sampling.seed or 0 for r in reqs], np.uint32)),
                                  has_seed=pad(np.array([r.sampling.seed is not None for r in reqs], bool)))
-        self._state = _device.activate(
-            self._state, self._rows([r.slot for r in reqs], R), pad([r.tokens[-1] for r in reqs]),
-            pad(np.array([r.tokens.size - 1 for r in reqs], np.int32)),
-            pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
-            pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
-            pad(np.array([r.rounds_done for r in reqs], np.int32)))
+        args = (self._rows([r.slot for r in reqs], R), pad([r.tokens[-1] for r in reqs]),
+                pad(np.array([r.tokens.size - 1 for r in reqs], np.int32)),
+                pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
+                pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
+                pad(np.array([r.rounds_done for r in reqs], np.int32)))
+        self._ops.append(lambda state, args=args: _device.activate(state, *args))
         if self.page_size is not None:
             for r in reqs:  # the context's full pages join the prefix cache
                 table, n = self._tables[r.slot], r.tokens.size - 1
@@ -807,12 +817,20 @@ class Engine:
             return snapshot, self._auto.choose(sum(r is not None for r in snapshot), self.auto_costs)
         return snapshot, None
 
+    def _run_ops(self) -> None:
+        """Launch the queued programs on the state (``_ops``), in order."""
+        ops, self._ops = self._ops, []
+        for op in ops:
+            self._state = op(self._state)
+
     def _launch_rounds(self, snapshot: list[_Request | None], auto_budget: int | None):
-        """Dispatch ``sync_every`` rounds (not waiting for them) and start their harvest's copy to
-        the host; returns the in-flight ``(packed harvest on the device, the slots' requests at
-        dispatch[, the auto budget's index])``. Touches nothing but ``_state`` (and a metrics
-        counter), so that it can run beside ``_read_back`` and the emitter."""
+        """Launch the queued programs on the state (``_run_ops``), then ``sync_every`` rounds (not
+        waiting for them), and start their harvest's copy to the host; returns the in-flight
+        ``(packed harvest on the device, the slots' requests at dispatch[, the auto budget's
+        index])``. Touches nothing but ``_state`` and ``_ops`` (and a metrics counter), so that it
+        can run beside ``_read_back`` and the emitter."""
         t0 = time.perf_counter()
+        self._run_ops()
         if auto_budget is not None:
             self._state, packed = self._rounds(self._auto_plans[auto_budget], self._state)
         else:
@@ -903,6 +921,7 @@ class Engine:
 
     def _fail_all(self, reason: str) -> None:
         self._inflight = None
+        self._ops = []
         with self._lock:
             active = [r for r in self._slot if r is not None]
             self._slot = [None] * self.slots
@@ -961,6 +980,7 @@ class Engine:
             while R <= self.slots:
                 self._dirty.update(range(R))  # rewrites rows the device already holds
                 self._sync_tables()
+                self._run_ops()
                 R *= 2
         self.metrics = self._new_metrics()  # the warm-up requests are not traffic
         self._emitter.metrics = self.metrics

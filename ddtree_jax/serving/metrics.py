@@ -94,8 +94,8 @@ class EngineMetrics:
         self.engine_steps = 0
         self.host_seconds = 0.0  # engine-thread time in steps, not counting waits for the device
         self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
-        self.prefill_seconds = 0.0  # engine-thread time in prefill steps (chunks, activation, their launches)
-        self.launch_seconds = 0.0  # launcher time launching rounds (beside the engine thread's read-back)
+        self.prefill_seconds = 0.0  # engine-thread time preparing prefill steps (their launches: launch_seconds)
+        self.launch_seconds = 0.0  # launcher time launching the step's programs (beside the read-back)
         self.emit_seconds = 0.0  # engine-thread time in the emitter (text, stop strings, chunks)
         self.preemptions = 0  # paged caches: requests preempted for pages (each resumes later)
         self.kv_pages: dict | None = None  # paged caches: the page pool's counts (PagePool.stats)

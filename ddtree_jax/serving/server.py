@@ -298,8 +298,9 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 ("engine_host_seconds", "engine-thread seconds in steps outside waits for the device",
                  s["host_seconds"]),
                 ("engine_wait_seconds", "engine-thread seconds waiting for rounds to come back", s["wait_seconds"]),
-                ("engine_prefill_seconds", "engine-thread seconds in prefill steps", s["prefill_seconds"]),
-                ("engine_launch_seconds", "seconds launching rounds (beside the engine thread)", s["launch_seconds"]),
+                ("engine_prefill_seconds", "engine-thread seconds preparing prefill steps", s["prefill_seconds"]),
+                ("engine_launch_seconds", "seconds launching the steps' programs (beside the engine thread)",
+                 s["launch_seconds"]),
                 ("engine_emit_seconds", "engine-thread seconds detokenising and streaming", s["emit_seconds"]),
             ]:
                 yield CounterMetricFamily(f"ddtree_{name}", doc, value=value)
