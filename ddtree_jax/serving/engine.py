@@ -313,10 +313,10 @@ class Engine:
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched with the rounds (_run_ops).
         self._ops: list[Callable[[DecodeState], DecodeState]] = []
-        # The rounds' launch (the host's share of running a compiled program: seconds on a GPU, with
-        # the interpreter lock released) overlaps the read-back and streaming of the rounds before.
-        # With several processes every process must launch its programs in the same order as the
-        # others, so there the launch stays on the engine thread.
+        # The step's launches (the host's share of running compiled programs: on a GPU about as long
+        # as a small model's round, mostly without the interpreter lock) overlap the read-back and
+        # streaming of the rounds before. With several processes every process must launch its
+        # programs in the same order as the others, so there they stay on the engine thread.
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "ddtree-launch") if jax.process_count() == 1 else None
         self._waited = 0.0
         self._thread: threading.Thread | None = None
