@@ -826,9 +826,9 @@ class Engine:
     def _launch_rounds(self, snapshot: list[_Request | None], auto_budget: int | None):
         """Launch the queued programs on the state (``_run_ops``), then ``sync_every`` rounds (not
         waiting for them), and start their harvest's copy to the host; returns the in-flight
-        ``(packed harvest on the device, the slots' requests at dispatch[, the auto budget's
-        index])``. Touches nothing but ``_state`` and ``_ops`` (and a metrics counter), so that it
-        can run beside ``_read_back`` and the emitter."""
+        ``(packed harvest on the device, the slots' requests at dispatch, the auto budget's index
+        or None)``, ``_read_back``'s arguments. Touches nothing but ``_state`` and ``_ops`` (and a
+        metrics counter), so that it can run beside ``_read_back`` and the emitter."""
         t0 = time.perf_counter()
         self._run_ops()
         if auto_budget is not None:
@@ -840,7 +840,7 @@ class Engine:
         if jax.process_count() == 1:
             packed.copy_to_host_async()
         self.metrics.count("launch_seconds", n=time.perf_counter() - t0)
-        return (packed, snapshot) if auto_budget is None else (packed, snapshot, auto_budget)
+        return packed, snapshot, auto_budget
 
     def _read_back(self, packed, snapshot: list[_Request | None], auto_budget: int | None = None) -> list[Emit]:
         """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose

@@ -36,12 +36,15 @@ class TextStream:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
 
-    def _candidate(self, extra: list[int]) -> str:
-        """The text of all tokens so far plus ``extra`` (pending ones included)."""
+    def _piece(self, extra: list[int]) -> str:
+        """The text that the tokens past ``self.text`` (pending ones) plus ``extra`` add to it."""
         window = self.tokens[self._prefix :]
         full = self._decode(window + list(extra))
-        read = self._decode(window[: self._read - self._prefix])
-        return self.text + full[len(read) :]
+        return full[len(self._decode(window[: self._read - self._prefix])) :]
+
+    def _candidate(self, extra: list[int]) -> str:
+        """The text of all tokens so far plus ``extra`` (pending ones included)."""
+        return self.text + self._piece(extra)
 
     def _find_stop(self, text: str, start: int) -> int:
         """The first index >= ``start`` where a stop string begins in ``text``, or -1."""
@@ -77,15 +80,14 @@ class TextStream:
 
     def _add_plain(self, new_tokens: list[int]) -> str:
         """``add`` without stop strings (the engine's common case, once per request per step):
-        the same window arithmetic, and everything read is streamed at once."""
-        tokens, decode = self.tokens, self.tokenizer.decode
-        tokens += new_tokens
-        piece = decode(tokens[self._prefix :])[len(decode(tokens[self._prefix : self._read])) :]
+        the same window, and everything read is streamed at once."""
+        piece = self._piece(new_tokens)
+        self.tokens += new_tokens
         if not piece or piece[-1] == _INCOMPLETE:
             return ""
         self.text += piece
         self.sent = len(self.text)
-        self._prefix, self._read = self._read, len(tokens)
+        self._prefix, self._read = self._read, len(self.tokens)
         return piece
 
     def _ready(self) -> str:
