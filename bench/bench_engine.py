@@ -169,7 +169,8 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} / {r['emit_ms_per_step']:.2f} "
-                     f"| {r['launch_ms']:.2f} / {r['jit_launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
+                     f"| {r['launch_ms']:.2f} / {r['jit_launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} "
+                     f"| {r['greedy_equal']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -64,7 +64,8 @@ class DirectCall:
             run = mesh_exe.unsafe_call
             if run.ordered_effects or run.has_unordered_effects or run.has_host_callbacks or run.mut:
                 return None
-            exe, kept, handlers = mesh_exe.xla_executable, sorted(mesh_exe._kept_var_idx), list(run.out_handler.handlers)
+            exe, handlers = mesh_exe.xla_executable, list(run.out_handler.handlers)
+            kept = sorted(mesh_exe._kept_var_idx)
         except AttributeError as e:
             _log.info("DirectCall unavailable on jax %s (%s): using the jit call", jax.__version__, e)
             return None
