@@ -14,9 +14,9 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
   outside the waits for the device) beside its wait time per step, and three parts of a step:
   preparing the prefill, the launch of the step's programs (on the launcher thread, beside the
   rest) and the emitter;
-* the host's time to launch one dispatch of the rounds on a state the device is done with
-  (median of 30), which the engine overlaps with reading back and streaming the dispatch before:
-  the engine's launch (a ``DirectCall`` where possible) beside the rounds' plain ``jax.jit`` call;
+* the host's time to launch one dispatch of the rounds (the engine's compiled call, on a state
+  the device is done with: median of 30), which the engine overlaps with reading back and
+  streaming the dispatch before;
 * the compiled round's device time per round, from a ``generate()`` run at batch ``B``
   (wall time of the decoding rounds / rounds, with ``profile`` off: an upper bound).
 
@@ -104,23 +104,18 @@ def _engine_run(eng: Engine, prompts, new):
                    for k in ("host", "wait", "prefill", "launch", "emit")})
 
 
-def _launch_ms(eng: Engine, n: int = 30) -> tuple[float, float]:
-    """The host's time to launch one dispatch of the engine's rounds, median of ``n`` launches
-    each on a state the device has finished with: through the engine (``Engine._launch_rounds``:
-    the compiled call, a ``DirectCall`` where possible, and the harvest's copy to the host, not
-    the rounds themselves), and through the rounds' ``jax.jit`` call alone."""
-    engine, jit = [], []
+def _launch_ms(eng: Engine, n: int = 30) -> float:
+    """The host's time to launch one dispatch of the engine's rounds (``Engine._launch_rounds``:
+    the compiled call and the harvest's copy to the host, not the rounds themselves), median of
+    ``n`` launches each on a state the device has finished with."""
+    times = []
     for _ in range(n):
         jax.block_until_ready(eng._state)
         t0 = time.perf_counter()
         eng._launch_rounds([None] * eng.slots, None)
-        engine.append(time.perf_counter() - t0)
-        jax.block_until_ready(eng._state)
-        t0 = time.perf_counter()
-        eng._state, _ = eng._rounds(eng.plan, eng._state)
-        jit.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
     jax.block_until_ready(eng._state)
-    return 1e3 * float(np.median(engine)), 1e3 * float(np.median(jit))
+    return 1e3 * float(np.median(times))
 
 
 def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dict:
@@ -142,7 +137,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
         e = _engine_run(eng, prompts, args.new)
     finally:
         eng.stop()
-    launch_ms, jit_launch_ms = _launch_ms(eng)
+    launch_ms = _launch_ms(eng)
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
@@ -150,7 +145,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
                **{k: e[k] for k in e if k.endswith("_ms_per_step")},
-               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms, jit_launch_ms=jit_launch_ms,
+               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms,
                greedy_equal=f"{same}/{n}")
     log(json.dumps(row))
     return row
@@ -160,7 +155,7 @@ def _markdown(report: dict) -> str:
     flags = f" with `XLA_FLAGS={report['xla_flags']}`" if report.get("xla_flags") else ""
     lines = [f"# Engine vs generate(), {report['device']}, {report['date']}", "", f"`{report['command']}`{flags}", "",
              "| method | batch | generate tok/s | engine tok/s | engine / generate | host ms / step | "
-             "wait ms / step | prefill / launch / emit ms per step | launch ms, engine / jit call (state ready) | "
+             "wait ms / step | prefill / launch / emit ms per step | launch ms (state ready) | "
              "generate ms / round | greedy equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -169,8 +164,7 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} / {r['emit_ms_per_step']:.2f} "
-                     f"| {r['launch_ms']:.2f} / {r['jit_launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} "
-                     f"| {r['greedy_equal']} |")
+                     f"| {r['launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,6 @@ from ddtree_jax.decode_round import (
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.paged_generate import without_pages
 from ddtree_jax.sampling import SamplingBatch
-from ddtree_jax.serving.direct_call import DirectCall
 from ddtree_jax.serving.shapes import ShapeCache
 
 
@@ -184,15 +183,6 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
                                             without_pages(state, state.finish != RUNNING), base_key, rounds, tokens)
         return _with_tables(state, tables), packed
     return _rounds_and_harvest(models, tparams, dparams, plan, state, base_key, rounds, tokens)
-
-
-def direct_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, *, rounds: int,
-                  tokens: int):
-    """``rounds_and_harvest`` for these models, plan and state layout as a ``DirectCall`` whose
-    call takes only the state: ``direct(state) -> (state, packed)``. ``None`` where a direct call
-    is not possible (several devices; ``direct_call``)."""
-    return DirectCall.create(rounds_and_harvest, (models, tparams, dparams, plan, state, base_key), static_args=(0, 3),
-                             bound=(1, 2, 5), rounds=rounds, tokens=tokens)
 
 
 def _rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,

@@ -68,7 +68,6 @@ log = logging.getLogger("ddtree_jax.serving")
 
 _request_counter = itertools.count(1)
 _MIN_CHUNK = 16
-_UNSET = object()
 
 
 class EngineOverloaded(RuntimeError):
@@ -314,7 +313,6 @@ class Engine:
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched with the rounds (_run_ops).
         self._ops: list[Callable[[DecodeState], DecodeState]] = []
-        self._direct: dict = {}  # plan -> its rounds' DirectCall (None: the jit call), made at first launch
         # The step's launches (the host's share of running compiled programs: on a GPU about as long
         # as a small model's round, mostly without the interpreter lock) overlap the read-back and
         # streaming of the rounds before. With several processes every process must launch its
@@ -833,16 +831,12 @@ class Engine:
         metrics counter), so that it can run beside ``_read_back`` and the emitter."""
         t0 = time.perf_counter()
         self._run_ops()
-        plan = self.plan if auto_budget is None else self._auto_plans[auto_budget]
-        direct = self._direct.get(plan, _UNSET)
-        if direct is _UNSET:
-            direct = self._direct[plan] = _device.direct_rounds(
-                self._models, self._tparams, self._dparams, plan, self._state, self._base_key,
-                rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
-        if direct is not None:
-            self._state, packed = direct(self._state)
+        if auto_budget is not None:
+            self._state, packed = self._rounds(self._auto_plans[auto_budget], self._state)
         else:
-            self._state, packed = self._rounds(plan, self._state)
+            self._state, packed = _device.rounds_and_harvest(
+                self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
+                rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
         if jax.process_count() == 1:
             packed.copy_to_host_async()
         self.metrics.count("launch_seconds", n=time.perf_counter() - t0)
