@@ -804,6 +804,26 @@ def _same_as_one_process(server, base):
     chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0)
     one, two = (httpx.post(b + "/v1/chat/completions", json=chat, timeout=120).json() for b in (server, base))
     assert two["choices"] == one["choices"]
+    # Stop strings are applied in the front end here: the text ends before the first one, the
+    # log-probabilities with the tokens kept, and the engine counts the finish as a stop.
+    full = httpx.post(server + "/v1/completions", json=dict(prompt="The quick", max_tokens=24, temperature=0,
+                                                           ignore_eos=True), timeout=120).json()["choices"][0]["text"]
+    assert len(full) >= 8, full
+    body = dict(prompt="The quick", max_tokens=24, temperature=0, ignore_eos=True, logprobs=2, stop=["zz", full[5:7]])
+    stops = 'ddtree_requests_total{reason="stop"}'
+    before = metrics(base).get(stops, 0)
+    one, two = (httpx.post(b + "/v1/completions", json=body, timeout=120).json() for b in (server, base))
+    assert one["choices"][0]["finish_reason"] == "stop" and len(one["choices"][0]["text"]) <= 5
+    assert two["choices"] == one["choices"] and two["usage"] == one["usage"]
+    status, events, done = sse(base, "/v1/completions", {**body, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    text, _, usage = check_stream(events, done)
+    assert status == 200 and text == one["choices"][0]["text"] and usage == one["usage"]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    deadline = time.monotonic() + 60
+    while metrics(base).get(stops, 0) < before + 2:  # the engine ends them at its next step
+        assert time.monotonic() < deadline, metrics(base)
+        time.sleep(0.05)
     bad = 'ddtree_rejected_requests_total{reason="invalid"}'
     before = metrics(base).get(bad, 0)
     refusals = ((dict(prompt="hello", max_tokens=60), "max_tokens"), (dict(prompt="x" * 70, max_tokens=1), "prompt"),

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ddtree_jax.serving.engine import _Request
     from ddtree_jax.serving.metrics import EngineMetrics
 
-__all__ = ["Emit", "Emitter", "RequestResult", "StreamChunk", "deliver", "TokenLogprobs"]
+__all__ = ["Emit", "Emitter", "RequestResult", "StepLatency", "StreamChunk", "deliver", "TokenLogprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _put_all(batch: list) -> None:
         queue.put_nowait(chunk)
 
 
-class _StepLatency:
+class StepLatency:
     """One step's latency observations, recorded into the metrics under one lock acquisition: the
     tokens, each first token's time to first token, and per request the inter-token gap with the
     number of tokens it covers (a first chunk of ``n`` tokens adds ``n - 1`` gaps of 0)."""
@@ -179,20 +179,19 @@ class Emit:
 class Emitter:
     """Detokenisation, stop strings, results and client chunks for one engine (see the module
     docstring). ``seen`` is the host time the items' tokens reached the host (latency metrics).
-    ``deliver``: called once per ``submit`` with what the handles' ``_push`` appended for the pass
-    (default ``deliver``: the async listeners' event loops; ``Engine.set_delivery`` replaces it)."""
+    Each ``submit`` hands what the handles' ``_push`` appended for the pass to ``deliver`` (the
+    async listeners' event loops) at once."""
 
     def __init__(self, metrics: EngineMetrics):
         self.metrics = metrics
-        self.deliver = deliver
         self._stopped: list[_Request] = []
 
     def submit(self, items: list[Emit], seen: float) -> None:
         """Process one step's items, in order; the step's latency metrics are recorded at once."""
-        step = _StepLatency()
+        step = StepLatency()
         for item in items:
             self._process(item, seen, step)
-        self.deliver(step.deliveries)
+        deliver(step.deliveries)
         if step.tokens:
             self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
 
@@ -201,7 +200,7 @@ class Emitter:
         out, self._stopped = self._stopped, []
         return out
 
-    def _process(self, item: Emit, seen: float, step: _StepLatency) -> None:
+    def _process(self, item: Emit, seen: float, step: StepLatency) -> None:
         r = item.request
         if r.ended:
             return

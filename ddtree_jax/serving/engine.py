@@ -96,6 +96,9 @@ class RequestHandle:
         self._blocked = 0  # threads waiting in ``result`` or ``stream``: only they need a notify
         self._result: RequestResult | None = None
         self.cancel_requested = False
+        # The finish reason a cancellation gives: "stop" when the two-process server's front end
+        # found a stop string (engine_process), else "cancelled".
+        self.cancel_reason = "cancelled"
 
     def _push(self, chunk: StreamChunk, deliveries: list | None = None) -> None:
         """Record ``chunk`` and wake blocking readers. Async listeners get it through their event
@@ -676,7 +679,7 @@ class Engine:
                     self._admitted.append(req)
             self._update_load()
             busy = any(r is not None for r in self._slot)
-        ended = [Emit(r, [], [], "cancelled") for r in cancelled_queued + cancelled]
+        ended = [Emit(r, [], [], r.handle.cancel_reason) for r in cancelled_queued + cancelled]
         self._release([r.slot for r in freed if r.running])
         if not busy and self._inflight is None:
             self._run_ops()
@@ -936,11 +939,10 @@ class Engine:
             self._dirty.clear()
         self._state = self._empty_state()
 
-    def set_delivery(self, deliver: Callable[[list], None]) -> None:
-        """Hand every emitter pass's chunk deliveries (what the handles' ``_push`` appended, in
-        order; once per engine step) to ``deliver`` instead of to the async listeners' event loops
-        (``ddtree_jax.serving.engine_process`` sends them to the front-end process)."""
-        self._emitter.deliver = deliver
+    def set_emitter(self, emitter: Emitter) -> None:
+        """Replace the emitter before ``start`` (``ddtree_jax.serving.engine_process`` gives the
+        engine one that sends token ids to the front-end process, which detokenises)."""
+        self._emitter = emitter
 
     def stop(self) -> None:
         """Stop the background thread; requests still queued or running finish with ``"abort"``

@@ -2,17 +2,21 @@
 end's stand-in for an ``Engine``, and the engine process's main loop.
 
 The front-end process (uvicorn's event loop, the HTTP worker threads: parsing, chat templates,
-tokenizing, SSE formatting) never touches the device. The engine process, started with the
-``spawn`` method (JAX must not be forked), loads the models exactly as the one-process server
-does (``cli.build_engine``), warms up, and runs the ``Engine``'s thread and its ``Emitter``
-(detokenisation, stop strings, results). The two talk over one duplex ``multiprocessing``
-connection; every message is a tuple whose first element names it:
+tokenizing, detokenising, stop strings, results, SSE formatting) never touches the device. The
+engine process, started with the ``spawn`` method (JAX must not be forked), loads the models
+exactly as the one-process server does (``cli.build_engine``), warms up, and runs the ``Engine``'s
+thread with an emitter that only moves token ids (``_IdEmitter``: the latency metrics, then one
+message per step), so that the engine process's interpreter lock is left to the engine thread and
+its launcher. The two talk over one duplex ``multiprocessing`` connection; every message is a
+tuple whose first element names it:
 
 front end -> engine
   ``("submit", rid, prompt, sampling, options)``: a request with the front end's request id
   ``rid`` (``Engine.submit``'s ``request_id``: it keys an unseeded request's random stream);
-  ``options`` are ``submit``'s keyword arguments.
-  ``("cancel", rid)``; ``("count", field, key, n)``: a metrics counter (requests the front end
+  ``options`` are ``submit``'s keyword arguments (stop strings stay in the front end).
+  ``("cancel", rid)``; ``("stop", rid)``: the front end found a stop string in the request's text:
+  the engine ends it as cancelled, with finish reason ``"stop"``;
+  ``("count", field, key, n)``: a metrics counter (requests the front end
   refused); ``("snapshot", tag)``: the metrics, answered with ``("reply", tag, snapshot)``;
   ``("stop",)``: stop the engine (``Engine.stop``), answered with ``("stopped",)``; the process
   then exits.
@@ -22,9 +26,16 @@ engine -> front end
   ``("failed", message)`` (a loading error, one line naming the option) and exit.
   ``("submitted", rid, refusal)``: ``refusal`` is ``None`` (queued), ``("request", field,
   message)`` (``RequestError``) or ``("overloaded", message)`` (``EngineOverloaded``).
-  ``("chunks", items)``: ONE message per emitter pass (once per engine step) with every stream
-  chunk of the step, in order: ``(rid, token_ids, text, finish_reason, result, logprobs)``, the
-  ``StreamChunk``'s fields.
+  ``("chunks", items)``: ONE message per emitter pass (once per engine step) with every request's
+  news of the step, in order: ``(rid, token_ids, acceptance_lengths, finish_reason, logprobs,
+  ttft)``; ``logprobs`` a ``TokenLogprobs`` or ``None``, ``ttft`` set on the item with the
+  request's first token (seconds from its submission to the engine).
+
+The front end turns the items into stream chunks as the one-process ``Emitter`` does
+(``_RemoteHandle._take``: the same ``TextStream``, the same results), ends a request whose text
+completes a stop string at once, sends ``("stop", rid)`` and drops the engine's later items for
+it. The tokens the engine committed for it after the stop string count in the engine's token
+metrics (the one-process engine drops them before counting).
 
 A request's handle is registered with the front end's reader before its ``submit`` is sent, so
 that its chunks find it whatever the order of the reply and the first chunk. The engine process
@@ -47,8 +58,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ddtree_jax.serving.emitter import RequestResult, StreamChunk, deliver
+from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StepLatency, StreamChunk, TokenLogprobs, deliver
 from ddtree_jax.serving.engine import EngineOverloaded, RequestError, RequestHandle
+from ddtree_jax.serving.text import TextStream
 
 __all__ = ["FACTS", "EngineClient", "RemoteMetrics"]
 
@@ -61,22 +73,36 @@ STOP_TIMEOUT = 60.0  # seconds the engine process gets to stop before it is kill
 # --------------------------------------------------------------------------------------------- engine side
 
 
-class _PipeHandle(RequestHandle):
-    """A request's handle inside the engine process: its chunks go to the step's outgoing batch."""
+class _IdEmitter(Emitter):
+    """The engine process's emitter: a step's token ids, acceptance lengths and log-probabilities go
+    to the front end in one ``("chunks", items)`` message (module docstring); the latency metrics
+    and the finished requests' counts are kept here, as the ``Emitter`` keeps them."""
 
-    def __init__(self, engine, request_id: int, sink: Callable[[list], None], table: dict):
-        super().__init__(engine, request_id)
-        self._sink, self._table = sink, table
+    def __init__(self, metrics, send: Callable, table: dict):
+        super().__init__(metrics)
+        self._send, self._table = send, table
 
-    def _push(self, chunk: StreamChunk, deliveries: list | None = None) -> None:
-        item = (self.request_id, chunk.token_ids, chunk.text, chunk.finish_reason, chunk.result, chunk.logprobs)
-        if chunk.finished:
-            self._result = chunk.result
-            self._table.pop(self.request_id, None)
-        if deliveries is None:
-            self._sink([item])
-        else:
-            deliveries.append(item)
+    def submit(self, items: list[Emit], seen: float) -> None:
+        step, out = StepLatency(), []
+        for item in items:
+            r = item.request
+            if r.ended:
+                continue
+            first = r.first_token is None
+            if item.tokens:
+                step.add(r, len(item.tokens), seen)
+            if item.finish is not None:
+                r.ended = True
+                self.metrics.count("requests", item.finish.split(":")[0])
+                self._table.pop(r.handle.request_id, None)
+            elif not item.tokens:
+                continue
+            ttft = r.first_token - r.submitted if first and r.first_token is not None else None
+            out.append((r.handle.request_id, item.tokens, item.acceptance, item.finish, item.logprobs, ttft))
+        if out:
+            self._send(("chunks", out))
+        if step.tokens:
+            self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
 
 
 class _Sender:
@@ -107,13 +133,8 @@ def _engine_main(args, conn) -> None:
     except PreflightError as e:
         send(("failed", str(e)))
         return
-    table: dict[int, _PipeHandle] = {}
-
-    def steps(items: list) -> None:
-        if items:
-            send(("chunks", items))
-
-    engine.set_delivery(steps)
+    table: dict[int, RequestHandle] = {}
+    engine.set_emitter(_IdEmitter(engine.metrics, send, table))
     engine.start()
     import jax
 
@@ -131,7 +152,7 @@ def _engine_main(args, conn) -> None:
             kind = message[0]
             if kind == "submit":
                 _, rid, prompt, sampling, options = message
-                table[rid] = handle = _PipeHandle(engine, rid, steps, table)
+                table[rid] = handle = RequestHandle(engine, rid)
                 refusal = None
                 try:
                     engine.submit(prompt, sampling, handle=handle, **options)
@@ -142,9 +163,11 @@ def _engine_main(args, conn) -> None:
                 if refusal is not None:
                     table.pop(rid, None)
                 send(("submitted", rid, refusal))
-            elif kind == "cancel":
+            elif kind in ("cancel", "stop"):
                 handle = table.get(message[1])
                 if handle is not None:
+                    if kind == "stop":
+                        handle.cancel_reason = "stop"
                     handle.cancel()
             elif kind == "count":
                 engine.metrics.count(*message[1:])
@@ -164,13 +187,19 @@ def _engine_main(args, conn) -> None:
 
 
 class _RemoteHandle(RequestHandle):
-    """A request's handle in the front end (``RequestHandle``'s interface); its chunks come from
-    the engine process."""
+    """A request's handle in the front end (``RequestHandle``'s interface). Its chunks are made here
+    from the engine process's items (``_take``), as the one-process ``Emitter`` makes them."""
 
-    def __init__(self, client: EngineClient, request_id: int, prompt_tokens: int):
+    def __init__(self, client: EngineClient, request_id: int, prompt_tokens: int, text: TextStream,
+                 logprobs: int | None):
         super().__init__(client, request_id)
         self._prompt_tokens = prompt_tokens
         self._submitted = time.perf_counter()
+        self._text, self._logprobs = text, logprobs
+        self._acceptance: list[int] = []
+        self._logprob_parts: list[TokenLogprobs] = []
+        self._ttft: float | None = None
+        self._ended = False  # ended here (a stop string, or the engine's finish)
 
     def cancel(self) -> None:
         """Cancel the request; its slot is free again after the engine's current step."""
@@ -178,15 +207,44 @@ class _RemoteHandle(RequestHandle):
         if not self.done:
             self._engine._send_quietly(("cancel", self.request_id))
 
+    def _take(self, item: tuple, deliveries: list) -> bool:
+        """Turn one engine item into this stream's chunk (``Emitter._process``'s rules); returns
+        whether its text completed a stop string (the engine must then end the request)."""
+        _, tokens, acceptance, finish, logprobs, ttft = item
+        if self._ended:
+            return False
+        if ttft is not None:
+            self._ttft = ttft
+        self._acceptance += acceptance
+        kept, text = self._text.add(tokens) if tokens else ([], "")
+        part = None
+        if self._logprobs is not None:
+            part = TokenLogprobs.concat([], self._logprobs) if logprobs is None else logprobs.head(len(kept))
+            self._logprob_parts.append(part)
+        if self._text.stopped:
+            self._end("stop", kept, text, part, deliveries)
+            return True
+        if finish is not None:
+            self._end(finish, kept, text + self._text.flush(), part, deliveries)
+        elif kept or text:
+            self._push(StreamChunk(kept, text, logprobs=part), deliveries)
+        return False
+
+    def _end(self, reason: str, tokens: list[int], text: str, logprobs: TokenLogprobs | None,
+             deliveries: list) -> None:
+        self._ended = True
+        result = RequestResult(
+            request_id=self.request_id, prompt_tokens=self._prompt_tokens, tokens=list(self._text.tokens),
+            text=self._text.text, finish_reason=reason, acceptance_lengths=list(self._acceptance), ttft=self._ttft,
+            seconds=time.perf_counter() - self._submitted,
+            logprobs=None if self._logprobs is None else TokenLogprobs.concat(self._logprob_parts, self._logprobs))
+        self._push(StreamChunk(list(tokens), text, reason, result, logprobs), deliveries)
+
     def _fail(self, reason: str, deliveries: list) -> None:
-        """End the stream with ``reason`` (the engine process is gone)."""
-        with self._cond:
-            tokens = [t for c in self._chunks for t in c.token_ids]
-            text = "".join(c.text for c in self._chunks)
-        result = RequestResult(request_id=self.request_id, prompt_tokens=self._prompt_tokens, tokens=tokens,
-                               text=text, finish_reason=reason, acceptance_lengths=[], ttft=None,
-                               seconds=time.perf_counter() - self._submitted)
-        self._push(StreamChunk([], "", reason, result), deliveries)
+        """End the stream with ``reason`` (the engine process is gone), unless it has ended."""
+        if self._ended:
+            return
+        self._end(reason, [], "", None, deliveries)
 
 
 class RemoteMetrics:
@@ -259,8 +317,12 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
 
     def _request(self, prompt, sampling, options: dict) -> tuple[_RemoteHandle, concurrent.futures.Future]:
+        stop = tuple(s for s in (options.pop("stop", None) or ()) if s)
+        if stop and self.tokenizer is None:
+            raise RequestError("stop", "stop strings need a tokenizer (the server has none)")
         rid = next(self._ids) % 2**32
-        handle = _RemoteHandle(self, rid, int(np.size(prompt)))
+        handle = _RemoteHandle(self, rid, int(np.size(prompt)), TextStream(self.tokenizer, stop),
+                               options.get("logprobs"))
         reply: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self.failure is not None:
@@ -334,8 +396,8 @@ class EngineClient:
                         if item[3] is not None:
                             self._handles.pop(item[0], None)
                 for handle, item in zip(handles, message[1], strict=True):
-                    if handle is not None:
-                        handle._push(StreamChunk(*item[1:]), deliveries)
+                    if handle is not None and handle._take(item, deliveries):
+                        self._send_quietly(("stop", item[0]))
                 deliver(deliveries)
             elif kind in ("submitted", "reply"):
                 with self._lock:
