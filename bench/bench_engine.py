@@ -13,7 +13,8 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step, and three parts of a step:
   preparing the prefill, the launch of the step's programs (on the launcher thread, beside the
-  rest) and the emitter;
+  rest; in brackets its part before the rounds: prefill chunks, activations, releases) and the
+  emitter;
 * the host's time to launch one dispatch of the rounds (the engine's compiled call, on a state
   the device is done with: median of 30), which the engine overlaps with reading back and
   streaming the dispatch before;
@@ -101,7 +102,7 @@ def _engine_run(eng: Engine, prompts, new):
     steps = m1["engine_steps"] - m0["engine_steps"]
     return dict(seconds=dt_, tokens=[r.tokens for r in results], steps=steps,
                 **{f"{k}_ms_per_step": 1e3 * (m1[f"{k}_seconds"] - m0[f"{k}_seconds"]) / max(steps, 1)
-                   for k in ("host", "wait", "prefill", "launch", "emit")})
+                   for k in ("host", "wait", "prefill", "launch", "state_ops", "emit")})
 
 
 def _launch_ms(eng: Engine, n: int = 30) -> float:
@@ -155,7 +156,7 @@ def _markdown(report: dict) -> str:
     flags = f" with `XLA_FLAGS={report['xla_flags']}`" if report.get("xla_flags") else ""
     lines = [f"# Engine vs generate(), {report['device']}, {report['date']}", "", f"`{report['command']}`{flags}", "",
              "| method | batch | generate tok/s | engine tok/s | engine / generate | host ms / step | "
-             "wait ms / step | prefill / launch / emit ms per step | launch ms (state ready) | "
+             "wait ms / step | prefill / launch (state programs) / emit ms per step | launch ms (state ready) | "
              "generate ms / round | greedy equal |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -163,7 +164,8 @@ def _markdown(report: dict) -> str:
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
-                     f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} / {r['emit_ms_per_step']:.2f} "
+                     f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} "
+                     f"({r['state_ops_ms_per_step']:.2f}) / {r['emit_ms_per_step']:.2f} "
                      f"| {r['launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
     return "\n".join(lines) + "\n"
 

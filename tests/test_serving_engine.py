@@ -62,6 +62,9 @@ def test_greedy_equals_generate_whatever_the_arrival_order_and_slot(models, refe
     assert m["requests"] == {"length": 5} and m["generated_tokens"] == 5 * MAX_TOKENS
     assert m["ttft"].count == 5 and m["itl"].count == 5 * (MAX_TOKENS - 1) and m["free_slots"] == 2
     assert m["accept"].count == m["rounds"] > 0 and 1 <= m["mean_acceptance_length"] <= 5
+    # The step's parts: the launches include the programs before the rounds (prefill, activation).
+    assert 0 < m["state_ops_seconds"] < m["launch_seconds"]
+    assert m["prefill_seconds"] > 0 and m["emit_seconds"] > 0 and m["host_seconds"] > 0
 
 
 def test_seeded_sampling_does_not_depend_on_slot_or_batch(models, reference):

@@ -834,6 +834,7 @@ class Engine:
         metrics counter), so that it can run beside ``_read_back`` and the emitter."""
         t0 = time.perf_counter()
         self._run_ops()
+        self.metrics.count("state_ops_seconds", n=time.perf_counter() - t0)
         if auto_budget is not None:
             self._state, packed = self._rounds(self._auto_plans[auto_budget], self._state)
         else:

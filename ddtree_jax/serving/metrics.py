@@ -96,6 +96,7 @@ class EngineMetrics:
         self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
         self.prefill_seconds = 0.0  # engine-thread time preparing prefill steps (their launches: launch_seconds)
         self.launch_seconds = 0.0  # launcher time launching the step's programs (beside the read-back)
+        self.state_ops_seconds = 0.0  # of launch_seconds: the programs before the rounds (prefill, activation, ...)
         self.emit_seconds = 0.0  # engine-thread time in the emitter (text, stop strings, chunks)
         self.preemptions = 0  # paged caches: requests preempted for pages (each resumes later)
         self.kv_pages: dict | None = None  # paged caches: the page pool's counts (PagePool.stats)
@@ -170,7 +171,8 @@ class EngineMetrics:
                 rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
                 host_seconds=self.host_seconds, wait_seconds=self.wait_seconds, prefill_seconds=self.prefill_seconds,
-                launch_seconds=self.launch_seconds, emit_seconds=self.emit_seconds, preemptions=self.preemptions,
+                launch_seconds=self.launch_seconds, state_ops_seconds=self.state_ops_seconds,
+                emit_seconds=self.emit_seconds, preemptions=self.preemptions,
                 kv_pages=None if self.kv_pages is None else dict(self.kv_pages),
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),

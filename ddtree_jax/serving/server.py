@@ -301,6 +301,8 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 ("engine_prefill_seconds", "engine-thread seconds preparing prefill steps", s["prefill_seconds"]),
                 ("engine_launch_seconds", "seconds launching the steps' programs (beside the engine thread)",
                  s["launch_seconds"]),
+                ("engine_state_ops_seconds", "of those, seconds launching the programs before the rounds "
+                 "(prefill chunks, activations, releases, page-table uploads)", s["state_ops_seconds"]),
                 ("engine_emit_seconds", "engine-thread seconds detokenising and streaming", s["emit_seconds"]),
             ]:
                 yield CounterMetricFamily(f"ddtree_{name}", doc, value=value)
