@@ -161,9 +161,9 @@ def run(args, row: dict, devices) -> dict:
         out.update(xla_round_bytes=xla, planner_round_bytes=planned, round_ratio=round(planned / xla, 4),
                    planner_round_phase="verify" if passes["verify"] >= passes["draft"] else "draft")
     if "prefill" in args.programs:
-        xla = _device.prefill_chunk.lower(models, tparams, dparams, plan, state, i32(rows),
-                                          i32(rows, config.prefill_chunk), i32(rows),
-                                          i32(rows)).compile().memory_analysis().temp_size_in_bytes
+        packed = i32(rows, _device.PREFILL_FIELDS + config.prefill_chunk)
+        xla = _device.prefill_chunk.lower(models, tparams, dparams, plan, state,
+                                          packed).compile().memory_analysis().temp_size_in_bytes
         out.update(xla_prefill_bytes=xla, planner_prefill_bytes=passes["prefill"],
                    prefill_ratio=round(passes["prefill"] / xla, 4))
     return {**out, "planner_compile_workspace_bytes": planner.bytes["compile_workspace"],

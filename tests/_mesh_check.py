@@ -86,8 +86,8 @@ def prefill_cache_collectives(eng) -> list[str]:
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
     tparams, dparams, state = jax.tree.map(spec, (eng._tparams, eng._dparams, eng._state))
-    hlo = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, i32(R), i32(R, T), i32(R),
-                                      i32(R)).compile().as_text()
+    hlo = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state,
+                                      i32(R, _device.PREFILL_FIELDS + T)).compile().as_text()
     found = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
                        r"(?:-start)?\(", hlo)
     return [f"{op}[{dims}]" for dims, op in found if str(eng.cache_len) in dims.split(",")]

@@ -361,3 +361,36 @@ def test_histogram_observe_many_equals_observing_one_by_one():
             assert many.counts == one.counts and many.count == one.count
             assert many.total == pytest.approx(one.total, rel=1e-12)
             assert all(type(c) is int for c in many.counts)
+
+
+def test_one_packed_activation_sets_every_field(models):
+    """``activation_rows`` packs ``activate``'s inputs into one int32 array (float32 and uint32
+    fields as bits): after the activation each field holds exactly what was packed, including
+    seeds and request ids above 2**31 and non-round float settings; other slots are untouched."""
+    from ddtree_jax.sampling import SamplingBatch
+    from ddtree_jax.serving import _device
+
+    eng = engine(models, slots=4)
+    rng = np.random.default_rng(0)
+    rows = np.array([2, 0], np.int32)
+    sampling = SamplingBatch(temperature=rng.uniform(0.1, 2, 2).astype(np.float32), top_k=np.array([0, 7], np.int32),
+                             top_p=rng.uniform(0.1, 1, 2).astype(np.float32),
+                             min_p=rng.uniform(0, 0.2, 2).astype(np.float32),
+                             seed=np.array([2**32 - 3, 5], np.uint32), has_seed=np.array([True, False]))
+    stop = np.array([[3, 9, -1], [4, -1, -1]], np.int32)[:, : eng.max_stop_ids]
+    stop = np.pad(stop, ((0, 0), (0, eng.max_stop_ids - stop.shape[1])), constant_values=-1)
+    packed = _device.activation_rows(rows, [11, 12], [5, 6], [30, 40], stop, sampling,
+                                     np.array([2**31 + 9, 77], np.uint32), [0, 3])
+    assert packed.dtype == np.int32 and packed.shape == (2, _device.ACTIVATION_FIELDS + eng.max_stop_ids)
+    before = eng._empty_state()
+    untouched = {k: np.asarray(v)[[1, 3]] for k, v in (("root", before.root), ("finish", before.finish))}
+    state = _device.activate(before, packed)
+    for field, want in (("root", [11, 12]), ("max_new_tokens", [30, 40]), ("rounds", [0, 3]),
+                        ("request_ids", [2**31 + 9, 77]), ("stop_ids", stop)):
+        np.testing.assert_array_equal(np.asarray(getattr(state, field))[rows], np.asarray(want), err_msg=field)
+    for f in ("temperature", "top_k", "top_p", "min_p", "seed", "has_seed"):
+        np.testing.assert_array_equal(np.asarray(getattr(state.sampling, f))[rows], getattr(sampling, f), err_msg=f)
+    assert (np.asarray(state.finish)[rows] == RUNNING).all()
+    np.testing.assert_array_equal(np.asarray(state.target_cache.lengths)[rows], [5, 6])
+    for k, v in untouched.items():
+        np.testing.assert_array_equal(np.asarray(getattr(state, k))[[1, 3]], v, err_msg=k)

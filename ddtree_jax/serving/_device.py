@@ -28,17 +28,20 @@ from ddtree_jax.paged_generate import without_pages
 from ddtree_jax.sampling import SamplingBatch
 from ddtree_jax.serving.shapes import ShapeCache
 
+PREFILL_FIELDS = 3  # int32 columns of a prefill chunk's rows before its token ids
+
 
 @functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
-def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, rows, ids, starts,
-                  counts) -> DecodeState:
-    """Append one prompt chunk to slots ``rows``: ``ids [R, T]`` right-padded, ``counts [R]`` valid,
-    written after the first ``starts [R]`` prompt tokens already in those slots' caches (0 for a
-    prompt's first chunk, which discards whatever the slot held; -1 for a padding row of count 0,
-    which keeps its length). Finish codes do not change: a slot being filled is not ``RUNNING`` and
-    the rounds leave it alone. Where the target splits the slots over a row mesh, ``rows`` must be
-    laid out device by device (``prefill_layout``): each device then prefills its own slots in
-    place, and no slot's cache leaves its device."""
+def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, packed) -> DecodeState:
+    """Append one prompt chunk to some slots, given as ONE int32 array ``packed [R, PREFILL_FIELDS
+    + T]`` (one host-to-device transfer): per row its slot, the prompt tokens already in that
+    slot's cache (``starts``: 0 for a prompt's first chunk, which discards whatever the slot held;
+    -1 for a padding row, which keeps its length), the chunk's valid tokens (``counts``), then the
+    chunk's ``T`` token ids, right-padded. Finish codes do not change: a slot being filled is not
+    ``RUNNING`` and the rounds leave it alone. Where the target splits the slots over a row mesh,
+    the rows must be laid out device by device (``prefill_layout``): each device then prefills its
+    own slots in place, and no slot's cache leaves its device."""
+    rows, starts, counts, ids = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, PREFILL_FIELDS:]
     target, drafter = models.merge(tparams, dparams)
     dcache = state.draft_cache if plan.hidden_layer_ids else None
     tcache, dcache = append_to_rows(target, drafter, plan, state.target_cache, dcache, rows, ids, starts, counts,
@@ -79,7 +82,8 @@ def prefill_shapes(models: Models, plan: DecodePlan, tparams, dparams, state: De
     """The ``ShapeCache`` of ``prefill_chunk`` executables for these models, plan and state layout
     (avals and shardings of ``tparams``, ``dparams`` and ``state``), shared by every engine with the
     same ones, as the compiled function's own cache would be. Its executables take
-    ``(tparams, dparams, state, rows, ids, starts, counts)``.
+    ``(tparams, dparams, state, packed)`` (``prefill_chunk``'s ``packed [rows, PREFILL_FIELDS +
+    tokens]``).
 
     On one device, executables are compiled ahead (in the background for new shapes). On a mesh the
     state's placement is the compiler's choice and may change after the first round, and with
@@ -94,23 +98,46 @@ def prefill_shapes(models: Models, plan: DecodePlan, tparams, dparams, state: De
     if cache is None:
         def compile_shape(rows: int, tokens: int):
             if not one_device:
-                return lambda tparams, dparams, state, *rows_ids_starts_counts: prefill_chunk(
-                    models, tparams, dparams, plan, state, *rows_ids_starts_counts)
-            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-            return prefill_chunk.lower(models, *specs[:2], plan, specs[2], i32(rows), i32(rows, tokens), i32(rows),
-                                       i32(rows)).compile()
+                return lambda tparams, dparams, state, packed: prefill_chunk(models, tparams, dparams, plan, state,
+                                                                             packed)
+            packed = jax.ShapeDtypeStruct((rows, PREFILL_FIELDS + tokens), jnp.int32)
+            return prefill_chunk.lower(models, *specs[:2], plan, specs[2], packed).compile()
 
         cache = _PREFILL_SHAPES.setdefault(key, ShapeCache(compile_shape, background=one_device))
     return cache
 
 
+ACTIVATION_FIELDS = 12  # int32 columns of ``activation_rows`` before the stop ids
+
+
+def activation_rows(rows, roots, cache_lengths, max_new_tokens, stop_ids, sampling: SamplingBatch, request_ids,
+                    rounds) -> np.ndarray:
+    """``activate``'s inputs as ONE int32 array ``[R, ACTIVATION_FIELDS + S]`` (an activation then
+    costs one host-to-device transfer, not twelve): per row its slot, root, cache length, token
+    limit, request id, rounds, temperature, top-k, top-p, min-p, seed, has-seed (float32 and
+    uint32 fields as their bits), then its ``S`` stop ids."""
+    def bits(x, dtype):
+        return np.ascontiguousarray(np.asarray(x, dtype)).view(np.int32)
+
+    cols = [bits(rows, np.int32), bits(roots, np.int32), bits(cache_lengths, np.int32), bits(max_new_tokens, np.int32),
+            bits(request_ids, np.uint32), bits(rounds, np.int32), bits(sampling.temperature, np.float32),
+            bits(sampling.top_k, np.int32), bits(sampling.top_p, np.float32), bits(sampling.min_p, np.float32),
+            bits(sampling.seed, np.uint32), bits(sampling.has_seed, np.int32)]
+    return np.concatenate([np.stack(cols, axis=1), np.asarray(stop_ids, np.int32)], axis=1)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
-def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, stop_ids, sampling: SamplingBatch,
-             request_ids, rounds) -> DecodeState:
-    """Start decoding in slots ``rows`` whose caches hold ``cache_lengths [R]`` prompt tokens (all
-    but the last, ``roots [R]``): per-row limits, stop ids ``[R, S]``, sampling, request ids and
-    round counts ``rounds [R]`` (0 for a new request; a resumed one's rounds so far, so that its
-    random stream continues: ``ddtree_jax/rng.py``)."""
+def activate(state: DecodeState, packed) -> DecodeState:
+    """Start decoding in the slots of ``packed`` (``activation_rows``: i32 ``[R, ACTIVATION_FIELDS
+    + S]``), whose caches hold their cache length of prompt tokens (all but the last, the root):
+    per-row limits, stop ids, sampling, request ids and round counts (0 for a new request; a
+    resumed one's rounds so far, so that its random stream continues: ``ddtree_jax/rng.py``)."""
+    col = [packed[:, i] for i in range(ACTIVATION_FIELDS)]
+    f32 = [jax.lax.bitcast_convert_type(x, jnp.float32) for x in col]
+    u32 = [jax.lax.bitcast_convert_type(x, jnp.uint32) for x in col]
+    rows, roots, cache_lengths, max_new_tokens, rounds = col[0], col[1], col[2], col[3], col[5]
+    sampling = SamplingBatch(temperature=f32[6], top_k=col[7], top_p=f32[8], min_p=f32[9], seed=u32[10],
+                             has_seed=col[11] != 0)
     R = rows.shape[0]
     zeros = jnp.zeros((R,), jnp.int32)
     tcache = with_row_lengths(state.target_cache, rows, cache_lengths)
@@ -125,8 +152,8 @@ def activate(state: DecodeState, rows, roots, cache_lengths, max_new_tokens, sto
         finish=put(state.finish, jnp.full((R,), RUNNING, jnp.int32)),
         accept_lengths=put(state.accept_lengths, jnp.zeros((R, state.capacity), jnp.int32)),
         rounds=put(state.rounds, rounds), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
-        stop_ids=put(state.stop_ids, stop_ids), sampling=jax.tree.map(put, state.sampling, sampling),
-        request_ids=put(state.request_ids, request_ids),
+        stop_ids=put(state.stop_ids, packed[:, ACTIVATION_FIELDS:]),
+        sampling=jax.tree.map(put, state.sampling, sampling), request_ids=put(state.request_ids, u32[4]),
     )
 
 

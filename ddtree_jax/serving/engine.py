@@ -487,11 +487,13 @@ class Engine:
                                  min_p=np.zeros((S,), np.float32), seed=rows.astype(np.uint32),
                                  has_seed=np.ones((S,), bool))
 
+        packed = _device.activation_rows(rows, rows % self.vocab_size, np.zeros((S,), np.int32),
+                                         np.full((S,), self.max_output_tokens, np.int32),
+                                         np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows,
+                                         np.zeros((S,), np.int32))
+
         def before():
-            scratch[0] = _device.activate(scratch[0], rows, rows % self.vocab_size, np.zeros((S,), np.int32),
-                                          np.full((S,), self.max_output_tokens, np.int32),
-                                          np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows,
-                                          np.zeros((S,), np.int32))
+            scratch[0] = _device.activate(scratch[0], packed)
             return scratch[0]
 
         def run(k):
@@ -769,9 +771,9 @@ class Engine:
                 counts[i] = chunk.size
             rows, pick = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
             pad, at = pick < 0, np.maximum(pick, 0)
-            args = (rows, np.where(pad[:, None], 0, ids[at]), np.where(pad, -1, starts[at]),
-                    np.where(pad, 0, counts[at]))
-            self._ops.append(lambda state, fn=prefill, args=args: fn(self._tparams, self._dparams, state, *args))
+            packed = np.concatenate([np.stack([rows, np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at])], 1),
+                                     np.where(pad[:, None], 0, ids[at])], axis=1).astype(np.int32)
+            self._ops.append(lambda state, fn=prefill, packed=packed: fn(self._tparams, self._dparams, state, packed))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
         ready = [r for r in batch if r.prefilled == r.tokens.size - 1]
@@ -794,7 +796,8 @@ class Engine:
                 pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
                 pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
                 pad(np.array([r.rounds_done for r in reqs], np.int32)))
-        self._ops.append(lambda state, args=args: _device.activate(state, *args))
+        packed = _device.activation_rows(*args)
+        self._ops.append(lambda state, packed=packed: _device.activate(state, packed))
         if self.page_size is not None:
             for r in reqs:  # the context's full pages join the prefix cache
                 table, n = self._tables[r.slot], r.tokens.size - 1
