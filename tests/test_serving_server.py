@@ -885,6 +885,7 @@ def test_two_process_sigterm_drains_and_the_engine_process_exits(paths, cache_di
         _, reason, usage = check_stream(events, done)
         assert reason == "length" and usage["completion_tokens"] == 60
     assert code == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]  # the engine process stopped cleanly too
     pid = _engine_pid(output)
     deadline = time.monotonic() + 30
     while not _gone(pid):

@@ -14,8 +14,8 @@ front end -> engine
   ``("submit", rid, prompt, sampling, options)``: a request with the front end's request id
   ``rid`` (``Engine.submit``'s ``request_id``: it keys an unseeded request's random stream);
   ``options`` are ``submit``'s keyword arguments (stop strings stay in the front end).
-  ``("cancel", rid)``; ``("stop", rid)``: the front end found a stop string in the request's text:
-  the engine ends it as cancelled, with finish reason ``"stop"``;
+  ``("cancel", rid)``; ``("stop_string", rid)``: the front end found a stop string in the
+  request's text: the engine ends it as cancelled, with finish reason ``"stop"``;
   ``("count", field, key, n)``: a metrics counter (requests the front end
   refused); ``("snapshot", tag)``: the metrics, answered with ``("reply", tag, snapshot)``;
   ``("stop",)``: stop the engine (``Engine.stop``), answered with ``("stopped",)``; the process
@@ -33,7 +33,7 @@ engine -> front end
 
 The front end turns the items into stream chunks as the one-process ``Emitter`` does
 (``_RemoteHandle._take``: the same ``TextStream``, the same results), ends a request whose text
-completes a stop string at once, sends ``("stop", rid)`` and drops the engine's later items for
+completes a stop string at once, sends ``("stop_string", rid)`` and drops the engine's later items for
 it. The tokens the engine committed for it after the stop string count in the engine's token
 metrics (the one-process engine drops them before counting).
 
@@ -163,10 +163,10 @@ def _engine_main(args, conn) -> None:
                 if refusal is not None:
                     table.pop(rid, None)
                 send(("submitted", rid, refusal))
-            elif kind in ("cancel", "stop"):
+            elif kind in ("cancel", "stop_string"):
                 handle = table.get(message[1])
                 if handle is not None:
-                    if kind == "stop":
+                    if kind == "stop_string":
                         handle.cancel_reason = "stop"
                     handle.cancel()
             elif kind == "count":
@@ -397,7 +397,7 @@ class EngineClient:
                             self._handles.pop(item[0], None)
                 for handle, item in zip(handles, message[1], strict=True):
                     if handle is not None and handle._take(item, deliveries):
-                        self._send_quietly(("stop", item[0]))
+                        self._send_quietly(("stop_string", item[0]))
                 deliver(deliveries)
             elif kind in ("submitted", "reply"):
                 with self._lock:
