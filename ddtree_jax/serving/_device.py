@@ -49,6 +49,12 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
     return dataclasses.replace(state, target_cache=tcache, draft_cache=dcache or state.draft_cache)
 
 
+def prefill_rows(rows, starts, counts, ids) -> np.ndarray:
+    """``prefill_chunk``'s ``packed`` array from its parts: ``rows``, ``starts``, ``counts`` ``[R]``
+    and ``ids [R, T]``."""
+    return np.concatenate([np.stack([rows, starts, counts], axis=1), ids], axis=1).astype(np.int32)
+
+
 def row_blocks(target, slots: int) -> int:
     """The devices ``slots`` slots split over on the target's row mesh (1: one block)."""
     rows = getattr(target, "row_mesh", None)
@@ -132,12 +138,15 @@ def activate(state: DecodeState, packed) -> DecodeState:
     + S]``), whose caches hold their cache length of prompt tokens (all but the last, the root):
     per-row limits, stop ids, sampling, request ids and round counts (0 for a new request; a
     resumed one's rounds so far, so that its random stream continues: ``ddtree_jax/rng.py``)."""
-    col = [packed[:, i] for i in range(ACTIVATION_FIELDS)]
-    f32 = [jax.lax.bitcast_convert_type(x, jnp.float32) for x in col]
-    u32 = [jax.lax.bitcast_convert_type(x, jnp.uint32) for x in col]
-    rows, roots, cache_lengths, max_new_tokens, rounds = col[0], col[1], col[2], col[3], col[5]
-    sampling = SamplingBatch(temperature=f32[6], top_k=col[7], top_p=f32[8], min_p=f32[9], seed=u32[10],
-                             has_seed=col[11] != 0)
+    def f32(i):
+        return jax.lax.bitcast_convert_type(packed[:, i], jnp.float32)
+
+    def u32(i):
+        return jax.lax.bitcast_convert_type(packed[:, i], jnp.uint32)
+
+    rows, roots, cache_lengths, max_new_tokens, rounds = (packed[:, i] for i in (0, 1, 2, 3, 5))
+    sampling = SamplingBatch(temperature=f32(6), top_k=packed[:, 7], top_p=f32(8), min_p=f32(9), seed=u32(10),
+                             has_seed=packed[:, 11] != 0)
     R = rows.shape[0]
     zeros = jnp.zeros((R,), jnp.int32)
     tcache = with_row_lengths(state.target_cache, rows, cache_lengths)
@@ -153,7 +162,7 @@ def activate(state: DecodeState, packed) -> DecodeState:
         accept_lengths=put(state.accept_lengths, jnp.zeros((R, state.capacity), jnp.int32)),
         rounds=put(state.rounds, rounds), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
         stop_ids=put(state.stop_ids, packed[:, ACTIVATION_FIELDS:]),
-        sampling=jax.tree.map(put, state.sampling, sampling), request_ids=put(state.request_ids, u32[4]),
+        sampling=jax.tree.map(put, state.sampling, sampling), request_ids=put(state.request_ids, u32(4)),
     )
 
 

@@ -771,8 +771,8 @@ class Engine:
                 counts[i] = chunk.size
             rows, pick = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
             pad, at = pick < 0, np.maximum(pick, 0)
-            packed = np.concatenate([np.stack([rows, np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at])], 1),
-                                     np.where(pad[:, None], 0, ids[at])], axis=1).astype(np.int32)
+            packed = _device.prefill_rows(rows, np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at]),
+                                          np.where(pad[:, None], 0, ids[at]))
             self._ops.append(lambda state, fn=prefill, packed=packed: fn(self._tparams, self._dparams, state, packed))
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
@@ -791,12 +791,12 @@ class Engine:
                                                     ("top_p", np.float32), ("min_p", np.float32))),
                                  seed=pad(np.array([r.sampling.seed or 0 for r in reqs], np.uint32)),
                                  has_seed=pad(np.array([r.sampling.seed is not None for r in reqs], bool)))
-        args = (self._rows([r.slot for r in reqs], R), pad([r.tokens[-1] for r in reqs]),
-                pad(np.array([r.tokens.size - 1 for r in reqs], np.int32)),
-                pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
-                pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
-                pad(np.array([r.rounds_done for r in reqs], np.int32)))
-        packed = _device.activation_rows(*args)
+        packed = _device.activation_rows(
+            self._rows([r.slot for r in reqs], R), pad([r.tokens[-1] for r in reqs]),
+            pad(np.array([r.tokens.size - 1 for r in reqs], np.int32)),
+            pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
+            pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
+            pad(np.array([r.rounds_done for r in reqs], np.int32)))
         self._ops.append(lambda state, packed=packed: _device.activate(state, packed))
         if self.page_size is not None:
             for r in reqs:  # the context's full pages join the prefix cache
@@ -838,12 +838,8 @@ class Engine:
         t0 = time.perf_counter()
         self._run_ops()
         self.metrics.count("state_ops_seconds", n=time.perf_counter() - t0)
-        if auto_budget is not None:
-            self._state, packed = self._rounds(self._auto_plans[auto_budget], self._state)
-        else:
-            self._state, packed = _device.rounds_and_harvest(
-                self._models, self._tparams, self._dparams, self.plan, self._state, self._base_key,
-                rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
+        plan = self.plan if auto_budget is None else self._auto_plans[auto_budget]
+        self._state, packed = self._rounds(plan, self._state)
         if jax.process_count() == 1:
             packed.copy_to_host_async()
         self.metrics.count("launch_seconds", n=time.perf_counter() - t0)
