@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from ddtree_jax.serving.engine import _Request
     from ddtree_jax.serving.metrics import EngineMetrics
 
-__all__ = ["Emit", "Emitter", "RequestResult", "StepLatency", "StreamChunk", "deliver", "TokenLogprobs"]
+__all__ = ["Emit", "Emitter", "RequestResult", "StepLatency", "StreamChunk", "TokenLogprobs", "deliver",
+           "request_result", "stream_news"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,11 @@ class StepLatency:
             self.itl_values.append((now - r.last_emit) / n)
             self.itl_counts.append(n)
         r.last_emit = now
+
+    def record(self, metrics: EngineMetrics, seen: float) -> None:
+        """Record the step's observations into ``metrics`` (nothing when it streamed no token)."""
+        if self.tokens:
+            metrics.record_step(self.tokens, seen, self.ttft, self.itl_values, self.itl_counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +198,7 @@ class Emitter:
         for item in items:
             self._process(item, seen, step)
         deliver(step.deliveries)
-        if step.tokens:
-            self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
+        step.record(self.metrics, seen)
 
     def take_stopped(self) -> list[_Request]:
         """Requests finished by a stop string since the last call (their slots are still taken)."""
@@ -204,31 +209,53 @@ class Emitter:
         r = item.request
         if r.ended:
             return
-        if item.acceptance:
-            r.acceptance += item.acceptance
-        kept, text = r.text.add(item.tokens) if item.tokens else ([], "")
-        logprobs = None
-        if r.logprobs is not None:  # items without tokens (an end) carry none
-            logprobs = TokenLogprobs.concat([], r.logprobs) if item.logprobs is None else item.logprobs.head(len(kept))
-            r.logprob_parts.append(logprobs)
+        kept, text, logprobs, reason = stream_news(r, item.tokens, item.acceptance, item.finish, item.logprobs)
         if kept:
             step.add(r, len(kept), seen)
-        if r.text.stopped:
-            self._end(r, "stop", kept, text, logprobs, step.deliveries)
-            self._stopped.append(r)
-        elif item.finish is not None:
-            self._end(r, item.finish, kept, text + r.text.flush(), logprobs, step.deliveries)
+        if reason is not None:
+            self._end(r, reason, kept, text, logprobs, step.deliveries)
+            if r.text.stopped:
+                self._stopped.append(r)
         elif kept or text:
             r.handle._push(StreamChunk(kept, text, logprobs=logprobs), step.deliveries)
 
     def _end(self, r: _Request, reason: str, tokens: list[int], text: str, logprobs: TokenLogprobs | None,
              deliveries: list) -> None:
         r.ended = True
-        now = time.perf_counter()
-        result = RequestResult(
-            request_id=r.handle.request_id, prompt_tokens=int(r.prompt.size), tokens=list(r.text.tokens),
-            text=r.text.text, finish_reason=reason, acceptance_lengths=list(r.acceptance),
-            ttft=None if r.first_token is None else r.first_token - r.submitted, seconds=now - r.submitted,
-            logprobs=None if r.logprobs is None else TokenLogprobs.concat(r.logprob_parts, r.logprobs))
+        result = request_result(r, r.handle.request_id, int(r.prompt.size), reason,
+                                ttft=None if r.first_token is None else r.first_token - r.submitted,
+                                seconds=time.perf_counter() - r.submitted)
         self.metrics.count("requests", reason.split(":")[0])
         r.handle._push(StreamChunk(list(tokens), text, reason, result, logprobs), deliveries)
+
+
+def stream_news(s, tokens: list[int], acceptance: list[int], finish: str | None,
+                logprobs: TokenLogprobs | None) -> tuple[list[int], str, TokenLogprobs | None, str | None]:
+    """Apply one item of a request's news to its stream state ``s`` (the engine's request, or the
+    two-process front end's handle: ``text`` its ``TextStream``, ``acceptance`` its acceptance
+    lengths, ``logprobs`` the alternatives asked for or ``None``, ``logprob_parts``). Returns
+    ``(tokens kept, text to stream, their log-probabilities, the finish reason if the request ends
+    with this item)``: ``"stop"`` when its text completed a stop string, else ``finish`` (the text
+    then includes what was pending)."""
+    if acceptance:
+        s.acceptance += acceptance
+    kept, text = s.text.add(tokens) if tokens else ([], "")
+    part = None
+    if s.logprobs is not None:  # items without tokens (an end) carry none
+        part = TokenLogprobs.concat([], s.logprobs) if logprobs is None else logprobs.head(len(kept))
+        s.logprob_parts.append(part)
+    if s.text.stopped:
+        return kept, text, part, "stop"
+    if finish is not None:
+        return kept, text + s.text.flush(), part, finish
+    return kept, text, part, None
+
+
+def request_result(s, request_id: int, prompt_tokens: int, reason: str, *, ttft: float | None,
+                   seconds: float) -> RequestResult:
+    """The ``RequestResult`` of a request ending with ``reason``, from its stream state ``s``
+    (``stream_news``)."""
+    return RequestResult(
+        request_id=request_id, prompt_tokens=prompt_tokens, tokens=list(s.text.tokens), text=s.text.text,
+        finish_reason=reason, acceptance_lengths=list(s.acceptance), ttft=ttft, seconds=seconds,
+        logprobs=None if s.logprobs is None else TokenLogprobs.concat(s.logprob_parts, s.logprobs))

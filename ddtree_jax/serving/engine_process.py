@@ -58,7 +58,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StepLatency, StreamChunk, TokenLogprobs, deliver
+from ddtree_jax.serving.emitter import (
+    Emit,
+    Emitter,
+    StepLatency,
+    StreamChunk,
+    TokenLogprobs,
+    deliver,
+    request_result,
+    stream_news,
+)
 from ddtree_jax.serving.engine import EngineOverloaded, RequestError, RequestHandle
 from ddtree_jax.serving.text import TextStream
 
@@ -101,8 +110,7 @@ class _IdEmitter(Emitter):
             out.append((r.handle.request_id, item.tokens, item.acceptance, item.finish, item.logprobs, ttft))
         if out:
             self._send(("chunks", out))
-        if step.tokens:
-            self.metrics.record_step(step.tokens, seen, step.ttft, step.itl_values, step.itl_counts)
+        step.record(self.metrics, seen)
 
 
 class _Sender:
@@ -195,9 +203,10 @@ class _RemoteHandle(RequestHandle):
         super().__init__(client, request_id)
         self._prompt_tokens = prompt_tokens
         self._submitted = time.perf_counter()
-        self._text, self._logprobs = text, logprobs
-        self._acceptance: list[int] = []
-        self._logprob_parts: list[TokenLogprobs] = []
+        # the stream state ``emitter.stream_news`` reads and updates
+        self.text, self.logprobs = text, logprobs
+        self.acceptance: list[int] = []
+        self.logprob_parts: list[TokenLogprobs] = []
         self._ttft: float | None = None
         self._ended = False  # ended here (a stop string, or the engine's finish)
 
@@ -215,29 +224,19 @@ class _RemoteHandle(RequestHandle):
             return False
         if ttft is not None:
             self._ttft = ttft
-        self._acceptance += acceptance
-        kept, text = self._text.add(tokens) if tokens else ([], "")
-        part = None
-        if self._logprobs is not None:
-            part = TokenLogprobs.concat([], self._logprobs) if logprobs is None else logprobs.head(len(kept))
-            self._logprob_parts.append(part)
-        if self._text.stopped:
-            self._end("stop", kept, text, part, deliveries)
-            return True
-        if finish is not None:
-            self._end(finish, kept, text + self._text.flush(), part, deliveries)
-        elif kept or text:
+        kept, text, part, reason = stream_news(self, tokens, acceptance, finish, logprobs)
+        if reason is not None:
+            self._end(reason, kept, text, part, deliveries)
+            return self.text.stopped
+        if kept or text:
             self._push(StreamChunk(kept, text, logprobs=part), deliveries)
         return False
 
     def _end(self, reason: str, tokens: list[int], text: str, logprobs: TokenLogprobs | None,
              deliveries: list) -> None:
         self._ended = True
-        result = RequestResult(
-            request_id=self.request_id, prompt_tokens=self._prompt_tokens, tokens=list(self._text.tokens),
-            text=self._text.text, finish_reason=reason, acceptance_lengths=list(self._acceptance), ttft=self._ttft,
-            seconds=time.perf_counter() - self._submitted,
-            logprobs=None if self._logprobs is None else TokenLogprobs.concat(self._logprob_parts, self._logprobs))
+        result = request_result(self, self.request_id, self._prompt_tokens, reason, ttft=self._ttft,
+                                seconds=time.perf_counter() - self._submitted)
         self._push(StreamChunk(list(tokens), text, reason, result, logprobs), deliveries)
 
     def _fail(self, reason: str, deliveries: list) -> None:
