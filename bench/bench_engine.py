@@ -8,7 +8,8 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
 ``--prompt-len`` random prompt tokens and ``--new`` new tokens each (greedy, no stop tokens):
 
 * ``generate()``: the requests in batches of ``B`` (prefill included), tokens/s;
-* the ``Engine`` with ``B`` slots, ``sync_every=1``, driven by its background thread (the emitter
+* the ``Engine`` with ``B`` slots, ``sync_every=1`` (``--admit-group``: its ``admit_group``, each
+  value in turn), driven by its background thread (the emitter
   on the engine thread, the shipped tokenizer detokenising), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step, and three parts of a step:
@@ -113,13 +114,13 @@ def _launch_ms(eng: Engine, n: int = 30) -> float:
     for _ in range(n):
         jax.block_until_ready(eng._state)
         t0 = time.perf_counter()
-        eng._launch_rounds([None] * eng.slots, None)
+        eng._launch_rounds([], eng.plan)
         times.append(time.perf_counter() - t0)
     jax.block_until_ready(eng._state)
     return 1e3 * float(np.median(times))
 
 
-def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dict:
+def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
@@ -129,7 +130,8 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
 
     config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
-                          prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size)
+                          prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
+                          admit_group=admit_group)
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     eng.warmup()
     eng.start()
@@ -142,6 +144,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
+               admit_group=eng.admit_group,
                requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
@@ -155,14 +158,14 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None) -> dic
 def _markdown(report: dict) -> str:
     flags = f" with `XLA_FLAGS={report['xla_flags']}`" if report.get("xla_flags") else ""
     lines = [f"# Engine vs generate(), {report['device']}, {report['date']}", "", f"`{report['command']}`{flags}", "",
-             "| method | batch | generate tok/s | engine tok/s | engine / generate | host ms / step | "
+             "| method | batch | admit group | generate tok/s | engine tok/s | engine / generate | host ms / step | "
              "wait ms / step | prefill / launch (state programs) / emit ms per step | launch ms (state ready) | "
              "generate ms / round | greedy equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
-        lines.append(f"| {name} | {r['batch']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
+        lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} "
                      f"({r['state_ops_ms_per_step']:.2f}) / {r['emit_ms_per_step']:.2f} "
@@ -185,6 +188,8 @@ def main(argv=None) -> dict:
                     help="paged caches (--page-size; generate() and the engine alike), contiguous ones, or both "
                          "in turn for each case")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--admit-group", type=int, nargs="+", default=[0], metavar="N",
+                    help="the engine's admit_group (each in turn; 0: the engine's default, slots / 8)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--json", metavar="PATH", help="also write the report's JSON here (smoke runs too)")
     args = ap.parse_args(argv)
@@ -204,9 +209,9 @@ def main(argv=None) -> dict:
     sizes = {"off": [None], "on": [args.page_size], "both": [None, args.page_size]}[args.paged]
     for method in args.methods:
         for B in args.batches:
-            for page_size in sizes:
-                log(f"{method} batch {B}{f' pages of {page_size}' if page_size else ''} ...")
-                report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size))
+            for page_size, group in [(p, g) for p in sizes for g in args.admit_group]:
+                log(f"{method} batch {B}{f' pages of {page_size}' if page_size else ''} admit_group {group or 'default'} ...")
+                report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size, group or None))
                 if not args.smoke:  # after every case: a run cut short keeps what it measured
                     os.makedirs(args.out, exist_ok=True)
                     with open(stem + ".json", "w") as f:

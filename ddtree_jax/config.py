@@ -246,6 +246,16 @@ class EngineConfig:
     prefill_batch: int | None = None
     """Most slots prefilled per engine step, >= 1. ``None``: all free slots."""
 
+    admit_group: int | None = None
+    """Admission in groups: while requests queue and slots run, the engine admits queued requests
+    once ``min(admit_group, queued requests)`` slots are free (or after ``admit_wait`` steps), so
+    that one prefill serves several newcomers; >= 1, at most ``prefill_batch`` in effect. ``None``:
+    ``slots // 8`` (at least 1; 1 admits at once). Every prefill launch is a pass of both models
+    over their weights: docs/serving.md, "Admission in groups"."""
+
+    admit_wait: int = 8
+    """Most engine steps a free slot is held for ``admit_group`` while requests queue, >= 0."""
+
     deterministic: bool = False
     """The deterministic mode: the engine runs the target and the drafter with
     ``ExecutionConfig.batch_invariant`` (``with_execution``; a model already in the mode is used
@@ -288,6 +298,8 @@ class EngineConfig:
         _check_count(owner, "max_model_len", self.max_model_len, lo=2, optional=True)
         _check_count(owner, "max_output_tokens", self.max_output_tokens, optional=True)
         _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)
+        _check_count(owner, "admit_group", self.admit_group, optional=True)
+        _check_count(owner, "admit_wait", self.admit_wait, lo=0)
         _check_count(owner, "max_logprobs", self.max_logprobs, lo=0)
         _check_count(owner, "kv_pages", self.kv_pages, optional=True)
         _require(self.page_size is None or is_page_size(self.page_size), owner, "page_size",

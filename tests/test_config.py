@@ -45,6 +45,8 @@ BAD = [
     (EngineConfig, "max_queue", 0),
     (EngineConfig, "prefill_chunk", 0),
     (EngineConfig, "prefill_batch", 0),
+    (EngineConfig, "admit_group", 0),
+    (EngineConfig, "admit_wait", -1),
     (EngineConfig, "max_stop_ids", 0),
     (EngineConfig, "max_logprobs", -1),
     (EngineConfig, "page_size", 24),

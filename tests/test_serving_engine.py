@@ -6,6 +6,7 @@ Compilation dominates on the CPU: every engine here shares one shape (ddtree, bu
 max_model_len 64, prefill chunks of 16, at most 2 prefilled per step); generate() runs 5 rows.
 """
 
+import collections
 import dataclasses
 import threading
 
@@ -166,29 +167,62 @@ class _Chars:
         return "".join("\ufffd" if i == 0xD800 else chr(i) for i in ids)
 
 
-def test_the_launch_runs_beside_the_read_back_and_streaming(models, reference):
-    """Each dispatch's rounds are launched from the launcher thread while the engine thread reads
-    back and streams the dispatch before: a launch that waits for the step's emitter pass sees it
-    come (on the engine thread the launch would run first and wait in vain); the tokens stay
+def test_admission_in_groups_holds_free_slots_at_most_admit_wait_steps(models, reference):
+    """While requests queue and slots run, free slots wait for ``admit_group`` of them (here 2)
+    for at most ``admit_wait`` steps; the tokens stay generate()'s."""
+    eng = engine(models, slots=4, admit_group=2, admit_wait=3)
+    assert (eng.admit_group, eng.admit_wait) == (2, 3)
+    lengths = [1, 12, 12, 12, 2, 12, 12, 12, 3, 12]
+    handles = [eng.submit(PROMPTS[i % len(PROMPTS)], max_tokens=n) for i, n in enumerate(lengths)]
+    steps, held = [], 0
+    while not all(h.done for h in handles):
+        free, queued = sum(r is None for r in eng._slot), len(eng._queue)
+        running = free < eng.slots
+        eng.step()
+        admitted = queued - len(eng._queue)
+        if free and queued and running:
+            if admitted:
+                assert admitted >= min(2, queued) or held == 3, (free, queued, admitted, held)
+                held = 0
+            else:
+                held += 1
+                assert held <= 3
+            steps.append((free, queued, admitted))
+    for i, (n, h) in enumerate(zip(lengths, handles, strict=True)):
+        assert h.result().tokens == reference.tokens[i % len(PROMPTS)][:n]
+    assert any(not a for _, _, a in steps), steps  # some step held a free slot
+    assert any(a == 1 and q >= 2 for _, q, a in steps), steps  # and some hold ended by admit_wait
+
+
+def test_the_launch_runs_beside_the_read_back_and_the_next_step(models, reference):
+    """Each dispatch's programs are launched from the launcher thread, and the engine thread does
+    not wait for them: a launch that waits until the engine thread has read back and streamed the
+    dispatch before and prepared the next one sees it happen (with the launch on the engine
+    thread, or a step that waited for its own launch, it would wait in vain); the tokens stay
     generate()'s."""
     eng = engine(models, slots=2)
-    emitted, saw = threading.Event(), []
-    prepare, launch, submit = eng._prepare_rounds, eng._launch_rounds, eng._emitter.submit
+    progress = threading.Condition()
+    prepared, rounds_of, saw = [0], collections.deque(), []
+    prepare, launch = eng._prepare_rounds, eng._launch_rounds
 
-    def prepare_then_clear():
-        emitted.clear()  # (on the engine thread, before the launch is handed over)
-        return prepare()
+    def counted_prepare():
+        got = prepare()
+        with progress:
+            prepared[0] += 1
+            if got is not None:
+                rounds_of.append(prepared[0])
+            progress.notify_all()
+        return got
 
-    def launch_after_the_emitter(*args):
-        saw.append((emitted.wait(timeout=2.0), threading.current_thread().name))
-        return launch(*args)
+    def launch_after_the_next_prepare(ops, plan):
+        if plan is not None:
+            with progress:
+                n = rounds_of.popleft()
+                ok = progress.wait_for(lambda: prepared[0] > n, timeout=2.0)
+            saw.append((ok, threading.current_thread().name))
+        return launch(ops, plan)
 
-    def submit_and_signal(items, seen):
-        submit(items, seen)
-        emitted.set()
-
-    eng._prepare_rounds, eng._launch_rounds, eng._emitter.submit = (prepare_then_clear, launch_after_the_emitter,
-                                                                    submit_and_signal)
+    eng._prepare_rounds, eng._launch_rounds = counted_prepare, launch_after_the_next_prepare
     results = run(eng, [eng.submit(p, max_tokens=MAX_TOKENS) for p in PROMPTS])
     assert [r.tokens for r in results] == reference.tokens
     assert saw and all(ok and name.startswith("ddtree-launch") for ok, name in saw), saw

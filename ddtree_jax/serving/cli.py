@@ -95,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the device memory free after loading (default: --slots full-length slots' worth)")
     p.add_argument("--prefill-chunk", type=pf.positive_int, default=512, help="prompt tokens per slot per engine step")
     p.add_argument("--prefill-batch", type=pf.positive_int, help="most slots prefilled per engine step (default: all)")
+    p.add_argument("--admit-group", type=pf.positive_int,
+                   help="while requests queue, admit them once this many slots are free (default: slots / 8)")
+    p.add_argument("--admit-wait", type=pf.nonnegative_int, default=8,
+                   help="most engine steps a free slot waits for --admit-group")
     p.add_argument("--sync-every", type=pf.positive_int, default=1, help="rounds per engine step")
     p.add_argument("--seed", type=pf.seed, default=0, help="base key of the random streams")
     p.add_argument("--default-max-tokens", type=pf.positive_int, default=16, help="/v1/completions max_tokens default")
@@ -140,7 +144,8 @@ def engine_config(args) -> EngineConfig:
             decode=DecodeConfig(method=args.method, budget=args.budget, sync_every=args.sync_every, seed=args.seed,
                                 stop_token_ids=tuple(args.stop_token_id or ()), impl=args.impl),
             slots=args.slots, max_model_len=args.max_model_len, max_queue=args.max_queue,
-            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, max_logprobs=args.max_logprobs,
+            prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch,
+            admit_group=args.admit_group, admit_wait=args.admit_wait, max_logprobs=args.max_logprobs,
             deterministic=args.deterministic == "on", page_size=args.page_size)
         if args.kv_cache_memory is not None and args.page_size is None:
             raise PreflightError(f"--kv-cache-memory {args.kv_cache_memory}: needs --page-size (the pool's pages)")

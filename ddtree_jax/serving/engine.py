@@ -237,8 +237,8 @@ class Engine:
 
     The resolved settings are attributes: ``method``, ``budget`` (DDTree's node budget or
     ``"auto"``; the drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
-    ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``sync_every``, ``stop_token_ids``,
-    ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
+    ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``admit_group``, ``admit_wait``, ``sync_every``,
+    ``stop_token_ids``, ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
     ``auto_plan`` (the budget set) and ``auto_costs`` (seconds per round at each budget:
     ``decode.auto_costs``, else the cost table's, timed at start-up on a scratch state of running
     rows if it has none); each dispatch runs the compiled rounds of the budget the host chooses
@@ -269,6 +269,9 @@ class Engine:
         self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
         self.sync_every = decode.sync_every or 1
         self.prefill_batch = min(config.prefill_batch or slots, slots)
+        self.admit_group = min(config.admit_group or max(1, slots // 8), self.prefill_batch)
+        self.admit_wait = config.admit_wait
+        self._held = 0  # steps admission has waited for a group
         self.stop_token_ids = list(decode.stop_token_ids)
         self.max_stop_ids = max(config.max_stop_ids, len(self.stop_token_ids))
         self.max_logprobs = config.max_logprobs
@@ -312,9 +315,11 @@ class Engine:
         self._admitted: list[_Request] = []  # prefilling, in admission order
         self.metrics = self._new_metrics()
         self._emitter = Emitter(self.metrics)
-        self._inflight = None  # the last dispatched rounds, not yet read back
+        # The dispatches not read back yet, oldest first: (launch future -> packed harvest or None,
+        # the slots' requests at dispatch or None, the auto budget's index or None).
+        self._inflight: collections.deque[tuple] = collections.deque()
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
-        # in program order, queued by the engine thread and launched with the rounds (_run_ops).
+        # in program order, queued by the engine thread and launched before the step's rounds.
         self._ops: list[Callable[[DecodeState], DecodeState]] = []
         # The step's launches (the host's share of running compiled programs: on a GPU about as long
         # as a small model's round, mostly without the interpreter lock) overlap the read-back and
@@ -431,8 +436,9 @@ class Engine:
                 self._slot[r.slot] = None
             self._admitted = [x for x in self._admitted if x is not r]
             self._queue.appendleft(r)
-        if r.running and self._inflight is not None and self._inflight[1][r.slot] is r:
-            self._inflight[1][r.slot] = None  # its in-flight rounds are dropped
+        for _, snapshot, _ in self._inflight:
+            if snapshot is not None and snapshot[r.slot] is r:
+                snapshot[r.slot] = None  # its in-flight rounds are dropped
         if r.running:
             self._release([r.slot])
         r.context = np.concatenate([r.prompt, np.asarray(r.out, np.int32)]) if r.out else None
@@ -633,6 +639,18 @@ class Engine:
         with self._lock:
             self._work.notify_all()
 
+    def _admit_now(self) -> bool:  # holds the lock
+        """Whether queued requests enter free slots this step: yes once ``min(admit_group,
+        queued)`` slots are free, when no slot runs, or after ``admit_wait`` steps of waiting."""
+        free = sum(r is None for r in self._slot)
+        if not (free and self._queue):
+            return False
+        if free < min(self.admit_group, len(self._queue)) and free < self.slots and self._held < self.admit_wait:
+            self._held += 1
+            return False
+        self._held = 0
+        return True
+
     def _update_load(self) -> None:  # holds the lock
         running = sum(1 for r in self._slot if r is not None and r.running)
         prefilling = sum(1 for r in self._slot if r is not None and not r.running)
@@ -640,7 +658,7 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._queue) or self._inflight is not None or any(r is not None for r in self._slot)
+            return bool(self._queue) or bool(self._inflight) or any(r is not None for r in self._slot)
 
     def step(self) -> bool:
         """One engine step; returns whether there was anything to do.
@@ -671,7 +689,7 @@ class Engine:
             if self.page_size is not None:
                 for r in freed:
                     self._release_pages(r, publish=r.running)
-            for i in self._admission_order:
+            for i in self._admission_order if self._admit_now() else ():
                 if self._slot[i] is None and self._queue:
                     if self.page_size is not None and not self._admit_pages(i, self._queue[0]):
                         break  # first come, first served: wait for pages
@@ -683,28 +701,24 @@ class Engine:
             busy = any(r is not None for r in self._slot)
         ended = [Emit(r, [], [], r.handle.cancel_reason) for r in cancelled_queued + cancelled]
         self._release([r.slot for r in freed if r.running])
-        if not busy and self._inflight is None:
+        if not busy and not self._inflight:
             self._run_ops()
             self._emitter.submit(ended, time.perf_counter())
             return bool(ended or stopped)
         t1 = time.perf_counter()
         self._prefill_step()
         self.metrics.count("prefill_seconds", n=time.perf_counter() - t1)
-        previous, launch = self._inflight, self._prepare_rounds()
-        # The step's programs are launched before the previous dispatch is read back, beside it if they can.
-        work = self._run_ops if launch is None else functools.partial(self._launch_rounds, *launch)
-        launch = work() if self._launcher is None else self._launcher.submit(work)
-        try:
-            items = ended
-            if previous is not None:
-                items += self._read_back(*previous)
-            t1 = time.perf_counter()
-            self._emitter.submit(items, t1)
-            self.metrics.count("emit_seconds", n=time.perf_counter() - t1)
-        finally:  # (the launch is never left running past the step)
-            if isinstance(launch, concurrent.futures.Future):
-                launch = launch.result()
-        self._inflight = launch
+        # The step's programs are launched before the dispatches before are read back, beside them
+        # if they can; the step does not wait for them (the next step's launch queues behind them).
+        # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
+        previous = len(self._inflight)
+        self._submit_launch(self._prepare_rounds())
+        items = ended
+        for _ in range(previous):
+            items += self._read_back(*self._inflight.popleft())
+        t1 = time.perf_counter()
+        self._emitter.submit(items, t1)
+        self.metrics.count("emit_seconds", n=time.perf_counter() - t1)
         self.metrics.count("engine_steps")
         if self.page_size is not None:
             self.metrics.set_pages(self._pool.stats())
@@ -715,11 +729,15 @@ class Engine:
         return True
 
     def drain(self) -> None:
-        """Read back the rounds dispatched last (if any): afterwards every committed token has
-        reached its stream."""
-        previous, self._inflight = self._inflight, None
-        if previous is not None:
-            self._emitter.submit(self._read_back(*previous), time.perf_counter())
+        """Read back the dispatches in flight (if any): afterwards every committed token has
+        reached its stream and no launch is running."""
+        while self._inflight:
+            self._emitter.submit(self._read_back(*self._inflight.popleft()), time.perf_counter())
+
+    def _settle(self) -> None:
+        """Wait until no launch is running (the launcher alone touches ``_state`` meanwhile);
+        launches that failed count as done (their dispatch's read-back raises)."""
+        concurrent.futures.wait([f for f, _, _ in self._inflight])
 
     def _rows(self, slots: list[int], n: int | None = None) -> np.ndarray:
         """Slot indices padded to ``n`` (default: a power of two) by repeating the first (with
@@ -824,34 +842,58 @@ class Engine:
         return snapshot, None
 
     def _run_ops(self) -> None:
-        """Launch the queued programs on the state (``_ops``), in order."""
+        """Launch the queued programs on the state (``_ops``) on this thread, in order, once no
+        launch is running."""
+        self._settle()
         ops, self._ops = self._ops, []
+        self._launch_rounds(ops, None)
+
+    def _submit_launch(self, rounds) -> None:
+        """Hand the step's queued programs (``_ops``) and, given ``_prepare_rounds``'s
+        ``(snapshot, auto budget)``, its rounds to the launcher (in the engine thread with several
+        processes); a dispatch with rounds joins ``_inflight``."""
+        ops, self._ops = self._ops, []
+        if rounds is None and not ops:
+            return
+        snapshot, auto_budget = rounds if rounds is not None else (None, None)
+        plan = None if rounds is None else self.plan if auto_budget is None else self._auto_plans[auto_budget]
+        if self._launcher is not None:
+            future = self._launcher.submit(self._launch_rounds, ops, plan)
+        else:
+            future = concurrent.futures.Future()
+            future.set_result(self._launch_rounds(ops, plan))
+        self._inflight.append((future, snapshot, auto_budget))
+
+    def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None):
+        """Launch ``ops`` on the state, in order, then (given ``plan``) ``sync_every`` rounds of it,
+        not waiting for any, and start their harvest's copy to the host; returns the packed
+        harvest on the device (``None`` without rounds). Touches nothing but ``_state`` (and
+        metrics counters), so that it can run beside ``_read_back`` and the emitter."""
+        t0 = time.perf_counter()
         for op in ops:
             self._state = op(self._state)
-
-    def _launch_rounds(self, snapshot: list[_Request | None], auto_budget: int | None):
-        """Launch the queued programs on the state (``_run_ops``), then ``sync_every`` rounds (not
-        waiting for them), and start their harvest's copy to the host; returns the in-flight
-        ``(packed harvest on the device, the slots' requests at dispatch, the auto budget's index
-        or None)``, ``_read_back``'s arguments. Touches nothing but ``_state`` and ``_ops`` (and a
-        metrics counter), so that it can run beside ``_read_back`` and the emitter."""
-        t0 = time.perf_counter()
-        self._run_ops()
         self.metrics.count("state_ops_seconds", n=time.perf_counter() - t0)
-        plan = self.plan if auto_budget is None else self._auto_plans[auto_budget]
+        if plan is None:
+            return None
         self._state, packed = self._rounds(plan, self._state)
         if jax.process_count() == 1:
             packed.copy_to_host_async()
         self.metrics.count("launch_seconds", n=time.perf_counter() - t0)
-        return packed, snapshot, auto_budget
+        return packed
 
-    def _read_back(self, packed, snapshot: list[_Request | None], auto_budget: int | None = None) -> list[Emit]:
-        """Wait for a dispatch's harvest (one transfer) and turn it into emitter items; slots whose
-        request ended on the device are freed on the host (on the device they no longer run: their
-        finish code says why they ended until a new request's activation replaces it).
-        ``auto_budget``: the index of the budget of a ``budget="auto"`` dispatch, whose tally
-        (the harvest's last columns) goes to the chooser and the metrics."""
+    def _read_back(self, launch: concurrent.futures.Future, snapshot: list[_Request | None] | None,
+                   auto_budget: int | None = None) -> list[Emit]:
+        """Wait for a dispatch's launch and its harvest (one transfer) and turn it into emitter
+        items; slots whose request ended on the device are freed on the host (on the device they
+        no longer run: their finish code says why they ended until a new request's activation
+        replaces it). ``auto_budget``: the index of the budget of a ``budget="auto"`` dispatch,
+        whose tally (the harvest's last columns) goes to the chooser and the metrics. A dispatch
+        of programs without rounds (``snapshot`` None) only waits for its launch."""
         t0 = time.perf_counter()
+        packed = launch.result()
+        if packed is None:
+            self._waited += time.perf_counter() - t0
+            return []
         got = np.asarray(self._fetch(packed))
         self._waited += time.perf_counter() - t0
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
@@ -912,7 +954,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                self._work.wait_for(lambda: self._stopping or bool(self._queue) or self._inflight is not None
+                self._work.wait_for(lambda: self._stopping or bool(self._queue) or bool(self._inflight)
                                     or any(r is not None for r in self._slot))
                 if self._stopping:
                     return
@@ -923,7 +965,8 @@ class Engine:
                 self._fail_all(f"error: engine step failed: {type(e).__name__}: {e}")
 
     def _fail_all(self, reason: str) -> None:
-        self._inflight = None
+        self._settle()
+        self._inflight.clear()
         self._ops = []
         with self._lock:
             active = [r for r in self._slot if r is not None]
