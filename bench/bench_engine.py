@@ -165,7 +165,8 @@ def _markdown(report: dict) -> str:
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
-        lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
+        lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | "
+                     f"{r['engine_tok_s']:,.0f} | "
                      f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} "
                      f"({r['state_ops_ms_per_step']:.2f}) / {r['emit_ms_per_step']:.2f} "
@@ -210,7 +211,8 @@ def main(argv=None) -> dict:
     for method in args.methods:
         for B in args.batches:
             for page_size, group in [(p, g) for p in sizes for g in args.admit_group]:
-                log(f"{method} batch {B}{f' pages of {page_size}' if page_size else ''} admit_group {group or 'default'} ...")
+                pages = f" pages of {page_size}" if page_size else ""
+                log(f"{method} batch {B}{pages} admit_group {group or 'default'} ...")
                 report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size, group or None))
                 if not args.smoke:  # after every case: a run cut short keeps what it measured
                     os.makedirs(args.out, exist_ok=True)

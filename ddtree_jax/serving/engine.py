@@ -37,7 +37,6 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
