@@ -30,7 +30,9 @@ round hides behind a large target's round.
 With ``--paged on`` (or ``both``: each case twice) ``generate()`` and the engine run on paged caches
 of ``--page-size`` positions per page (``EngineConfig.page_size``: a pool of the slots' memory).
 
-Every shape runs once untimed first (compilation). The engine's greedy tokens are checked against
+With ``--repeats N`` both are timed N times, in turn, and the median passes are reported, with
+the range of engine / generate over every pairing of passes in brackets. Every shape runs once
+untimed first (compilation). The engine's greedy tokens are checked against
 ``generate()``'s. Writes ``bench/results/engine_<device>_<date>.{json,md}`` with the command (and
 ``XLA_FLAGS`` when set).
 """
@@ -126,8 +128,6 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
     warm = prompts[: min(B, n)]
     _generate(target, drafter, warm, B, method, budget, args.new, page_size)  # compile
-    g_s, g_tokens, g_rounds = _generate(target, drafter, prompts, B, method, budget, args.new, page_size)
-
     config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
@@ -135,11 +135,16 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     eng.warmup()
     eng.start()
+    gens, runs = [], []
     try:
         _engine_run(eng, prompts, args.new)  # the same workload untimed first: its admission shapes compile
-        e = _engine_run(eng, prompts, args.new)
+        for _ in range(args.repeats):  # generate() and the engine in turn, so that drifts hit both
+            gens.append(_generate(target, drafter, prompts, B, method, budget, args.new, page_size))
+            runs.append(_engine_run(eng, prompts, args.new))
     finally:
         eng.stop()
+    g_s, g_tokens, g_rounds = sorted(gens, key=lambda g: g[0])[len(gens) // 2]  # the median passes
+    e = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     launch_ms = _launch_ms(eng)
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
@@ -149,10 +154,17 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
                **{k: e[k] for k in e if k.endswith("_ms_per_step")},
-               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms,
+               generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms, repeats=args.repeats,
+               ratio_range=[min(g[0] for g in gens) / max(r["seconds"] for r in runs),
+                            max(g[0] for g in gens) / min(r["seconds"] for r in runs)],
                greedy_equal=f"{same}/{n}")
     log(json.dumps(row))
     return row
+
+
+def _range(row: dict) -> str:
+    lo, hi = row.get("ratio_range", (0, 0))
+    return f" ({lo:.2f}-{hi:.2f})" if row.get("repeats", 1) > 1 else ""
 
 
 def _markdown(report: dict) -> str:
@@ -166,8 +178,8 @@ def _markdown(report: dict) -> str:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | "
-                     f"{r['engine_tok_s']:,.0f} | "
-                     f"{r['engine_over_generate']:.2f}x | {r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
+                     f"{r['engine_tok_s']:,.0f} | {r['engine_over_generate']:.2f}x{_range(r)} | "
+                     f"{r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} "
                      f"({r['state_ops_ms_per_step']:.2f}) / {r['emit_ms_per_step']:.2f} "
                      f"| {r['launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
@@ -189,6 +201,8 @@ def main(argv=None) -> dict:
                     help="paged caches (--page-size; generate() and the engine alike), contiguous ones, or both "
                          "in turn for each case")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes of generate() and of the engine, in turn; the medians are reported")
     ap.add_argument("--admit-group", type=int, nargs="+", default=[0], metavar="N",
                     help="the engine's admit_group (each in turn; 0: the engine's default, slots / 8)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
