@@ -9,7 +9,9 @@ server, for autoregressive decoding, linear DFlash and DDTree in one run.
 For each method a server (``python -m ddtree_jax.serving.cli``) starts on 127.0.0.1, compiles
 (warm-up), then for each concurrency level ``c`` it serves ``--requests-per-level`` (default
 ``4c``, at least 8) streaming ``/v1/completions`` requests with ``c`` in flight at a time (prompts
-from a fixed list, ``ignore_eos`` so every request makes ``--max-tokens`` tokens). Per level:
+from a fixed list, ``ignore_eos`` so every request makes ``--max-tokens`` tokens), from
+``min(--client-processes, c)`` client processes (one Python client cannot parse the events of 64
+fast streams). Per level:
 output tokens/s over the level's wall time, requests/s, TTFT (request sent -> first text) and
 inter-token latency ((last text - first text) / (tokens - 1), per request) as p50/p90/p99, and the
 mean acceptance length the server reports. Greedy by default (``--temperature``).
@@ -169,7 +171,9 @@ async def _one(client, base: str, body: dict) -> dict:
                 tau=usage["speculative"]["mean_acceptance_length"], chunks=chunks)
 
 
-async def _level(base: str, concurrency: int, n: int, args) -> dict:
+async def _requests(base: str, concurrency: int, indices: list[int], max_tokens: int,
+                    temperature: float) -> list[dict]:
+    """The requests ``indices`` (prompts and seeds by index), ``concurrency`` in flight at a time."""
     import httpx
 
     sem = asyncio.Semaphore(concurrency)
@@ -178,22 +182,58 @@ async def _level(base: str, concurrency: int, n: int, args) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def run(i):
             async with sem:
-                body = dict(model="bench", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=args.max_tokens,
-                            temperature=args.temperature, stream=True, ignore_eos=True,
+                body = dict(model="bench", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
+                            temperature=temperature, stream=True, ignore_eos=True,
                             stream_options={"include_usage": True})
-                if args.temperature > 0:
+                if temperature > 0:
                     body["seed"] = i
                 return await _one(client, base, body)
 
+        return await asyncio.gather(*(run(i) for i in indices))
+
+
+def _client_process(base, concurrency, indices, max_tokens, temperature, barrier, out) -> None:
+    """One client process: imports, waits for the others at ``barrier``, runs its share, and puts
+    its results on ``out``."""
+    import httpx  # noqa: F401  (imported before the barrier: not part of the timed level)
+
+    barrier.wait()
+    out.put(asyncio.run(_requests(base, concurrency, indices, max_tokens, temperature)))
+
+
+def _level(base: str, concurrency: int, n: int, args, max_tokens: int | None = None) -> dict:
+    """``n`` requests with ``concurrency`` in flight, from ``min(--client-processes, concurrency)``
+    client processes (each ``concurrency / K`` in flight, every K-th request): one Python client
+    process parses too few server-sent events per second to keep up with the engine at 64 streams."""
+    max_tokens = max_tokens or args.max_tokens
+    K = max(1, min(args.client_processes, concurrency))
+    if K == 1:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(run(i) for i in range(n)))
+        results = asyncio.run(_requests(base, concurrency, list(range(n)), max_tokens, args.temperature))
         wall = time.perf_counter() - t0
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        barrier, out = ctx.Barrier(K + 1), ctx.Queue()
+        procs = [ctx.Process(target=_client_process, daemon=True,
+                             args=(base, concurrency // K + (k < concurrency % K), list(range(k, n, K)), max_tokens,
+                                   args.temperature, barrier, out)) for k in range(K)]
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=120)
+        t0 = time.perf_counter()
+        results = [r for _ in procs for r in out.get(timeout=3600)]
+        wall = time.perf_counter() - t0
+        for p in procs:
+            p.join()
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
     ttft = [r["ttft"] for r in results]
     itl = [r["itl"] for r in results if r["itl"] is not None]
     tokens = sum(r["tokens"] for r in results)
-    return dict(concurrency=concurrency, requests=n, wall_s=wall, output_tokens=tokens, tokens_per_s=tokens / wall,
-                requests_per_s=n / wall, ttft_ms={f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
+    return dict(concurrency=concurrency, requests=n, client_processes=K, wall_s=wall, output_tokens=tokens,
+                tokens_per_s=tokens / wall, requests_per_s=n / wall,
+                ttft_ms={f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
                 itl_ms={f"p{q}": pct(itl, q) for q in (50, 90, 99)},
                 e2e_ms_p50=pct([r["e2e"] for r in results], 50), mean_tau=float(np.mean([r["tau"] for r in results])))
 
@@ -216,7 +256,8 @@ def _markdown(report: dict) -> str:
                          f"{r['requests_per_s']:.2f} | {t['p50']:.1f} / {t['p90']:.1f} / {t['p99']:.1f} | "
                          f"{i['p50']:.2f} / {i['p90']:.2f} / {i['p99']:.2f} | {r['e2e_ms_p50']:.0f} | "
                          f"{r['mean_tau']:.2f} |")
-    lines += ["", "tok/s: output tokens over the level's wall time (all requests, `concurrency` in flight). "
+    lines += ["", "tok/s: output tokens over the level's wall time (all requests, `concurrency` in flight, "
+              f"from up to {report.get('client_processes', 1)} client processes). "
               "TTFT: request sent -> first text. ITL: (last text - first text) / (tokens - 1) per request. "
               "tau: mean acceptance length (tokens per target pass) the server reports in `usage`."]
     if report.get("in_process"):
@@ -233,7 +274,8 @@ def _in_process(args) -> list[dict]:
     path = os.path.join(tempfile.mkdtemp(prefix="bench_engine_"), "engine.json")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_engine.py"), "--smoke" if args.smoke else "--default",
            "--batches", str(args.slots), "--methods", *methods, "--budget", str(args.budget),
-           "--new", str(args.max_tokens), "--out", os.path.dirname(path), "--json", path]
+           "--new", str(args.max_tokens), "--repeats", str(args.repeats), "--out", os.path.dirname(path),
+           "--json", path]
     print(f"[bench_serving] in process: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     with open(path) as f:
@@ -286,6 +328,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--in-process", action="store_true",
                     help="also generate() and the in-process engine at --slots (bench_engine.py, first)")
     ap.add_argument("--startup-timeout", type=float, default=1800)
+    ap.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                    help="client processes a level's streams are spread over (default: half the CPUs, at most 8)")
+    ap.add_argument("--repeats", type=int, default=1, help="--in-process: bench_engine.py's --repeats")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args(argv)
     small = args.smoke
@@ -328,8 +373,8 @@ def main(argv=None) -> dict:
             for c in args.concurrency:
                 n = args.requests_per_level or max(8 if not small else 4, 4 * c)
                 # Untimed pass first: whatever this level's batch shapes compile happens here.
-                asyncio.run(_level(server.base, c, c, argparse.Namespace(**{**vars(args), "max_tokens": 4})))
-                r = asyncio.run(_level(server.base, c, n, args))
+                _level(server.base, c, c, args, max_tokens=4)
+                r = _level(server.base, c, n, args)
                 results[name].append(r)
                 print(f"[bench_serving] {name} c={c}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 "
                       f"{r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms, tau {r['mean_tau']:.2f}",
@@ -346,6 +391,7 @@ def main(argv=None) -> dict:
                   host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
                   max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
                   engine_process=args.engine_process, paged=args.paged, page_size=args.page_size,
+                  client_processes=args.client_processes,
                   mesh=args.mesh, smoke=small, results=results, in_process=in_process)
     os.makedirs(args.out, exist_ok=True)
     tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if small else "")
