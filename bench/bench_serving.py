@@ -300,6 +300,30 @@ def _in_process_markdown(report: dict) -> list[str]:
     return lines
 
 
+def _write(args, health: dict, models: str, results: dict, in_process) -> dict:
+    """Write the report so far (after every server: a run cut short keeps what it measured)."""
+    import jax
+
+    date = datetime.date.today().strftime("%Y%m%d")
+    device = health.get("device", "unknown")
+    report = dict(device=device, platform=health.get("platform"), devices=health.get("devices"), date=date,
+                  command="python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                  host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
+                  max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
+                  engine_process=args.engine_process, paged=args.paged, page_size=args.page_size,
+                  client_processes=args.client_processes,
+                  mesh=args.mesh, smoke=args.smoke, results=results, in_process=in_process)
+    os.makedirs(args.out, exist_ok=True)
+    tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if args.smoke else "")
+    stem = os.path.join(args.out, f"serving_{tag}_{date}")
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(_markdown(report))
+    report["stem"] = stem
+    return report
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target")
@@ -381,26 +405,11 @@ def main(argv=None) -> dict:
                       flush=True)
         finally:
             server.close()
+        if results.get(name):
+            _write(args, health, models, results, in_process)
 
-    import jax
-
-    date = datetime.date.today().strftime("%Y%m%d")
-    device = health.get("device", "unknown")
-    report = dict(device=device, platform=health.get("platform"), devices=health.get("devices"), date=date,
-                  command="python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                  host=platform.node(), jax=jax.__version__, models=models, slots=args.slots, budget=args.budget,
-                  max_tokens=args.max_tokens, temperature=args.temperature, sync_every=args.sync_every,
-                  engine_process=args.engine_process, paged=args.paged, page_size=args.page_size,
-                  client_processes=args.client_processes,
-                  mesh=args.mesh, smoke=small, results=results, in_process=in_process)
-    os.makedirs(args.out, exist_ok=True)
-    tag = "".join(ch if ch.isalnum() else "_" for ch in device.lower()).strip("_") + ("_smoke" if small else "")
-    stem = os.path.join(args.out, f"serving_{tag}_{date}")
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(_markdown(report))
-    print(f"[bench_serving] wrote {stem}.md / .json", flush=True)
+    report = _write(args, health, models, results, in_process)
+    print(f"[bench_serving] wrote {report.pop('stem')}.md / .json", flush=True)
     return report
 
 
