@@ -16,7 +16,10 @@ step (``step()``)
     the host's work runs while the device computes the rounds just dispatched. The programs (a)
     to (c) run on the state are queued in order on the engine thread (``_ops``) and launched,
     with the rounds, from a launcher thread beside the read-back (``_launch_rounds``): a launch is
-    host work too. Admission and retirement take effect at the next round boundary.
+    host work too, and the step does not wait for it (the next step's launch queues behind it).
+    Admission and retirement take effect at the next round boundary; under load, free slots wait
+    for a group of newcomers (``admit_group``, at most ``admit_wait`` steps) so that one prefill
+    serves several.
 
 A request's random stream depends on its seed (or, unseeded, a global request counter), never
 on its slot or its neighbours, and greedy requests give exactly ``generate()``'s tokens whatever
