@@ -853,7 +853,8 @@ class Engine:
     def _submit_launch(self, rounds) -> None:
         """Hand the step's queued programs (``_ops``) and, given ``_prepare_rounds``'s
         ``(snapshot, auto budget)``, its rounds to the launcher (in the engine thread with several
-        processes); a dispatch with rounds joins ``_inflight``."""
+        processes); the launch joins ``_inflight`` (without rounds, with no snapshot: its read-back
+        only waits for it)."""
         ops, self._ops = self._ops, []
         if rounds is None and not ops:
             return
