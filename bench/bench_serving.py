@@ -300,8 +300,9 @@ def _in_process_markdown(report: dict) -> list[str]:
     return lines
 
 
-def _write(args, health: dict, models: str, results: dict, in_process) -> dict:
-    """Write the report so far (after every server: a run cut short keeps what it measured)."""
+def _write(args, health: dict, models: str, results: dict, in_process) -> tuple[dict, str]:
+    """Write the report so far (after every server: a run cut short keeps what it measured);
+    returns it and the files' path without the extension."""
     import jax
 
     date = datetime.date.today().strftime("%Y%m%d")
@@ -320,8 +321,7 @@ def _write(args, health: dict, models: str, results: dict, in_process) -> dict:
         json.dump(report, f, indent=2)
     with open(stem + ".md", "w") as f:
         f.write(_markdown(report))
-    report["stem"] = stem
-    return report
+    return report, stem
 
 
 def main(argv=None) -> dict:
@@ -408,8 +408,8 @@ def main(argv=None) -> dict:
         if results.get(name):
             _write(args, health, models, results, in_process)
 
-    report = _write(args, health, models, results, in_process)
-    print(f"[bench_serving] wrote {report.pop('stem')}.md / .json", flush=True)
+    report, stem = _write(args, health, models, results, in_process)
+    print(f"[bench_serving] wrote {stem}.md / .json", flush=True)
     return report
 
 
