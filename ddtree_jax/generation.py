@@ -148,9 +148,8 @@ class GenerateOutput:
 
 _GREEDY = SamplingParams(temperature=0.0)
 # generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner (with
-# budget="auto" the budget is chosen per sync, so fewer rounds per sync)
+# budget="auto" the budget is chosen once per sync; docs/auto-budget.md: why 8 there too)
 _SYNC_EVERY = 8
-_AUTO_SYNC_EVERY = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +273,8 @@ def generate(
         index, round)`` (``ddtree_jax.rng``), so a seeded request's output does not depend on the
         batch.
       max_len: cache size per request; default: just what this call needs.
-      sync_every: rounds run on the device between host checks for completion (default 8; 4
-        with ``budget="auto"``, whose budget is chosen on the host once per such chunk).
+      sync_every: rounds run on the device between host checks for completion (default 8; with
+        ``budget="auto"`` the budget is chosen on the host once per such chunk).
       profile: time each stage separately (see ``GenerateOutput.time_split``).
       compact: re-pack the running requests into a smaller batch once at most half are running.
       impl: tree builder, sampler and walk: ``"auto"`` (default: Pallas kernels on GPU and TPU,
@@ -310,7 +309,7 @@ def generate(
     if decode.is_auto and profile:
         raise ValueError("generate: profile=True times the stages of one fixed budget; not with budget='auto'")
     method = decode.method
-    sync_every = decode.sync_every or (_AUTO_SYNC_EVERY if decode.is_auto else _SYNC_EVERY)
+    sync_every = decode.sync_every or _SYNC_EVERY
     backend = resolve_backend(decode.impl)
     B = len(checked.prompts)
     sampling_batch = batch_sampling(sampling, B)
@@ -439,6 +438,12 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
         return state, decode.auto_costs
+    key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
+                              per_call=sync_every, budgets=plans[-1].expected_budgets)
+    table = auto_costs.default_table()
+    known = table.get(key)
+    if known is not None:  # (no copies of the rows' fields: a lookup costs nothing on the device)
+        return state, known
     saved = _row_fields(state)
     room = state.generated + max_len - scratch - 1 - state.target_cache.lengths
     timing = dict(saved, stop_ids=jnp.full_like(state.stop_ids, NO_STOP),
@@ -453,9 +458,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
         work[0] = _put_row_fields(work[0], timing)
         return work[0]
 
-    key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
-                              per_call=sync_every, budgets=plans[-1].expected_budgets)
-    costs = auto_costs.default_table().get_or_measure(key, run, per_call=sync_every, before=before)
+    costs = table.get_or_measure(key, run, per_call=sync_every, before=before)
     return _put_row_fields(work[0], saved), costs
 
 
