@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from ddtree_jax import _preflight, auto_costs
+from ddtree_jax import _preflight, auto_costs, generation
 from ddtree_jax.auto_budget import DECAY, AutoChooser, AutoPlan, calibrated, choose_budget, expected_tokens
 from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
 from ddtree_jax.generation import generate
@@ -209,7 +209,8 @@ GREEDY_PROMPTS, GREEDY_TOKENS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]], 8
 LAW_PROMPT, LAW_N = [1, 5, 2], 3000
 LAW_SETTINGS = [dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
                 dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.1)]
-AUTO = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.7, 5.0), auto_probe_every=2, seed=11)
+AUTO = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.7, 5.0), auto_probe_every=2, seed=11,
+                    sync_every=2)  # several choices within the few rounds of the test
 
 
 @pytest.fixture(scope="module")
@@ -283,15 +284,21 @@ def _stored(table: auto_costs.CostTable) -> dict:
 
 def test_generate_times_its_costs_on_running_rows_and_puts_them_back(law_models, greedy_ar, tmp_path, monkeypatch):
     """Without injected costs, generate times each budget's compiled rounds on its own rows, then
-    decodes them from where they were: greedy equality with autoregressive decoding."""
+    decodes them from where they were: greedy equality with autoregressive decoding; a second
+    call reads the stored costs and touches no row to do so."""
     table = auto_costs.CostTable(str(tmp_path))
     monkeypatch.setattr(auto_costs, "_default", table)
     config = DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
     stored = _stored(table)
-    assert (stored["key"]["rows"], stored["key"]["per_call"], stored["key"]["budgets"]) == (3, 4, [0, 4])
+    assert (stored["key"]["rows"], stored["key"]["per_call"], stored["key"]["budgets"]) == (3, 8, [0, 4])
     assert out.auto.costs == {3: tuple(stored["costs"])} and all(c > 0 for c in stored["costs"])
+    # A second call finds the costs in the table: it neither times nor copies the rows' fields.
+    monkeypatch.setattr(auto_costs, "measure", lambda *a, **k: pytest.fail("timed costs the table holds"))
+    monkeypatch.setattr(generation, "_row_fields", lambda *a, **k: pytest.fail("copied the rows for a table hit"))
+    again = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert again.tokens == greedy_ar.tokens and again.auto.costs == out.auto.costs
 
 
 def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar, tmp_path, monkeypatch):
