@@ -8,7 +8,8 @@
 For each batch size (``--batches``: that many held-out prompts of ``--prompt-len`` tokens decoded
 together, ``--new`` tokens each, stop tokens ignored) and each sampling setting (T=0, T=0.6 +
 top-p 0.95, T=1): tokens/s of the decoding rounds (prefill excluded; a warm-up call with the same
-shapes compiles first, and for ``auto`` measures or loads the cost table) of ``ar``, DDTree at each
+shapes compiles first, and for ``auto`` measures or loads the cost table; then ``--repeats``
+timed calls per run, interleaved across the runs of the cell, and their median) of ``ar``, DDTree at each
 ``--budgets`` and ``auto`` (``DecodeConfig(budget="auto", auto_max_budget=--auto-max)``), the
 ratio of each to ``ar``, and for ``auto``: its ratio to the best fixed budget of the cell, the
 per-round budget histogram, expected vs realized tokens, and the cost table it used (seconds per
@@ -56,21 +57,35 @@ def _config(label: str, auto_max: int, seed: int) -> DecodeConfig:
     return DecodeConfig(budget=int(label.split("@")[1]), seed=seed)
 
 
-def run_one(target, drafter, prompts, label, setting, new, auto_max, seed):
-    """Warm-up call (compiles; auto: the cost table), then the timed call; returns the record."""
-    config = _config(label, auto_max, seed)
-    kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
-    models = (target, drafter if config.uses_drafter else None)
-    generate(*models, prompts, **kw)
-    out = generate(*models, prompts, **kw)
-    rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
-               rounds=out.rounds, tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes)
-    if out.auto is not None:
-        a = out.auto
-        rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
-                   expected=sum(a.expected), realized=sum(a.realized),
-                   costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()})
-    return rec
+def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats):
+    """One cell: a warm-up call per label (compiles; auto: the cost table), then ``repeats`` timed
+    calls per label, interleaved across labels (a slow stretch of the device hits every label
+    alike); returns one record per label, from its median call by tokens/s."""
+    calls = {}
+    for label in labels:
+        config = _config(label, auto_max, seed)
+        kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
+        models = (target, drafter if config.uses_drafter else None)
+        calls[label] = lambda models=models, kw=kw: generate(*models, prompts, **kw)
+        calls[label]()
+    outs = {label: [] for label in labels}
+    for _ in range(repeats):
+        for label in labels:
+            outs[label].append(calls[label]())
+    recs = []
+    for label in labels:
+        runs = sorted(outs[label], key=lambda o: o.new_tokens / o.seconds)
+        out = runs[len(runs) // 2]
+        rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
+                   tokens_per_s_runs=[o.new_tokens / o.seconds for o in outs[label]], rounds=out.rounds,
+                   tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes)
+        if out.auto is not None:
+            a = out.auto
+            rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
+                       expected=sum(a.expected), realized=sum(a.realized),
+                       costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()})
+        recs.append(rec)
+    return recs
 
 
 def summarize(results: dict) -> str:
@@ -142,6 +157,7 @@ def main(argv=None):
     p.add_argument("--tag", default=None, help="results file stem (default auto_budget_<device>_<date>)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per label and cell (the median is reported)")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help="JAX's on-disk cache of compiled programs (and the cost tables beside it)")
     args = p.parse_args(argv)
@@ -200,21 +216,22 @@ def main(argv=None):
             prompts, _ = heldout_prompts(data_json, tokenizer, batch, args.prompt_len, args.new,
                                          target.config.vocab_size, args.seed)
             for setting in args.settings:
-                for label in labels:
-                    if (level, batch, setting, label) in done:
-                        continue
-                    if time.perf_counter() - t_start > args.minutes * 60:
-                        stopped = True
-                        break
-                    t0 = time.perf_counter()
-                    rec = run_one(target, drafter, prompts, label, setting, args.new, args.auto_max, args.seed)
+                todo = [label for label in labels if (level, batch, setting, label) not in done]
+                if not todo:
+                    continue
+                if time.perf_counter() - t_start > args.minutes * 60:
+                    stopped = True
+                    break
+                t0 = time.perf_counter()
+                for rec in run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed,
+                                    args.repeats):
                     rec.update(acceptance=level, batch=batch, setting=setting)
                     results["runs"].append(rec)
-                    save()
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
-                    _log(f"{level + ' ' if level else ''}batch {batch} {setting} {label}: "
-                         f"{rec['tokens_per_s']:.1f} tok/s, tau {rec['tau']:.2f}{extra} "
-                         f"({time.perf_counter() - t0:.0f}s incl. compile)")
+                    _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "
+                         f"{rec['tokens_per_s']:.1f} tok/s (median of {args.repeats}), tau {rec['tau']:.2f}{extra}")
+                save()
+                _log(f"cell done in {time.perf_counter() - t0:.0f}s incl. compile")
     save()
     print(summarize(results))
     _log(f"{'stopped by --minutes; --resume continues. ' if stopped else ''}wrote {stem}.json and {stem}.md")
