@@ -57,27 +57,38 @@ def _config(label: str, auto_max: int, seed: int) -> DecodeConfig:
     return DecodeConfig(budget=int(label.split("@")[1]), seed=seed)
 
 
-def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats):
-    """One cell: a warm-up call per label (compiles; auto: the cost table), then ``repeats`` timed
-    calls per label, interleaved across labels (a slow stretch of the device hits every label
-    alike); returns one record per label, from its median call by tokens/s."""
-    calls = {}
+def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats, deadline, publish):
+    """One cell: per label a warm-up call (compiles; auto: the cost table) and a first timed call,
+    then ``repeats - 1`` more timed calls per label, interleaved across labels (a slow stretch of
+    the device hits every label alike), while ``time.perf_counter() < deadline``. After every
+    timed pass ``publish(records)`` gets one record per label timed so far, from its median call
+    by tokens/s, so that a run cut short keeps what it measured."""
+    calls, outs = {}, {}
     for label in labels:
+        if time.perf_counter() > deadline:
+            break
         config = _config(label, auto_max, seed)
         kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
         models = (target, drafter if config.uses_drafter else None)
         calls[label] = lambda models=models, kw=kw: generate(*models, prompts, **kw)
         calls[label]()
-    outs = {label: [] for label in labels}
-    for _ in range(repeats):
-        for label in labels:
+        outs[label] = [calls[label]()]
+        _log(f"  {label}: compiled and timed once")
+        publish(_records(outs))
+    for _ in range(repeats - 1):
+        if time.perf_counter() > deadline:
+            break
+        for label in outs:
             outs[label].append(calls[label]())
+        publish(_records(outs))
+
+
+def _records(outs: dict) -> list[dict]:
     recs = []
-    for label in labels:
-        runs = sorted(outs[label], key=lambda o: o.new_tokens / o.seconds)
-        out = runs[len(runs) // 2]
+    for label, calls in outs.items():
+        out = sorted(calls, key=lambda o: o.new_tokens / o.seconds)[len(calls) // 2]
         rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
-                   tokens_per_s_runs=[o.new_tokens / o.seconds for o in outs[label]], rounds=out.rounds,
+                   tokens_per_s_runs=[o.new_tokens / o.seconds for o in calls], rounds=out.rounds,
                    tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes)
         if out.auto is not None:
             a = out.auto
@@ -223,15 +234,23 @@ def main(argv=None):
                     stopped = True
                     break
                 t0 = time.perf_counter()
-                for rec in run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed,
-                                    args.repeats):
-                    rec.update(acceptance=level, batch=batch, setting=setting)
-                    results["runs"].append(rec)
+                kept = list(results["runs"])
+
+                def publish(recs, kept=kept, level=level, batch=batch, setting=setting):
+                    for rec in recs:
+                        rec.update(acceptance=level, batch=batch, setting=setting)
+                    results["runs"] = kept + recs
+                    save()
+
+                run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed, args.repeats,
+                         t_start + args.minutes * 60, publish)
+                for rec in results["runs"][len(kept):]:
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
                     _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "
-                         f"{rec['tokens_per_s']:.1f} tok/s (median of {args.repeats}), tau {rec['tau']:.2f}{extra}")
-                save()
+                         f"{rec['tokens_per_s']:.1f} tok/s (median of {len(rec['tokens_per_s_runs'])}), "
+                         f"tau {rec['tau']:.2f}{extra}")
                 _log(f"cell done in {time.perf_counter() - t0:.0f}s incl. compile")
+                stopped = stopped or time.perf_counter() - t_start > args.minutes * 60
     save()
     print(summarize(results))
     _log(f"{'stopped by --minutes; --resume continues. ' if stopped else ''}wrote {stem}.json and {stem}.md")
