@@ -17,7 +17,9 @@ inter-token latency ((last text - first text) / (tokens - 1), per request) as p5
 mean acceptance length the server reports. Greedy by default (``--temperature``).
 ``--engine-process on`` starts the servers with ``serve --engine-process`` (the engine in a
 process of its own); ``both`` runs every method twice, one process and two, the two-process rows
-named ``<method>+engine-process``. ``--in-process`` (with ``--default`` or ``--smoke``) first runs
+named ``<method>+engine-process``. ``--api-servers N ...`` starts a server per value with that
+many HTTP front-end processes (``serve --api-servers``; rows ``...+<N>fe`` for N > 1).
+``--in-process`` (with ``--default`` or ``--smoke``) first runs
 ``bench_engine.py`` at a batch of ``--slots`` in a process of its own (``generate()`` and the
 in-process engine, greedy, its random prompts of 64 tokens) and reports the servers' tokens/s at
 ``--slots`` streams beside them: each layer of the stack in one run (with ``--smoke`` only a
@@ -99,7 +101,7 @@ class Server:
     """``python -m ddtree_jax.serving.cli`` as a subprocess on a free 127.0.0.1 port."""
 
     def __init__(self, paths: dict, method: str, args, log_dir: str, engine_process: bool = False,
-                 paged: bool = False):
+                 paged: bool = False, api_servers: int = 1):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "ddtree_jax.serving.cli", "--target", paths["target"], "--tokenizer",
@@ -111,13 +113,15 @@ class Server:
             cmd += ["--drafter", paths["drafter"]]
         if engine_process:
             cmd += ["--engine-process"]
+        if api_servers > 1:
+            cmd += ["--api-servers", str(api_servers)]
         if paged:
             cmd += ["--page-size", str(args.page_size)]
         for flag in ("max_model_len", "mesh", "dtype"):
             if getattr(args, flag):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         self.log_path = os.path.join(log_dir, f"server_{method}{'_two_process' if engine_process else ''}"
-                                              f"{'_paged' if paged else ''}.log")
+                                              f"{'_paged' if paged else ''}_fe{api_servers}.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)  # -m: ROOT's package
 
@@ -345,6 +349,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--engine-process", choices=("off", "on", "both"), default="off",
                     help="serve --engine-process: the engine in a process of its own (both: each method twice)")
+    ap.add_argument("--api-servers", type=int, nargs="+", default=[1],
+                    help="serve --api-servers: HTTP front-end processes (each value its own server; > 1 runs "
+                         "the engine in a process of its own, rows named <method>+engine-process+<N>fe)")
     ap.add_argument("--paged", choices=("off", "on", "both"), default="off",
                     help="the server with paged caches (--page-size; a pool of --slots full-length slots' worth), "
                          "the contiguous one, or both in turn (same levels)")
@@ -384,10 +391,12 @@ def main(argv=None) -> dict:
     in_process = _in_process(args) if args.in_process else None
     results, health = {}, {}
     split = {"off": [False], "on": [True], "both": [False, True]}
-    for method, two, paged in [(m, two, pg) for m in args.methods for two in split[args.engine_process]
-                               for pg in split[args.paged]]:
-        server = Server(paths, method, args, workdir, engine_process=two, paged=paged)
-        name = method + ("+engine-process" if two else "") + (f"+paged{args.page_size}" if paged else "")
+    variants = [(m, two or fe > 1, pg, fe) for m in args.methods for two in split[args.engine_process]
+                for pg in split[args.paged] for fe in args.api_servers]
+    for method, two, paged, fe in dict.fromkeys(variants):
+        server = Server(paths, method, args, workdir, engine_process=two, paged=paged, api_servers=fe)
+        name = method + ("+engine-process" if two else "") + (f"+paged{args.page_size}" if paged else "") + \
+            (f"+{fe}fe" if fe > 1 else "")
         try:
             t0 = time.perf_counter()
             health = server.wait(args.startup_timeout)

@@ -117,6 +117,7 @@ BAD_INPUTS = {
     "pool size without pages": (["--kv-cache-memory", "1GiB"], ["--kv-cache-memory", "needs --page-size"]),
     "pool size in no unit": (["--page-size", "16", "--kv-cache-memory", "3parsecs"],
                              ["--kv-cache-memory", "12GiB"]),
+    "no front end": (["--api-servers", "0"], ["--api-servers 0", ">= 1"]),
 }
 
 

@@ -891,3 +891,54 @@ def test_two_process_sigterm_drains_and_the_engine_process_exits(paths, cache_di
     while not _gone(pid):
         assert time.monotonic() < deadline, f"engine process {pid} outlived the server"
         time.sleep(0.1)
+
+
+def test_several_front_ends_share_the_port_and_drain_together(paths, cache_dir, server):
+    """``--api-servers 3``: three front-end processes answer on one port (``/health`` names the one
+    that answered; new connections reach all three), greedy outputs equal the one-process
+    server's whichever front end serves them, and SIGTERM to the first front end, with a stream
+    running in every slot, lets every stream finish, then the server exits 0 and its engine and
+    front-end processes with it."""
+    s = Server(paths, _env(cache_dir), "--api-servers", "3", log_name="front_ends.log")
+    try:
+        s.wait_ready()
+        seen = set()
+        for _ in range(300):
+            seen.add(httpx.get(s.base + "/health", timeout=10).json()["front_end"])  # a new connection each
+            if len(seen) == 3:
+                break
+        assert seen == {0, 1, 2}, seen
+        bodies = [dict(prompt=p, max_tokens=n, temperature=0) for p, n in (("The quick", 12), ("Tree", 20),
+                                                                             ("0123", 7))] * 3
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda b: httpx.post(s.base + "/v1/completions", json=b, timeout=120).json(), bodies))
+        for body, two in zip(bodies, got, strict=True):
+            one = httpx.post(server + "/v1/completions", json=body, timeout=120).json()
+            assert two["choices"] == one["choices"], (body, two)
+        body = dict(prompt="ab", max_tokens=60, temperature=0, ignore_eos=True, stream=True,
+                    stream_options={"include_usage": True})
+        with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+            jobs = [pool.submit(_stream_all, s.base, body, {}) for _ in range(SLOTS)]
+            deadline = time.monotonic() + 60
+            while metrics(s.base)["ddtree_free_slots"] > 0 and not any(j.done() for j in jobs):
+                assert time.monotonic() < deadline, "the streams never filled the slots"
+                time.sleep(0.02)
+            s.proc.send_signal(signal.SIGTERM)
+            for events, done in [j.result(timeout=300) for j in jobs]:
+                _, reason, usage = check_stream(events, done)
+                assert reason == "length" and usage["completion_tokens"] == 60
+        assert s.proc.wait(timeout=120) == 0
+        output = s.output()
+        assert "Traceback" not in output, output[-3000:]
+        pids = [_engine_pid(output)] + [int(p) for p in re.search(r"front-end processes ([\d, ]+) started",
+                                                                  output).group(1).split(", ")]
+        assert len(pids) == 3
+        deadline = time.monotonic() + 30
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"processes {pids} outlived the server"
+            time.sleep(0.1)
+    except BaseException:
+        print(s.output()[-3000:])
+        raise
+    finally:
+        s.close()

@@ -21,7 +21,8 @@ listening is one line on stderr, ``<prog>: error: <option> <path>: ...``, exit s
 ``--engine-process``: the compilation cache, the models, the warm-up and the engine run in a
 spawned process of their own, the HTTP front end in this one
 (``ddtree_jax/serving/engine_process.py``); a loading error there is the same one line and exit
-status 2.
+status 2. ``--api-servers N``: N HTTP front-end processes on the one port, each with its own
+connection to the engine process (``serve_front_end``; docs/serving.md, "Several front ends").
 
 The API key: ``--api-key``, else the environment variable ``DDTREE_JAX_API_KEY`` (which keeps it
 out of the process list); without one, ``/v1/*`` is open.
@@ -124,6 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the engine (models, device steps, detokenisation) in a process of its own, the HTTP "
                         "front end in this one: they no longer share one interpreter lock (docs/serving.md, "
                         "'Two processes')")
+    p.add_argument("--api-servers", type=int, default=1, metavar="N",
+                   help="HTTP front-end processes sharing the port (N > 1 implies --engine-process): parsing, "
+                        "detokenising and server-sent events spread over N interpreters (docs/serving.md, "
+                        "'Several front ends')")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help=f"folder of JAX's persistent compilation cache, or 'off' (default: ${cc.ENV_VAR}, else "
                         f"{cc.default_dir()})")
@@ -207,6 +212,8 @@ def preflight(args) -> str:
         raise PreflightError(f"--method {args.method} needs --drafter (a DFlash drafter folder); "
                              "only --method ar runs without one")
     engine_config(args)
+    if args.api_servers < 1:
+        raise PreflightError(f"--api-servers {args.api_servers}: must be >= 1 (HTTP front-end processes)")
     if args.deterministic == "on" and args.mesh:
         raise PreflightError("--deterministic on: the fixed-order products run on one device; drop --mesh "
                              "(or --deterministic off)")
@@ -364,18 +371,50 @@ def warm_up(engine) -> None:
     _log(f"warm-up in {time.perf_counter() - t1:.1f}s ({watch.summary()})")
 
 
-def _launch_engine_process(args):
+def _launch_engine_process(args, sock):
     """``(EngineClient, model name, template, specials)``: the engine in a process of its own
-    (``ddtree_jax/serving/engine_process.py``), which loads and warms up; the tokenizer and chat
-    template load here too."""
+    (``ddtree_jax/serving/engine_process.py``), which loads and warms up, and the other
+    ``--api-servers`` front ends on ``sock``; the tokenizer and chat template load here too."""
     from ddtree_jax.serving.engine_process import EngineClient
 
     tokenizer = pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
-    engine = EngineClient.launch(args, tokenizer, log=_log)
+    engine = EngineClient.launch(args, tokenizer, log=_log, front_ends=args.api_servers, sock=sock)
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # the front end computes nothing: it never claims the device
     return (engine, served_model_name(args), *chat_template(args))
+
+
+def _api_key(args) -> str | None:
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+
+def serve_front_end(args, conn, sock, index: int, count: int) -> None:
+    """A further front-end process of ``serve --api-servers`` (spawned by the first front end,
+    ``EngineClient.launch``): the HTTP server on the shared listening socket ``sock``, through its
+    own connection ``conn`` to the engine process. It leaves the terminal's process group (the
+    first front end forwards the shutdown signal: one drain, not two) and stops once the engine
+    process has gone."""
+    import signal
+
+    os.setsid()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from ddtree_jax.serving.engine_process import EngineClient
+    from ddtree_jax.serving.server import serve
+
+    tokenizer = pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
+    try:
+        engine = EngineClient.attach(conn, tokenizer, index, count,
+                                     on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    except PreflightError as e:
+        _log(f"front end {index}: {e}")
+        return
+    template, specials = chat_template(args)
+    serve(engine, model_name=served_model_name(args), chat_template=template, specials=specials,
+          log_level=args.log_level, api_key=_api_key(args), max_request_bytes=args.max_request_bytes,
+          drain_timeout=args.drain_timeout, sock=sock)
 
 
 def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
@@ -390,9 +429,11 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
         sock = pf.bind_port(args.host, args.port)
     except PreflightError as e:
         _fail(parser, str(e))
+    if args.api_servers > 1:
+        args.engine_process = True
     try:
         if args.engine_process:  # the engine process enables the cache, loads and warms up
-            engine, name, template, specials = _launch_engine_process(args)
+            engine, name, template, specials = _launch_engine_process(args, sock)
         else:
             _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
             engine, name, template, specials = build_engine(args)
@@ -404,14 +445,17 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
     from ddtree_jax.serving.server import serve
 
     host, port = sock.getsockname()[:2]
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, "
-         f"{'engine in process ' + str(engine.pid) if args.engine_process else 'one process'}, chat template: "
+    api_key = _api_key(args)
+    split = f"engine in process {engine.pid}" if args.engine_process else "one process"
+    if args.api_servers > 1:
+        split += f", {args.api_servers} front ends"
+    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, {split}, chat template: "
          f"{'yes' if template else 'no'}, API key: {'required' if api_key else 'none'}) on http://{host}:{port} "
          f"after {time.perf_counter() - t0:.1f}s")
     serve(engine, model_name=name, host=args.host, port=port, chat_template=template, specials=specials,
           log_level=args.log_level, api_key=api_key, max_request_bytes=args.max_request_bytes,
-          drain_timeout=args.drain_timeout, sock=sock)
+          drain_timeout=args.drain_timeout, sock=sock,
+          on_signal=engine.signal_front_ends if args.api_servers > 1 else None)
     _log("stopped")
 
 

@@ -8,7 +8,17 @@ exactly as the one-process server does (``cli.build_engine``), warms up, and run
 thread with an emitter that only moves token ids (``_IdEmitter``: the latency metrics, then one
 message per step), so that the engine process's interpreter lock is left to the engine thread and
 its launcher. The two talk over one duplex ``multiprocessing`` connection; every message is a
-tuple whose first element names it:
+tuple whose first element names it.
+
+Several front ends (``serve --api-servers N``): the first front end (the process ``serve``
+started) launches the engine process with one connection per front end, then the other ``N - 1``
+front-end processes (``cli.serve_front_end``), which serve the same listening socket, each
+through its own connection; the kernel hands each new HTTP connection to one of them. A front
+end's request ids are its index modulo ``N``, so they never collide; the engine sends each front
+end the news of its own requests only. The first front end forwards its shutdown signal to the
+others and stops the engine once they have drained and exited; another front end's connection
+closing (its ``("detach",)``, or its exit) cancels that front end's requests; the engine process
+stopping ends every front end.
 
 front end -> engine
   ``("submit", rid, prompt, sampling, options)``: a request with the front end's request id
@@ -18,11 +28,13 @@ front end -> engine
   request's text: the engine ends it as cancelled, with finish reason ``"stop"``;
   ``("count", field, key, n)``: a metrics counter (requests the front end
   refused); ``("snapshot", tag)``: the metrics, answered with ``("reply", tag, snapshot)``;
-  ``("stop",)``: stop the engine (``Engine.stop``), answered with ``("stopped",)``; the process
-  then exits.
+  ``("stop",)`` (the first front end only): stop the engine (``Engine.stop``), answered with
+  ``("stopped",)`` to every front end; the process then exits. ``("detach",)`` (another front
+  end, stopping): its requests are cancelled and the engine closes its end of the connection.
 
 engine -> front end
-  ``("ready", facts)`` once, after the warm-up (the engine's settings and device, ``FACTS``), or
+  ``("ready", facts)`` once, after the warm-up (the engine's settings and device, ``FACTS``, and
+  the engine process's id), or
   ``("failed", message)`` (a loading error, one line naming the option) and exit.
   ``("submitted", rid, refusal)``: ``refusal`` is ``None`` (queued), ``("request", field,
   message)`` (``RequestError``) or ``("overloaded", message)`` (``EngineOverloaded``).
@@ -51,6 +63,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -87,12 +100,12 @@ class _IdEmitter(Emitter):
     to the front end in one ``("chunks", items)`` message (module docstring); the latency metrics
     and the finished requests' counts are kept here, as the ``Emitter`` keeps them."""
 
-    def __init__(self, metrics, send: Callable, table: dict):
+    def __init__(self, metrics, table: dict):
         super().__init__(metrics)
-        self._send, self._table = send, table
+        self._table = table  # request id -> (handle, the sender of the front end that submitted it)
 
     def submit(self, items: list[Emit], seen: float) -> None:
-        step, out = StepLatency(), []
+        step, out = StepLatency(), {}
         for item in items:
             r = item.request
             if r.ended:
@@ -100,16 +113,23 @@ class _IdEmitter(Emitter):
             first = r.first_token is None
             if item.tokens:
                 step.add(r, len(item.tokens), seen)
+            rid = r.handle.request_id
+            owner = self._table.get(rid)
             if item.finish is not None:
                 r.ended = True
                 self.metrics.count("requests", item.finish.split(":")[0])
-                self._table.pop(r.handle.request_id, None)
+                self._table.pop(rid, None)
             elif not item.tokens:
                 continue
+            if owner is None:  # its front end has gone
+                continue
             ttft = r.first_token - r.submitted if first and r.first_token is not None else None
-            out.append((r.handle.request_id, item.tokens, item.acceptance, item.finish, item.logprobs, ttft))
-        if out:
-            self._send(("chunks", out))
+            out.setdefault(owner[1], []).append((rid, item.tokens, item.acceptance, item.finish, item.logprobs, ttft))
+        for send, chunks in out.items():
+            try:
+                send(("chunks", chunks))
+            except OSError:  # that front end has gone; its requests are being cancelled
+                pass
         step.record(self.metrics, seen)
 
 
@@ -124,25 +144,38 @@ class _Sender:
             self.conn.send(message)
 
 
-def _engine_main(args, conn) -> None:
-    """The engine process: load, warm up, report ``ready``, then serve the front end's messages."""
+def _engine_main(args, conns: list) -> None:
+    """The engine process: load, warm up, report ``ready`` to every front end, then serve their
+    messages. ``conns[0]`` is the first front end's (the process that started this one): its
+    ``stop``, or its connection closing, stops the engine; another front end's connection closing
+    cancels that front end's requests."""
+    from multiprocessing.connection import wait
+
     from ddtree_jax import compilation_cache as cc
     from ddtree_jax._preflight import PreflightError
     from ddtree_jax.serving.cli import _log, build_engine, warm_up
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    send = _Sender(conn)
+    senders = {conn: _Sender(conn) for conn in conns}
+
+    def to_all(message) -> None:
+        for send in senders.values():
+            try:
+                send(message)
+            except OSError:
+                pass
+
     try:
         _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
         engine = build_engine(args)[0]
         if not args.no_warmup:
             warm_up(engine)
     except PreflightError as e:
-        send(("failed", str(e)))
+        to_all(("failed", str(e)))
         return
-    table: dict[int, RequestHandle] = {}
-    engine.set_emitter(_IdEmitter(engine.metrics, send, table))
+    table: dict[int, tuple[RequestHandle, _Sender]] = {}
+    engine.set_emitter(_IdEmitter(engine.metrics, table))
     engine.start()
     import jax
 
@@ -150,45 +183,65 @@ def _engine_main(args, conn) -> None:
     facts = {name: getattr(engine, name) for name in FACTS}
     facts["device"] = dict(device=dev.device_kind, platform=dev.platform, devices=jax.device_count(),
                            processes=jax.process_count())
-    send(("ready", facts))
+    facts["pid"] = os.getpid()
+    to_all(("ready", facts))
+    first, open_conns = conns[0], list(conns)
     try:
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the front end has gone
-                break
-            kind = message[0]
-            if kind == "submit":
-                _, rid, prompt, sampling, options = message
-                table[rid] = handle = RequestHandle(engine, rid)
-                refusal = None
+        while first in open_conns:
+            for conn in wait(open_conns):
                 try:
-                    engine.submit(prompt, sampling, handle=handle, **options)
-                except RequestError as e:
-                    refusal = ("request", e.field, e.message)
-                except EngineOverloaded as e:
-                    refusal = ("overloaded", str(e))
-                if refusal is not None:
-                    table.pop(rid, None)
-                send(("submitted", rid, refusal))
-            elif kind in ("cancel", "stop_string"):
-                handle = table.get(message[1])
-                if handle is not None:
-                    if kind == "stop_string":
-                        handle.cancel_reason = "stop"
-                    handle.cancel()
-            elif kind == "count":
-                engine.metrics.count(*message[1:])
-            elif kind == "snapshot":
-                send(("reply", message[1], engine.metrics.snapshot()))
-            elif kind == "stop":
-                break
+                    message = conn.recv()
+                except (EOFError, OSError):  # that front end has gone
+                    message = ("detach",)
+                if message[0] == "detach":  # its requests are cancelled; closing the end tells it so
+                    open_conns.remove(conn)
+                    gone = senders[conn]
+                    for rid, (handle, send) in list(table.items()):
+                        if send is gone:
+                            table.pop(rid, None)
+                            handle.cancel()
+                    conn.close()
+                    continue
+                try:
+                    kind = _handle(engine, message, senders[conn], table)
+                except OSError:  # its front end is going: the next receive finds it gone
+                    continue
+                if kind == "stop" and conn is first:
+                    open_conns.remove(conn)
+                    break
     finally:
         engine.stop()
+        to_all(("stopped",))
+
+
+def _handle(engine, message: tuple, send: _Sender, table: dict) -> str:
+    """Act on one front end's message (module docstring); returns its kind."""
+    kind = message[0]
+    if kind == "submit":
+        _, rid, prompt, sampling, options = message
+        handle = RequestHandle(engine, rid)
+        table[rid] = (handle, send)
+        refusal = None
         try:
-            send(("stopped",))
-        except OSError:
-            pass
+            engine.submit(prompt, sampling, handle=handle, **options)
+        except RequestError as e:
+            refusal = ("request", e.field, e.message)
+        except EngineOverloaded as e:
+            refusal = ("overloaded", str(e))
+        if refusal is not None:
+            table.pop(rid, None)
+        send(("submitted", rid, refusal))
+    elif kind in ("cancel", "stop_string"):
+        entry = table.get(message[1])
+        if entry is not None:
+            if kind == "stop_string":
+                entry[0].cancel_reason = "stop"
+            entry[0].cancel()
+    elif kind == "count":
+        engine.metrics.count(*message[1:])
+    elif kind == "snapshot":
+        send(("reply", message[1], engine.metrics.snapshot()))
+    return kind
 
 
 # --------------------------------------------------------------------------------------------- front end
@@ -270,8 +323,13 @@ class EngineClient:
 
     Start it with ``launch``."""
 
-    def __init__(self, process, conn, facts: dict, tokenizer):
+    def __init__(self, process, conn, facts: dict, tokenizer, *, index: int = 0, count: int = 1,
+                 front_ends: list | None = None, on_gone: Callable[[], None] | None = None):
         self._process, self._conn = process, conn
+        self._index, self._count = index, count
+        self._front_ends = front_ends or []  # the other front ends' processes (the first front end's)
+        self._on_gone = on_gone
+        self._detaching = False
         self._send = _Sender(conn)
         for name in FACTS:
             setattr(self, name, facts[name])
@@ -279,7 +337,7 @@ class EngineClient:
         self.tokenizer = tokenizer
         self.metrics = RemoteMetrics(self)
         self.failure: str | None = None
-        self.pid = process.pid
+        self.pid = facts["pid"]
         self._lock = threading.Lock()
         self._handles: dict[int, _RemoteHandle] = {}
         self._waiting: dict[tuple, concurrent.futures.Future] = {}
@@ -290,17 +348,22 @@ class EngineClient:
         self._reader.start()
 
     @classmethod
-    def launch(cls, args, tokenizer, *, log: Callable[[str], None] | None = None) -> EngineClient:
+    def launch(cls, args, tokenizer, *, log: Callable[[str], None] | None = None, front_ends: int = 1,
+               sock=None) -> EngineClient:
         """Spawn the engine process for parsed ``serve`` arguments and wait until it has loaded and
-        warmed up. ``tokenizer``: the front end's copy. Raises ``PreflightError`` with the engine
-        process's message when loading fails, or when it exits before it is ready."""
+        warmed up; with ``front_ends`` > 1, then spawn that many less one more front-end processes
+        (``cli.serve_front_end``: each serves the listening socket ``sock`` through its own
+        connection to the engine). ``tokenizer``: this front end's copy. Raises ``PreflightError``
+        with the engine process's message when loading fails, or when it exits before it is ready."""
         from ddtree_jax._preflight import PreflightError
 
         ctx = multiprocessing.get_context("spawn")
-        conn, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_engine_main, args=(args, child), name="ddtree-engine")
+        pipes = [ctx.Pipe(duplex=True) for _ in range(front_ends)]
+        process = ctx.Process(target=_engine_main, args=(args, [child for _, child in pipes]), name="ddtree-engine")
         process.start()
-        child.close()  # the engine process's end lives only there: its exit closes the connection
+        for _, child in pipes:  # the engine process's ends live only there: its exit closes the connections
+            child.close()
+        conn = pipes[0][0]
         if log is not None:
             log(f"engine process {process.pid} started")
         try:
@@ -311,7 +374,49 @@ class EngineClient:
         if message[0] != "ready":
             process.join()
             raise PreflightError(message[1])
-        return cls(process, conn, message[1], tokenizer)
+        from ddtree_jax.serving.cli import serve_front_end
+
+        others = []
+        for i, (end, _) in enumerate(pipes[1:], start=1):
+            others.append(ctx.Process(target=serve_front_end, args=(args, end, sock, i, front_ends),
+                                      name=f"ddtree-front-end-{i}"))
+            others[-1].start()
+            end.close()
+        if others and log is not None:
+            log(f"front-end processes {', '.join(str(p.pid) for p in others)} started")
+        return cls(process, conn, message[1], tokenizer, count=front_ends, front_ends=others)
+
+    @classmethod
+    def attach(cls, conn, tokenizer, index: int, count: int,
+               on_gone: Callable[[], None] | None = None) -> EngineClient:
+        """A further front end's client (front end ``index`` of ``count``) on its connection to an
+        engine process another front end launched: waits for the engine's ``ready``. Its request
+        ids are ``index`` modulo ``count`` (distinct across front ends); ``stop`` only closes the
+        connection (the engine's requests of this front end are cancelled); ``on_gone`` runs once
+        the engine process has gone. Raises ``PreflightError`` when the engine failed to load."""
+        from ddtree_jax._preflight import PreflightError
+
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            raise PreflightError("the engine process exited while loading") from None
+        if message[0] != "ready":
+            raise PreflightError(message[1])
+        return cls(None, conn, message[1], tokenizer, index=index, count=count, on_gone=on_gone)
+
+    @property
+    def front_end(self) -> int:
+        """This front end's index among ``serve --api-servers``' front ends (0: the first)."""
+        return self._index
+
+    def signal_front_ends(self, sig: int) -> None:
+        """Send ``sig`` to the other front-end processes (the first front end forwards its shutdown)."""
+        for p in self._front_ends:
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     # ------------------------------------------------------------------ requests
 
@@ -319,7 +424,7 @@ class EngineClient:
         stop = tuple(s for s in (options.pop("stop", None) or ()) if s)
         if stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer (the server has none)")
-        rid = next(self._ids) % 2**32
+        rid = (next(self._ids) * self._count + self._index) % 2**32
         handle = _RemoteHandle(self, rid, int(np.size(prompt)), TextStream(self.tokenizer, stop),
                                options.get("logprobs"))
         reply: concurrent.futures.Future = concurrent.futures.Future()
@@ -409,9 +514,12 @@ class EngineClient:
 
     def _gone(self) -> None:
         """The connection closed: fail what is open, refuse what comes."""
-        self._process.join(timeout=5)
-        reason = ("the engine process stopped" if self._stopped.is_set() else
-                  f"the engine process exited (exit code {self._process.exitcode})")
+        if self._process is None:
+            reason = "the engine process stopped" if self._stopped.is_set() else "the engine process exited"
+        else:
+            self._process.join(timeout=5)
+            reason = ("the engine process stopped" if self._stopped.is_set() else
+                      f"the engine process exited (exit code {self._process.exitcode})")
         with self._lock:
             self.failure = reason
             handles, self._handles = list(self._handles.values()), {}
@@ -425,6 +533,8 @@ class EngineClient:
                 reply.set_result(("overloaded", f"the engine is not running ({reason})"))
             else:
                 reply.set_exception(RuntimeError(f"the engine is not running ({reason})"))
+        if self._on_gone is not None and not self._detaching:
+            self._on_gone()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -434,7 +544,20 @@ class EngineClient:
 
     def stop(self) -> None:
         """Stop the engine (requests still queued or running finish with ``"abort"``) and its
-        process (killed after ``STOP_TIMEOUT`` seconds)."""
+        process (killed after ``STOP_TIMEOUT`` seconds), once the other front-end processes have
+        exited (each drains its own requests first; killed after ``STOP_TIMEOUT`` seconds). A
+        further front end's client (``attach``) only closes its connection."""
+        if self._process is None:
+            self._detaching = True
+            self._send_quietly(("detach",))
+            self._reader.join(timeout=STOP_TIMEOUT)
+            self._conn.close()
+            return
+        for p in self._front_ends:
+            p.join(timeout=STOP_TIMEOUT)
+            if p.is_alive():
+                p.kill()
+                p.join()
         self._send_quietly(("stop",))
         self._process.join(timeout=STOP_TIMEOUT)
         if self._process.is_alive():

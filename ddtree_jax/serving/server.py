@@ -15,7 +15,8 @@ Endpoints:
   response (``choices[i].index``; stream chunks tagged by index); a seeded request's choice ``i``
   uses seed ``seed + i`` (mod 2**32), as vLLM does. ``usage`` counts the prompt once and sums the
   completion tokens. Log-probabilities: ``ddtree_jax/serving/openai_logprobs.py``.
-* ``GET /v1/models``, ``GET /health`` (503 while draining), ``GET /metrics`` (prometheus text).
+* ``GET /v1/models``, ``GET /health`` (503 while draining; ``front_end``: which of ``serve --api-servers``'
+  front-end processes answered, 0 for the first), ``GET /metrics`` (prometheus text).
 
 Responses and stream chunks carry ``system_fingerprint`` (a digest of what decides the outputs:
 package and JAX versions, device, model name, method, budget, slots, context). A stream carries
@@ -519,7 +520,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         failure = getattr(engine, "failure", None)
         status = "draining" if admission.draining else "failed" if failure else "ok"
         body = {"status": status, "model": model_name, "method": engine.method, "budget": engine.budget,
-                "slots": engine.slots, "max_model_len": engine.max_model_len, **device}
+                "slots": engine.slots, "max_model_len": engine.max_model_len, **device,
+                "front_end": getattr(engine, "front_end", 0)}
         if failure:
             body["error"] = failure
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -829,26 +831,28 @@ def _request_id(handle, chat: bool) -> str:
 def serve(engine: Engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           chat_template: str | None = None, specials: dict | None = None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, sock: socket.socket | None = None) -> None:
+          drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, sock: socket.socket | None = None,
+          on_signal=None) -> None:
     """Run the server until SIGTERM or SIGINT, then drain (module doc) and return (uvicorn; the
     engine's thread, or with an ``EngineClient`` the engine's process, does the work). ``sock``: a
     bound socket to listen on (``ddtree_jax._preflight.bind_port``, which ``serve``'s command line
-    calls before loading anything); default: bind ``host:port`` now."""
+    calls before loading anything); default: bind ``host:port`` now. ``on_signal(signum)``, if
+    given, runs on each of those signals first (``serve --api-servers`` forwards them)."""
     from ddtree_jax._preflight import bind_port
 
     app = create_app(engine, model_name=model_name, chat_template=chat_template, specials=specials,
                      api_key=api_key, max_request_bytes=max_request_bytes)
     sock = sock if sock is not None else bind_port(host, port)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    _DrainingServer(config, app.state.admission, drain_timeout).run(sockets=[sock])
+    _DrainingServer(config, app.state.admission, drain_timeout, on_signal).run(sockets=[sock])
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, whose SIGTERM / SIGINT drain the app before it stops (module doc)."""
 
-    def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout: float, on_signal=None):
         super().__init__(config)
-        self.admission, self.drain_timeout = admission, drain_timeout
+        self.admission, self.drain_timeout, self.on_signal = admission, drain_timeout, on_signal
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -857,6 +861,8 @@ class _DrainingServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig, frame):  # a signal handler, on the loop's (main) thread
+        if self.on_signal is not None:
+            self.on_signal(sig)
         if self._loop is None or not self.started:  # not serving yet: stop at once
             self.should_exit = True
         elif self.admission.draining:
