@@ -199,7 +199,7 @@ def main():
         checked(f"vocab_top_k lse=xla == lax.top_k(log_softmax) {nm}", topk_eq)
 
         def topk_fused(xx=xx, want=want):
-            o = vocab_top_k.vocab_top_k_debug(xx, K, lse="kernel", interpret=INTERPRET)
+            o = vocab_top_k.vocab_top_k_with_stats(xx, K, lse="kernel", interpret=INTERPRET)
             z = (xx.astype(jnp.float32) - o["max"][..., None]) - o["lse"][..., None]
             own = jax.lax.top_k(z, K)
             exact = np.array_equal(np.asarray(own[1]), np.asarray(o["indices"])) and np.array_equal(

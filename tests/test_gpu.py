@@ -29,7 +29,7 @@ def test_tree_builder_equals_reference(B, L, V, budget):
     on ``lax.top_k`` of the log-probabilities under the kernel's own normaliser."""
     from ddtree_jax import tree as tree_mod
     from ddtree_jax.backend import resolve_backend
-    from pallas_kernels.triton.vocab_top_k import vocab_top_k, vocab_top_k_debug
+    from pallas_kernels.triton.vocab_top_k import vocab_top_k, vocab_top_k_with_stats
 
     backend = resolve_backend("pallas")
     k = min(budget, V)
@@ -40,7 +40,7 @@ def test_tree_builder_equals_reference(B, L, V, budget):
         for f in TREE_FIELDS:
             np.testing.assert_array_equal(np.asarray(getattr(ker, f)), np.asarray(getattr(ref, f)), err_msg=f)
         fused = dt.build_draft_tree(x, budget, impl="pallas")
-        stats = vocab_top_k_debug(x, k, lse="kernel")
+        stats = vocab_top_k_with_stats(x, k, lse="kernel")
         lq = (x.astype(jnp.float32) - stats["max"][..., None]) - stats["lse"][..., None]
         top_lq, top_ids = jax.lax.top_k(lq, k)
         fields = jax.vmap(lambda a, i: tree_mod._best_first_one(a, i, budget=budget))(top_lq, top_ids)
@@ -54,12 +54,12 @@ def test_vocab_top_k_full_vocabulary(lse):
     """Triton vocab top-k at the tree's real size (B*L = 240 rows of 163,840 bf16), Gaussian and
     rounded rows: lse="xla" == lax.top_k(draft_logprobs) bit for bit; lse="kernel" is exact for its own
     normaliser, which is within 1e-6 of XLA's."""
-    from pallas_kernels.triton.vocab_top_k import vocab_top_k_debug
+    from pallas_kernels.triton.vocab_top_k import vocab_top_k_with_stats
 
     raw = random_draft_logits(163_840, 16, 15, 163_840)
     for logits in (raw, np.round(raw * 2) / 2):
         x = jnp.asarray(logits).astype(jnp.bfloat16)
-        out = vocab_top_k_debug(x, 256, lse=lse)
+        out = vocab_top_k_with_stats(x, 256, lse=lse)
         x32 = x.astype(jnp.float32)
         if lse == "xla":
             want = jax.lax.top_k(dt.draft_logprobs(x32), 256)

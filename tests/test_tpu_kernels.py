@@ -309,7 +309,7 @@ def test_vocab_top_k_fused_lse_and_k_1():
     ulp of the exact one (float64), and the result is exactly ``lax.top_k`` of ``(x - m) - lse`` with
     the kernel's own ``m`` and ``lse``."""
     x = jnp.asarray(_topk_rows(), jnp.bfloat16)
-    out = jax.tree.map(np.asarray, tpu_topk.vocab_top_k_debug(x, 1, lse="kernel", interpret=True, tile=512))
+    out = jax.tree.map(np.asarray, tpu_topk.vocab_top_k_with_stats(x, 1, lse="kernel", interpret=True, tile=512))
     good = np.setdiff1d(np.arange(x.shape[0]), MIXED_BAD_ROWS)
     xg = np.asarray(x[good].astype(jnp.float32), np.float64)
     lse64 = np.log(np.sum(np.exp(xg - xg.max(1, keepdims=True)), axis=1))

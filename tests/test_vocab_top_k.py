@@ -82,12 +82,12 @@ def test_bad_arguments():
 def test_fused_normaliser_is_exact_for_its_own_lse():
     """lse="kernel" (the compiled tree build's default): the top-k of ``(x - max) - lse`` under the
     kernel's own max and normaliser, bit for bit, ties included; the normaliser within 2e-6 of XLA's."""
-    from pallas_kernels.triton.vocab_top_k import vocab_top_k_debug
+    from pallas_kernels.triton.vocab_top_k import vocab_top_k_with_stats
 
     x = random_draft_logits(8, 2, 3, 3000)
     x[1] = np.round(x[1])  # ties
     x = jnp.asarray(x).astype(jnp.bfloat16)
-    out = vocab_top_k_debug(x, 64, lse="kernel", interpret=True)
+    out = vocab_top_k_with_stats(x, 64, lse="kernel", interpret=True)
     x32 = x.astype(jnp.float32)
     want = jax.lax.top_k((x32 - out["max"][..., None]) - out["lse"][..., None], 64)
     _assert_equal((out["values"], out["indices"]), want)

@@ -1,7 +1,7 @@
 """Exact top-K of each row's log-softmax for TPUs (Pallas Mosaic TPU), sort-free: the DDTree
 builder's per-depth tables from the draft logits.
 
-``vocab_top_k`` / ``vocab_top_k_debug`` with the Triton version's contract
+``vocab_top_k`` / ``vocab_top_k_with_stats`` with the Triton version's contract
 (``pallas_kernels.triton.vocab_top_k``; reference ``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)``;
 tests/test_tpu_kernels.py): the ``k`` largest log-probabilities, descending, ties by lower index,
 NaN rows NaN with indices ``0 .. k-1``; ``lse="xla"`` bit-exact, ``"kernel"`` fused (about an ulp
@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._shared import LSE_MODES, _bisect, _zkey, check_top_k_args, xla_log_sum_exp
 
-__all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
+__all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_with_stats"]
 
 LANES = 128
 CHUNK = 32  # vreg columns per tile: the elements of a chunk (one lane of a tile)
@@ -334,7 +334,7 @@ def _results(vals, idx, prm, *, k, lead):
                 max=prm[:R, 0].reshape(lead), lse=prm[:R, 1].reshape(lead))
 
 
-def vocab_top_k_debug(
+def vocab_top_k_with_stats(
     logits: jax.Array,
     k: int,
     *,
@@ -369,5 +369,5 @@ def vocab_top_k_debug(
 def vocab_top_k(logits: jax.Array, k: int, *, lse: str = "kernel", interpret: bool = False, **tuning):
     """``lax.top_k(log_softmax(logits), k)`` (see the module doc; ``lse`` = "kernel" | "xla").
     -> ``(values f32 [..., k], indices i32 [..., k])``."""
-    out = vocab_top_k_debug(logits, k, lse=lse, interpret=interpret, **tuning)
+    out = vocab_top_k_with_stats(logits, k, lse=lse, interpret=interpret, **tuning)
     return out["values"], out["indices"]

@@ -7,7 +7,7 @@ index, as ``jax.lax.top_k(ddtree_jax.draft_logprobs(x), k)`` (tests/test_vocab_t
 with a NaN, +inf or only -inf: values NaN, indices ``0 .. k-1``. Requires ``1 <= k <= V``.
 ``lse="xla"``: the normaliser by XLA in ``_shared.fixed_order_sum``'s order, the reference's bits;
 ``"kernel"``: fused into the stats pass (one read of the row, about an ulp off XLA's; the top-K
-is exact for its own ``lse``, which ``vocab_top_k_debug`` returns). Four launches: stats (chunk
+is exact for its own ``lse``, which ``vocab_top_k_with_stats`` returns). Four launches: stats (chunk
 and tile maxima), chunks (the K chunks that provably hold the top-K, ties included), candidates
 (their exact top-K), order (ranks by counting). Design: docs/kernels.md, "Tree builder".
 """
@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._shared import LSE_MODES, _bisect, _bisect_while, _zkey, check_top_k_args, xla_log_sum_exp
 
-__all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_debug"]
+__all__ = ["CHUNK", "LSE_MODES", "vocab_top_k", "vocab_top_k_with_stats"]
 
 # Columns per chunk maximum (16: 16 K candidates for V / 16 chunk maxima; docs/kernels.md).
 CHUNK = 16
@@ -209,7 +209,7 @@ def _splits_for(R: int, nt: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("k", "lse", "interpret", "chunk", "tile", "num_warps", "select_warps",
                                              "order_warps", "part"))
-def vocab_top_k_debug(
+def vocab_top_k_with_stats(
     logits: jax.Array,
     k: int,
     *,
@@ -306,5 +306,5 @@ def vocab_top_k_debug(
 def vocab_top_k(logits: jax.Array, k: int, *, lse: str = "kernel", interpret: bool = False, **tuning):
     """``lax.top_k(log_softmax(logits), k)`` (see the module doc; ``lse`` = "kernel" | "xla").
     -> ``(values f32 [..., k], indices i32 [..., k])``."""
-    out = vocab_top_k_debug(logits, k, lse=lse, interpret=interpret, **tuning)
+    out = vocab_top_k_with_stats(logits, k, lse=lse, interpret=interpret, **tuning)
     return out["values"], out["indices"]
