@@ -428,3 +428,35 @@ def test_one_packed_activation_sets_every_field(models):
     np.testing.assert_array_equal(np.asarray(state.target_cache.lengths)[rows], [5, 6])
     for k, v in untouched.items():
         np.testing.assert_array_equal(np.asarray(getattr(state, k))[[1, 3]], v, err_msg=k)
+
+
+def test_astream_batches_gives_every_chunk_once_in_order_and_what_queued_together():
+    """``RequestHandle.astream_batches``: the backlog first (cut at the finished chunk), then each
+    time everything that arrived while the reader was away, in order, each chunk exactly once,
+    ending with the finished chunk; ``astream`` flattens the same."""
+    import asyncio
+
+    from ddtree_jax.serving.emitter import StreamChunk
+    from ddtree_jax.serving.engine import RequestHandle
+
+    chunks = [StreamChunk([i], str(i)) for i in range(7)] + [StreamChunk([7], "7", finish_reason="length")]
+
+    async def read(flat: bool):
+        handle = RequestHandle(engine=None, request_id=0)
+        for c in chunks[:2]:  # before the reader registers: the backlog
+            handle._push(c)
+        got = []
+        reader = handle.astream() if flat else handle.astream_batches()
+        got.append(await reader.__anext__())
+        for c in chunks[2:5]:  # three while the reader waits: one batch
+            handle._push(c)
+        await asyncio.sleep(0)
+        got.append(await reader.__anext__())
+        for c in chunks[5:]:
+            handle._push(c)
+        got += [x async for x in reader]
+        return got
+
+    batches = asyncio.run(read(flat=False))
+    assert batches == [chunks[:2], chunks[2:5], chunks[5:]]
+    assert asyncio.run(read(flat=True)) == chunks

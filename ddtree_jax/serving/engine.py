@@ -159,20 +159,29 @@ class RequestHandle:
 
     async def astream(self) -> AsyncIterator[StreamChunk]:
         """The request's chunks as they come, for asyncio code (each chunk exactly once)."""
+        async for batch in self.astream_batches():
+            for chunk in batch:
+                yield chunk
+
+    async def astream_batches(self) -> AsyncIterator[list[StreamChunk]]:
+        """``astream``'s chunks, as lists: each time every chunk that has arrived (at least one),
+        in order, so that a reader that fell behind catches up in one pass; the last list ends
+        with the finished chunk."""
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:
             backlog = list(self._chunks)
             self._listeners = [*self._listeners, (asyncio.get_running_loop(), queue)]
         try:
-            for chunk in backlog:
-                yield chunk
-                if chunk.finished:
-                    return
+            batch = backlog
             while True:
-                chunk = await queue.get()
-                yield chunk
-                if chunk.finished:
-                    return
+                if batch:
+                    end = next((k + 1 for k, c in enumerate(batch) if c.finished), len(batch))
+                    yield batch[:end]
+                    if batch[end - 1].finished:
+                        return
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
         finally:
             with self._cond:
                 self._listeners = [x for x in self._listeners if x[1] is not queue]

@@ -696,20 +696,27 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         return chat_logprobs(tokens, lp, texts) if chat else completion_logprobs(tokens, lp, texts, offsets)
 
     async def merged(handles):
-        """``(choice index, chunk)`` of every handle as they come, until each has finished."""
+        """Lists of ``(choice index, chunk)``: every handle's chunks as they come (each time all
+        that have arrived), until each has finished."""
+        if len(handles) == 1:
+            async for batch in handles[0].astream_batches():
+                yield [(0, chunk) for chunk in batch]
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, handle):
-            async for chunk in handle.astream():
-                queue.put_nowait((i, chunk))
+            async for batch in handle.astream_batches():
+                queue.put_nowait([(i, chunk) for chunk in batch])
 
         tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
         try:
             left = len(handles)
             while left:
-                i, chunk = await queue.get()
-                left -= chunk.finished
-                yield i, chunk
+                batch = await queue.get()
+                while not queue.empty():
+                    batch += queue.get_nowait()
+                left -= sum(chunk.finished for _, chunk in batch)
+                yield batch
         finally:
             for task in tasks:
                 task.cancel()
@@ -744,9 +751,10 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         watcher = asyncio.create_task(watch_disconnect(request, handles))
         results: list[RequestResult | None] = [None] * len(handles)
         try:
-            async for i, chunk in merged(handles):
-                if chunk.finished:
-                    results[i] = chunk.result
+            async for batch in merged(handles):
+                for i, chunk in batch:
+                    if chunk.finished:
+                        results[i] = chunk.result
         finally:
             watcher.cancel()
             release(handles)
@@ -783,29 +791,39 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                 return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
+        def events_of(i: int, chunk, results: list) -> tuple[list[str], bool]:
+            """One chunk's events, and whether it ended the response with an error."""
+            news = bool(chunk.text) or (p.logprobs is not None and bool(chunk.token_ids))
+            if not chunk.finished:
+                return ([event([choice(i, chunk, None)])] if news else []), False
+            result = results[i] = chunk.result
+            if result.finish_reason.startswith("error"):
+                err = APIError(500, result.finish_reason, None, kind="server_error")
+                last = [event([choice(i, chunk, None)])] if news else []
+                return last + [f"data: {json.dumps(err.body())}\n\n"], True
+            return [event([choice(i, chunk, finish_reason(result))])], False
+
         async def events():
+            # The chunks that arrived together go out in one write (each its own event): a stream
+            # that fell behind catches up at once.
             results: list[RequestResult | None] = [None] * len(handles)
             try:
                 if chat:
-                    for i in range(len(handles)):
-                        yield event([choice(i, None, None, first=True)])
-                async for i, chunk in merged(handles):
-                    news = bool(chunk.text) or (p.logprobs is not None and bool(chunk.token_ids))
-                    if not chunk.finished:
-                        if news:
-                            yield event([choice(i, chunk, None)])
-                        continue
-                    result = results[i] = chunk.result
-                    if result.finish_reason.startswith("error"):
-                        if news:
-                            yield event([choice(i, chunk, None)])
-                        err = APIError(500, result.finish_reason, None, kind="server_error")
-                        yield f"data: {json.dumps(err.body())}\n\n"
+                    yield "".join(event([choice(i, None, None, first=True)]) for i in range(len(handles)))
+                failed = False
+                async for batch in merged(handles):
+                    out = []
+                    for i, chunk in batch:
+                        more, failed = events_of(i, chunk, results)
+                        out += more
+                        if failed:
+                            break
+                    if out:
+                        yield "".join(out)
+                    if failed:
                         break
-                    yield event([choice(i, chunk, finish_reason(result))])
-                else:
-                    if p.include_usage:
-                        yield event([], usage(results))
+                if not failed and p.include_usage:
+                    yield event([], usage(results))
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or the response ended): nothing more to decode
                 release(handles)
