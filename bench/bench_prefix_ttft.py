@@ -12,7 +12,9 @@ and prefills only the rest). Time to first token is from ``submit`` to the first
 stepping the engine in this thread. The contiguous engine runs the same A and B. Reported: median
 TTFT per case and the ratio miss / hit, per prefix length. The target is a random K2-shaped slice
 of ``--layers`` layers (bf16) with a random one-layer drafter, DDTree budget ``--budget``, prefill
-chunks of ``--prefill-chunk``. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
+chunks of ``--prefill-chunk``. ``--methods ddtree ar`` adds autoregressive engines (rows ``... ar``):
+their first token costs a plain target step instead of a DDTree round, so the difference is what
+the first round adds to a hit's time to first token. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--methods", nargs="+", choices=("ddtree", "ar"), default=["ddtree"],
+                    help="engine methods (ar: the first token costs a plain target step, not a DDTree round: "
+                         "the difference is what the first round adds to the time to first token)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the longest prefix and tail and the new tokens, rounded up to a power of two")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -73,17 +78,24 @@ def main(argv=None):
 
     target, drafter = k2_models(args.layers, smoke=args.smoke)
     vocab = target.config.vocab_size
-    base = dt.EngineConfig(decode=dt.DecodeConfig(method="ddtree", budget=args.budget), slots=4,
-                           max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
-    engines = {"paged": Engine(target, drafter, dataclasses.replace(base, page_size=args.page_size)),
-               "contiguous": Engine(target, drafter, base)}
+    engines = {}
+    for method in args.methods:
+        decode = dt.DecodeConfig(method=method, budget=args.budget) if method == "ddtree" else \
+            dt.DecodeConfig(method="ar")
+        base = dt.EngineConfig(decode=decode, slots=4, max_model_len=args.max_model_len,
+                               prefill_chunk=args.prefill_chunk)
+        pair = (target, drafter if method == "ddtree" else None)
+        suffix = "" if method == "ddtree" else f" {method}"
+        engines["paged" + suffix] = Engine(*pair, dataclasses.replace(base, page_size=args.page_size))
+        engines["contiguous" + suffix] = Engine(*pair, base)
     for eng in engines.values():
         eng.warmup()
     report = Report(args, name="prefix_ttft", title="Time to first token: cached prefix against none",
                     sections=("ttft",))
     report.notes.append(f"Prefixes of {', '.join(map(str, args.prefix))} tokens + tail {args.suffix}, {args.new} new "
                         f"tokens, {args.trials} trials (medians), pages of {args.page_size}, prefill chunks of "
-                        f"{args.prefill_chunk}, max_model_len {args.max_model_len}, DDTree budget {args.budget}, a "
+                        f"{args.prefill_chunk}, max_model_len {args.max_model_len}, DDTree budget {args.budget} "
+                        f"(engines named ... ar: autoregressive), a "
                         f"random K2-shaped slice of {args.layers} layers. cached_per_hit: prompt tokens the hit "
                         "found in the prefix cache.")
     rng = np.random.default_rng(0)
