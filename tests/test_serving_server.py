@@ -942,3 +942,29 @@ def test_several_front_ends_share_the_port_and_drain_together(paths, cache_dir, 
         raise
     finally:
         s.close()
+
+
+def test_a_signal_repeated_within_the_window_does_not_cut_the_drain():
+    """``serve(repeat_window=...)`` (the further front ends of ``--api-servers``): the same signal
+    again within the window keeps the drain; after it, a signal ends the drain at once (as in one
+    process, whose window is 0)."""
+    import uvicorn
+
+    from ddtree_jax.serving.server import Admission, _DrainingServer
+
+    class Loop:
+        calls: list = []
+
+        def call_soon_threadsafe(self, fn):
+            self.calls.append(fn.__name__)
+
+    for window, later, skipped in ((60.0, 0.0, False), (0.0, 0.0, True)):
+        admission = Admission()
+        server = _DrainingServer(uvicorn.Config(app=None), admission, drain_timeout=30, repeat_window=window)
+        server._loop, server.started, Loop.calls = Loop(), True, []
+        server.handle_exit(signal.SIGTERM, None)
+        assert Loop.calls == ["_start_drain"]
+        admission.draining = True  # (the drain task would set it)
+        time.sleep(later)
+        server.handle_exit(signal.SIGTERM, None)
+        assert ("skip_drain" in Loop.calls) == skipped, (window, Loop.calls)

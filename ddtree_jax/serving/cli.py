@@ -379,14 +379,24 @@ def _launch_engine_process(args, sock):
 
     tokenizer = pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
     engine = EngineClient.launch(args, tokenizer, log=_log, front_ends=args.api_servers, sock=sock)
-    import jax
+    try:
+        import jax
 
-    jax.config.update("jax_platforms", "cpu")  # the front end computes nothing: it never claims the device
-    return (engine, served_model_name(args), *chat_template(args))
+        jax.config.update("jax_platforms", "cpu")  # the front end computes nothing: it never claims the device
+        return (engine, served_model_name(args), *chat_template(args))
+    except BaseException:
+        _stop_engine_process(engine)
+        raise
 
 
 def _api_key(args) -> str | None:
     return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+
+REPEAT_WINDOW = 1.0
+"""Seconds after the signal that starts a further front end's drain in which the same signal again
+(from the first front end, and from outside: a service manager signals every process) does not
+cut the drain short."""
 
 
 def serve_front_end(args, conn, sock, index: int, count: int) -> None:
@@ -414,7 +424,7 @@ def serve_front_end(args, conn, sock, index: int, count: int) -> None:
     template, specials = chat_template(args)
     serve(engine, model_name=served_model_name(args), chat_template=template, specials=specials,
           log_level=args.log_level, api_key=_api_key(args), max_request_bytes=args.max_request_bytes,
-          drain_timeout=args.drain_timeout, sock=sock)
+          drain_timeout=args.drain_timeout, sock=sock, repeat_window=REPEAT_WINDOW)
 
 
 def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
@@ -440,6 +450,23 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
     except PreflightError as e:
         sock.close()
         _fail(parser, str(e))
+    try:
+        _serve(args, engine, name, template, specials, sock, t0)
+    except BaseException:
+        if args.engine_process:  # no process of this server outlives it
+            _stop_engine_process(engine)
+        raise
+    _log("stopped")
+
+
+def _stop_engine_process(engine) -> None:
+    import signal
+
+    engine.signal_front_ends(signal.SIGTERM)
+    engine.stop()
+
+
+def _serve(args, engine, name, template, specials, sock, t0) -> None:
     if not args.engine_process and not args.no_warmup:
         warm_up(engine)
     from ddtree_jax.serving.server import serve
@@ -456,7 +483,6 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
           log_level=args.log_level, api_key=api_key, max_request_bytes=args.max_request_bytes,
           drain_timeout=args.drain_timeout, sock=sock,
           on_signal=engine.signal_front_ends if args.api_servers > 1 else None)
-    _log("stopped")
 
 
 def _fail(parser: argparse.ArgumentParser | None, message: str):

@@ -134,14 +134,21 @@ class _IdEmitter(Emitter):
 
 
 class _Sender:
-    """One connection's sending end, shared by threads."""
+    """One connection's sending end, shared by threads; after ``close`` a send raises ``OSError``."""
 
     def __init__(self, conn):
         self.conn, self._lock = conn, threading.Lock()
 
     def __call__(self, message) -> None:
         with self._lock:
+            if self.conn.closed:
+                raise OSError("the connection is closed")
             self.conn.send(message)
+
+    def close(self) -> None:
+        """Close the connection once no send is under way."""
+        with self._lock:
+            self.conn.close()
 
 
 def _engine_main(args, conns: list) -> None:
@@ -200,7 +207,7 @@ def _engine_main(args, conns: list) -> None:
                         if send is gone:
                             table.pop(rid, None)
                             handle.cancel()
-                    conn.close()
+                    gone.close()
                     continue
                 try:
                     kind = _handle(engine, message, senders[conn], table)
@@ -324,8 +331,12 @@ class EngineClient:
     Start it with ``launch``."""
 
     def __init__(self, process, conn, facts: dict, tokenizer, *, index: int = 0, count: int = 1,
-                 front_ends: list | None = None, on_gone: Callable[[], None] | None = None):
+                 front_ends: list | None = None, on_gone: Callable[[], None] | None = None,
+                 drain_timeout: float = 0.0):
+        from ddtree_jax.serving.server import ABORT_GRACE
+
         self._process, self._conn = process, conn
+        self._front_end_grace = drain_timeout + ABORT_GRACE + STOP_TIMEOUT
         self._index, self._count = index, count
         self._front_ends = front_ends or []  # the other front ends' processes (the first front end's)
         self._on_gone = on_gone
@@ -344,6 +355,10 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._tags = itertools.count()
         self._stopped = threading.Event()
+        # The reader's own messages (stop strings) go out from this thread, so that the reader
+        # never waits for a send: a send blocked on a full pipe waits for the engine process,
+        # which may be waiting for the reader to take its messages.
+        self._outbox = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ddtree-engine-outbox")
         self._reader = threading.Thread(target=self._read, name="ddtree-engine-reader", daemon=True)
         self._reader.start()
 
@@ -379,12 +394,13 @@ class EngineClient:
         others = []
         for i, (end, _) in enumerate(pipes[1:], start=1):
             others.append(ctx.Process(target=serve_front_end, args=(args, end, sock, i, front_ends),
-                                      name=f"ddtree-front-end-{i}"))
+                                      name=f"ddtree-front-end-{i}", daemon=True))  # (ended if this process dies)
             others[-1].start()
             end.close()
         if others and log is not None:
             log(f"front-end processes {', '.join(str(p.pid) for p in others)} started")
-        return cls(process, conn, message[1], tokenizer, count=front_ends, front_ends=others)
+        return cls(process, conn, message[1], tokenizer, count=front_ends, front_ends=others,
+                   drain_timeout=getattr(args, "drain_timeout", 0.0))
 
     @classmethod
     def attach(cls, conn, tokenizer, index: int, count: int,
@@ -424,7 +440,7 @@ class EngineClient:
         stop = tuple(s for s in (options.pop("stop", None) or ()) if s)
         if stop and self.tokenizer is None:
             raise RequestError("stop", "stop strings need a tokenizer (the server has none)")
-        rid = (next(self._ids) * self._count + self._index) % 2**32
+        rid = next(self._ids) % (2**32 // self._count) * self._count + self._index  # distinct across front ends
         handle = _RemoteHandle(self, rid, int(np.size(prompt)), TextStream(self.tokenizer, stop),
                                options.get("logprobs"))
         reply: concurrent.futures.Future = concurrent.futures.Future()
@@ -501,7 +517,7 @@ class EngineClient:
                             self._handles.pop(item[0], None)
                 for handle, item in zip(handles, message[1], strict=True):
                     if handle is not None and handle._take(item, deliveries):
-                        self._send_quietly(("stop_string", item[0]))
+                        self._outbox.submit(self._send_quietly, ("stop_string", item[0]))
                 deliver(deliveries)
             elif kind in ("submitted", "reply"):
                 with self._lock:
@@ -545,16 +561,19 @@ class EngineClient:
     def stop(self) -> None:
         """Stop the engine (requests still queued or running finish with ``"abort"``) and its
         process (killed after ``STOP_TIMEOUT`` seconds), once the other front-end processes have
-        exited (each drains its own requests first; killed after ``STOP_TIMEOUT`` seconds). A
-        further front end's client (``attach``) only closes its connection."""
+        exited (each drains its own requests first; killed once their drain, its abort grace and
+        ``STOP_TIMEOUT`` seconds have passed). A further front end's client (``attach``) only
+        closes its connection."""
+        self._outbox.shutdown(wait=True)
         if self._process is None:
             self._detaching = True
             self._send_quietly(("detach",))
             self._reader.join(timeout=STOP_TIMEOUT)
             self._conn.close()
             return
+        deadline = time.monotonic() + self._front_end_grace  # one deadline: they drain side by side
         for p in self._front_ends:
-            p.join(timeout=STOP_TIMEOUT)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -850,27 +850,31 @@ def serve(engine: Engine, *, model_name: str, host: str = "127.0.0.1", port: int
           chat_template: str | None = None, specials: dict | None = None, log_level: str = "info",
           api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT, sock: socket.socket | None = None,
-          on_signal=None) -> None:
+          on_signal=None, repeat_window: float = 0.0) -> None:
     """Run the server until SIGTERM or SIGINT, then drain (module doc) and return (uvicorn; the
     engine's thread, or with an ``EngineClient`` the engine's process, does the work). ``sock``: a
     bound socket to listen on (``ddtree_jax._preflight.bind_port``, which ``serve``'s command line
     calls before loading anything); default: bind ``host:port`` now. ``on_signal(signum)``, if
-    given, runs on each of those signals first (``serve --api-servers`` forwards them)."""
+    given, runs on each of those signals first (``serve --api-servers`` forwards them); a signal
+    within ``repeat_window`` seconds of the one that started the drain does not end it (a further
+    front end may get the same signal from the first front end and from outside)."""
     from ddtree_jax._preflight import bind_port
 
     app = create_app(engine, model_name=model_name, chat_template=chat_template, specials=specials,
                      api_key=api_key, max_request_bytes=max_request_bytes)
     sock = sock if sock is not None else bind_port(host, port)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    _DrainingServer(config, app.state.admission, drain_timeout, on_signal).run(sockets=[sock])
+    _DrainingServer(config, app.state.admission, drain_timeout, on_signal, repeat_window).run(sockets=[sock])
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, whose SIGTERM / SIGINT drain the app before it stops (module doc)."""
 
-    def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout: float, on_signal=None):
+    def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout: float, on_signal=None,
+                 repeat_window: float = 0.0):
         super().__init__(config)
         self.admission, self.drain_timeout, self.on_signal = admission, drain_timeout, on_signal
+        self.repeat_window, self._drain_started = repeat_window, None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
@@ -884,8 +888,10 @@ class _DrainingServer(uvicorn.Server):
         if self._loop is None or not self.started:  # not serving yet: stop at once
             self.should_exit = True
         elif self.admission.draining:
-            self._loop.call_soon_threadsafe(self.admission.skip_drain)
+            if time.monotonic() - self._drain_started >= self.repeat_window:
+                self._loop.call_soon_threadsafe(self.admission.skip_drain)
         else:
+            self._drain_started = time.monotonic()
             _log(f"{signal.Signals(sig).name}: shutting down")
             self._loop.call_soon_threadsafe(self._start_drain)
 
