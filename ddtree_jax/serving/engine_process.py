@@ -564,11 +564,11 @@ class EngineClient:
         exited (each drains its own requests first; killed once their drain, its abort grace and
         ``STOP_TIMEOUT`` seconds have passed). A further front end's client (``attach``) only
         closes its connection."""
-        self._outbox.shutdown(wait=True)
         if self._process is None:
             self._detaching = True
             self._send_quietly(("detach",))
             self._reader.join(timeout=STOP_TIMEOUT)
+            self._outbox.shutdown(wait=True)  # (after the reader: it may still hand the outbox a message)
             self._conn.close()
             return
         deadline = time.monotonic() + self._front_end_grace  # one deadline: they drain side by side
@@ -583,3 +583,4 @@ class EngineClient:
             self._process.kill()
             self._process.join()
         self._reader.join(timeout=STOP_TIMEOUT)
+        self._outbox.shutdown(wait=True)  # (after the reader: it may still hand the outbox a message)
