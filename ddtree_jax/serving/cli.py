@@ -377,20 +377,29 @@ def _launch_engine_process(args, sock):
     ``--api-servers`` front ends on ``sock``; the tokenizer and chat template load here too."""
     from ddtree_jax.serving.engine_process import EngineClient
 
-    tokenizer = pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
+    tokenizer = _front_end_tokenizer(args)
     engine = EngineClient.launch(args, tokenizer, log=_log, front_ends=args.api_servers, sock=sock)
     try:
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")  # the front end computes nothing: it never claims the device
         return (engine, served_model_name(args), *chat_template(args))
     except BaseException:
         _stop_engine_process(engine)
         raise
 
 
-def _api_key(args) -> str | None:
-    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+def _front_end_tokenizer(args):
+    """A front end's tokenizer; the process is a front end from here on: JAX on the CPU alone (it
+    computes nothing and never claims the device; the engine process is spawned afresh)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    return pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
+
+
+def _serve_options(args) -> dict:
+    """``server.serve``'s keyword arguments that every front end takes from the command line."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return dict(log_level=args.log_level, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                drain_timeout=args.drain_timeout)
 
 
 REPEAT_WINDOW = 1.0
@@ -408,13 +417,10 @@ def serve_front_end(args, conn, sock, index: int, count: int) -> None:
     import signal
 
     os.setsid()
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
+    tokenizer = _front_end_tokenizer(args)
     from ddtree_jax.serving.engine_process import EngineClient
     from ddtree_jax.serving.server import serve
 
-    tokenizer = pf.load_tokenizer(pf.resolve_tokenizer(args.tokenizer), getattr(args, "debug", False))
     try:
         engine = EngineClient.attach(conn, tokenizer, index, count,
                                      on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -422,9 +428,8 @@ def serve_front_end(args, conn, sock, index: int, count: int) -> None:
         _log(f"front end {index}: {e}")
         return
     template, specials = chat_template(args)
-    serve(engine, model_name=served_model_name(args), chat_template=template, specials=specials,
-          log_level=args.log_level, api_key=_api_key(args), max_request_bytes=args.max_request_bytes,
-          drain_timeout=args.drain_timeout, sock=sock, repeat_window=REPEAT_WINDOW)
+    serve(engine, model_name=served_model_name(args), chat_template=template, specials=specials, sock=sock,
+          repeat_window=REPEAT_WINDOW, **_serve_options(args))
 
 
 def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
@@ -472,17 +477,16 @@ def _serve(args, engine, name, template, specials, sock, t0) -> None:
     from ddtree_jax.serving.server import serve
 
     host, port = sock.getsockname()[:2]
-    api_key = _api_key(args)
+    options = _serve_options(args)
     split = f"engine in process {engine.pid}" if args.engine_process else "one process"
     if args.api_servers > 1:
         split += f", {args.api_servers} front ends"
     _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, {split}, chat template: "
-         f"{'yes' if template else 'no'}, API key: {'required' if api_key else 'none'}) on http://{host}:{port} "
+         f"{'yes' if template else 'no'}, API key: {'required' if options['api_key'] else 'none'}) on "
+         f"http://{host}:{port} "
          f"after {time.perf_counter() - t0:.1f}s")
-    serve(engine, model_name=name, host=args.host, port=port, chat_template=template, specials=specials,
-          log_level=args.log_level, api_key=api_key, max_request_bytes=args.max_request_bytes,
-          drain_timeout=args.drain_timeout, sock=sock,
-          on_signal=engine.signal_front_ends if args.api_servers > 1 else None)
+    serve(engine, model_name=name, host=args.host, port=port, chat_template=template, specials=specials, sock=sock,
+          on_signal=engine.signal_front_ends if args.api_servers > 1 else None, **options)
 
 
 def _fail(parser: argparse.ArgumentParser | None, message: str):
