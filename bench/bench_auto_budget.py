@@ -177,7 +177,7 @@ def main(argv=None):
     compilation_cache.enable(compilation_cache.resolve(args.compilation_cache))
     if args.compilation_cache is not None:
         os.environ[compilation_cache.ENV_VAR] = args.compilation_cache  # the cost table's folder follows it
-    t_start = time.perf_counter()
+    deadline = time.perf_counter() + args.minutes * 60  # (--minutes: whatever runs by then is saved)
     levels = [None]
     if args.k2_slice is not None:
         target, drafter = k2_models(args.k2_slice, smoke=args.smoke, acceptance=LEVELS[args.acceptance[0]])
@@ -230,7 +230,7 @@ def main(argv=None):
                 todo = [label for label in labels if (level, batch, setting, label) not in done]
                 if not todo:
                     continue
-                if time.perf_counter() - t_start > args.minutes * 60:
+                if time.perf_counter() > deadline:
                     stopped = True
                     break
                 t0 = time.perf_counter()
@@ -243,14 +243,14 @@ def main(argv=None):
                     save()
 
                 run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed, args.repeats,
-                         t_start + args.minutes * 60, publish)
+                         deadline, publish)
                 for rec in results["runs"][len(kept):]:
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
                     _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "
                          f"{rec['tokens_per_s']:.1f} tok/s (median of {len(rec['tokens_per_s_runs'])}), "
                          f"tau {rec['tau']:.2f}{extra}")
                 _log(f"cell done in {time.perf_counter() - t0:.0f}s incl. compile")
-                stopped = stopped or time.perf_counter() - t_start > args.minutes * 60
+                stopped = stopped or time.perf_counter() > deadline
     save()
     print(summarize(results))
     _log(f"{'stopped by --minutes; --resume continues. ' if stopped else ''}wrote {stem}.json and {stem}.md")
