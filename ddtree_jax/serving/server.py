@@ -887,7 +887,7 @@ class _DrainingServer(uvicorn.Server):
             self.on_signal(sig)
         if self._loop is None or not self.started:  # not serving yet: stop at once
             self.should_exit = True
-        elif self.admission.draining:
+        elif self._drain_started is not None:  # (not admission.draining: the drain task may not have run yet)
             if time.monotonic() - self._drain_started >= self.repeat_window:
                 self._loop.call_soon_threadsafe(self.admission.skip_drain)
         else:
