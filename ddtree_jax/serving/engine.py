@@ -179,12 +179,18 @@ class RequestHandle:
                     yield batch[:end]
                     if batch[end - 1].finished:
                         return
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
+                batch = await queued(queue)
         finally:
             with self._cond:
                 self._listeners = [x for x in self._listeners if x[1] is not queue]
+
+
+async def queued(queue: asyncio.Queue) -> list:
+    """Every item of ``queue`` once at least one has arrived, in order (the queue is left empty)."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 @dataclasses.dataclass

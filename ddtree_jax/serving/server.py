@@ -72,7 +72,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree_jax.config import is_int
-from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult
+from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult, queued
 from ddtree_jax.serving.openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, completion_logprobs
 
 __all__ = ["API_KEY_ENV", "DEFAULT_DRAIN_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "Admission", "create_app",
@@ -712,9 +712,7 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         try:
             left = len(handles)
             while left:
-                batch = await queue.get()
-                while not queue.empty():
-                    batch += queue.get_nowait()
+                batch = [pair for pairs in await queued(queue) for pair in pairs]
                 left -= sum(chunk.finished for _, chunk in batch)
                 yield batch
         finally:
