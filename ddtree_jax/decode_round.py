@@ -285,8 +285,11 @@ def _tree(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work)
 def _verify(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
     tree = work["tree"]
     tokens = jnp.where(tree.valid, tree.tokens, 0)  # unused slots: any in-vocabulary id, never accepted
+    # A row that commits nothing (finished, or a free slot) routes no token to an expert: a MoE
+    # round then reads only the experts its running rows pick (its outputs are discarded anyway).
+    routed = tree.valid & ~state.done[:, None]
     logits, hidden, tcache = target.verify(tokens, tree.depth, tree.ancestor_mask, state.target_cache,
-                                           hidden_layer_ids=plan.hidden_layer_ids, valid=tree.valid)
+                                           hidden_layer_ids=plan.hidden_layer_ids, valid=routed)
     feats = jnp.concatenate(hidden, axis=-1) if hidden else None
     return dict(tree=tree, logits=logits, feats=feats, target_cache=tcache)
 
