@@ -392,3 +392,28 @@ def test_deterministic_engine_seeded_requests_equal_their_solo_runs():
     for i in seeded:
         alone = eng.generate([prompts[i]], [params[i]], max_tokens=64, ignore_eos=True)[0].tokens
         assert alone == mixed[i], f"request {i}"
+
+
+@pytest.mark.parametrize("s,t,n,k,d,causal,window,dtype", [
+    (1216, 16, 6, 2, 64, False, None, jnp.bfloat16),  # the shipped drafter in generate's default cache
+    (4096, 16, 32, 8, 128, False, None, jnp.bfloat16),  # over four chunks
+    (40, 5, 4, 2, 16, True, 9, jnp.float32),
+])
+def test_block_attention_equals_reference(s, t, n, k, d, causal, window, dtype):
+    """The compiled draft-block attention against its reference, and a row alone against the same
+    row in a batch (bit for bit)."""
+    from ddtree_jax.backend import resolve_backend
+    from ddtree_jax.models.block_attention import block_attention, block_attention_reference
+
+    rng = np.random.default_rng(s)
+    b = 5
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    args = (arr(b, t, n, d), arr(b, s, k, d), arr(b, s, k, d), arr(b, t, k, d), arr(b, t, k, d),
+            jnp.asarray(rng.integers(0, s + 1, b), jnp.int32).at[0].set(s).at[1].set(0))
+    kw = dict(causal=causal, window=window, scale=d**-0.5)
+    got = block_attention(*args, backend=resolve_backend("pallas"), **kw)
+    want = block_attention_reference(*(a.astype(jnp.float32) for a in args[:5]), args[5], **kw)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
+    alone = block_attention(*(a[2:3] for a in args), backend=resolve_backend("pallas"), **kw)
+    np.testing.assert_array_equal(np.asarray(got[2:3], np.float32), np.asarray(alone, np.float32))

@@ -19,10 +19,12 @@ The target is passed to the calls that need it: any object with ``embed(tokens) 
 and ``lm_logits(hidden) -> [..., V]`` (``KimiForCausalLM`` has both).
 
 How the drafter computes is an ``ExecutionConfig`` (``ddtree_jax.config``), as for the target: with
-``batch_invariant`` every product (the projections, the MLPs, ``fc``, and the attention's scores
-and weighted values, per row and key-value head) runs through the fixed-order Pallas product
-(``pallas_kernels/triton/dense_matmul.py``), so a row's bits do not depend on the other rows or on
-their number; the LM head is the target's (batch-invariant when the target is). The other fields
+``batch_invariant`` every product (the projections, the MLPs, ``fc``) runs through the fixed-order
+Pallas product (``pallas_kernels/triton/dense_matmul.py``) and the attention through its Triton
+kernel (``models.block_attention``, one program per row and key-value head), so a row's bits do
+not depend on the other rows or on their number; the LM head is the target's (batch-invariant
+when the target is). Wherever the Triton kernels run, the drafting pass (``propose``) attends
+through that kernel, which reads each row's context only up to its length. The other fields
 concern the target only. Design note: docs/serving.md, "Deterministic mode".
 """
 
@@ -35,15 +37,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ddtree_jax.backend import REFERENCE
 from ddtree_jax.config import ConfigError, ExecutionConfig, execution_of
 from ddtree_jax.models._layers import (
     GatedMLP,
     Linear,
     RMSNorm,
-    dense_product,
     execution_backend,
-    masked_softmax,
 )
+from ddtree_jax.models.block_attention import block_attention
 from ddtree_jax.models.dflash_config import DFlashConfig
 from ddtree_jax.models.paged_cache import PagedDraftCache
 from ddtree_jax.models.rope import apply_rope, rope_cos_sin
@@ -104,7 +106,8 @@ class DFlashAttention(nnx.Module):
         self.o_proj = Linear(cfg.num_attention_heads * hd, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.fixed_order = None  # static, as ``Linear.fixed_order``: the scores' and values' products
+        self.fixed_order = None  # static, as ``Linear.fixed_order`` (the projections' products)
+        self.attention_backend = REFERENCE  # static: where ``block_attention`` runs (``DFlashDrafter._configure``)
 
     def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``x [B,S,H]`` -> keys, values ``[B,S,kv_heads,head_dim]`` (keys normed and rotated)."""
@@ -113,42 +116,21 @@ class DFlashAttention(nnx.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(shape)), cos[:, :, None], sin[:, :, None], interleaved=False)
         return k, self.v_proj(x).reshape(shape)
 
-    def __call__(self, x, cos, sin, k_ctx, v_ctx, mask) -> jax.Array:
-        """Block ``x [B,T,H]`` attends to ``[context ; block]``; ``mask [B,T,S_ctx+T]``."""
+    def __call__(self, x, cos, sin, k_ctx, v_ctx, lengths, *, causal: bool, window: int | None,
+                 kernel: bool = True) -> jax.Array:
+        """Block ``x [B,T,H]`` at positions ``lengths + t`` attends to its context ``k_ctx, v_ctx
+        [B,S,kvh,hd]`` (the first ``lengths [B]`` positions) and to itself
+        (``models.block_attention``: ``causal`` and ``window`` as there; ``kernel=False``: its
+        plain-JAX reference whatever ``attention_backend`` says)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        groups = cfg.num_attention_heads // cfg.num_key_value_heads
         q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleaved=False)
-        q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim)
         k_blk, v_blk = self.kv(x, cos, sin)
-        k = jnp.concatenate([k_ctx.astype(x.dtype), k_blk], axis=1)
-        v = jnp.concatenate([v_ctx.astype(x.dtype), v_blk], axis=1)
-        if self.fixed_order is None:
-            scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
-        else:
-            scores = _per_row_head_product(q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 3, 1), self.fixed_order)
-        probs = masked_softmax(scores * cfg.head_dim**-0.5, mask[:, None, None]).astype(x.dtype)
-        if self.fixed_order is None:
-            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-        else:
-            out = _per_row_head_product(probs, v.transpose(0, 2, 1, 3), self.fixed_order).transpose(0, 3, 1, 2, 4)
+        out = block_attention(q, k_ctx.astype(x.dtype), v_ctx.astype(x.dtype), k_blk, v_blk, lengths,
+                              causal=causal, window=window, scale=cfg.head_dim**-0.5,
+                              backend=self.attention_backend if kernel else REFERENCE)
         return self.o_proj(out.reshape(b, t, -1))
-
-
-def _per_row_head_product(x: jax.Array, w: jax.Array, fixed_order) -> jax.Array:
-    """``x [B, K, G, T, D] @ w [B, K, D, N] -> [B, K, G, T, N]`` in ``w``'s dtype (one weight per
-    batch row and key-value head, shared by its ``G`` query heads) through the fixed-order product with the
-    ``B * K`` (row, head) pairs as its groups; ``D`` and ``N`` are zero-padded to multiples of 16
-    (the GPU kernel's tiles; zeros add nothing)."""
-    b, kh, g, t, d = x.shape
-    n = w.shape[-1]
-    pad_d, pad_n = -d % 16, -n % 16
-    x = jnp.pad(x, ((0, 0),) * 4 + ((0, pad_d),))
-    w = jnp.pad(w, ((0, 0), (0, 0), (0, pad_d), (0, pad_n)))
-    rows = x.reshape(b * kh, g * t, d + pad_d).transpose(1, 0, 2)  # [G*T, B*K, D]
-    out = dense_product(rows, w.reshape(b * kh, d + pad_d, n + pad_n), fixed_order)
-    return out[..., :n].transpose(1, 0, 2).reshape(b, kh, g, t, n)
 
 
 class DFlashLayer(nnx.Module):
@@ -158,8 +140,9 @@ class DFlashLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, k_ctx, v_ctx, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
+    def __call__(self, x, cos, sin, k_ctx, v_ctx, lengths, *, causal: bool, window: int | None, kernel: bool):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, lengths, causal=causal, window=window,
+                               kernel=kernel)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -206,7 +189,19 @@ class DFlashDrafter(nnx.Module):
         for _, module in nnx.iter_graph(self):
             if isinstance(module, (Linear, DFlashAttention)):
                 module.fixed_order = fixed
+            if isinstance(module, DFlashAttention):
+                # the attention kernel runs on one device (a mesh runs the plain-JAX path, which
+                # XLA partitions); its rows are batch-invariant by construction
+                module.attention_backend = REFERENCE if _on_several_devices(self) else backend
         self._execution = execution
+
+    def _learn_placement(self, mesh, mesh_axes) -> None:
+        """``init_on_mesh``: a drafter placed on a mesh of several devices attends through the
+        plain-JAX path."""
+        if mesh.size > 1:
+            for _, module in nnx.iter_graph(self):
+                if isinstance(module, DFlashAttention):
+                    module.attention_backend = REFERENCE
 
     # ---- context ----
 
@@ -255,26 +250,21 @@ class DFlashDrafter(nnx.Module):
 
     # ---- block ----
 
-    def _block_logits(self, target, last_token, block_pos, k_ctx, v_ctx, ctx_pos, ctx_valid):
-        """Shared block pass. ``k_ctx/v_ctx``: per-layer ``[B,S,kvh,hd]`` at ``ctx_pos [B,S]``
-        (``ctx_valid [B,S]``); the block sits at ``block_pos [B,bs]``."""
+    def _block_logits(self, target, last_token, lengths, k_ctx, v_ctx, *, kernel: bool):
+        """Shared block pass. ``k_ctx/v_ctx``: per-layer ``[B,S,kvh,hd]`` at positions ``0 .. S-1``,
+        of which the first ``lengths [B]`` are the context; the block sits at ``lengths + i``.
+        ``kernel``: the attention runs where ``_configure`` said (else its reference: the passes
+        that are differentiated, which the kernel is not)."""
         cfg = self.config
         b = last_token.shape[0]
         tokens = jnp.concatenate(
             [last_token[:, None], jnp.full((b, cfg.block_size - 1), cfg.mask_token_id, last_token.dtype)], axis=1
         )
         x = target.embed(tokens).astype(self.fc.kernel.dtype)
-        cos, sin = rope_cos_sin(block_pos, *cfg.rope_tables())
-        key_pos = jnp.concatenate([ctx_pos, block_pos], axis=1)
-        valid = jnp.concatenate([ctx_valid, jnp.ones_like(block_pos, bool)], axis=1)[:, None, :]
-        offset = block_pos[:, :, None] - key_pos[:, None, :]  # query position - key position
+        cos, sin = rope_cos_sin(lengths[:, None] + jnp.arange(cfg.block_size)[None], *cfg.rope_tables())
         for i, layer in enumerate(self.layers):
-            mask = valid
-            if cfg.layer_is_causal(i):
-                mask = mask & (offset >= 0)
-            if (window := cfg.layer_window(i)) is not None:
-                mask = mask & (jnp.abs(offset) < window)
-            x = layer(x, cos, sin, k_ctx[i], v_ctx[i], mask)
+            x = layer(x, cos, sin, k_ctx[i], v_ctx[i], lengths, causal=cfg.layer_is_causal(i),
+                      window=cfg.layer_window(i), kernel=kernel)
         return target.lm_logits(self.norm(x)[:, 1:])
 
     def propose(self, target, cache, last_token: jax.Array) -> jax.Array:
@@ -285,13 +275,10 @@ class DFlashDrafter(nnx.Module):
         position ``cache.lengths``. Returns logits ``float32 [B, block_size-1, V]`` for depths
         ``1 .. block_size-1``.
         """
-        b, s = last_token.shape[0], cache.max_len
-        block_pos = cache.lengths[:, None] + jnp.arange(self.config.block_size)[None]
-        ctx_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
-        ctx_valid = ctx_pos < cache.lengths[:, None]
+        s = cache.max_len
         k = [cache.layout.view(buf, s) for buf in cache.k]
         v = [cache.layout.view(buf, s) for buf in cache.v]
-        return self._block_logits(target, last_token, block_pos, k, v, ctx_pos, ctx_valid)
+        return self._block_logits(target, last_token, cache.lengths, k, v, kernel=True)
 
     def anchored_blocks(self, target, target_hidden: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:
         """Many blocks per sequence in one pass (training, the DFlash recipe's random anchors).
@@ -308,12 +295,9 @@ class DFlashDrafter(nnx.Module):
         ctx_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
         k_ctx, v_ctx = self._context_kv(target_hidden, ctx_pos)
         rows = lambda x: jnp.repeat(x, a, axis=0)  # noqa: E731  (one row per block)
-        flat_anchor = anchors.reshape(-1)
-        block_pos = flat_anchor[:, None] + jnp.arange(self.config.block_size)[None]
         last = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)
-        ctx_valid = rows(ctx_pos) < flat_anchor[:, None]
-        logits = self._block_logits(target, last, block_pos, [rows(k) for k in k_ctx], [rows(v) for v in v_ctx],
-                                    rows(ctx_pos), ctx_valid)
+        logits = self._block_logits(target, last, anchors.reshape(-1), [rows(k) for k in k_ctx],
+                                    [rows(v) for v in v_ctx], kernel=False)
         return logits.reshape(b, a, *logits.shape[1:])
 
     def __call__(self, target, target_hidden: jax.Array, last_token: jax.Array) -> jax.Array:
@@ -322,8 +306,7 @@ class DFlashDrafter(nnx.Module):
         b, c, _ = target_hidden.shape
         ctx_pos = jnp.broadcast_to(jnp.arange(c)[None], (b, c))
         k_ctx, v_ctx = self._context_kv(target_hidden, ctx_pos)
-        block_pos = c + jnp.broadcast_to(jnp.arange(self.config.block_size)[None], (b, self.config.block_size))
-        return self._block_logits(target, last_token, block_pos, k_ctx, v_ctx, ctx_pos, jnp.ones((b, c), bool))
+        return self._block_logits(target, last_token, jnp.full((b,), c, jnp.int32), k_ctx, v_ctx, kernel=False)
 
 
 def _on_several_devices(module: nnx.Module) -> bool:
