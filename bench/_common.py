@@ -80,7 +80,16 @@ def prefill_every_layer(m, ids, n, c, dense_experts=False):
 def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
     """Nanoseconds per call by kernel name on the GPU's streams over ``calls`` traced calls, and
     the trace's streams' total per call."""
+    per_kernel, _ = device_trace(fn, args, calls)
+    return per_kernel, sum(per_kernel.values())
+
+
+def device_trace(fn, args, calls: int) -> tuple[dict[str, float], float]:
+    """``(nanoseconds per call by kernel name, kernels launched per call)`` on the GPU's streams
+    over ``calls`` traced calls of ``fn(*args)``."""
     jax.block_until_ready(fn(*args))
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    launched = 0
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for _ in range(calls):
@@ -89,7 +98,6 @@ def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
         jax.profiler.stop_trace()
         path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
         data = jax.profiler.ProfileData.from_file(path)
-        per_kernel: dict[str, float] = collections.defaultdict(float)
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
@@ -98,7 +106,8 @@ def device_kernels(fn, args, calls: int) -> tuple[dict[str, float], float]:
                     continue
                 for ev in line.events:
                     per_kernel[ev.name] += ev.duration_ns / calls
-    return dict(per_kernel), sum(per_kernel.values())
+                    launched += 1
+    return dict(per_kernel), launched / calls
 
 
 def log(*a):

@@ -20,3 +20,13 @@ def test_bench_engine_smoke_with_repeats_and_admission_groups():
         assert r["greedy_equal"] == f"{r['requests']}/{r['requests']}"  # float32 on the CPU: generate()'s tokens
         lo, hi = r["ratio_range"]
         assert 0 < lo <= r["engine_over_generate"] <= hi
+
+
+def test_bench_round_kernels_smoke(tmp_path):
+    from bench import bench_round_kernels
+
+    report = bench_round_kernels.main(["--smoke", "--plans", "ddtree:4", "--out", str(tmp_path)])
+    rows = report.sections["rounds"]
+    assert [r["plan"] for r in rows] == ["ar", "ddtree@4"]  # the autoregressive reference comes first
+    assert rows[0]["wall_x_ar"] == 1 and all(r["wall_us"] > 0 for r in rows)
+    assert glob.glob(str(tmp_path / "round_kernels_*.md"))

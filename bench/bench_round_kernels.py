@@ -1,0 +1,135 @@
+"""Where a decoding round's device time goes, per method and budget, beside an autoregressive step
+at the same batch, in one run.
+
+    PYTHONUNBUFFERED=1 python bench/bench_round_kernels.py --batch 64 --plans ar:0 ddtree:4 ddtree:16
+    python bench/bench_round_kernels.py --smoke --out /tmp/bench     # a tiny random pair on the CPU
+
+The round is the engine's compiled call (``serving._device.rounds_and_harvest``, one round and its
+read-back), on the shipped pair (greedy, every row running, 128-token held-out prompts, the cache
+of ``generate``'s default length). Per plan: wall microseconds per round over ``--rounds`` calls
+back to back (untraced); device microseconds per round (the sum of its kernels on the GPU's
+streams, from a profiler trace of as many calls) and kernels per round; both over the
+autoregressive step's; the ``--top`` kernels by time. On a CPU there is no device trace: wall
+time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench._common import Report, device_trace, log
+from bench.bench_e2e import heldout_prompts, smoke_pair
+from ddtree_jax.backend import resolve_backend
+from ddtree_jax.decode_round import DecodePlan, Models, prefill
+from ddtree_jax.decode_state import NO_STOP
+from ddtree_jax.sampling import SamplingParams, batch_sampling
+from ddtree_jax.serving import _device
+
+CAPACITY = 1024  # new tokens a row may hold: the rounds never finish a row
+
+
+def shipped_pair():
+    from tokenizers import Tokenizer
+
+    import ddtree_jax as dt
+    from ddtree_jax.default_model import SHIPPED_DIR
+
+    target = dt.load_target(os.path.join(SHIPPED_DIR, "target"))
+    drafter = dt.load_drafter(os.path.join(SHIPPED_DIR, "drafter"), target)
+    return target, drafter, Tokenizer.from_file(os.path.join(SHIPPED_DIR, "tokenizer.json")), SHIPPED_DIR
+
+
+def start_state(models, tp, dp, plan, prompts):
+    """Every prompt prefilled into its own running row (greedy)."""
+    b = len(prompts)
+    lengths = np.array([len(q) for q in prompts], np.int32)
+    padded = np.zeros((b, int(lengths.max()) - 1), np.int32)
+    for i, q in enumerate(prompts):
+        padded[i, : len(q) - 1] = q[:-1]
+    roots = np.array([q[-1] for q in prompts], np.int32)
+    return prefill(models, tp, dp, plan, jnp.asarray(padded), jnp.asarray(lengths - 1), jnp.asarray(roots),
+                   max_len=int(lengths.max()) + CAPACITY + 64, capacity=CAPACITY,
+                   max_new_tokens=jnp.full((b,), CAPACITY, jnp.int32), stop_ids=jnp.full((b, 1), NO_STOP, jnp.int32),
+                   sampling=batch_sampling(SamplingParams(temperature=0.0), b),
+                   request_ids=jnp.arange(b, dtype=jnp.uint32))
+
+
+def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool) -> dict:
+    """Wall and device time per round of one plan (module doc)."""
+    uses = method != "ar"
+    plan = DecodePlan(method=method, budget=budget, backend=resolve_backend("auto"),
+                      hidden_layer_ids=tuple(drafter.config.target_layer_ids) if uses else ())
+    models, tp, dp = Models.split(target, drafter if uses else None)
+    key = jax.random.key(0)
+    box = [start_state(models, tp, dp, plan, prompts)]
+
+    def one_round():
+        box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
+        return packed
+
+    for _ in range(3):  # compile, warm
+        jax.block_until_ready(one_round())
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        packed = one_round()
+    jax.block_until_ready(packed)
+    row = dict(wall_us=(time.perf_counter() - t0) / rounds * 1e6)
+    if trace:
+        kernels, launched = device_trace(one_round, (), rounds)
+        row.update(device_us=sum(kernels.values()) / 1e3, kernels=launched,
+                   top=sorted(kernels.items(), key=lambda kv: -kv[1]))
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="a tiny random pair on the CPU")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--plans", nargs="+", default=["ar:0", "ddtree:4", "ddtree:16"],
+                    help="method:budget; the first autoregressive plan is the reference (ar:0 is added if absent)")
+    ap.add_argument("--rounds", type=int, default=20, help="calls timed (and traced) per plan")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per plan")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    plans = [(m, int(b)) for m, b in (p.split(":") for p in args.plans)]
+    if not any(m == "ar" for m, _ in plans):
+        plans.insert(0, ("ar", 0))
+    if args.smoke:
+        (target, drafter, tokenizer), data = smoke_pair(), None
+        args.batch, args.rounds = min(args.batch, 2), min(args.rounds, 3)
+    else:
+        target, drafter, tokenizer, pair = shipped_pair()
+        data = os.path.join(pair, "data.json")
+    prompts, _ = heldout_prompts(data, tokenizer, args.batch, 128 if not args.smoke else 16, 128,
+                                 target.config.vocab_size, 0)
+    trace = jax.default_backend() == "gpu"
+    report = Report(args, name="round_kernels", title="One decoding round's device time by kernel",
+                    sections=("rounds", "kernels"))
+    report.notes.append(f"Batch {args.batch}, greedy, every row running; {args.rounds} rounds back to back per "
+                        "plan (wall: untraced; device: the sum of the round's kernels in a trace of as many). "
+                        "x ar: over the autoregressive step of the same run.")
+    rows = {}
+    for method, budget in plans:
+        log(f"{method}:{budget} at batch {args.batch}")
+        rows[(method, budget)] = r = measure(target, drafter, prompts, method, budget, args.rounds, trace)
+        ar = rows.get(("ar", 0)) or r
+        out = dict(plan=f"{method}@{budget}" if method != "ar" else "ar", wall_us=r["wall_us"],
+                   wall_x_ar=r["wall_us"] / ar["wall_us"])
+        if trace:
+            out.update(device_us=r["device_us"], device_x_ar=r["device_us"] / ar["device_us"], kernels=r["kernels"])
+            for name, ns in r["top"][: args.top]:
+                report.add("kernels", dict(plan=out["plan"], kernel=name[:60], us_per_round=ns / 1e3))
+        report.add("rounds", out)
+        log(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
+    log(f"wrote {report.stem}.md")
+    return report
+
+
+if __name__ == "__main__":
+    main()
