@@ -9,8 +9,10 @@ read-back), on the shipped pair (greedy, every row running, 128-token held-out p
 of ``generate``'s default length). Per plan: wall microseconds per round over ``--rounds`` calls
 back to back (untraced); device microseconds per round (the sum of its kernels on the GPU's
 streams, from a profiler trace of as many calls) and kernels per round; both over the
-autoregressive step's; the ``--top`` kernels by time. On a CPU there is no device trace: wall
-time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
+autoregressive step's; the ``--top`` kernels by time. A plan ``method:budget:ref`` runs the
+drafter's attention through its plain-JAX reference instead of the kernel (the round as it was
+before the kernel), in the same run. On a CPU there is no device trace: wall time only.
+Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from bench._common import Report, device_trace, log
 from bench.bench_e2e import heldout_prompts, smoke_pair
-from ddtree_jax.backend import resolve_backend
+from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.decode_round import DecodePlan, Models, prefill
 from ddtree_jax.decode_state import NO_STOP
 from ddtree_jax.sampling import SamplingParams, batch_sampling
@@ -58,6 +60,20 @@ def start_state(models, tp, dp, plan, prompts):
                    max_new_tokens=jnp.full((b,), CAPACITY, jnp.int32), stop_ids=jnp.full((b, 1), NO_STOP, jnp.int32),
                    sampling=batch_sampling(SamplingParams(temperature=0.0), b),
                    request_ids=jnp.arange(b, dtype=jnp.uint32))
+
+
+def with_attention(drafter, backend):
+    """The drafter (the same weights) with its attention run on ``backend``."""
+    from flax import nnx
+
+    from ddtree_jax.models.dflash import DFlashAttention
+
+    graphdef, state = nnx.split(drafter)
+    drafter = nnx.merge(graphdef, state)
+    for _, module in nnx.iter_graph(drafter):
+        if isinstance(module, DFlashAttention):
+            module.attention_backend = backend
+    return drafter
 
 
 def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool) -> dict:
@@ -97,9 +113,9 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels listed per plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
-    plans = [(m, int(b)) for m, b in (p.split(":") for p in args.plans)]
-    if not any(m == "ar" for m, _ in plans):
-        plans.insert(0, ("ar", 0))
+    plans = [(m, int(b), rest == ["ref"]) for m, b, *rest in (p.split(":") for p in args.plans)]
+    if not any(m == "ar" for m, _, _ in plans):
+        plans.insert(0, ("ar", 0, False))
     if args.smoke:
         (target, drafter, tokenizer), data = smoke_pair(), None
         args.batch, args.rounds = min(args.batch, 2), min(args.rounds, 3)
@@ -115,11 +131,13 @@ def main(argv=None):
                         "plan (wall: untraced; device: the sum of the round's kernels in a trace of as many). "
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
-    for method, budget in plans:
-        log(f"{method}:{budget} at batch {args.batch}")
-        rows[(method, budget)] = r = measure(target, drafter, prompts, method, budget, args.rounds, trace)
-        ar = rows.get(("ar", 0)) or r
-        out = dict(plan=f"{method}@{budget}" if method != "ar" else "ar", wall_us=r["wall_us"],
+    for method, budget, ref in plans:
+        log(f"{method}:{budget}{' (reference drafter attention)' if ref else ''} at batch {args.batch}")
+        d = with_attention(drafter, REFERENCE) if ref else drafter
+        rows[(method, budget, ref)] = r = measure(target, d, prompts, method, budget, args.rounds, trace)
+        ar = rows.get(("ar", 0, False)) or r
+        name = "ar" if method == "ar" else f"{method}@{budget}" + (" (reference drafter attention)" if ref else "")
+        out = dict(plan=name, wall_us=r["wall_us"],
                    wall_x_ar=r["wall_us"] / ar["wall_us"])
         if trace:
             out.update(device_us=r["device_us"], device_x_ar=r["device_us"] / ar["device_us"], kernels=r["kernels"])
