@@ -53,3 +53,21 @@ def test_context_past_the_length_is_never_read():
     np.testing.assert_allclose(np.asarray(got), np.asarray(block_attention(q, kc, vc, kb, vb, lengths, **kw)),
                                rtol=1e-6, atol=1e-6)
     assert not jax.numpy.isnan(got).any()
+
+
+@pytest.mark.parametrize("page_size,pages", [(16, 5), (64, 20)])
+def test_paged_context_matches_the_contiguous_one(page_size, pages):
+    """The context read through a page table (rows on scattered pages of one pool) gives the
+    contiguous result, for the kernel (which reads the pages in place) and for the reference."""
+    b, t, n, k, d = 3, 5, 4, 2, 16
+    s = pages * page_size
+    q, kc, vc, kb, vb, lengths = _inputs(page_size, b, s, t, n, k, d)
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.permutation(b * pages + 3)[: b * pages].reshape(b, pages), jnp.int32)
+    pool_k = jnp.zeros((b * pages + 3, page_size, k, d)).at[table].set(kc.reshape(b, pages, page_size, k, d))
+    pool_v = jnp.zeros((b * pages + 3, page_size, k, d)).at[table].set(vc.reshape(b, pages, page_size, k, d))
+    kw = dict(causal=False, window=None, scale=d**-0.5)
+    want = block_attention_reference(q, kc, vc, kb, vb, lengths, **kw)
+    for backend in (KERNEL, Backend(kernels=False)):
+        got = block_attention(q, pool_k, pool_v, kb, vb, lengths, page_table=table, backend=backend, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -418,3 +418,22 @@ def test_block_attention_equals_reference(s, t, n, k, d, causal, window, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
     alone = block_attention(*(a[2:3] for a in args), backend=resolve_backend("pallas"), **kw)
     np.testing.assert_array_equal(np.asarray(got[2:3], np.float32), np.asarray(alone, np.float32))
+
+
+def test_paged_block_attention_equals_contiguous():
+    """The compiled kernel reading the context through a page table: the contiguous kernel's bits."""
+    from ddtree_jax.backend import resolve_backend
+    from ddtree_jax.models.block_attention import block_attention
+
+    b, t, n, k, d, page, pages = 4, 16, 6, 2, 64, 64, 19
+    rng = np.random.default_rng(0)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)  # noqa: E731
+    q, kc, vc, kb, vb = arr(b, t, n, d), arr(b, pages * page, k, d), arr(b, pages * page, k, d), arr(b, t, k, d), \
+        arr(b, t, k, d)
+    lengths = jnp.asarray([pages * page, 0, 100, 700], jnp.int32)
+    table = jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32)
+    pool = lambda x: jnp.zeros((b * pages, page, k, d), x.dtype).at[table].set(x.reshape(b, pages, page, k, d))  # noqa: E731
+    kw = dict(causal=False, window=None, scale=d**-0.5, backend=resolve_backend("pallas"))
+    want = block_attention(q, kc, vc, kb, vb, lengths, **kw)
+    got = block_attention(q, pool(kc), pool(vc), kb, vb, lengths, page_table=table, **kw)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.backend import Backend, has_kernel, kernel_module
 from ddtree_jax.models._layers import masked_softmax
+from ddtree_jax.models.paged_cache import gather_positions
 
 __all__ = ["block_attention", "block_attention_reference", "block_mask"]
 
@@ -54,12 +55,17 @@ def block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, lengths, *, causal:
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, lengths, *, causal: bool, window: int | None, scale: float,
-                    backend: Backend) -> jax.Array:
+                    backend: Backend, page_table: jax.Array | None = None) -> jax.Array:
     """``block_attention_reference``'s result, through the Triton kernel where ``backend`` runs it
-    (each row's result then depends only on its own data, whatever the batch)."""
+    (each row's result then depends only on its own data, whatever the batch). With ``page_table
+    [B, pages]`` the context is a page pool ``[N, P, K, D]`` (``paged_cache.PagedDraftCache``):
+    the kernel reads each row's pages in place; the reference gathers them first."""
     if has_kernel(backend, "block_attention"):
         return kernel_module(backend, "block_attention").block_attention(
-            q, k_ctx, v_ctx, k_blk, v_blk, lengths, causal=causal, window=window, scale=scale,
+            q, k_ctx, v_ctx, k_blk, v_blk, lengths, page_table, causal=causal, window=window, scale=scale,
             interpret=backend.interpret)
+    if page_table is not None:
+        length = page_table.shape[1] * k_ctx.shape[1]
+        k_ctx, v_ctx = (gather_positions(x, page_table, length) for x in (k_ctx, v_ctx))
     return block_attention_reference(q, k_ctx, v_ctx, k_blk, v_blk, lengths, causal=causal, window=window,
                                      scale=scale)

@@ -117,11 +117,11 @@ class DFlashAttention(nnx.Module):
         return k, self.v_proj(x).reshape(shape)
 
     def __call__(self, x, cos, sin, k_ctx, v_ctx, lengths, *, causal: bool, window: int | None,
-                 kernel: bool = True) -> jax.Array:
+                 kernel: bool = True, page_table=None) -> jax.Array:
         """Block ``x [B,T,H]`` at positions ``lengths + t`` attends to its context ``k_ctx, v_ctx
-        [B,S,kvh,hd]`` (the first ``lengths [B]`` positions) and to itself
-        (``models.block_attention``: ``causal`` and ``window`` as there; ``kernel=False``: its
-        plain-JAX reference whatever ``attention_backend`` says)."""
+        [B,S,kvh,hd]`` (the first ``lengths [B]`` positions; with ``page_table``, page pools) and
+        to itself (``models.block_attention``: ``causal`` and ``window`` as there;
+        ``kernel=False``: its plain-JAX reference whatever ``attention_backend`` says)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
@@ -129,7 +129,7 @@ class DFlashAttention(nnx.Module):
         k_blk, v_blk = self.kv(x, cos, sin)
         out = block_attention(q, k_ctx.astype(x.dtype), v_ctx.astype(x.dtype), k_blk, v_blk, lengths,
                               causal=causal, window=window, scale=cfg.head_dim**-0.5,
-                              backend=self.attention_backend if kernel else REFERENCE)
+                              backend=self.attention_backend if kernel else REFERENCE, page_table=page_table)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -140,9 +140,10 @@ class DFlashLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x, cos, sin, k_ctx, v_ctx, lengths, *, causal: bool, window: int | None, kernel: bool):
+    def __call__(self, x, cos, sin, k_ctx, v_ctx, lengths, *, causal: bool, window: int | None, kernel: bool,
+                 page_table=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, lengths, causal=causal, window=window,
-                               kernel=kernel)
+                               kernel=kernel, page_table=page_table)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -250,9 +251,10 @@ class DFlashDrafter(nnx.Module):
 
     # ---- block ----
 
-    def _block_logits(self, target, last_token, lengths, k_ctx, v_ctx, *, kernel: bool):
-        """Shared block pass. ``k_ctx/v_ctx``: per-layer ``[B,S,kvh,hd]`` at positions ``0 .. S-1``,
-        of which the first ``lengths [B]`` are the context; the block sits at ``lengths + i``.
+    def _block_logits(self, target, last_token, lengths, k_ctx, v_ctx, *, kernel: bool, page_table=None):
+        """Shared block pass. ``k_ctx/v_ctx``: per-layer ``[B,S,kvh,hd]`` at positions ``0 .. S-1``
+        (with ``page_table``: page pools), of which the first ``lengths [B]`` are the context; the
+        block sits at ``lengths + i``.
         ``kernel``: the attention runs where ``_configure`` said (else its reference: the passes
         that are differentiated, which the kernel is not)."""
         cfg = self.config
@@ -264,21 +266,19 @@ class DFlashDrafter(nnx.Module):
         cos, sin = rope_cos_sin(lengths[:, None] + jnp.arange(cfg.block_size)[None], *cfg.rope_tables())
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_ctx[i], v_ctx[i], lengths, causal=cfg.layer_is_causal(i),
-                      window=cfg.layer_window(i), kernel=kernel)
+                      window=cfg.layer_window(i), kernel=kernel, page_table=page_table)
         return target.lm_logits(self.norm(x)[:, 1:])
 
     def propose(self, target, cache, last_token: jax.Array) -> jax.Array:
         """Draft one block per row from the cached context (a ``DraftCache`` or a
-        ``PagedDraftCache``: its contiguous view of ``max_len`` positions).
+        ``PagedDraftCache``, whose pages the attention kernel reads in place).
 
         ``last_token [B]``: each row's last committed token (not yet in the context), placed at
         position ``cache.lengths``. Returns logits ``float32 [B, block_size-1, V]`` for depths
         ``1 .. block_size-1``.
         """
-        s = cache.max_len
-        k = [cache.layout.view(buf, s) for buf in cache.k]
-        v = [cache.layout.view(buf, s) for buf in cache.v]
-        return self._block_logits(target, last_token, cache.lengths, k, v, kernel=True)
+        return self._block_logits(target, last_token, cache.lengths, cache.k, cache.v, kernel=True,
+                                  page_table=cache.layout.page_table)
 
     def anchored_blocks(self, target, target_hidden: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:
         """Many blocks per sequence in one pass (training, the DFlash recipe's random anchors).

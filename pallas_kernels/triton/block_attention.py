@@ -9,6 +9,10 @@ causal, window, scale)`` -> ``[B,T,N,D]`` in the query dtype, float32 accumulato
 key-value head ``n // (N // K)``. Reference: ``ddtree_jax.models.block_attention.block_attention
 (impl="reference")``; tests/test_block_attention.py.
 
+With ``page_table [B, pages]`` the context is a page pool (``k_ctx, v_ctx [N,P,K,D]``, position
+``p`` of row ``b`` at page ``page_table[b, p // P]``, slot ``p % P``; ``lengths <= pages * P``):
+the same kernel, each key tile loaded from its page (the tile divides ``P``).
+
 FlashAttention-2 online softmax. One program per (row, key-value head, context chunk): its ``G *
 T`` query rows (``G = N // K`` heads share the keys) loop over the chunk's key tiles up to the
 row's length, so a round's cost follows the context the rows hold, not the cache's ``S``. Chunks
@@ -51,8 +55,21 @@ def _fold(carry, s, v):
     return o * corr[:, None] + _dot(p.astype(v.dtype), v), m_new, den * corr + p.sum(axis=-1)
 
 
+def _paged_kernel(table_ref, *refs, page_size, **static):
+    """``_kernel`` over a page pool: the key tile at position ``k0`` is slots ``[k0 % page_size, +
+    BK)`` of page ``table[b, k0 // page_size]``."""
+    def tile_at(b, k0):
+        return table_ref[b, k0 // page_size], k0 % page_size
+
+    _kernel(*refs, tile_at=tile_at, **static)
+
+
+def _contiguous_tile(b, k0):
+    return b, k0
+
+
 def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, den_ref, *, T, G, BM, BT, BK, DP,
-            causal, window, scale_log2):
+            causal, window, scale_log2, tile_at=_contiguous_tile):
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n = len_ref[b]
     tok = jnp.arange(BM, dtype=jnp.int32) // G
@@ -64,8 +81,9 @@ def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, den_re
         k0 = pl.multiple_of(lo + i * BK, BK)
         kpos = k0 + jnp.arange(BK, dtype=jnp.int32)
         kin = kpos < hi
-        k = plgpu.load(kc_ref.at[b, pl.ds(k0, BK), kh, :], mask=kin[:, None], other=0)
-        v = plgpu.load(vc_ref.at[b, pl.ds(k0, BK), kh, :], mask=kin[:, None], other=0)
+        row, slot = tile_at(b, k0)
+        k = plgpu.load(kc_ref.at[row, pl.ds(slot, BK), kh, :], mask=kin[:, None], other=0)
+        v = plgpu.load(vc_ref.at[row, pl.ds(slot, BK), kh, :], mask=kin[:, None], other=0)
         vis = kin[None, :]
         if window is not None:
             vis = vis & (n + tok[:, None] - kpos[None, :] < window)
@@ -89,40 +107,48 @@ def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, den_re
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "scale", "interpret"))
-def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, lengths, *, causal: bool = False, window: int | None = None,
-                    scale: float, interpret: bool = False):
-    """The module docstring's attention; ``lengths <= S``. The context is read in place when ``S``
-    is a multiple of 16 and ``D`` a power of two from 16 (else it is padded first: a copy)."""
+def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, lengths, page_table=None, *, causal: bool = False,
+                    window: int | None = None, scale: float, interpret: bool = False):
+    """The module docstring's attention; ``lengths <= S`` (paged: ``<= pages * P``). The context
+    is read in place when ``S`` (paged: ``P``) is a multiple of 16 and ``D`` a power of two from 16
+    (else it is padded first: a copy)."""
     B, T, N, D = q.shape
-    _, S, K, _ = k_ctx.shape
+    _, S, K, _ = k_ctx.shape  # paged: S is the page size P
     G = N // K
     R = T * G
     BM, BT, DP = _pow2(R), _pow2(T), _pow2(D)
     BK = next((bk for bk in (64, 32, 16) if S % bk == 0), 64)
     SP = -(-S // BK) * BK
     if (SP, DP) != (S, D):
+        if page_table is not None and SP != S:
+            raise ValueError(f"block_attention: pages of {S} positions; the kernel needs a multiple of 16")
         pad = ((0, 0), (0, SP - S), (0, 0), (0, DP - D))
         k_ctx, v_ctx = jnp.pad(k_ctx, pad), jnp.pad(v_ctx, pad)
-    chunks = pl.cdiv(S, CHUNK)
+    chunks = pl.cdiv(S if page_table is None else page_table.shape[1] * S, CHUNK)
     # [B, K, BM, DP]: a key-value head's query rows token-major (row t*G + g), zero padded
     rows = q.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, R, D)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, BM - R), (0, DP - D)))
     blk = ((0, 0), (0, BT - T), (0, 0), (0, DP - D))
     k_blk, v_blk = jnp.pad(k_blk, blk).astype(k_ctx.dtype), jnp.pad(v_blk, blk).astype(k_ctx.dtype)
-    kernel = functools.partial(_kernel, T=T, G=G, BM=BM, BT=BT, BK=BK, DP=DP, causal=causal, window=window,
-                               scale_log2=scale * _LOG2E)
+    static = dict(T=T, G=G, BM=BM, BT=BT, BK=BK, DP=DP, causal=causal, window=window, scale_log2=scale * _LOG2E)
+    args = (lengths.astype(jnp.int32), rows.astype(k_ctx.dtype), k_ctx, v_ctx, k_blk, v_blk)
+    if page_table is None:
+        kernel = functools.partial(_kernel, **static)
+    else:
+        kernel = functools.partial(_paged_kernel, page_size=S, **static)
+        args = (page_table.astype(jnp.int32),) + args
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd, f32 = jax.ShapeDtypeStruct, jnp.float32
     o, m, den = pl.pallas_call(
         kernel,
         grid=(B, K, chunks),
-        in_specs=[any_spec] * 6,
+        in_specs=[any_spec] * len(args),
         out_specs=[any_spec] * 3,
         out_shape=[sd((B, K, chunks, BM, DP), f32), sd((B, K, chunks, BM), f32), sd((B, K, chunks, BM), f32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="block_attention",
-    )(lengths.astype(jnp.int32), rows.astype(k_ctx.dtype), k_ctx, v_ctx, k_blk, v_blk)
+    )(*args)
     # the chunks in order (a chunk past a row's length holds m = _NEG, den = 0: folding it changes nothing)
     acc, m_acc, den_acc = o[:, :, 0], m[:, :, 0], den[:, :, 0]
     for c in range(1, chunks):
