@@ -53,6 +53,23 @@ def test_prompts_sharing_a_prefix_share_its_full_pages(models):
     assert got.cached_prompt_tokens == 48
 
 
+def test_the_drafters_attention_kernel_reads_pages_as_it_reads_rows(models):
+    """The drafter's attention kernel (interpret mode) reading a paged context: the contiguous
+    kernel run's tokens and acceptance, round for round; greedy rows keep the reference drafter's
+    tokens (the target's law does not depend on the draft)."""
+    from ddtree_jax.config import ExecutionConfig
+
+    target, drafter = models
+    kernel_drafter = drafter.with_execution(ExecutionConfig(impl="pallas"))
+    prompts = [[1, 2, 3, 4, 5] * 4, [7, 8], [9, 10, 11] * 7]
+    kw = dict(method="ddtree", budget=6, max_new_tokens=10, sampling=SAMPLING, seed=5, sync_every=2)
+    contiguous = generate(target, kernel_drafter, prompts, **kw)
+    paged = generate(target, kernel_drafter, prompts, page_size=PAGE, **kw)
+    assert paged.tokens == contiguous.tokens
+    assert [r.acceptance_lengths for r in paged.requests] == [r.acceptance_lengths for r in contiguous.requests]
+    assert contiguous.tokens[0] == generate(target, drafter, prompts, **kw).tokens[0]  # the greedy row
+
+
 @pytest.mark.parametrize("page_size", [8, 24, 16.0, "16"])
 def test_bad_page_size_names_the_field(models, page_size):
     with pytest.raises(ConfigError) as err:
