@@ -117,8 +117,8 @@ class ControlledDrafter(DFlashDrafter):
         super().__init__(cfg, **kwargs)
         self.acceptance = acceptance
 
-    def propose(self, target, cache, last_token: jax.Array) -> jax.Array:
-        logits = super().propose(target, cache, last_token)
+    def propose(self, target, cache, last_token: jax.Array, *, depths: int | None = None) -> jax.Array:
+        logits = super().propose(target, cache, last_token, depths=depths)
         vocab, a = logits.shape[-1], self.acceptance
 
         def step(x, _):

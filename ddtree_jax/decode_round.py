@@ -1,6 +1,7 @@
 """The compiled decoding round: draft, tree, verify, sample, commit — for every slot at once.
 
-    draft   the drafter proposes a block                 -> draft logits [B, L, V]
+    draft   the drafter proposes a block                 -> draft logits [B, L, V] (DDTree: only
+            the min(L, budget) depths its tree can reach)
     tree    DDTree's best tree, the DFlash chain, or AR's root-only tree (M = budget + 1 slots)
     verify  the target's forward pass over the tree      -> logits at every node [B, M, V]
     sample  every node draws from its request's own rule -> [B, M] tokens
@@ -259,7 +260,12 @@ def _tree_of(target, draft_logits, budget: int, backend: Backend):
 def _draft(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
     if plan.method == "ar":
         return dict(draft_logits=None)
-    return dict(draft_logits=drafter.propose(target, state.draft_cache, state.root))
+    depths = None
+    if plan.method == "ddtree":
+        # A best-first tree of b nodes is at most b deep: the depths past it are never read.
+        deepest = max(plan.expected_budgets) if plan.expected_budgets else plan.budget
+        depths = deepest if deepest < drafter.config.block_size - 1 else None
+    return dict(draft_logits=drafter.propose(target, state.draft_cache, state.root, depths=depths))
 
 
 def _tree(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):

@@ -64,9 +64,9 @@ class BigramOracleDrafter(nnx.Module):
     def append_context(self, cache: CountCache, target_hidden, counts) -> CountCache:
         return CountCache(cache.lengths + counts)
 
-    def propose(self, target, cache, last_token):
+    def propose(self, target, cache, last_token, *, depths=None):
         logits, tok = [], last_token
-        for _ in range(self.config.block_size - 1):
+        for _ in range(depths or self.config.block_size - 1):
             tok = jnp.argmax(target.lm_logits(target.model.norm(target.embed(tok))), axis=-1)
             logits.append(jax.nn.one_hot(tok, target.config.vocab_size) * 30.0)
         return jnp.stack(logits, axis=1)
@@ -104,9 +104,9 @@ class ContinuationOracleDrafter(nnx.Module):
     def append_context(self, cache: TableCache, target_hidden, counts) -> TableCache:
         return TableCache(cache.lengths + counts, cache.table)
 
-    def propose(self, target, cache: TableCache, last_token):
+    def propose(self, target, cache: TableCache, last_token, *, depths=None):
         # the root sits at position ``lengths`` (the committed prefix excludes it)
         n = cache.table.shape[1]
-        pos = cache.lengths[:, None] + jnp.arange(1, self.config.block_size)[None]
+        pos = cache.lengths[:, None] + jnp.arange(1, 1 + (depths or self.config.block_size - 1))[None]
         tok = jnp.take_along_axis(cache.table, jnp.minimum(pos, n - 1), axis=1)
         return jax.nn.one_hot(tok, self.vocab_size) * 30.0

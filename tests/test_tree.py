@@ -208,3 +208,16 @@ def test_ancestor_mask_doubling_equals_pointer_walk():
     args = (jnp.asarray(parents), jnp.asarray(valid))
     np.testing.assert_array_equal(np.asarray(ancestor_mask_doubling(*args, L)),
                                   np.asarray(ancestor_mask_from_parents(*args, L)))
+
+
+@pytest.mark.parametrize("budget", [1, 4, 9])
+def test_a_tree_of_budget_b_needs_only_the_first_b_depths(budget):
+    """The round drafts only ``min(L, budget)`` depths: the best-first tree built from them is the
+    tree built from all ``L`` (a tree of ``b`` nodes is at most ``b`` deep), field for field."""
+    logits = jnp.asarray(random_draft_logits(budget, 3, 12, 50))
+    for impl in ("reference", "pallas"):
+        full = dt.build_draft_tree(logits, budget, impl=impl)
+        cut = dt.build_draft_tree(logits[:, :budget], budget, impl=impl)
+        for f in ("tokens", "parents", "depth", "score", "first_child", "next_sibling", "valid", "ancestor_mask"):
+            np.testing.assert_array_equal(np.asarray(getattr(cut, f)), np.asarray(getattr(full, f)), err_msg=f)
+        assert int(full.depth.max()) <= budget

@@ -251,10 +251,12 @@ class DFlashDrafter(nnx.Module):
 
     # ---- block ----
 
-    def _block_logits(self, target, last_token, lengths, k_ctx, v_ctx, *, kernel: bool, page_table=None):
+    def _block_logits(self, target, last_token, lengths, k_ctx, v_ctx, *, kernel: bool, page_table=None,
+                      depths: int | None = None):
         """Shared block pass. ``k_ctx/v_ctx``: per-layer ``[B,S,kvh,hd]`` at positions ``0 .. S-1``
         (with ``page_table``: page pools), of which the first ``lengths [B]`` are the context; the
-        block sits at ``lengths + i``.
+        block sits at ``lengths + i``. ``depths``: the logits of the first ``depths`` depths only
+        (the block's passes are the same: its attention is over all of it).
         ``kernel``: the attention runs where ``_configure`` said (else its reference: the passes
         that are differentiated, which the kernel is not)."""
         cfg = self.config
@@ -267,18 +269,19 @@ class DFlashDrafter(nnx.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_ctx[i], v_ctx[i], lengths, causal=cfg.layer_is_causal(i),
                       window=cfg.layer_window(i), kernel=kernel, page_table=page_table)
-        return target.lm_logits(self.norm(x)[:, 1:])
+        return target.lm_logits(self.norm(x)[:, 1 : None if depths is None else 1 + depths])
 
-    def propose(self, target, cache, last_token: jax.Array) -> jax.Array:
+    def propose(self, target, cache, last_token: jax.Array, *, depths: int | None = None) -> jax.Array:
         """Draft one block per row from the cached context (a ``DraftCache`` or a
         ``PagedDraftCache``, whose pages the attention kernel reads in place).
 
         ``last_token [B]``: each row's last committed token (not yet in the context), placed at
         position ``cache.lengths``. Returns logits ``float32 [B, block_size-1, V]`` for depths
-        ``1 .. block_size-1``.
+        ``1 .. block_size-1``; with ``depths``, those of depths ``1 .. depths`` only (the same
+        values; the LM head then runs on those positions alone).
         """
         return self._block_logits(target, last_token, cache.lengths, cache.k, cache.v, kernel=True,
-                                  page_table=cache.layout.page_table)
+                                  page_table=cache.layout.page_table, depths=depths)
 
     def anchored_blocks(self, target, target_hidden: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:
         """Many blocks per sequence in one pass (training, the DFlash recipe's random anchors).

@@ -107,6 +107,9 @@ class DraftModel(Protocol):
         """Add the target's features ``[B, A, n*H]`` of newly committed tokens (``counts [B]`` valid)."""
         ...
 
-    def propose(self, target: TargetModel, cache: RowCache, last_token: jax.Array) -> jax.Array:
-        """Draft logits ``float32 [B, L, V]`` for depths ``1..L`` after ``last_token [B]``."""
+    def propose(self, target: TargetModel, cache: RowCache, last_token: jax.Array, *,
+                depths: int | None = None) -> jax.Array:
+        """Draft logits ``float32 [B, L, V]`` for depths ``1..L`` after ``last_token [B]``; with
+        ``depths``, only the first ``depths`` of them (the same values: a tree of budget ``b``
+        never goes deeper than ``b``)."""
         ...
