@@ -501,6 +501,7 @@ def load_drafter(
     dtype = target.model.embed_tokens.weight.dtype if dtype is None else _resolve_dtype(dtype, raw, path)
     model = nnx.eval_shape(lambda: arch.model_class(cfg, rngs=nnx.Rngs(0), dtype=dtype, execution=execution))
     _load_into(model, path, skip=lambda name: False, fp8_block=_fp8_block(raw), mesh=mesh, mesh_axes=mesh_axes)
+    _tell_placement(model, mesh, mesh_axes)
     return model if execution is None or not execution.batch_invariant else model.with_execution(execution)
 
 

@@ -2,7 +2,8 @@
 tensor axes, and expert=8 with data-parallel attention) gives the same tokens as the unsharded
 models, greedy and seeded sampling; the compiled round on the data-parallel layout exchanges
 only the MoE's tokens; the MoE kernel path runs expert-parallel without gathering weights, with
-rows over data or over data and expert; the per-head prefill too."""
+rows over data or over data and expert; the per-head prefill too; a drafter loaded on a mesh
+attends through the plain path, not its one-device kernel."""
 
 import os
 import subprocess
@@ -25,6 +26,12 @@ SCRIPT = textwrap.dedent("""
     assert len(st.model.layers[1].mlp.experts.gate_up_proj[...].sharding.device_set) == 8
     pt = dt.load_target(path + "/target", dtype=jnp.float32)
     pd = dt.load_drafter(path + "/drafter", pt)
+    # the drafter's attention kernel runs on one device; loaded on a mesh, the plain path (XLA partitions it)
+    kernels = dt.ExecutionConfig(impl="pallas")
+    on_mesh = dt.load_drafter(path + "/drafter", st, mesh=mesh, execution=kernels)
+    alone = dt.load_drafter(path + "/drafter", pt, execution=kernels)
+    backends = lambda d: {layer.self_attn.attention_backend.kernels for layer in d.layers}  # noqa: E731
+    assert backends(on_mesh) == {False} and backends(alone) == {True}, (backends(on_mesh), backends(alone))
     # the per-head prefill (heads over the tensor axis, in a shard_map) on the 5-token prompt; the
     # sharded model made by with_execution keeps its placement; a greedy and a seeded row
     st, pt = (m.with_execution(dt.ExecutionConfig(per_head_prefill_min_tokens=4)) for m in (st, pt))
