@@ -29,20 +29,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.triton._online_softmax import _LOG2E, _contiguous_tile, _dot, _fresh, _merge, _paged
+
 __all__ = ["CHUNK", "block_attention"]
 
 CHUNK = 1024  # context positions per program
-_LOG2E = 1.4426950408889634
-_NEG = -1e30  # a finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf
 
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
-
-
-def _dot(a, b, trans_b=False):
-    exact = a.dtype == jnp.float32 and b.dtype == jnp.float32  # float32 tests: IEEE products, not tf32
-    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
 
 
 def _fold(carry, s, v):
@@ -53,19 +48,6 @@ def _fold(carry, s, v):
     corr = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     return o * corr[:, None] + _dot(p.astype(v.dtype), v), m_new, den * corr + p.sum(axis=-1)
-
-
-def _paged_kernel(table_ref, *refs, page_size, **static):
-    """``_kernel`` over a page pool: the key tile at position ``k0`` is slots ``[k0 % page_size, +
-    BK)`` of page ``table[b, k0 // page_size]``."""
-    def tile_at(b, k0):
-        return table_ref[b, k0 // page_size], k0 % page_size
-
-    _kernel(*refs, tile_at=tile_at, **static)
-
-
-def _contiguous_tile(b, k0):
-    return b, k0
 
 
 def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, den_ref, *, T, G, BM, BT, BK, DP,
@@ -90,8 +72,7 @@ def _kernel(len_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, m_ref, den_re
         s = jnp.where(vis, _dot(q, k, trans_b=True) * scale_log2, -jnp.inf)
         return _fold(carry, s, v)
 
-    fresh = (jnp.zeros((BM, DP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32))
-    carry = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), BK), ctx_tile, fresh)
+    carry = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), BK), ctx_tile, _fresh(BM, DP))
     # the block's own keys, folded in chunk 0 only (elsewhere every score is hidden: no change)
     t2 = jnp.arange(BT, dtype=jnp.int32)
     vis = (t2 < T)[None, :] & (sp == 0)
@@ -135,7 +116,7 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, lengths, page_table=None, *, 
     if page_table is None:
         kernel = functools.partial(_kernel, **static)
     else:
-        kernel = functools.partial(_paged_kernel, page_size=S, **static)
+        kernel = functools.partial(_paged(_kernel), page_size=S, **static)
         args = (page_table.astype(jnp.int32),) + args
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     sd, f32 = jax.ShapeDtypeStruct, jnp.float32
@@ -152,9 +133,6 @@ def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, lengths, page_table=None, *, 
     # the chunks in order (a chunk past a row's length holds m = _NEG, den = 0: folding it changes nothing)
     acc, m_acc, den_acc = o[:, :, 0], m[:, :, 0], den[:, :, 0]
     for c in range(1, chunks):
-        m_new = jnp.maximum(m_acc, m[:, :, c])
-        a, e = jnp.exp2(m_acc - m_new), jnp.exp2(m[:, :, c] - m_new)
-        acc = acc * a[..., None] + o[:, :, c] * e[..., None]
-        den_acc, m_acc = den_acc * a + den[:, :, c] * e, m_new
+        acc, m_acc, den_acc = _merge((acc, m_acc, den_acc), (o[:, :, c], m[:, :, c], den[:, :, c]))
     out = acc[:, :, :R, :D] / den_acc[:, :, :R, None]  # every token sees itself: den > 0
     return out.reshape(B, K, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, N, D).astype(q.dtype)

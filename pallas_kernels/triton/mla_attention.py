@@ -27,11 +27,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.triton._online_softmax import _LOG2E, _NEG, _contiguous_tile, _dot, _fresh, _merge, _paged
+
 __all__ = ["auto_split_keys", "default_tiles", "merge_block", "mla_attention"]
 
-_LOG2E = 1.4426950408889634
-# A finite "minus infinity" for running maxima: exp2(m_old - m_new) never sees inf - inf.
-_NEG = -1e30
 # Value columns per merge program: a [64, 64] float32 tile is 32 registers a thread at 4 warps
 # (the whole [64, 512] accumulator would be 256 and spill).
 _MERGE_COLS = 64
@@ -51,41 +50,6 @@ def _row_span(rt, *, H, T, S, BM, causal, start):
     else:
         kv_end = start + T
     return rows, tok, tok_lo, jnp.minimum(kv_end, S)
-
-
-def _dot(a, b, trans_b=False):
-    # float32 inputs (tests, reference-precision runs) use IEEE products, not tf32.
-    exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
-    return plgpu.dot(a, b, trans_b=trans_b, allow_tf32=False if exact else None)
-
-
-def _merge(carry, part):
-    """Fold one key range's unnormalised ``(o, m, den)`` into a running total (the same expressions
-    in the attention kernel's segment loop and in the merge kernel: same bits either way)."""
-    o, m, den = carry
-    o_s, m_s, den_s = part
-    m_new = jnp.maximum(m, m_s)
-    a, c = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-    return o * a[:, None] + o_s * c[:, None], m_new, den * a + den_s * c
-
-
-def _fresh(BM, RP):
-    return jnp.zeros((BM, RP), jnp.float32), jnp.full((BM,), _NEG, jnp.float32), jnp.zeros((BM,), jnp.float32)
-
-
-def _contiguous_tile(b, k0):
-    """The cache row and first slot of row ``b``'s key tile at position ``k0`` in a ``[B,S,...]`` cache."""
-    return b, k0
-
-
-def _paged_attn_kernel(table_ref, *refs, page_size, **static):
-    """``_attn_kernel`` over a page pool: row ``b``'s key tile at position ``k0`` (a multiple of the
-    key tile, which divides ``page_size``) is slots ``[k0 % page_size, + BK)`` of page
-    ``table[b, k0 // page_size]``."""
-    def tile_at(b, k0):
-        return table_ref[b, k0 // page_size], k0 % page_size
-
-    _attn_kernel(*refs, tile_at=tile_at, **static)
 
 
 def _attn_kernel(start_ref, qn_ref, qr_ref, lat_ref, kr_ref, bm_ref, *out_refs, H, T, S, R, r, dr, RP, DRP, BM, BK,
@@ -349,7 +313,7 @@ def mla_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, k_r
     if page_table is None:
         kernel = functools.partial(_attn_kernel, **tile)
     else:
-        kernel = functools.partial(_paged_attn_kernel, page_size=slots, **tile)
+        kernel = functools.partial(_paged(_attn_kernel), page_size=slots, **tile)
         args = (page_table.astype(jnp.int32),) + args
     outs = pl.pallas_call(
         kernel,
