@@ -66,13 +66,9 @@ def with_attention(drafter, backend):
     """The drafter (the same weights) with its attention run on ``backend``."""
     from flax import nnx
 
-    from ddtree_jax.models.dflash import DFlashAttention
-
     graphdef, state = nnx.split(drafter)
     drafter = nnx.merge(graphdef, state)
-    for _, module in nnx.iter_graph(drafter):
-        if isinstance(module, DFlashAttention):
-            module.attention_backend = backend
+    drafter._attend_on(backend)
     return drafter
 
 

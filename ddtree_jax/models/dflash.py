@@ -106,7 +106,6 @@ class DFlashAttention(nnx.Module):
         self.o_proj = Linear(cfg.num_attention_heads * hd, h, axes=("tensor", None), rngs=rngs, dtype=dtype)
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.fixed_order = None  # static, as ``Linear.fixed_order`` (the projections' products)
         self.attention_backend = REFERENCE  # static: where ``block_attention`` runs (``DFlashDrafter._configure``)
 
     def kv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -180,29 +179,32 @@ class DFlashDrafter(nnx.Module):
         return model
 
     def _configure(self, execution: ExecutionConfig) -> None:
-        """Check ``execution`` and set every product's static ``fixed_order`` from it (the one
-        place that does)."""
+        """Check ``execution`` and set every product's static ``fixed_order`` and the attention's
+        backend from it (the one place that does)."""
         backend = execution_backend(execution, "drafter")
-        if execution.batch_invariant and _on_several_devices(self):
+        several = _on_several_devices(self)
+        if execution.batch_invariant and several:
             raise ConfigError("ExecutionConfig", "batch_invariant",
                               "the fixed-order product runs on one device; this drafter is placed on a mesh")
         fixed = backend if execution.batch_invariant else None
         for _, module in nnx.iter_graph(self):
-            if isinstance(module, (Linear, DFlashAttention)):
+            if isinstance(module, Linear):
                 module.fixed_order = fixed
-            if isinstance(module, DFlashAttention):
-                # the attention kernel runs on one device (a mesh runs the plain-JAX path, which
-                # XLA partitions); its rows are batch-invariant by construction
-                module.attention_backend = REFERENCE if _on_several_devices(self) else backend
+        # the attention kernel runs on one device (a mesh runs the plain-JAX path, which XLA
+        # partitions); its rows are batch-invariant by construction
+        self._attend_on(REFERENCE if several else backend)
         self._execution = execution
 
     def _learn_placement(self, mesh, mesh_axes) -> None:
-        """``init_on_mesh``: a drafter placed on a mesh of several devices attends through the
-        plain-JAX path."""
+        """``init_on_mesh``, ``load_drafter``: a drafter placed on a mesh of several devices attends
+        through the plain-JAX path."""
         if mesh.size > 1:
-            for _, module in nnx.iter_graph(self):
-                if isinstance(module, DFlashAttention):
-                    module.attention_backend = REFERENCE
+            self._attend_on(REFERENCE)
+
+    def _attend_on(self, backend) -> None:
+        """Every layer's attention runs on ``backend`` (``DFlashAttention.attention_backend``)."""
+        for layer in self.layers:
+            layer.self_attn.attention_backend = backend
 
     # ---- context ----
 
