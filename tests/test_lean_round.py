@@ -21,17 +21,25 @@ from tests._model_fixtures import tiny_dflash, tiny_kimi
 MAX_LEN = 2999  # distinctive: no other dimension of the round has this size
 
 
-def test_round_updates_caches_in_place():
+def _greedy_rows(budget, prompts, *, max_len, capacity, max_new_tokens):
+    """``(models, tparams, dparams, plan, state)``: tiny models, a reference DDTree plan of
+    ``budget`` and every row of ``prompts [B, P]`` prefilled (its last token the root), greedy."""
     target = tiny_kimi(0)
     drafter = tiny_dflash(target, 1)
     (tg, tp), (dg, dp) = nnx.split(target), nnx.split(drafter)
     models = Models(tg, dg)
-    plan = DecodePlan(method="ddtree", budget=6, backend=resolve_backend("reference"),
+    plan = DecodePlan(method="ddtree", budget=budget, backend=resolve_backend("reference"),
                       hidden_layer_ids=tuple(drafter.config.target_layer_ids))
-    b = 2
-    state = prefill(models, tp, dp, plan, jnp.ones((b, 4), jnp.int32), jnp.full((b,), 4), jnp.ones((b,), jnp.int32),
-                    max_len=MAX_LEN, capacity=32, max_new_tokens=jnp.full((b,), 16), stop_ids=jnp.full((b, 1), -2),
+    b, p = prompts.shape
+    state = prefill(models, tp, dp, plan, prompts, jnp.full((b,), p), prompts[:, -1], max_len=max_len,
+                    capacity=capacity, max_new_tokens=jnp.full((b,), max_new_tokens), stop_ids=jnp.full((b, 1), -2),
                     sampling=batch_sampling([dt.SamplingParams(temperature=0.0)] * b, b), request_ids=jnp.arange(b))
+    return models, tp, dp, plan, state
+
+
+def test_round_updates_caches_in_place():
+    models, tp, dp, plan, state = _greedy_rows(6, jnp.ones((2, 4), jnp.int32), max_len=MAX_LEN, capacity=32,
+                                               max_new_tokens=16)
     buffers = {tuple(a.shape) for a in jax.tree.leaves((state.target_cache, state.draft_cache)) if MAX_LEN in a.shape}
     assert buffers, "the caches should hold arrays of the cache length"
     hlo = run_rounds.lower(models, tp, dp, plan, state, jax.random.key(0), max_rounds=2).compile().as_text()
@@ -60,17 +68,8 @@ def test_rows_that_commit_nothing_route_no_token_to_an_expert(monkeypatch):
         return verify(self, *args, valid=valid, **kw)
 
     monkeypatch.setattr(KimiForCausalLM, "verify", spy)
-    target = tiny_kimi(0)
-    drafter = tiny_dflash(target, 1)
-    (tg, tp), (dg, dp) = nnx.split(target), nnx.split(drafter)
-    models = Models(tg, dg)
-    plan = DecodePlan(method="ddtree", budget=4, backend=resolve_backend("reference"),
-                      hidden_layer_ids=tuple(drafter.config.target_layer_ids))
-    b = 3
-    prompts = jnp.asarray(np.random.default_rng(0).integers(1, 60, (b, 6)), jnp.int32)
-    state = prefill(models, tp, dp, plan, prompts, jnp.full((b,), 6), prompts[:, -1],
-                    max_len=64, capacity=16, max_new_tokens=jnp.full((b,), 8), stop_ids=jnp.full((b, 1), -2),
-                    sampling=batch_sampling([dt.SamplingParams(temperature=0.0)] * b, b), request_ids=jnp.arange(b))
+    prompts = jnp.asarray(np.random.default_rng(0).integers(1, 60, (3, 6)), jnp.int32)
+    models, tp, dp, plan, state = _greedy_rows(4, prompts, max_len=64, capacity=16, max_new_tokens=8)
     done = dataclasses.replace(state, finish=state.finish.at[1].set(STOP))
     both = [run_rounds(models, tp, dp, plan, jax.tree.map(jnp.copy, s), jax.random.key(0), max_rounds=1)
             for s in (state, done)]  # (the round donates its state)
