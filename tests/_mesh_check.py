@@ -55,6 +55,7 @@ def mesh_runs(path: str, meshes: list[str], plain: list[list[int]]) -> list[dict
         eng = Engine(st, sd, CONFIG, shard_state=state_sharding(mesh))
         params = [dt.SamplingParams(**s) for s in SAMPLING]
         tokens = [r.tokens for r in eng.generate(PROMPTS, params, max_tokens=MAX_TOKENS)]
+        eng.drain()  # (the last step's launch may still hold the state it donates)
         copies = {}
         for shard in eng._state.out.addressable_shards:
             copies.setdefault(str(shard.index), []).append(np.asarray(shard.data))
