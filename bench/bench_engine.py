@@ -9,8 +9,9 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
 
 * ``generate()``: the requests in batches of ``B`` (prefill included), tokens/s;
 * the ``Engine`` with ``B`` slots, ``sync_every=1`` (``--admit-group``: its ``admit_group``, each
-  value in turn), driven by its background thread (the emitter
-  on the engine thread, the shipped tokenizer detokenising), every request submitted at once:
+  value in turn; ``--freeze-gc``: its ``freeze_gc``, on by default, or off, or both in turn),
+  driven by its background thread (the emitter on the engine thread; the shipped tokenizer, whose
+  text nobody reads here, so that none is decoded), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step, and three parts of a step:
   preparing the prefill, the launch of the step's programs (on the launcher thread, beside the
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -125,7 +127,7 @@ def _launch_ms(eng: Engine, n: int = 30) -> float:
     return 1e3 * float(np.median(times))
 
 
-def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None) -> dict:
+def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
@@ -134,7 +136,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
-                          admit_group=admit_group)
+                          admit_group=admit_group, freeze_gc=freeze_gc)
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     eng.warmup()
     rows = 1
@@ -152,13 +154,14 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
         compiled = eng._prefill.compile_seconds - compiled
     finally:
         eng.stop()
+        gc.unfreeze()  # (the next case starts as Python does; a frozen heap is this case's setting)
     g_s, g_tokens, g_rounds = sorted(gens, key=lambda g: g[0])[len(gens) // 2]  # the median passes
     e = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     launch_ms = _launch_ms(eng)
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
-               admit_group=eng.admit_group,
+               admit_group=eng.admit_group, freeze_gc=freeze_gc,
                requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
@@ -187,6 +190,7 @@ def _markdown(report: dict) -> str:
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
+        name += ", gc not frozen" if r.get("freeze_gc") is False else ""
         lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | "
                      f"{r['engine_tok_s']:,.0f} | {r['engine_over_generate']:.2f}x{_range(r)} | "
                      f"{r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
@@ -215,6 +219,8 @@ def main(argv=None) -> dict:
                     help="timed passes of generate() and of the engine, in turn; the medians are reported")
     ap.add_argument("--admit-group", type=int, nargs="+", default=[0], metavar="N",
                     help="the engine's admit_group (each in turn; 0: the engine's default, slots / 8)")
+    ap.add_argument("--freeze-gc", choices=("on", "off", "both"), default="on",
+                    help="EngineConfig.freeze_gc (both: off, then on, for each case)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--json", metavar="PATH", help="also write the report's JSON here (smoke runs too)")
     args = ap.parse_args(argv)
@@ -234,10 +240,12 @@ def main(argv=None) -> dict:
     sizes = {"off": [None], "on": [args.page_size], "both": [None, args.page_size]}[args.paged]
     for method in args.methods:
         for B in args.batches:
-            for page_size, group in [(p, g) for p in sizes for g in args.admit_group]:
+            freezes = {"on": [True], "off": [False], "both": [False, True]}[args.freeze_gc]
+            for page_size, group, freeze in [(p, g, f) for p in sizes for g in args.admit_group for f in freezes]:
                 pages = f" pages of {page_size}" if page_size else ""
-                log(f"{method} batch {B}{pages} admit_group {group or 'default'} ...")
-                report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size, group or None))
+                log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} ...")
+                report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size, group or None,
+                                                freeze))
                 if not args.smoke:  # after every case: a run cut short keeps what it measured
                     os.makedirs(args.out, exist_ok=True)
                     with open(stem + ".json", "w") as f:

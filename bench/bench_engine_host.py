@@ -8,17 +8,23 @@ A step of the engine dispatches rounds and, while the device runs them, reads th
 dispatch back and streams its tokens. That host work grows with the running slots; once it
 outlasts a round, the engine runs at the host's pace, not the device's (bench_engine.py shows the
 result end to end). This bench times exactly that part, on a synthetic harvest (every slot
-commits ``--tokens`` random tokens per step, nobody finishes), with the shipped tokenizer
-detokenising and each request streaming its chunks to its handle, so that it can be measured and
-improved on any machine. ``--stop-strings`` gives every request a stop string that never
-appears (the path that holds back text). Reported: microseconds per step and per slot, the best
-of ``--repeats`` runs of ``--steps`` steps. Writes ``engine_host_<device>_<date>.{json,md}``.
+commits ``--tokens`` random tokens per step, nobody finishes), each request streaming its chunks
+to its handle (with the shipped tokenizer; without stop strings a chunk's text is decoded by its
+reader, and nothing reads here), so that it can be measured and improved on any machine.
+``--stop-strings`` gives every request a stop string that never appears (the path that
+detokenises on the engine thread and holds back text). ``--freeze-gc`` first freezes the heap
+(``gc.freeze``, as ``Engine.start`` does with ``EngineConfig.freeze_gc``): without it the garbage
+collector's collections, triggered by the per-step objects, also scan the loaded model's and
+JAX's objects. Reported: microseconds per step and per slot, the best of ``--repeats`` runs of
+``--steps`` steps. Writes ``engine_host_<device>_<date>.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
+import gc
 import os
 import platform
 import time
@@ -43,19 +49,28 @@ def _done(packed: np.ndarray) -> concurrent.futures.Future:
     return future
 
 
-def run(slots: int, tokens: int, steps: int, repeats: int, stop: tuple[str, ...]) -> float:
-    """Seconds per step (best of ``repeats``) of ``_read_back`` + ``Emitter.submit`` at ``slots``
-    running requests committing ``tokens`` tokens each per step."""
+@functools.cache
+def _loaded():
+    """The shipped tokenizer and target, loaded once per process."""
     from tokenizers import Tokenizer
 
     import ddtree_jax as dt
     from ddtree_jax.default_model import SHIPPED_DIR
+
+    return (Tokenizer.from_file(os.path.join(SHIPPED_DIR, "tokenizer.json")),
+            dt.load_target(os.path.join(SHIPPED_DIR, "target")))
+
+
+def run(slots: int, tokens: int, steps: int, repeats: int, stop: tuple[str, ...]) -> float:
+    """Seconds per step (best of ``repeats``) of ``_read_back`` + ``Emitter.submit`` at ``slots``
+    running requests committing ``tokens`` tokens each per step."""
+
+    import ddtree_jax as dt
     from ddtree_jax.serving import Engine, _device
     from ddtree_jax.serving.engine import RequestHandle, _Request
     from ddtree_jax.serving.text import TextStream
 
-    tok = Tokenizer.from_file(os.path.join(SHIPPED_DIR, "tokenizer.json"))
-    target = dt.load_target(os.path.join(SHIPPED_DIR, "target"))
+    tok, target = _loaded()
     config = dt.EngineConfig(decode=dt.DecodeConfig(method="ar"), slots=slots, max_model_len=64)
     eng = Engine(target, None, config, tokenizer=tok)
     eng.tokens_per_round = tokens  # the harvest's token columns per round, as a tree round's
@@ -67,8 +82,8 @@ def run(slots: int, tokens: int, steps: int, repeats: int, stop: tuple[str, ...]
         reqs = []
         for i in range(slots):
             r = _Request(handle=RequestHandle(eng, i), prompt=np.arange(8, dtype=np.int32),
-                         sampling=dt.SamplingParams(), max_tokens=1 << 30, stop_ids=[], text=TextStream(tok, stop),
-                         submitted=time.perf_counter(), slot=i, running=True)
+                         sampling=dt.SamplingParams(), max_tokens=1 << 30, stop_ids=[],
+                         text=TextStream(tok, stop, deferred=True), submitted=time.perf_counter(), slot=i, running=True)
             eng._slot[i] = r
             reqs.append(r)
         harvests = []
@@ -93,15 +108,22 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--stop-strings", action="store_true", help="every request has a stop string (never found)")
+    ap.add_argument("--freeze-gc", action="store_true", help="gc.freeze() once the pipeline is loaded (Engine.start's)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     if args.smoke:
         args.slots, args.tokens, args.steps, args.repeats = [2], [1], 5, 1
     stop = ("<never/>",) if args.stop_strings else ()
     report = Report(args, name="engine_host", title="The engine thread's host work per step (no device)",
-                    sections=("steps",), suffix="_stop" if args.stop_strings else "")
+                    sections=("steps",),
+                    suffix=("_stop" if args.stop_strings else "") + ("_frozen_gc" if args.freeze_gc else ""))
     report.notes.append(f"Host CPU: {_host_cpu()}; shipped tokenizer; {args.steps} steps, best of {args.repeats}; "
-                        f"stop strings: {'one per request' if stop else 'none'}.")
+                        f"stop strings: {'one per request' if stop else 'none'}; garbage collector: "
+                        f"{'heap frozen once loaded' if args.freeze_gc else 'as Python starts it'}.")
+    if args.freeze_gc:
+        run(1, 1, 2, 1, stop)  # load everything the timed runs use, then freeze it
+        gc.collect()
+        gc.freeze()
     for tokens in args.tokens:
         for slots in args.slots:
             sec = run(slots, tokens, args.steps, args.repeats, stop)

@@ -265,6 +265,13 @@ class EngineConfig:
     kernels on one device (``ConfigError`` naming ``ExecutionConfig.batch_invariant`` otherwise).
     The guarantee and its cost: docs/serving.md, "Deterministic mode"."""
 
+    freeze_gc: bool = True
+    """When the background thread starts (``Engine.start``), take the objects alive then (the
+    models, compiled programs, everything loaded) out of the cyclic garbage collector's scans
+    (``gc.freeze``; process-wide). The collections the engine's per-step objects trigger then
+    scan only what was made since, instead of the whole heap a loaded model leaves (docs/serving.md,
+    "Host work per step")."""
+
     max_stop_ids: int = 8
     """Stop-token slots per request (the decoding state's stop-id width), >= 1; raised to the
     number of ``decode.stop_token_ids`` if that is larger."""
@@ -293,8 +300,9 @@ class EngineConfig:
                  f"must be a DecodeConfig, got {type(self.decode).__name__}")
         for name in ("slots", "max_queue", "prefill_chunk", "max_stop_ids"):
             _check_count(owner, name, getattr(self, name))
-        _require(isinstance(self.deterministic, bool), owner, "deterministic",
-                 f"must be True or False, got {self.deterministic!r}")
+        for name in ("deterministic", "freeze_gc"):
+            _require(isinstance(getattr(self, name), bool), owner, name,
+                     f"must be True or False, got {getattr(self, name)!r}")
         _check_count(owner, "max_model_len", self.max_model_len, lo=2, optional=True)
         _check_count(owner, "max_output_tokens", self.max_output_tokens, optional=True)
         _check_count(owner, "prefill_batch", self.prefill_batch, optional=True)

@@ -304,6 +304,57 @@ def test_incremental_text_equals_decoding_everything():
         assert streamed + s.flush() == tok.decode(ids) == s.text
 
 
+def test_deferred_text_equals_the_eager_stream_whatever_the_reading_order():
+    """A deferred stream's chunks, read in any order (a later chunk first, the result before the
+    last chunk) and from several threads, give exactly the eager stream's pieces, and the
+    result's text equals the eager text."""
+    import threading
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from ddtree_jax.serving.emitter import StreamChunk, request_result, stream_news
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["héllo wörld, 日本語のテキスト 🙂🙃 naïve café"] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+
+    class State:  # what stream_news reads and writes of a request
+        def __init__(self, deferred):
+            self.text = TextStream(tok, deferred=deferred)
+            self.acceptance, self.logprobs, self.logprob_parts = [], None, []
+
+    rng = np.random.default_rng(1)
+    for trial in range(12):
+        ids = tok.encode("日本語のテキスト 🙂 héllo wörld " * 4).ids if trial % 2 else \
+            rng.integers(0, tok.get_vocab_size(), size=int(rng.integers(1, 120))).tolist()
+        cuts = sorted(set(rng.integers(1, len(ids), size=min(8, len(ids) - 1)).tolist())) if len(ids) > 1 else []
+        parts = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+        eager, lazy = State(False), State(True)
+        assert lazy.text.deferred and not eager.text.deferred
+        want, got = [], []
+        for k, part in enumerate(parts):
+            finish = "length" if k == len(parts) - 1 else None
+            for state, out in ((eager, want), (lazy, got)):
+                kept, text, _, reason = stream_news(state, part, [len(part)], finish, None)
+                assert kept == part and reason == finish
+                out.append(StreamChunk(kept, text, reason))
+        assert all(type(c._text) is str for c in want) and all(type(c._text) is not str for c in got)
+        result = request_result(lazy, 0, 1, "length", ttft=None, seconds=0.0)
+        order = rng.permutation(len(got)).tolist()
+        if trial % 3 == 0:
+            assert result.text == "".join(c.text for c in want)  # the result first
+        threads = [threading.Thread(target=lambda c=got[i]: c.text) for i in order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [c.text for c in got] == [c.text for c in want]
+        assert result.text == eager.text.text == tok.decode(ids)
+        assert result.tokens == ids
+
+
 @pytest.mark.parametrize("settings,match", [
     (dict(method="beam"), "method"),
     (dict(drafter=None), "needs a drafter"),

@@ -17,6 +17,7 @@ for it before it learned of the stop).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -123,7 +124,8 @@ class RequestResult:
       prompt_tokens: number of prompt tokens.
       tokens: generated token ids (ends with the stop token for a stop-token finish; with the token
         that completed the stop string for a stop-string finish).
-      text: decoded text (stop string excluded), ``""`` without a tokenizer.
+      text: decoded text (stop string excluded), ``""`` without a tokenizer (the engine may hand
+        it over undecoded: it is decoded, on the reader's thread, when first read).
       finish_reason: ``"stop"``, ``"length"``, ``"cancelled"``, ``"abort"`` or ``"error: ..."``.
       acceptance_lengths: tokens accepted per round (bonus included).
       ttft: seconds from submission to the first token (``None`` if there was none).
@@ -141,6 +143,13 @@ class RequestResult:
     seconds: float
     logprobs: TokenLogprobs | None = None
 
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        if name == "text" and type(value) is not str:  # deferred: decoded on first read
+            value = value()
+            object.__setattr__(self, "text", value)
+        return value
+
     @property
     def rounds(self) -> int:
         return len(self.acceptance_lengths)
@@ -151,21 +160,38 @@ class RequestResult:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
 
 
-@dataclasses.dataclass(slots=True)
 class StreamChunk:
     """What one engine step produced for a request: new tokens and new text (and the tokens'
     log-probabilities when the request asked for them); the last chunk carries ``finish_reason``
-    and ``result``. Every reader of the request gets the same object: do not modify it."""
+    and ``result``. Every reader of the request gets the same object: do not modify it.
 
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    result: RequestResult | None = None
-    logprobs: TokenLogprobs | None = None
+    ``text`` may be given as a zero-argument callable (the engine's deferred detokenisation,
+    ``TextStream.defer``): it is called, on the reader's thread, when ``text`` is first read."""
+
+    __slots__ = ("token_ids", "_text", "finish_reason", "result", "logprobs")
+
+    def __init__(self, token_ids: list[int], text="", finish_reason: str | None = None,
+                 result: RequestResult | None = None, logprobs: TokenLogprobs | None = None):
+        self.token_ids = token_ids
+        self._text = text
+        self.finish_reason = finish_reason
+        self.result = result
+        self.logprobs = logprobs
+
+    @property
+    def text(self) -> str:
+        text = self._text
+        if type(text) is not str:
+            text = self._text = text()
+        return text
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"StreamChunk(token_ids={self.token_ids!r}, text={self.text!r}, finish_reason={self.finish_reason!r}, "
+                f"logprobs={self.logprobs!r})")
 
 
 
@@ -236,10 +262,22 @@ def stream_news(s, tokens: list[int], acceptance: list[int], finish: str | None,
     lengths, ``logprobs`` the alternatives asked for or ``None``, ``logprob_parts``). Returns
     ``(tokens kept, text to stream, their log-probabilities, the finish reason if the request ends
     with this item)``: ``"stop"`` when its text completed a stop string, else ``finish`` (the text
-    then includes what was pending)."""
+    then includes what was pending). For a deferred stream (``TextStream.deferred``) the text is a
+    zero-argument callable that decodes it (``StreamChunk`` takes either)."""
     if acceptance:
         s.acceptance += acceptance
-    kept, text = s.text.add(tokens) if tokens else ([], "")
+    stream = s.text
+    if stream.deferred:  # no stop strings: every token is kept; the text is decoded when read
+        kept = tokens
+        at = stream.defer(tokens) if tokens else None
+        part = None
+        if s.logprobs is not None:
+            part = TokenLogprobs.concat([], s.logprobs) if logprobs is None else logprobs
+            s.logprob_parts.append(part)
+        if finish is None:
+            return kept, functools.partial(stream.piece, at) if tokens else "", part, None
+        return kept, functools.partial(_final_text, stream, at), part, finish
+    kept, text = stream.add(tokens) if tokens else ([], "")
     part = None
     if s.logprobs is not None:  # items without tokens (an end) carry none
         part = TokenLogprobs.concat([], s.logprobs) if logprobs is None else logprobs.head(len(kept))
@@ -251,11 +289,23 @@ def stream_news(s, tokens: list[int], acceptance: list[int], finish: str | None,
     return kept, text, part, None
 
 
+def _final_text(stream, at: int | None) -> str:
+    """A deferred stream's last chunk: its tokens' text (``at``: its index, ``None`` without
+    tokens) and what the finish flushes."""
+    return (stream.piece(at) if at is not None else "") + stream.tail()
+
+
+def _result_text(stream) -> str:
+    stream.tail()
+    return stream.text
+
+
 def request_result(s, request_id: int, prompt_tokens: int, reason: str, *, ttft: float | None,
                    seconds: float) -> RequestResult:
     """The ``RequestResult`` of a request ending with ``reason``, from its stream state ``s``
     (``stream_news``)."""
     return RequestResult(
-        request_id=request_id, prompt_tokens=prompt_tokens, tokens=list(s.text.tokens), text=s.text.text,
+        request_id=request_id, prompt_tokens=prompt_tokens, tokens=list(s.text.tokens),
+        text=functools.partial(_result_text, s.text) if s.text.deferred else s.text.text,
         finish_reason=reason, acceptance_lengths=list(s.acceptance), ttft=ttft, seconds=seconds,
         logprobs=None if s.logprobs is None else TokenLogprobs.concat(s.logprob_parts, s.logprobs))

@@ -40,6 +40,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
@@ -91,7 +92,10 @@ class RequestHandle:
     def __init__(self, engine: Engine, request_id: int):
         self._engine = engine
         self.request_id = request_id
-        self._cond = threading.Condition(threading.Lock())  # (never re-entered: a plain lock is cheaper)
+        # ``_push`` takes the plain lock (a C-level context manager; the Condition's own is Python
+        # code) and notifies through the Condition built on it only when a reader waits.
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         self._chunks: list[StreamChunk] = []
         # Replaced, never changed in place (copy on write): ``_push`` reads it without a copy.
         self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
@@ -106,7 +110,7 @@ class RequestHandle:
         """Record ``chunk`` and wake blocking readers. Async listeners get it through their event
         loop: at once, or, given ``deliveries``, appended there as ``(loop, queue, chunk)`` for the
         caller to hand over with one wake-up per loop (``emitter.deliver``)."""
-        with self._cond:
+        with self._mutex:
             self._chunks.append(chunk)
             if chunk.finished:
                 self._result = chunk.result
@@ -612,7 +616,7 @@ class Engine:
             rid = next(_request_counter) if request_id is None else int(request_id)
             handle = RequestHandle(self, rid % 2**32)
         req = _Request(handle=handle, prompt=arr, sampling=sampling or SamplingParams(temperature=0.0),
-                       max_tokens=max_tokens, stop_ids=stop_ids, text=TextStream(self.tokenizer, stop),
+                       max_tokens=max_tokens, stop_ids=stop_ids, text=TextStream(self.tokenizer, stop, deferred=True),
                        submitted=time.perf_counter(), logprobs=logprobs)
         with self._lock:
             if self._stopping:
@@ -962,8 +966,12 @@ class Engine:
     # ------------------------------------------------------------------------------------ thread
 
     def start(self) -> Engine:
-        """Step in a background thread while there is work (idle otherwise)."""
+        """Step in a background thread while there is work (idle otherwise); with
+        ``config.freeze_gc``, first take what is alive out of the garbage collector's scans."""
         if self._thread is None:
+            if self.config.freeze_gc:
+                gc.collect()
+                gc.freeze()
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
             self._thread.start()

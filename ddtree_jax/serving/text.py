@@ -10,9 +10,16 @@ What is streamed is a prefix of the text that can no longer change: a tail that 
 start of a stop string is held back until the next tokens decide it. When a stop string appears,
 the text ends just before it (the stop string is not returned, as in the OpenAI API) and the
 tokens end with the one that completed it.
+
+A stream without stop strings can defer its detokenisation (``deferred``): the engine thread
+only records each chunk's tokens (``defer``), and whoever reads a chunk's text decodes it
+(``piece``; chunks in order, each exactly as the eager path would have), so that text nobody
+reads is never decoded and the reading runs on the reader's thread.
 """
 
 from __future__ import annotations
+
+import threading
 
 __all__ = ["TextStream"]
 
@@ -22,9 +29,15 @@ _INCOMPLETE = "\ufffd"
 class TextStream:
     """Detokenises one request's tokens as they arrive and applies its stop strings."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, deferred: bool = False):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        # deferred: chunks recorded by ``defer``, decoded by ``piece`` / ``tail`` (no stop strings)
+        self.deferred = deferred and not self.stop and tokenizer is not None
+        self._lock = threading.Lock()
+        self._marks: list[int] = []  # token counts at the ends of the chunks recorded, in order
+        self._pieces: list[str] = []  # the text of the first len(_pieces) of them
+        self._tail: str | None = None  # the text the finish flushed (deferred mode)
         self._window = max((len(s) for s in self.stop), default=0)  # the longest stop string
         self.tokens: list[int] = []
         self.text = ""  # the text of tokens[:read] (truncated at a stop string once one is found)
@@ -59,7 +72,8 @@ class TextStream:
         if type(new_tokens) is not list:
             new_tokens = list(new_tokens)
         if not self.stop and self.tokenizer is not None:
-            return new_tokens, self._add_plain(new_tokens)
+            self.tokens += new_tokens
+            return new_tokens, self._advance(len(self.tokens))
         text = self._candidate(new_tokens) if self.tokenizer is not None else ""
         start = max(0, len(self.text) - self._window + 1)
         if self.stop and self._find_stop(text, start) >= 0:
@@ -78,17 +92,42 @@ class TextStream:
             self._prefix, self._read = self._read, len(self.tokens)
         return new_tokens, self._ready()
 
-    def _add_plain(self, new_tokens: list[int]) -> str:
-        """``add`` without stop strings (the engine's common case, once per request per step):
-        the same window, and everything read is streamed at once."""
-        piece = self._piece(new_tokens)
-        self.tokens += new_tokens
+    def _advance(self, end: int) -> str:
+        """Without stop strings: ``tokens[:end]`` (already in ``tokens``) are in; returns the text
+        they add, all of it streamed at once (the same window as ``_piece``)."""
+        window = self.tokens[self._prefix : end]
+        piece = self._decode(window)[len(self._decode(window[: self._read - self._prefix])) :]
         if not piece or piece[-1] == _INCOMPLETE:
             return ""
         self.text += piece
         self.sent = len(self.text)
-        self._prefix, self._read = self._read, len(self.tokens)
+        self._prefix, self._read = self._read, end
         return piece
+
+    def defer(self, new_tokens: list[int]) -> int:
+        """Deferred mode's ``add``: record a chunk of tokens (all kept); returns its index for
+        ``piece``. Thread-safe against readers."""
+        with self._lock:
+            self.tokens += new_tokens
+            self._marks.append(len(self.tokens))
+            return len(self._marks) - 1
+
+    def piece(self, index: int) -> str:
+        """Deferred mode: the text chunk ``index`` streams (decoding the chunks before it first)."""
+        with self._lock:
+            for end in self._marks[len(self._pieces) : index + 1]:
+                self._pieces.append(self._advance(end))
+            return self._pieces[index]
+
+    def tail(self) -> str:
+        """Deferred mode, once the request has finished: what the finish flushes (decoding every
+        chunk first); ``text`` is then complete. The same string at every call."""
+        if self._marks:
+            self.piece(len(self._marks) - 1)
+        with self._lock:
+            if self._tail is None:
+                self._tail = self.flush()
+            return self._tail
 
     def _ready(self) -> str:
         """Stream what is settled: hold back a tail that could start a stop string."""
