@@ -2,11 +2,13 @@
 
 The engine thread only moves token ids: after each batch of rounds it hands the emitter one list of
 ``Emit`` items (a request, its new tokens and acceptance lengths, their log-probabilities if the
-request asked, and the finish reason when the request ends). The emitter detokenises, applies stop
-strings (cutting the log-probabilities to the tokens kept), keeps the per-request metrics
-(first token, inter-token latency, tokens/s), builds the ``RequestResult`` and pushes the chunks to
-the request handles, on the engine thread (a thread of its own measured slower: it contends
-with the engine thread for the interpreter lock; docs/serving.md).
+request asked, and the finish reason when the request ends). The emitter detokenises (a request
+without stop strings only records its chunks' tokens: their text is decoded by whoever reads it,
+``TextStream.defer``), applies stop strings (cutting the log-probabilities to the tokens kept),
+keeps the per-request metrics (first token, inter-token latency, tokens/s), builds the
+``RequestResult`` and pushes the chunks to the request handles, on the engine thread (a thread
+of its own measured slower: it contends with the engine thread for the interpreter lock;
+docs/serving.md).
 
 A request whose text completes a stop string ends here, not on the device: the emitter finishes it
 and reports it through ``take_stopped`` so that the engine frees its slot at its next step. Items

@@ -12,7 +12,8 @@ step (``step()``)
     (``activate``);
 (c) dispatches ``sync_every`` compiled rounds without waiting for them, and meanwhile reads back
     the previous step's rounds: one packed device-to-host transfer, per-slot work only for slots
-    with news, and the token ids handed to the ``Emitter`` (detokenisation, stop strings, chunks):
+    with news, and the token ids handed to the ``Emitter`` (stop strings, chunks; the text of a
+    request without stop strings is decoded by its reader, off this thread):
     the host's work runs while the device computes the rounds just dispatched. The programs (a)
     to (c) run on the state are queued in order on the engine thread (``_ops``) and launched,
     with the rounds, from a launcher thread beside the read-back (``_launch_rounds``): a launch is
