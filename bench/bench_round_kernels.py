@@ -11,8 +11,9 @@ back to back (untraced); device microseconds per round (the sum of its kernels o
 streams, from a profiler trace of as many calls) and kernels per round; both over the
 autoregressive step's; the ``--top`` kernels by time. A plan ``method:budget:ref`` runs the
 drafter's attention through its plain-JAX reference instead of the kernel (the round as it was
-before the kernel), in the same run. On a CPU there is no device trace: wall time only.
-Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
+before the kernel), in the same run; ``ar:0:ctx`` is the autoregressive round that also extends
+the drafter's context (``budget="auto"``'s budget 0, which keeps the drafter ready to draft). On
+a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ def with_attention(drafter, backend):
     return drafter
 
 
-def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool) -> dict:
-    """Wall and device time per round of one plan (module doc)."""
-    uses = method != "ar"
+def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool,
+            context: bool = False) -> dict:
+    """Wall and device time per round of one plan (module doc); ``context``: an autoregressive
+    round that also extends the drafter's context (``budget="auto"``'s budget 0)."""
+    uses = method != "ar" or context
     plan = DecodePlan(method=method, budget=budget, backend=resolve_backend("auto"),
                       hidden_layer_ids=tuple(drafter.config.target_layer_ids) if uses else ())
     models, tp, dp = Models.split(target, drafter if uses else None)
@@ -109,9 +112,9 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12, help="kernels listed per plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
-    plans = [(m, int(b), rest == ["ref"]) for m, b, *rest in (p.split(":") for p in args.plans)]
-    if not any(m == "ar" for m, _, _ in plans):
-        plans.insert(0, ("ar", 0, False))
+    plans = [(m, int(b), rest[0] if rest else "") for m, b, *rest in (p.split(":") for p in args.plans)]
+    if not any(m == "ar" and not v for m, _, v in plans):
+        plans.insert(0, ("ar", 0, ""))
     if args.smoke:
         (target, drafter, tokenizer), data = smoke_pair(), None
         args.batch, args.rounds = min(args.batch, 2), min(args.rounds, 3)
@@ -127,12 +130,14 @@ def main(argv=None):
                         "plan (wall: untraced; device: the sum of the round's kernels in a trace of as many). "
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
-    for method, budget, ref in plans:
-        log(f"{method}:{budget}{' (reference drafter attention)' if ref else ''} at batch {args.batch}")
-        d = with_attention(drafter, REFERENCE) if ref else drafter
-        rows[(method, budget, ref)] = r = measure(target, d, prompts, method, budget, args.rounds, trace)
-        ar = rows.get(("ar", 0, False)) or r
-        name = "ar" if method == "ar" else f"{method}@{budget}" + (" (reference drafter attention)" if ref else "")
+    for method, budget, variant in plans:
+        note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context"}.get(variant, "")
+        log(f"{method}:{budget}{note} at batch {args.batch}")
+        d = with_attention(drafter, REFERENCE) if variant == "ref" else drafter
+        rows[(method, budget, variant)] = r = measure(target, d, prompts, method, budget, args.rounds, trace,
+                                                      context=variant == "ctx")
+        ar = rows.get(("ar", 0, "")) or r
+        name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
                    wall_x_ar=r["wall_us"] / ar["wall_us"])
         if trace:
