@@ -9,8 +9,7 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
 
 * ``generate()``: the requests in batches of ``B`` (prefill included), tokens/s;
 * the ``Engine`` with ``B`` slots, ``sync_every=1`` (``--admit-group``: its ``admit_group``, each
-  value in turn; ``--freeze-gc``: its ``freeze_gc``, on by default, or off, or both in turn;
-  ``--lookahead``: its ``lookahead``, each value in turn),
+  value in turn; ``--freeze-gc``: its ``freeze_gc``, on by default, or off, or both in turn),
   driven by its background thread (the emitter on the engine thread; the shipped tokenizer, whose
   text nobody reads here, so that none is decoded), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
@@ -128,8 +127,7 @@ def _launch_ms(eng: Engine, n: int = 30) -> float:
     return 1e3 * float(np.median(times))
 
 
-def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True,
-             lookahead=2) -> dict:
+def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
@@ -138,7 +136,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
-                          admit_group=admit_group, freeze_gc=freeze_gc, lookahead=lookahead)
+                          admit_group=admit_group, freeze_gc=freeze_gc)
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     eng.warmup()
     rows = 1
@@ -163,7 +161,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
-               admit_group=eng.admit_group, freeze_gc=freeze_gc, lookahead=lookahead,
+               admit_group=eng.admit_group, freeze_gc=freeze_gc,
                requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
@@ -193,7 +191,6 @@ def _markdown(report: dict) -> str:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         name += ", gc not frozen" if r.get("freeze_gc") is False else ""
-        name += f", lookahead {r['lookahead']}" if "lookahead" in r else ""
         lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | "
                      f"{r['engine_tok_s']:,.0f} | {r['engine_over_generate']:.2f}x{_range(r)} | "
                      f"{r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
@@ -222,8 +219,6 @@ def main(argv=None) -> dict:
                     help="timed passes of generate() and of the engine, in turn; the medians are reported")
     ap.add_argument("--admit-group", type=int, nargs="+", default=[0], metavar="N",
                     help="the engine's admit_group (each in turn; 0: the engine's default, slots / 8)")
-    ap.add_argument("--lookahead", type=int, nargs="+", default=[2],
-                    help="EngineConfig.lookahead (each in turn for each case)")
     ap.add_argument("--freeze-gc", choices=("on", "off", "both"), default="on",
                     help="EngineConfig.freeze_gc (both: off, then on, for each case)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -246,13 +241,11 @@ def main(argv=None) -> dict:
     for method in args.methods:
         for B in args.batches:
             freezes = {"on": [True], "off": [False], "both": [False, True]}[args.freeze_gc]
-            cases = [(p, g, f, k) for p in sizes for g in args.admit_group for f in freezes for k in args.lookahead]
-            for page_size, group, freeze, ahead in cases:
+            for page_size, group, freeze in [(p, g, f) for p in sizes for g in args.admit_group for f in freezes]:
                 pages = f" pages of {page_size}" if page_size else ""
-                log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} "
-                    f"lookahead {ahead} ...")
+                log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} ...")
                 report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size, group or None,
-                                                freeze, ahead))
+                                                freeze))
                 if not args.smoke:  # after every case: a run cut short keeps what it measured
                     os.makedirs(args.out, exist_ok=True)
                     with open(stem + ".json", "w") as f:

@@ -265,15 +265,6 @@ class EngineConfig:
     kernels on one device (``ConfigError`` naming ``ExecutionConfig.batch_invariant`` otherwise).
     The guarantee and its cost: docs/serving.md, "Deterministic mode"."""
 
-    lookahead: int = 2
-    """Dispatches of rounds that stay launched and not yet read back at the end of an engine step,
-    >= 1: a step launches its dispatch and then reads back the oldest ones until this many remain.
-    1: each step reads back the dispatch before its own, so the launcher waits for the engine
-    thread whenever reading back and streaming a dispatch outlasts launching one; 2 keeps a
-    dispatch more queued (tokens reach their streams, and free slots their next request, one
-    round later) so that the launcher never waits while the host keeps up on average
-    (docs/serving.md, "Host work per step")."""
-
     freeze_gc: bool = True
     """When the background thread starts (``Engine.start``), take the objects alive then (the
     models, compiled programs, everything loaded) out of the cyclic garbage collector's scans
@@ -307,7 +298,7 @@ class EngineConfig:
         owner = "EngineConfig"
         _require(isinstance(self.decode, DecodeConfig), owner, "decode",
                  f"must be a DecodeConfig, got {type(self.decode).__name__}")
-        for name in ("slots", "max_queue", "prefill_chunk", "max_stop_ids", "lookahead"):
+        for name in ("slots", "max_queue", "prefill_chunk", "max_stop_ids"):
             _check_count(owner, name, getattr(self, name))
         for name in ("deterministic", "freeze_gc"):
             _require(isinstance(getattr(self, name), bool), owner, name,

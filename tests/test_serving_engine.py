@@ -93,9 +93,6 @@ def test_cancel_frees_the_slot_for_the_next_request(models, reference):
     eng.step()
     eng.step()
     assert eng.metrics.snapshot()["queue_length"] == 1
-    for _ in range(eng.lookahead):  # its first tokens reach its stream ``lookahead`` steps after their round
-        eng.step()
-    assert long[0]._chunks
     long[0].cancel()
     eng.step()
     cancelled = long[0].result(timeout=0)

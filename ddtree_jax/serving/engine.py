@@ -11,11 +11,10 @@ step (``step()``)
     compiles in the background: ``serving/shapes.py``); a slot whose prompt is in starts decoding
     (``activate``);
 (c) dispatches ``sync_every`` compiled rounds without waiting for them, and meanwhile reads back
-    the oldest dispatches until ``lookahead`` remain unread (``EngineConfig.lookahead``): one
-    packed device-to-host transfer, per-slot work only for slots with news, and the token ids
-    handed to the ``Emitter`` (stop strings, chunks; the text of a request without stop strings
-    is decoded by its reader, off this thread): the host's work runs while the device computes
-    the rounds dispatched before. The programs (a)
+    the previous step's rounds: one packed device-to-host transfer, per-slot work only for slots
+    with news, and the token ids handed to the ``Emitter`` (stop strings, chunks; the text of a
+    request without stop strings is decoded by its reader, off this thread):
+    the host's work runs while the device computes the rounds just dispatched. The programs (a)
     to (c) run on the state are queued in order on the engine thread (``_ops``) and launched,
     with the rounds, from a launcher thread beside the read-back (``_launch_rounds``): a launch is
     host work too, and the step does not wait for it (the next step's launch queues behind it).
@@ -294,7 +293,6 @@ class Engine:
         self.prefill_batch = min(config.prefill_batch or slots, slots)
         self.admit_group = min(config.admit_group or max(1, slots // 8), self.prefill_batch)
         self.admit_wait = config.admit_wait
-        self.lookahead = config.lookahead
         self._held = 0  # steps admission has waited for a group
         self.stop_token_ids = list(decode.stop_token_ids)
         self.max_stop_ids = max(config.max_stop_ids, len(self.stop_token_ids))
@@ -365,11 +363,10 @@ class Engine:
                                   f"the {role} ({type(model).__name__}) has no paged cache (init_paged_cache)")
         self.pages_per_slot = -(-self.cache_len // P)
         self.kv_pages = config.kv_pages or self.slots * self.pages_per_slot
-        # A dispatch's rounds run while the ``lookahead`` dispatches before it are not read back
-        # yet: the table must cover all their tokens past the last length read back, and a round's
-        # scratch.
+        # A dispatch's rounds run while the previous dispatch is not read back yet: the table must
+        # cover both dispatches' tokens past the last length read back, and a round's scratch.
         self._block = self.cache_len - self.max_model_len
-        self._margin = (self.lookahead + 1) * self.sync_every * self.tokens_per_round
+        self._margin = 2 * self.sync_every * self.tokens_per_round
         longest = -(-(self.max_model_len - 1 + self._block) // P)
         if longest > self.kv_pages:
             raise ConfigError("EngineConfig", "kv_pages",
@@ -691,11 +688,10 @@ class Engine:
         In order: free the slots of requests that ended on the host (cancelled, or a stop string
         found by the emitter), admit queued requests into free slots, prefill one chunk, dispatch
         ``sync_every`` rounds (asynchronously: launched from a second thread, ``_launch_rounds``),
-        and meanwhile read back the oldest dispatches until ``lookahead`` remain unread, handing
-        their tokens to the emitter: the host's work runs while the device computes the rounds
-        dispatched before, and while the host launches them. A request's tokens therefore reach
-        its stream ``lookahead`` engine steps after the rounds that made them ran; ``drain``
-        reads every dispatch back."""
+        and meanwhile read back the PREVIOUS dispatch's tokens and hand them to the emitter: the
+        host's work runs while the device computes the rounds just dispatched, and while the
+        host launches them. A request's tokens therefore reach its stream one engine step after
+        the rounds that made them ran; ``drain`` reads the last dispatch back."""
         t0 = time.perf_counter()
         self._waited = 0.0
         stopped = self._emitter.take_stopped()
@@ -737,13 +733,10 @@ class Engine:
         # The step's programs are launched before the dispatches before are read back, beside them
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
-        rounds = self._prepare_rounds()
-        launched = self._submit_launch(rounds)
-        # Read back the oldest dispatches until ``lookahead`` remain launched; when this step
-        # launched no rounds (nothing would come to push them out), every one but its own launch.
-        keep = self.lookahead if rounds is not None else int(launched)
+        previous = len(self._inflight)
+        self._submit_launch(self._prepare_rounds())
         items = ended
-        while len(self._inflight) > keep:
+        for _ in range(previous):
             items += self._read_back(*self._inflight.popleft())
         t1 = time.perf_counter()
         self._emitter.submit(items, t1)
@@ -877,14 +870,14 @@ class Engine:
         ops, self._ops = self._ops, []
         self._launch_rounds(ops, None)
 
-    def _submit_launch(self, rounds) -> bool:
+    def _submit_launch(self, rounds) -> None:
         """Hand the step's queued programs (``_ops``) and, given ``_prepare_rounds``'s
         ``(snapshot, auto budget)``, its rounds to the launcher (in the engine thread with several
         processes); the launch joins ``_inflight`` (without rounds, with no snapshot: its read-back
-        only waits for it). Returns whether there was anything to launch."""
+        only waits for it)."""
         ops, self._ops = self._ops, []
         if rounds is None and not ops:
-            return False
+            return
         snapshot, auto_budget = rounds if rounds is not None else (None, None)
         plan = None if rounds is None else self.plan if auto_budget is None else self._auto_plans[auto_budget]
         if self._launcher is not None:
@@ -893,7 +886,6 @@ class Engine:
             future = concurrent.futures.Future()
             future.set_result(self._launch_rounds(ops, plan))
         self._inflight.append((future, snapshot, auto_budget))
-        return True
 
     def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None):
         """Launch ``ops`` on the state, in order, then (given ``plan``) ``sync_every`` rounds of it,
