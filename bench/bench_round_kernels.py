@@ -88,7 +88,7 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
 
-    for _ in range(3):  # compile, warm
+    for _ in range(max(3, rounds)):  # compile, then as many untimed calls as timed (the first plan ran slow)
         jax.block_until_ready(one_round())
     t0 = time.perf_counter()
     for _ in range(rounds):
