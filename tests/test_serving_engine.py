@@ -308,6 +308,7 @@ def test_deferred_text_equals_the_eager_stream_whatever_the_reading_order():
     """A deferred stream's chunks, read in any order (a later chunk first, the result before the
     last chunk) and from several threads, give exactly the eager stream's pieces, and the
     result's text equals the eager text."""
+    import pickle
     import threading
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -353,6 +354,12 @@ def test_deferred_text_equals_the_eager_stream_whatever_the_reading_order():
         assert [c.text for c in got] == [c.text for c in want]
         assert result.text == eager.text.text == tok.decode(ids)
         assert result.tokens == ids
+    # pickled or copied, a deferred chunk or result carries its decoded text
+    stream = State(True)
+    chunk = StreamChunk([5, 6], stream_news(stream, [5, 6], [2], "length", None)[1], "length")
+    result = request_result(stream, 0, 1, "length", ttft=None, seconds=0.0)
+    assert pickle.loads(pickle.dumps(chunk)).text == chunk.text == tok.decode([5, 6])
+    assert pickle.loads(pickle.dumps(result)).text == result.text == tok.decode([5, 6])
 
 
 @pytest.mark.parametrize("settings,match", [

@@ -152,6 +152,10 @@ class RequestResult:
             object.__setattr__(self, "text", value)
         return value
 
+    def __getstate__(self):
+        _ = self.text  # a deferred text is decoded before it is pickled or copied
+        return self.__dict__
+
     @property
     def rounds(self) -> int:
         return len(self.acceptance_lengths)
@@ -190,6 +194,9 @@ class StreamChunk:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __reduce__(self):  # (pickled or copied with its text decoded)
+        return StreamChunk, (self.token_ids, self.text, self.finish_reason, self.result, self.logprobs)
 
     def __repr__(self) -> str:
         return (f"StreamChunk(token_ids={self.token_ids!r}, text={self.text!r}, finish_reason={self.finish_reason!r}, "
