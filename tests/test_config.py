@@ -52,6 +52,7 @@ BAD = [
     (EngineConfig, "page_size", 24),
     (EngineConfig, "kv_pages", 0),
     (EngineConfig, "deterministic", "yes"),
+    (EngineConfig, "freeze_gc", 1),
     (ExecutionConfig, "impl", "cuda"),
     (ExecutionConfig, "batch_invariant", 1),
     (ExecutionConfig, "moe_blocks", (16, 64)),
