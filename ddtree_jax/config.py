@@ -270,7 +270,7 @@ class EngineConfig:
     models, compiled programs, everything loaded) out of the cyclic garbage collector's scans
     (``gc.freeze``; process-wide). The collections the engine's per-step objects trigger then
     scan only what was made since, instead of the whole heap a loaded model leaves (docs/serving.md,
-    "Host work per step")."""
+    "The engine")."""
 
     max_stop_ids: int = 8
     """Stop-token slots per request (the decoding state's stop-id width), >= 1; raised to the

@@ -277,24 +277,19 @@ def stream_news(s, tokens: list[int], acceptance: list[int], finish: str | None,
         s.acceptance += acceptance
     stream = s.text
     if stream.deferred:  # no stop strings: every token is kept; the text is decoded when read
-        kept = tokens
-        at = stream.defer(tokens) if tokens else None
-        part = None
-        if s.logprobs is not None:
-            part = TokenLogprobs.concat([], s.logprobs) if logprobs is None else logprobs
-            s.logprob_parts.append(part)
-        if finish is None:
-            return kept, functools.partial(stream.piece, at) if tokens else "", part, None
-        return kept, functools.partial(_final_text, stream, at), part, finish
-    kept, text = stream.add(tokens) if tokens else ([], "")
+        kept, at = tokens, stream.defer(tokens) if tokens else None
+        text = functools.partial(stream.piece, at) if tokens else ""
+    else:
+        kept, text = stream.add(tokens) if tokens else ([], "")
     part = None
     if s.logprobs is not None:  # items without tokens (an end) carry none
         part = TokenLogprobs.concat([], s.logprobs) if logprobs is None else logprobs.head(len(kept))
         s.logprob_parts.append(part)
-    if s.text.stopped:
+    if stream.stopped:
         return kept, text, part, "stop"
     if finish is not None:
-        return kept, text + s.text.flush(), part, finish
+        text = functools.partial(_final_text, stream, at) if stream.deferred else text + stream.flush()
+        return kept, text, part, finish
     return kept, text, part, None
 
 
