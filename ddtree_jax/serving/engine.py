@@ -508,17 +508,7 @@ class Engine:
                                   rows=self.slots, cache_len=self.cache_len, per_call=self.sync_every,
                                   budgets=self.auto_plan.budgets)
         scratch = [self._empty_state()]
-        S = self.slots
-        rows = np.arange(S, dtype=np.int32)
-        ones = np.ones((S,), np.float32)
-        sampling = SamplingBatch(temperature=ones, top_k=np.zeros((S,), np.int32), top_p=ones,
-                                 min_p=np.zeros((S,), np.float32), seed=rows.astype(np.uint32),
-                                 has_seed=np.ones((S,), bool))
-
-        packed = _device.activation_rows(rows, rows % self.vocab_size, np.zeros((S,), np.int32),
-                                         np.full((S,), self.max_output_tokens, np.int32),
-                                         np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows,
-                                         np.zeros((S,), np.int32))
+        packed = self._scratch_activation()
 
         def before():
             scratch[0] = _device.activate(scratch[0], packed)
@@ -535,6 +525,21 @@ class Engine:
 
             costs = tuple(float(c) for c in multihost_utils.broadcast_one_to_all(np.asarray(costs, np.float64)))
         return costs
+
+    def _scratch_activation(self):
+        """An activation (``_device.activate``'s input) under which every slot runs: distinct
+        roots, empty caches, sampled at temperature 1 with its own seed, limits the output
+        buffer's. For timing the compiled rounds on a scratch state."""
+        S = self.slots
+        rows = np.arange(S, dtype=np.int32)
+        ones = np.ones((S,), np.float32)
+        sampling = SamplingBatch(temperature=ones, top_k=np.zeros((S,), np.int32), top_p=ones,
+                                 min_p=np.zeros((S,), np.float32), seed=rows.astype(np.uint32),
+                                 has_seed=np.ones((S,), bool))
+        return _device.activation_rows(rows, rows % self.vocab_size, np.zeros((S,), np.int32),
+                                       np.full((S,), self.max_output_tokens, np.int32),
+                                       np.full((S, self.max_stop_ids), NO_STOP, np.int32), sampling, rows,
+                                       np.zeros((S,), np.int32))
 
     @property
     def state_bytes(self) -> int:
