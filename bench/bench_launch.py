@@ -1,7 +1,7 @@
 """The host's cost to launch one dispatch of the engine's rounds, and what it is made of.
 
     python bench/bench_launch.py --default [--batches 64] [--methods ar ddtree] [--budget 16]
-        [--xla-variants default never_update capture_never_update no_command_buffers]
+        [--xla-variants default no_command_buffers]
     python bench/bench_launch.py --smoke          # batch 4, a few calls: checks the pipeline
 
 At ``sync_every=1`` the engine launches one compiled call per round; when launching takes longer
@@ -10,7 +10,9 @@ engine's slots, all running: ``Engine._scratch_activation``), medians of ``--cal
 state the device has finished with:
 
 * ``call``: the compiled call alone (``Engine._rounds``);
-* ``launch``: the engine's launch (the call and the start of the harvest's copy to the host);
+* ``call copy``: the call, then the start of the harvest's copy to the host before the rounds
+  ran (``copy_to_host_async``);
+* ``launch``: the engine's launch (``Engine._launch_rounds``);
 * ``pipelined``: ``--calls`` launches back to back, then one wait: wall time per dispatch (the
   larger of the launch and the device's round when they overlap);
 * calls with the same arguments that do (almost) nothing, which isolate the cost of passing the
@@ -19,8 +21,7 @@ state the device has finished with:
   ``noop 1`` (one small array).
 
 Each ``--xla-variants`` entry runs in its own process with its ``XLA_FLAGS`` (command buffers as
-XLA builds them by default; never updated between calls, for every command or only the captured
-ones; no command buffers). Every variant also runs the same 8 dispatches from the same start
+XLA builds them by default, or none). Every variant also runs the same 8 dispatches from the same start
 (sampled at temperature 1 with fixed seeds) and the parent checks that their tokens equal the
 first variant's. Writes ``bench/results/launch_<device>_<date>.{json,md}``.
 """
@@ -41,8 +42,6 @@ if ROOT not in sys.path:
 
 VARIANTS = {
     "default": "",
-    "never_update": "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE",
-    "capture_never_update": "--xla_gpu_command_buffer_update_mode=CAPTURE_CMD_NEVER_UPDATE",
     "no_command_buffers": "--xla_gpu_enable_command_buffer=",
 }
 
@@ -93,7 +92,12 @@ def _case(target, drafter, method: str, B: int, args) -> dict:
     def call():
         eng._state, _ = eng._rounds(plan, eng._state)
 
+    def call_copy():
+        eng._state, packed = eng._rounds(plan, eng._state)
+        packed.copy_to_host_async()
+
     row["call_us"] = _median_us(call, args.calls, ready)
+    row["call_copy_us"] = _median_us(call_copy, args.calls, ready)
     row["launch_us"] = _median_us(lambda: eng._launch_rounds([], plan), args.calls, ready)
     jax.block_until_ready(eng._state)
     t0 = time.perf_counter()
@@ -135,7 +139,8 @@ def _child(args) -> None:
         for B in args.batches:
             log(f"[{args.variant}] {method} batch {B}")
             row = _case(target, drafter, method, B, args)
-            log(f"  call {row['call_us']:.0f} us, launch {row['launch_us']:.0f} us, pipelined "
+            log(f"  call {row['call_us']:.0f} us, with the copy {row['call_copy_us']:.0f} us, "
+                f"launch {row['launch_us']:.0f} us, pipelined "
                 f"{row['pipelined_us']:.0f} us, noop all/state/params/1 {row['noop_all_us']:.0f}/"
                 f"{row['noop_state_us']:.0f}/{row['noop_params_us']:.0f}/{row['noop_1_us']:.0f} us")
             rows.append(row)
