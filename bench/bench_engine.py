@@ -127,7 +127,46 @@ def _launch_ms(eng: Engine, n: int = 30) -> float:
     return 1e3 * float(np.median(times))
 
 
-def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True) -> dict:
+class _Timeline:
+    """Spans of the engine's steps, launches and read-backs (wrapped methods, perf_counter), for
+    the medians per step of a timed pass: when a dispatch's launch starts and ends after its
+    step's start, and when its read-back (one step later) has its harvest."""
+
+    def __init__(self, eng: Engine):
+        self.spans: dict[str, list[tuple[float, float]]] = {"step": [], "launch": [], "read": []}
+        self.on = False
+        for name, attr in (("step", "step"), ("launch", "_launch_rounds"), ("read", "_read_back")):
+            setattr(eng, attr, self._wrap(name, getattr(eng, attr)))
+
+    def _wrap(self, name, fn):
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if self.on:
+                    self.spans[name].append((t0, time.perf_counter()))
+        return wrapped
+
+    def summary(self) -> dict:
+        """Medians, in ms: step length, launch length, launch end after its step's start, a
+        read-back's length, and from a launch's end to its read-back's end (its rounds on the device,
+        the wait included)."""
+        med = lambda xs: 1e3 * float(np.median(xs)) if len(xs) else float("nan")
+        steps = np.array(sorted(s for s, _ in self.spans["step"]))
+        step_of = lambda t: int(np.searchsorted(steps, t, "right")) - 1
+        launches, reads = self.spans["launch"], self.spans["read"]
+        after = [b - steps[i] for a, b in launches if (i := step_of(a)) >= 0]
+        # A step reads back the dispatch launched by the step before it.
+        launch_end = {step_of(a): b for a, b in launches}
+        to_read = [b - launch_end[i - 1] for a, b in reads if (i := step_of(a)) - 1 in launch_end]
+        return dict(step=med([b - a for a, b in self.spans["step"]]), launch=med([b - a for a, b in launches]),
+                    launch_end_after_step_start=med(after), read=med([b - a for a, b in reads]),
+                    launch_end_to_read_end=med(to_read))
+
+
+def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True,
+             launcher="thread") -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
@@ -138,6 +177,9 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
                           admit_group=admit_group, freeze_gc=freeze_gc)
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
+    if launcher == "inline":
+        eng._launcher = None  # each step launches on the engine thread, before reading back
+    timeline = _Timeline(eng) if args.timeline else None
     eng.warmup()
     rows = 1
     while rows <= eng.slots:  # every prefill batch this workload can form, at its chunk: steady state
@@ -150,7 +192,11 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
         compiled = eng._prefill.compile_seconds
         for _ in range(args.repeats):  # generate() and the engine in turn, so that drifts hit both
             gens.append(_generate(target, drafter, prompts, B, method, budget, args.new, page_size))
+            if timeline is not None:
+                timeline.on = True
             runs.append(_engine_run(eng, prompts, args.new))
+            if timeline is not None:
+                timeline.on = False
         compiled = eng._prefill.compile_seconds - compiled
     finally:
         eng.stop()
@@ -161,7 +207,9 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
-               admit_group=eng.admit_group, freeze_gc=freeze_gc,
+               admit_group=eng.admit_group, freeze_gc=freeze_gc, launcher=launcher,
+               switch_interval_ms=1e3 * sys.getswitchinterval(),
+               timeline_ms=None if timeline is None else timeline.summary(),
                requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
                engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
@@ -191,12 +239,23 @@ def _markdown(report: dict) -> str:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         name += ", gc not frozen" if r.get("freeze_gc") is False else ""
+        name += ", launched inline" if r.get("launcher") == "inline" else ""
+        name += f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms", 5) != 5 else ""
         lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | "
                      f"{r['engine_tok_s']:,.0f} | {r['engine_over_generate']:.2f}x{_range(r)} | "
                      f"{r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
                      f"| {r['prefill_ms_per_step']:.2f} / {r['launch_ms_per_step']:.2f} "
                      f"({r['state_ops_ms_per_step']:.2f}) / {r['emit_ms_per_step']:.2f} "
                      f"| {r['launch_ms']:.2f} | {r['generate_ms_per_round']:.2f} | {r['greedy_equal']} |")
+    timed = [r for r in report["rows"] if r.get("timeline_ms")]
+    if timed:
+        keys = list(timed[0]["timeline_ms"])
+        lines += ["", "Timeline of the timed passes, medians in ms (`--timeline`):", "",
+                  "| case | " + " | ".join(k.replace("_", " ") for k in keys) + " |", "|---|" + "---|" * len(keys)]
+        for r in timed:
+            name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "") + f", {r['launcher']}"
+            name += f", switch {r['switch_interval_ms']:g} ms"
+            lines.append(f"| {name} | " + " | ".join(f"{r['timeline_ms'][k]:.3f}" for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -221,6 +280,14 @@ def main(argv=None) -> dict:
                     help="the engine's admit_group (each in turn; 0: the engine's default, slots / 8)")
     ap.add_argument("--freeze-gc", choices=("on", "off", "both"), default="on",
                     help="EngineConfig.freeze_gc (both: off, then on, for each case)")
+    ap.add_argument("--launcher", nargs="+", choices=("thread", "inline"), default=["thread"],
+                    help="the engine's launches on its launcher thread (as it runs), or on the engine thread "
+                         "before each step's read-back (each in turn)")
+    ap.add_argument("--switch-interval", type=float, nargs="+", default=[None], metavar="MS",
+                    help="the interpreter's thread switch interval during the engine's passes, in ms "
+                         "(each in turn; default: as Python starts, 5 ms)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also report the medians of the engine's step, launch and read-back spans")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--json", metavar="PATH", help="also write the report's JSON here (smoke runs too)")
     args = ap.parse_args(argv)
@@ -241,11 +308,20 @@ def main(argv=None) -> dict:
     for method in args.methods:
         for B in args.batches:
             freezes = {"on": [True], "off": [False], "both": [False, True]}[args.freeze_gc]
-            for page_size, group, freeze in [(p, g, f) for p in sizes for g in args.admit_group for f in freezes]:
+            cases = [(p, g, f, la, si) for p in sizes for g in args.admit_group for f in freezes
+                     for la in args.launcher for si in args.switch_interval]
+            for page_size, group, freeze, launcher, interval in cases:
                 pages = f" pages of {page_size}" if page_size else ""
-                log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} ...")
-                report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size, group or None,
-                                                freeze))
+                log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} "
+                    f"launcher {launcher} switch interval {interval or 'default'} ...")
+                before = sys.getswitchinterval()
+                if interval:
+                    sys.setswitchinterval(interval / 1e3)
+                try:
+                    report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size,
+                                                   group or None, freeze, launcher))
+                finally:
+                    sys.setswitchinterval(before)
                 if not args.smoke:  # after every case: a run cut short keeps what it measured
                     os.makedirs(args.out, exist_ok=True)
                     with open(stem + ".json", "w") as f:
