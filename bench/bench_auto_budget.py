@@ -94,7 +94,8 @@ def _records(outs: dict) -> list[dict]:
             a = out.auto
             rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
                        expected=sum(a.expected), realized=sum(a.realized),
-                       costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()})
+                       costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()},
+                       run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()})
         recs.append(rec)
     return recs
 
@@ -143,6 +144,12 @@ def summarize(results: dict) -> str:
                 seen.add(rows)
                 lines.append(f"- batch {rows}: " + ", ".join(f"{b}: {c:.3f}" for b, c in
                                                              zip(r["histogram"], costs, strict=True)))
+    lines += ["", "The costs auto chose with at the end of each run (the table corrected by the run's timed "
+              "dispatches, host work included), ms per round:", ""]
+    for r in runs:
+        for rows, costs in r.get("run_costs_ms", {}).items():
+            lines.append(f"- {r.get('acceptance') or '-'}, batch {r['batch']}, {r['setting']}, at {rows} rows: "
+                         + ", ".join(f"{b}: {c:.3f}" for b, c in zip(r["histogram"], costs, strict=True)))
     return "\n".join(lines) + "\n"
 
 

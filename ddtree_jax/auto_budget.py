@@ -27,8 +27,13 @@ host before the dispatch from the statistics of the dispatches already read back
   each drafted dispatch whose statistics still choose budget 0, and falls back to ``probe_every``
   after one whose statistics choose a tree, so probing costs little where drafting does not pay.
 
-``AutoChooser`` holds the averages and the report (rounds, expected and realized tokens per
-budget) on the host; ``AutoReport`` is its summary. Design note: docs/auto-budget.md.
+* **costs as the run pays them**: the cost table (timed once per device, models and shapes) is
+  the prior; each dispatch's wall time per round, host work between dispatches included, then
+  replaces its budget's entry as a moving average (``RunCosts``), and a budget not timed yet in
+  the run takes its table cost scaled like the budgets that were.
+
+``AutoChooser`` holds the averages, the run's costs and the report (rounds, expected and realized
+tokens per budget) on the host; ``AutoReport`` is its summary. Design note: docs/auto-budget.md.
 """
 
 from __future__ import annotations
@@ -41,11 +46,19 @@ import numpy as np
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["DECAY", "MAX_BACKOFF", "AutoChooser", "AutoPlan", "AutoReport", "calibrated", "choose_budget",
-           "expected_tokens"]
+__all__ = ["COST_DECAY", "DECAY", "MAX_BACKOFF", "AutoChooser", "AutoPlan", "AutoReport", "RunCosts", "calibrated",
+           "choose_budget", "expected_tokens"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
+
+COST_DECAY = 0.25
+"""``RunCosts``: the moving average's weight of a budget's newest timed dispatch."""
+
+STALL = 4.0
+"""``RunCosts``: a timed dispatch counts as at most this many times the current estimate (the
+cost table's for the first one), so that one stall (a compile, another process) does not
+swing the choice."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
@@ -98,6 +111,42 @@ def calibrated(expected, factor, caps) -> np.ndarray:
     return 1.0 + np.minimum(factor * (np.asarray(expected, np.float64) - 1.0), caps)
 
 
+class RunCosts:
+    """Seconds per round at each budget as a run pays them, for one compiled batch shape.
+
+    ``table``: the cost table's seconds per round (the prior, > 0). A budget's entry is the
+    table's until a dispatch at that budget is timed (``observe``: the dispatch's wall time per
+    round, from its launch to its results on the host, and for the engine the host's work between
+    dispatches), then the moving average of its timed dispatches (weight ``COST_DECAY``; each
+    sample at most ``STALL`` times the current value). A budget not timed yet takes its table
+    cost times the median measured / table ratio of the budgets that were: the host's share of a
+    round, which the table's timing of back-to-back calls leaves out, scales them all alike."""
+
+    def __init__(self, table):
+        self.table = np.asarray(table, np.float64)
+        if self.table.ndim != 1 or not (np.isfinite(self.table) & (self.table > 0)).all():
+            raise ValueError(f"RunCosts: the cost table must be positive seconds per round, got {table!r}")
+        self.value = self.table.copy()
+        self.timed = np.zeros(self.table.shape, np.int64)
+
+    def observe(self, k: int, seconds_per_round: float) -> None:
+        """Adds a timed dispatch at budget index ``k``; non-positive or non-finite times are ignored."""
+        s = float(seconds_per_round)
+        if not (np.isfinite(s) and s > 0):
+            return
+        s = min(s, STALL * self.value[k])
+        self.value[k] = s if self.timed[k] == 0 else (1.0 - COST_DECAY) * self.value[k] + COST_DECAY * s
+        self.timed[k] += 1
+
+    def current(self) -> np.ndarray:
+        """f64 ``[K]``: the seconds per round the choice uses now."""
+        seen = self.timed > 0
+        if not seen.any():
+            return self.table.copy()
+        scale = float(np.median(self.value[seen] / self.table[seen]))
+        return np.where(seen, self.value, self.table * scale)
+
+
 class AutoChooser:
     """The host's statistics of ``budget="auto"`` and its choice (module docstring).
 
@@ -114,9 +163,12 @@ class AutoChooser:
       expected: f64 ``[K]`` the running rows' expected tokens summed over those rounds
         (uncalibrated; exactly one per row at budget 0).
       realized: f64 ``[K]`` the running rows' accepted tokens (bonus included) over those rounds.
+      run_costs: ``{batch shape: RunCosts}``, the costs the run has paid (``costs``, ``observe``).
+      learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
+        used as given, as with ``DecodeConfig.auto_costs``).
     """
 
-    def __init__(self, plan: AutoPlan):
+    def __init__(self, plan: AutoPlan, learn_costs: bool = True):
         K = len(plan.budgets)
         self.plan = plan
         self.expected_ema = np.ones(K)
@@ -126,6 +178,22 @@ class AutoChooser:
         self.rounds = np.zeros(K, np.int64)
         self.expected = np.zeros(K)
         self.realized = np.zeros(K)
+        self.run_costs: dict[int, RunCosts] = {}
+        self.learn_costs = learn_costs
+
+    def costs(self, shape: int, table) -> np.ndarray:
+        """The seconds per round at each budget for the compiled batch shape ``shape`` (its rows):
+        ``table`` (the cost table's) corrected by the dispatches timed at that shape
+        (``RunCosts``). What ``choose`` and ``record`` take as ``costs``."""
+        if shape not in self.run_costs:
+            self.run_costs[shape] = RunCosts(table)
+        return self.run_costs[shape].current()
+
+    def observe(self, shape: int, k: int, seconds_per_round: float) -> None:
+        """Adds the wall time per round of a dispatch at budget index ``k`` and batch shape
+        ``shape`` (after ``costs`` gave that shape's costs); nothing without ``learn_costs``."""
+        if self.learn_costs:
+            self.run_costs[shape].observe(k, seconds_per_round)
 
     def factor(self) -> float:
         """The realized drafted tokens per expected drafted token (moving averages); 1 before any
@@ -190,7 +258,9 @@ class AutoReport:
         rounds (the draft's path probabilities, uncalibrated; exactly one per row at budget 0).
       realized: the tokens the running rows accepted in those rounds (bonus included).
       drafted_rounds: rounds that ran the drafter (the rounds at positive budgets).
-      costs: the round costs the choice used, one per budget, per batch size the rounds ran at.
+      costs: the cost table's round costs, one per budget, per batch size the rounds ran at.
+      run_costs: the costs the run paid and chose with at the end (``RunCosts.current``), per
+        batch size.
     """
 
     budgets: tuple[int, ...]
@@ -199,12 +269,14 @@ class AutoReport:
     expected: tuple[float, ...]
     realized: tuple[float, ...]
     costs: dict[int, tuple[float, ...]]
+    run_costs: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, chooser: AutoChooser, costs: dict[int, tuple[float, ...]]) -> AutoReport:
         return cls(budgets=chooser.plan.budgets, rounds=tuple(int(x) for x in chooser.rounds),
                    drafted_rounds=int(chooser.drafted), expected=tuple(float(x) for x in chooser.expected),
-                   realized=tuple(float(x) for x in chooser.realized), costs=dict(costs))
+                   realized=tuple(float(x) for x in chooser.realized), costs=dict(costs),
+                   run_costs={n: tuple(float(x) for x in c.current()) for n, c in chooser.run_costs.items()})
 
     @property
     def histogram(self) -> dict[int, int]:

@@ -350,7 +350,7 @@ def generate(
     if decode.is_auto:
         auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
                              draft_len=drafter.config.block_size - 1)
-        chooser, costs, plans = AutoChooser(auto_plan), {}, round_plans(plan, auto_plan)
+        chooser, costs, plans = AutoChooser(auto_plan, decode.auto_costs is None), {}, round_plans(plan, auto_plan)
         digest = auto_costs.models_digest(target, drafter) if decode.auto_costs is None else None
         active = B
 
@@ -372,17 +372,19 @@ def generate(
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
-            k = chooser.choose(active, costs[rows])
+            paid = chooser.costs(rows, costs[rows])
+            k = chooser.choose(active, paid)
             t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
             tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
+            chooser.observe(rows, k, (time.perf_counter() - t_call) / sync_every)
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
         if not decode.is_auto:  # (profile is never auto)
             done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
         in_rounds += time.perf_counter() - t_call
         if decode.is_auto:
-            chooser.record(k, tally, costs[rows])
+            chooser.record(k, tally, paid)
         active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)

@@ -15,7 +15,18 @@ import pytest
 
 import ddtree_jax as dt
 from ddtree_jax import _preflight, auto_costs, generation
-from ddtree_jax.auto_budget import DECAY, AutoChooser, AutoPlan, calibrated, choose_budget, expected_tokens
+from ddtree_jax.auto_budget import (
+    COST_DECAY,
+    DECAY,
+    STALL,
+    AutoChooser,
+    AutoPlan,
+    AutoReport,
+    RunCosts,
+    calibrated,
+    choose_budget,
+    expected_tokens,
+)
 from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
 from ddtree_jax.generation import generate
 from ddtree_jax.serving import Engine
@@ -107,6 +118,46 @@ def test_statistics_of_drafted_and_plain_dispatches():
     c.record(1, _tally([[1, 5, 1, 5, 5]] * 2), (1.0, 1.0, 1.0))
     assert c.interval == 3  # a tree pays again: probe often
     assert not c.record(1, _tally([[0, 0, 0, 0, 0]]), costs).any()  # nothing ran: nothing learned
+
+
+def test_run_costs_replace_the_table_as_dispatches_are_timed():
+    c = RunCosts((1.0, 2.0, 3.0))
+    np.testing.assert_allclose(c.current(), [1.0, 2.0, 3.0])  # nothing timed: the table
+    c.observe(0, 0.5)  # the first timed dispatch replaces its entry; the others scale alike
+    np.testing.assert_allclose(c.current(), [0.5, 1.0, 1.5])
+    c.observe(1, 3.0)  # scale: the median of 0.5 / 1 and 3 / 2
+    np.testing.assert_allclose(c.current(), [0.5, 3.0, 3.0])
+    c.observe(1, 1.0)  # then a moving average
+    np.testing.assert_allclose(c.current()[1], (1 - COST_DECAY) * 3.0 + COST_DECAY * 1.0)
+    c.observe(0, 100.0)  # a stall counts as STALL times the estimate at most
+    np.testing.assert_allclose(c.current()[0], (1 - COST_DECAY) * 0.5 + COST_DECAY * STALL * 0.5)
+    before = c.current()
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        c.observe(2, bad)
+    np.testing.assert_allclose(c.current(), before)
+    assert c.timed.tolist() == [2, 2, 0]
+    for table in ((1.0, 0.0), (1.0, float("nan")), ((1.0,),)):
+        with pytest.raises(ValueError, match="cost table"):
+            RunCosts(table)
+
+
+def test_the_chooser_decides_on_the_costs_the_run_pays():
+    """The table says a tree pays; the timed dispatches say its rounds cost three plain ones: the
+    choice goes to budget 0. With costs given (``learn_costs=False``) the table stands."""
+    table = (1.0, 1.5, 2.0)
+    for learn in (True, False):
+        c = _chooser([1.0, 2.5, 3.0])
+        c.learn_costs = learn
+        assert c.choose(8, c.costs(8, table)) == 1
+        c.observe(8, 0, 0.8)
+        c.observe(8, 1, 2.4)
+        assert c.choose(8, c.costs(8, table)) == (0 if learn else 1)
+        # (budget 8 untimed: its table cost times the median ratio, of 0.8 and 1.6)
+        np.testing.assert_allclose(c.costs(8, table), (0.8, 2.4, 2.4) if learn else table)
+        np.testing.assert_allclose(c.costs(16, (2.0, 3.0, 4.0)), (2.0, 3.0, 4.0))  # per batch shape
+        report = AutoReport.of(c, {8: table})
+        assert report.costs == {8: table}
+        np.testing.assert_allclose(report.run_costs[8], c.costs(8, table))
 
 
 def test_tree_prefix_is_the_smaller_build_and_expected_tokens_its_prefix_sums():

@@ -323,7 +323,7 @@ class Engine:
             self.auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), draft_len=depth,
                                       probe_every=decode.auto_probe_every)
             self._auto_plans = round_plans(self.plan, self.auto_plan)
-            self._auto = AutoChooser(self.auto_plan)
+            self._auto = AutoChooser(self.auto_plan, learn_costs=decode.auto_costs is None)
             self.auto_costs = decode.auto_costs or self._measure_costs()
         self._state = self._empty_state()
         # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
@@ -338,7 +338,8 @@ class Engine:
         self.metrics = self._new_metrics()
         self._emitter = Emitter(self.metrics)
         # The dispatches not read back yet, oldest first: (launch future -> packed harvest or None,
-        # the slots' requests at dispatch or None, the auto budget's index or None).
+        # the slots' requests at dispatch or None, the auto budget's index or None, whether it
+        # launched rounds alone: _read_back's arguments).
         self._inflight: collections.deque[tuple] = collections.deque()
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched before the step's rounds.
@@ -349,6 +350,7 @@ class Engine:
         # programs in the same order as the others, so there they stay on the engine thread.
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, "ddtree-launch") if jax.process_count() == 1 else None
         self._waited = 0.0
+        self._last_read: float | None = None  # when the last clean dispatch was read back (_read_back)
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -458,7 +460,7 @@ class Engine:
                 self._slot[r.slot] = None
             self._admitted = [x for x in self._admitted if x is not r]
             self._queue.appendleft(r)
-        for _, snapshot, _ in self._inflight:
+        for _, snapshot, *_ in self._inflight:
             if snapshot is not None and snapshot[r.slot] is r:
                 snapshot[r.slot] = None  # its in-flight rounds are dropped
         if r.running:
@@ -729,6 +731,7 @@ class Engine:
         ended = [Emit(r, [], [], r.handle.cancel_reason) for r in cancelled_queued + cancelled]
         self._release([r.slot for r in freed if r.running])
         if not busy and not self._inflight:
+            self._last_read = None  # (idle: the next read-back times nothing)
             self._run_ops()
             self._emitter.submit(ended, time.perf_counter())
             return bool(ended or stopped)
@@ -764,7 +767,7 @@ class Engine:
     def _settle(self) -> None:
         """Wait until no launch is running (the launcher alone touches ``_state`` meanwhile);
         launches that failed count as done (their dispatch's read-back raises)."""
-        concurrent.futures.wait([f for f, _, _ in self._inflight])
+        concurrent.futures.wait([f for f, *_ in self._inflight])
 
     def _rows(self, slots: list[int], n: int | None = None) -> np.ndarray:
         """Slot indices padded to ``n`` (default: a power of two) by repeating the first (with
@@ -865,7 +868,8 @@ class Engine:
         if not any(snapshot):
             return None
         if self.auto_plan is not None:
-            return snapshot, self._auto.choose(sum(r is not None for r in snapshot), self.auto_costs)
+            costs = self._auto.costs(self.slots, self.auto_costs)
+            return snapshot, self._auto.choose(sum(r is not None for r in snapshot), costs)
         return snapshot, None
 
     def _run_ops(self) -> None:
@@ -890,7 +894,8 @@ class Engine:
         else:
             future = concurrent.futures.Future()
             future.set_result(self._launch_rounds(ops, plan))
-        self._inflight.append((future, snapshot, auto_budget))
+        # (a dispatch with programs before its rounds does not time its budget's rounds)
+        self._inflight.append((future, snapshot, auto_budget, not ops))
 
     def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None):
         """Launch ``ops`` on the state, in order, then (given ``plan``) ``sync_every`` rounds of it,
@@ -910,27 +915,35 @@ class Engine:
         return packed
 
     def _read_back(self, launch: concurrent.futures.Future, snapshot: list[_Request | None] | None,
-                   auto_budget: int | None = None) -> list[Emit]:
+                   auto_budget: int | None = None, clean: bool = False) -> list[Emit]:
         """Wait for a dispatch's launch and its harvest (one transfer) and turn it into emitter
         items; slots whose request ended on the device are freed on the host (on the device they
         no longer run: their finish code says why they ended until a new request's activation
         replaces it). ``auto_budget``: the index of the budget of a ``budget="auto"`` dispatch,
-        whose tally (the harvest's last columns) goes to the chooser and the metrics. A dispatch
-        of programs without rounds (``snapshot`` None) only waits for its launch."""
+        whose tally (the harvest's last columns) goes to the chooser and the metrics; when it and
+        the dispatch read back before it were ``clean`` (rounds alone, one step apart), the time
+        between their read-backs is what a round at its budget costs the engine, host work
+        included (``AutoChooser.observe``). A dispatch of programs without rounds (``snapshot``
+        None) only waits for its launch."""
         t0 = time.perf_counter()
         packed = launch.result()
         if packed is None:
             self._waited += time.perf_counter() - t0
+            self._last_read = None
             return []
         got = np.asarray(self._fetch(packed))
-        self._waited += time.perf_counter() - t0
+        now = time.perf_counter()
+        self._waited += now - t0
+        if auto_budget is not None and clean and self._last_read is not None:
+            self._auto.observe(self.slots, auto_budget, (now - self._last_read) / self.sync_every)
+        self._last_read = now if clean else None
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
         T = self.sync_every * self.tokens_per_round
         live = np.array([r is not None and not r.retired for r in snapshot])
         if auto_budget is not None:
             tally = np.ascontiguousarray(got[:, -(2 + len(self.auto_plan.budgets)):]).view(np.float32)
-            self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0),
-                                                       self.auto_costs))
+            costs = self._auto.costs(self.slots, self.auto_costs)
+            self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0), costs), costs)
         n_rounds = np.where(live, n_rounds, 0)
         self.metrics.count("rounds", n=int(n_rounds.sum()))
         accept = got[:, _device.HARVEST_FIELDS + T : _device.HARVEST_FIELDS + T + self.sync_every]

@@ -83,6 +83,7 @@ class EngineMetrics:
         self.budget_rounds = [0] * len(self.auto_budgets)
         self.budget_expected = [0.0] * len(self.auto_budgets)
         self.budget_realized = [0.0] * len(self.auto_budgets)
+        self.budget_costs: list[float] = []  # seconds per round the choice uses now (RunCosts)
         self.queue_length = 0
         self.running = 0
         self.prefilling = 0
@@ -138,11 +139,13 @@ class EngineMetrics:
         with self._lock:
             getattr(self, name).observe_many(values)
 
-    def record_auto(self, report) -> None:
+    def record_auto(self, report, costs) -> None:
         """Adds ``budget="auto"`` rounds: ``report [3, K]`` = rounds, expected tokens and realized
-        tokens at each budget (``auto_budget.AutoChooser.record``)."""
+        tokens at each budget (``auto_budget.AutoChooser.record``); ``costs``: the seconds per
+        round at each budget the choice uses now."""
         rounds, expected, realized = np.asarray(report, np.float64).tolist()
         with self._lock:
+            self.budget_costs = [float(c) for c in costs]
             for i in range(len(self.auto_budgets)):
                 self.budget_rounds[i] += int(rounds[i])
                 self.budget_expected[i] += expected[i]
@@ -178,5 +181,6 @@ class EngineMetrics:
                 ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
                 auto_budget=None if not self.auto_budgets else dict(
                     budgets=list(self.auto_budgets), rounds=list(self.budget_rounds),
-                    expected_tokens=list(self.budget_expected), realized_tokens=list(self.budget_realized)),
+                    expected_tokens=list(self.budget_expected), realized_tokens=list(self.budget_realized),
+                    seconds_per_round=list(self.budget_costs)),
             )
