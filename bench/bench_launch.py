@@ -13,6 +13,8 @@ state the device has finished with:
 * ``call copy``: the call, then the start of the harvest's copy to the host before the rounds
   ran (``copy_to_host_async``);
 * ``launch``: the engine's launch (``Engine._launch_rounds``);
+* ``launch busy``: the launch right after the launch of the dispatch before it (the device
+  busy with that dispatch's rounds, whose state this one's takes over);
 * ``pipelined``: ``--calls`` launches back to back, then one wait: wall time per dispatch (the
   larger of the launch and the device's round when they overlap);
 * calls with the same arguments that do (almost) nothing, which isolate the cost of passing the
@@ -99,6 +101,14 @@ def _case(target, drafter, method: str, B: int, args) -> dict:
     row["call_us"] = _median_us(call, args.calls, ready)
     row["call_copy_us"] = _median_us(call_copy, args.calls, ready)
     row["launch_us"] = _median_us(lambda: eng._launch_rounds([], plan), args.calls, ready)
+    busy = []
+    for _ in range(args.calls):  # the launch of a dispatch right after the one before it
+        jax.block_until_ready(eng._state)
+        eng._launch_rounds([], plan)
+        t0 = time.perf_counter()
+        eng._launch_rounds([], plan)
+        busy.append(time.perf_counter() - t0)
+    row["launch_busy_us"] = 1e6 * float(np.median(busy))
     jax.block_until_ready(eng._state)
     t0 = time.perf_counter()
     for _ in range(args.calls):
@@ -140,7 +150,7 @@ def _child(args) -> None:
             log(f"[{args.variant}] {method} batch {B}")
             row = _case(target, drafter, method, B, args)
             log(f"  call {row['call_us']:.0f} us, with the copy {row['call_copy_us']:.0f} us, "
-                f"launch {row['launch_us']:.0f} us, pipelined "
+                f"launch {row['launch_us']:.0f} us, busy {row['launch_busy_us']:.0f} us, pipelined "
                 f"{row['pipelined_us']:.0f} us, noop all/state/params/1 {row['noop_all_us']:.0f}/"
                 f"{row['noop_state_us']:.0f}/{row['noop_params_us']:.0f}/{row['noop_1_us']:.0f} us")
             rows.append(row)
