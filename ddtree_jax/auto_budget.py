@@ -29,8 +29,8 @@ host before the dispatch from the statistics of the dispatches already read back
 
 * **costs as the run pays them**: the cost table (timed once per device, models and shapes) is
   the prior; each dispatch's wall time per round, host work between dispatches included, then
-  replaces its budget's entry as a moving average (``RunCosts``), and a budget not timed yet in
-  the run takes its table cost scaled like the budgets that were.
+  replaces its budget's entry as a moving average (``RunCosts``); a budget not timed yet in the
+  run keeps its table cost.
 
 ``AutoChooser`` holds the averages, the run's costs and the report (rounds, expected and realized
 tokens per budget) on the host; ``AutoReport`` is its summary. Design note: docs/auto-budget.md.
@@ -118,9 +118,12 @@ class RunCosts:
     table's until a dispatch at that budget is timed (``observe``: the dispatch's wall time per
     round, from its launch to its results on the host, and for the engine the host's work between
     dispatches), then the moving average of its timed dispatches (weight ``COST_DECAY``; each
-    sample at most ``STALL`` times the current value). A budget not timed yet takes its table
-    cost times the median measured / table ratio of the budgets that were: the host's share of a
-    round, which the table's timing of back-to-back calls leaves out, scales them all alike."""
+    sample at most ``STALL`` times the current value). A budget not timed yet keeps its table
+    cost: it looks at least as cheap as the timed ones (the table leaves the host's share of a
+    round out), so the choice tries it when its expected tokens come close, and the dispatch that
+    tries it times it. (Scaling untimed budgets by the timed ones' measured / table ratio was
+    measured to do worse: a few slow first dispatches of the trees priced budget 0 out of every
+    choice, docs/auto-budget.md.)"""
 
     def __init__(self, table):
         self.table = np.asarray(table, np.float64)
@@ -140,11 +143,7 @@ class RunCosts:
 
     def current(self) -> np.ndarray:
         """f64 ``[K]``: the seconds per round the choice uses now."""
-        seen = self.timed > 0
-        if not seen.any():
-            return self.table.copy()
-        scale = float(np.median(self.value[seen] / self.table[seen]))
-        return np.where(seen, self.value, self.table * scale)
+        return np.where(self.timed > 0, self.value, self.table)
 
 
 class AutoChooser:

@@ -123,9 +123,9 @@ def test_statistics_of_drafted_and_plain_dispatches():
 def test_run_costs_replace_the_table_as_dispatches_are_timed():
     c = RunCosts((1.0, 2.0, 3.0))
     np.testing.assert_allclose(c.current(), [1.0, 2.0, 3.0])  # nothing timed: the table
-    c.observe(0, 0.5)  # the first timed dispatch replaces its entry; the others scale alike
-    np.testing.assert_allclose(c.current(), [0.5, 1.0, 1.5])
-    c.observe(1, 3.0)  # scale: the median of 0.5 / 1 and 3 / 2
+    c.observe(0, 0.5)  # the first timed dispatch replaces its entry; the others keep the table's
+    np.testing.assert_allclose(c.current(), [0.5, 2.0, 3.0])
+    c.observe(1, 3.0)
     np.testing.assert_allclose(c.current(), [0.5, 3.0, 3.0])
     c.observe(1, 1.0)  # then a moving average
     np.testing.assert_allclose(c.current()[1], (1 - COST_DECAY) * 3.0 + COST_DECAY * 1.0)
@@ -143,7 +143,8 @@ def test_run_costs_replace_the_table_as_dispatches_are_timed():
 
 def test_the_chooser_decides_on_the_costs_the_run_pays():
     """The table says a tree pays; the timed dispatches say its rounds cost three plain ones: the
-    choice goes to budget 0. With costs given (``learn_costs=False``) the table stands."""
+    choice tries the tree not timed yet, then, that one dear too, goes to budget 0. With costs
+    given (``learn_costs=False``) the table stands."""
     table = (1.0, 1.5, 2.0)
     for learn in (True, False):
         c = _chooser([1.0, 2.5, 3.0])
@@ -151,9 +152,10 @@ def test_the_chooser_decides_on_the_costs_the_run_pays():
         assert c.choose(8, c.costs(8, table)) == 1
         c.observe(8, 0, 0.8)
         c.observe(8, 1, 2.4)
+        np.testing.assert_allclose(c.costs(8, table), (0.8, 2.4, 2.0) if learn else table)  # budget 8 untimed
+        assert c.choose(8, c.costs(8, table)) == (2 if learn else 1)  # 3 / 2.0 beats 1 / 0.8
+        c.observe(8, 2, 3.2)
         assert c.choose(8, c.costs(8, table)) == (0 if learn else 1)
-        # (budget 8 untimed: its table cost times the median ratio, of 0.8 and 1.6)
-        np.testing.assert_allclose(c.costs(8, table), (0.8, 2.4, 2.4) if learn else table)
         np.testing.assert_allclose(c.costs(16, (2.0, 3.0, 4.0)), (2.0, 3.0, 4.0))  # per batch shape
         report = AutoReport.of(c, {8: table})
         assert report.costs == {8: table}

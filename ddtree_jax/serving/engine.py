@@ -901,7 +901,7 @@ class Engine:
         """Launch ``ops`` on the state, in order, then (given ``plan``) ``sync_every`` rounds of it,
         not waiting for any; returns the packed harvest on the device (``None`` without rounds),
         which ``_read_back`` copies once it is computed (starting the copy here, before the rounds
-        ran, costs the launcher more host time than the small copy takes later: about 0.17 ms per
+        ran, costs the launcher more host time than the small copy takes later: 0.17-0.24 ms per
         launch on an H200 host, docs/serving.md). Touches nothing but ``_state`` (and metrics
         counters), so that it can run beside ``_read_back`` and the emitter."""
         t0 = time.perf_counter()
