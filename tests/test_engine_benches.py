@@ -31,3 +31,27 @@ def test_bench_round_kernels_smoke(tmp_path):
     assert [r["plan"] for r in rows] == ["ar", "ddtree@4", "ar extending the drafter's context"]
     assert rows[0]["wall_x_ar"] == 1 and all(r["wall_us"] > 0 for r in rows)
     assert glob.glob(str(tmp_path / "round_kernels_*.md"))
+
+
+def test_bench_engine_smoke_launched_inline_with_a_timeline():
+    report = bench_engine.main(["--smoke", "--batches", "2", "--methods", "ar", "--launcher", "inline",
+                                "--timeline"])
+    (row,) = report["rows"]
+    assert row["launcher"] == "inline" and row["greedy_equal"] == f"{row['requests']}/{row['requests']}"
+    spans = row["timeline_ms"]
+    assert all(spans[k] > 0 for k in ("step", "launch", "read", "launch_end_to_read_end"))
+    assert spans["launch_end_after_step_start"] >= spans["launch"]
+
+
+def test_bench_launch_smoke(tmp_path):
+    import json
+
+    from bench import bench_launch
+
+    bench_launch.main(["--smoke", "--methods", "ar", "--out", str(tmp_path)])
+    (path,) = glob.glob(str(tmp_path / "launch_*.json"))
+    with open(path) as f:
+        (row,) = json.load(f)["launch"]
+    assert row["same_tokens_as_first"] == "yes" and row["batch"] == 4
+    assert all(row[k] > 0 for k in ("call_us", "call_copy_us", "launch_us", "launch_busy_us", "pipelined_us",
+                                    "noop_all_us", "noop_1_us"))
