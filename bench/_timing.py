@@ -19,3 +19,16 @@ def time_it(fn, args_list, iters=20, repeats=5):
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / iters)
     return float(np.median(ts))
+
+
+def host_call_median(fn, ready, n: int) -> float:
+    """Median host seconds of ``n`` calls of ``fn()``, each made once ``ready()``'s arrays are
+    computed (the device idle): the host's share of a call, not the device's work."""
+    times = []
+    for _ in range(n):
+        jax.block_until_ready(ready())
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    jax.block_until_ready(ready())
+    return float(np.median(times))

@@ -55,6 +55,7 @@ import time
 import jax
 import numpy as np
 
+from bench._timing import host_call_median
 from ddtree_jax.config import DecodeConfig, EngineConfig
 from ddtree_jax.generation import generate
 from ddtree_jax.sampling import SamplingParams
@@ -117,14 +118,7 @@ def _launch_ms(eng: Engine, n: int = 30) -> float:
     """The host's time to launch one dispatch of the engine's rounds (``Engine._launch_rounds``:
     the compiled call and the harvest's copy to the host, not the rounds themselves), median of
     ``n`` launches each on a state the device has finished with."""
-    times = []
-    for _ in range(n):
-        jax.block_until_ready(eng._state)
-        t0 = time.perf_counter()
-        eng._launch_rounds([], eng.plan)
-        times.append(time.perf_counter() - t0)
-    jax.block_until_ready(eng._state)
-    return 1e3 * float(np.median(times))
+    return 1e3 * host_call_median(lambda: eng._launch_rounds([], eng.plan), lambda: eng._state, n)
 
 
 class _Timeline:

@@ -31,6 +31,7 @@ first variant's. Writes ``bench/results/launch_<device>_<date>.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -49,17 +50,9 @@ VARIANTS = {
 
 
 def _median_us(fn, n: int, ready) -> float:
-    import jax
-    import numpy as np
+    from bench._timing import host_call_median
 
-    times = []
-    for _ in range(n):
-        jax.block_until_ready(ready())
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    jax.block_until_ready(ready())
-    return 1e6 * float(np.median(times))
+    return 1e6 * host_call_median(fn, ready, n)
 
 
 def _case(target, drafter, method: str, B: int, args) -> dict:
@@ -79,9 +72,8 @@ def _case(target, drafter, method: str, B: int, args) -> dict:
 
     # The same dispatches from the same start in every variant: their tokens must agree.
     snapshot = jax.tree.map(jnp.copy, start)
-    harvests = [np.asarray(eng._launch_rounds([], plan)) for _ in range(8)]
-    digest = int(np.bitwise_xor.reduce(np.concatenate([h.ravel() for h in harvests]).astype(np.int64)
-                                       * np.arange(1, sum(h.size for h in harvests) + 1, dtype=np.int64)))
+    digest = hashlib.sha256(b"".join(np.asarray(eng._launch_rounds([], plan)).tobytes() for _ in range(8)))
+    digest = digest.hexdigest()
     eng._state = snapshot
 
     for _ in range(3):  # compiled and warm
