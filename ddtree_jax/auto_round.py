@@ -9,6 +9,15 @@ reports every budget's expected tokens (``DecodePlan.expected_budgets``). No pro
 conditional: the host picks the program (``auto_budget.AutoChooser``). The stages are
 ``decode_round``'s, so every committed token keeps the target's exact law.
 
+Budget 0 can also hold back the drafter's context (``with_deferred``): its rounds then keep the
+features of the tokens they commit in ``DecodeState.deferred`` and run no drafter code at all, and
+``run_tallied_rounds`` (``generate``'s dispatches) first adds what is held back to the drafter's
+context (``flush_deferred``), in one pass over up to ``P`` positions per row; a run of budget-0
+rounds so costs what plain autoregressive rounds cost plus one context pass per dispatch, and a
+drafted round always drafts from the whole context. The caller keeps what a row holds within
+``P``; the engine, whose dispatches are single rounds, flushes only when needed
+(``serving._device.flush``).
+
 The tally of a run of rounds is f32 ``[B, 2 + K]`` per row, summed over the rounds in which the
 row was running: rounds, tokens accepted (bonus included: the acceptance lengths), then the
 expected committed tokens at each of the ``K`` budgets (ones at budget 0).
@@ -25,9 +34,10 @@ import jax.numpy as jnp
 
 from ddtree_jax.auto_budget import AutoPlan
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
-from ddtree_jax.decode_state import DecodeState
+from ddtree_jax.decode_state import DecodeState, DeferredContext
 
-__all__ = ["round_plans", "run_tallied_rounds", "tallied_round", "unrolled_tallied_rounds"]
+__all__ = ["DEFER_ROUNDS", "flush_deferred", "round_plans", "run_flush", "run_tallied_rounds", "tallied_round",
+           "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -35,6 +45,42 @@ def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
     (its models' settings, backend and drafter layers)."""
     return tuple(dataclasses.replace(plan, method="ddtree" if b else "ar", budget=b, logprobs=0,
                                      expected_budgets=auto.budgets) for b in auto.budgets)
+
+
+DEFER_ROUNDS = 16
+"""The positions of drafter context a slot of the ``Engine`` holds back at most (its flush then
+runs once per that many budget-0 rounds, and before each drafted dispatch)."""
+
+
+def with_deferred(state: DecodeState, target, drafter, length: int) -> DecodeState:
+    """``state`` whose autoregressive rounds hold back up to ``length`` positions of drafter
+    context per row (nothing held yet); ``target`` gives the features' dtype (its embedding's)."""
+    if length < 1:
+        raise ValueError(f"with_deferred: length must be >= 1, got {length}")
+    dtype = jax.eval_shape(target.embed, jax.ShapeDtypeStruct((1,), jnp.int32)).dtype
+    features = drafter.fc.kernel.shape[0]
+    return dataclasses.replace(state, deferred=DeferredContext.empty(state.batch_size, length, features, dtype))
+
+
+def flush_deferred(drafter, state: DecodeState) -> DecodeState:
+    """``state`` with its held-back context (if any) added to the drafter's context, for use
+    inside a compiled function. Needs room for ``P`` positions past each row's drafter context
+    (its cache's scratch)."""
+    held = state.deferred
+    if held is None or state.draft_cache is None:
+        return state
+    cache = drafter.append_context(state.draft_cache, held.feats, held.count)
+    return dataclasses.replace(state, draft_cache=cache, deferred=held.cleared())
+
+
+def _flushed(models: Models, tparams, dparams, state: DecodeState) -> DecodeState:
+    return flush_deferred(models.merge(tparams, dparams)[1], state) if state.deferred is not None else state
+
+
+@functools.partial(jax.jit, static_argnames=("models",), donate_argnames=("state",))
+def run_flush(models: Models, tparams, dparams, state: DecodeState) -> DecodeState:
+    """``flush_deferred`` as a compiled call of its own."""
+    return _flushed(models, tparams, dparams, state)
 
 
 def tallied_round(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
@@ -55,8 +101,10 @@ def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
 def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
                        max_rounds: int) -> tuple[DecodeState, jax.Array]:
-    """``decode_round.run_rounds`` at one of ``round_plans``: up to ``max_rounds`` rounds,
-    stopping early once every row is done; returns ``(state, tally)``."""
+    """``decode_round.run_rounds`` at one of ``round_plans``: the held-back context added
+    (``flush_deferred``), then up to ``max_rounds`` rounds, stopping early once every row is done;
+    returns ``(state, tally)``."""
+    state = _flushed(models, tparams, dparams, state)
 
     def cond(carry):
         i, st, _ = carry
@@ -73,7 +121,10 @@ def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state
 def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
                             rounds: int) -> tuple[DecodeState, jax.Array]:
     """``rounds`` rounds one after the other inside a compiled function
-    (``decode_round.unrolled_rounds``'s counterpart); returns ``(state, tally)``."""
+    (``decode_round.unrolled_rounds``'s counterpart); returns ``(state, tally)``. Unlike
+    ``run_tallied_rounds`` it adds no held-back context first: a caller holding context back
+    flushes before a drafted dispatch (the ``Engine``: only when something is held, since its
+    dispatches are single rounds)."""
     tally = _zeros(plan, state)
     for _ in range(rounds):
         state, tally = tallied_round(models, tparams, dparams, plan, state, base_key, tally)

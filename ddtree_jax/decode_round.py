@@ -9,7 +9,8 @@
 
 Cache convention: after a round a request has committed ``n`` tokens; the target cache holds the
 first ``n - 1`` of them and the last one (the "root") opens the next block, at position ``n - 1``.
-The drafter's context holds the target's hidden states of the same ``n - 1`` tokens.
+The drafter's context holds the target's hidden states of the same ``n - 1`` tokens, but for
+those an autoregressive round holds back in ``DecodeState.deferred`` (``budget="auto"``).
 Autoregressive decoding is the same round with a root-only tree.
 
 With ``DecodePlan.logprobs = K > 0`` the commit stage also reports, for every committed token, its
@@ -338,12 +339,16 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
     hist_pos = jnp.where(active, state.rounds, state.capacity)
     accept_lengths = set_row(state.accept_lengths, hist_pos, n)
 
-    draft_cache = state.draft_cache
+    draft_cache, deferred = state.draft_cache, state.deferred
     if plan.hidden_layer_ids:
         path_feats = jnp.take_along_axis(work["feats"], jnp.maximum(res.path, 0)[..., None], axis=1)
-        draft_cache = drafter.append_context(draft_cache, path_feats, count)
+        if plan.method == "ar" and deferred is not None:  # held back: this round runs no drafter code
+            deferred = deferred.push(path_feats, count)
+        else:
+            draft_cache = drafter.append_context(draft_cache, path_feats, count)
     new = dict(state=dataclasses.replace(
         state, target_cache=target.commit(work["target_cache"], res.path, count), draft_cache=draft_cache,
+        deferred=deferred,
         root=jnp.where(count > 0, last, state.root), out=out, generated=generated, finish=finish,
         accept_lengths=accept_lengths, rounds=state.rounds + active,
     ))

@@ -6,6 +6,10 @@ sampling settings and random-stream id — so the compiled round never recompile
 requests, and a serving loop can move requests in and out of slots between rounds with
 ``take_rows`` / ``put_rows`` without knowing how a model lays out its cache.
 
+With ``budget="auto"`` a state can also hold a ``DeferredContext``: the drafter-context features of
+the autoregressive rounds (budget 0), kept back so that those rounds run no drafter code; the
+next drafted round's program first adds them to the drafter's context (``auto_round``).
+
 Finish codes (``finish [B]``): ``RUNNING`` while decoding; ``STOP``, ``LENGTH`` or ``ERROR`` once
 finished; ``FREE`` for a slot that holds no request (it rides along in the fixed-shape round and
 commits nothing).
@@ -22,17 +26,55 @@ import jax.numpy as jnp
 from ddtree_jax.models.interface import RowCache
 from ddtree_jax.sampling import SamplingBatch
 
-__all__ = ["ERROR", "FINISH_REASONS", "FREE", "LENGTH", "NO_STOP", "RUNNING", "STOP", "DecodeState"]
+__all__ = ["ERROR", "FINISH_REASONS", "FREE", "LENGTH", "NO_STOP", "RUNNING", "STOP", "DecodeState",
+           "DeferredContext"]
 
 RUNNING, STOP, LENGTH, ERROR, FREE = 0, 1, 2, 3, 4
 FINISH_REASONS = {STOP: "stop", LENGTH: "length", ERROR: "error: the target produced non-finite logits", FREE: "free"}
 NO_STOP = -2  # pads a row's stop ids; matches no token
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeferredContext:
+    """Drafter-context features held back from the drafter's cache, ``P`` positions per row.
+
+    Attributes:
+      feats: ``[B, P, F]`` the target's features (``DecodePlan.hidden_layer_ids``' outputs,
+        concatenated) of each row's next committed positions after its drafter context: entry
+        ``j`` is position ``draft_cache.lengths[b] + j``; the first ``count[b]`` are valid.
+      count: i32 ``[B]``.
+    """
+
+    feats: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, length: int, features: int, dtype) -> DeferredContext:
+        return cls(jnp.zeros((batch, length, features), dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def length(self) -> int:
+        """P: the most positions a row can hold back."""
+        return self.feats.shape[1]
+
+    def push(self, feats: jax.Array, counts: jax.Array) -> DeferredContext:
+        """The first ``counts [B]`` of ``feats [B, A, F]`` appended after each row's held positions
+        (a row's positions past ``P`` are dropped: the caller keeps ``count + counts <= P``)."""
+        idx = jnp.arange(feats.shape[1])[None]
+        at = jnp.where(idx < counts[:, None], self.count[:, None] + idx, self.length)
+        put = jax.vmap(lambda row, pos, values: row.at[pos].set(values.astype(row.dtype), mode="drop"))
+        return DeferredContext(put(self.feats, at, feats), self.count + counts.astype(jnp.int32))
+
+    def cleared(self) -> DeferredContext:
+        """Nothing held back (the features stay: past ``count`` they are never read)."""
+        return DeferredContext(self.feats, jnp.zeros_like(self.count))
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["target_cache", "draft_cache", "root", "out", "generated", "finish", "accept_lengths", "rounds",
-                 "max_new_tokens", "stop_ids", "sampling", "request_ids"],
+                 "max_new_tokens", "stop_ids", "sampling", "request_ids", "deferred"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +95,9 @@ class DecodeState:
       stop_ids: i32 ``[B, S]`` each row's stop tokens, padded with ``NO_STOP``.
       sampling: ``SamplingBatch`` with ``[B]`` fields.
       request_ids: u32 ``[B]`` stable ids that key unseeded rows' random streams (``ddtree_jax.rng``).
+      deferred: the drafter context held back by autoregressive rounds (``DeferredContext``), or
+        ``None``: those rounds then add it to ``draft_cache`` as they commit. A drafted round
+        needs none held back (``auto_round.flush_deferred`` first).
     """
 
     target_cache: RowCache
@@ -67,6 +112,7 @@ class DecodeState:
     stop_ids: jax.Array
     sampling: SamplingBatch
     request_ids: jax.Array
+    deferred: DeferredContext | None = None
 
     @classmethod
     def start(cls, target_cache: RowCache, draft_cache: RowCache | None, roots: jax.Array, *, capacity: int,
@@ -108,7 +154,7 @@ class DecodeState:
         return DecodeState(
             target_cache=self.target_cache.take_rows(rows),
             draft_cache=None if self.draft_cache is None else self.draft_cache.take_rows(rows),
-            sampling=jax.tree.map(take, self.sampling),
+            sampling=jax.tree.map(take, self.sampling), deferred=jax.tree.map(take, self.deferred),
             **{f: take(getattr(self, f)) for f in _ROW_FIELDS},
         )
 
@@ -123,6 +169,7 @@ class DecodeState:
             target_cache=self.target_cache.put_rows(rows, src.target_cache),
             draft_cache=None if self.draft_cache is None else self.draft_cache.put_rows(rows, src.draft_cache),
             sampling=jax.tree.map(put, self.sampling, src.sampling),
+            deferred=jax.tree.map(put, self.deferred, src.deferred),
             **{f: put(getattr(self, f), getattr(src, f)) for f in _ROW_FIELDS},
         )
 

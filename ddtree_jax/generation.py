@@ -33,7 +33,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
-from ddtree_jax.auto_round import round_plans, run_tallied_rounds
+from ddtree_jax.auto_round import round_plans, run_flush, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
@@ -209,6 +209,8 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
     # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
     scratch = max(budget, L) + 1
+    if decode.is_auto:  # a dispatch's held-back drafter context (P = its rounds) is added in one write
+        scratch = max(scratch, (decode.sync_every or _SYNC_EVERY) - 1)
     for i, (p, m) in enumerate(zip(checked, limits, strict=False)):
         if len(p) + m > context:
             raise ValueError(f"prompts[{i}] ({len(p)} tokens) + max_new_tokens ({m}) exceeds the target's context "
@@ -335,6 +337,8 @@ def generate(
     else:
         state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
                                       checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
+    if decode.is_auto:  # budget 0 runs no drafter code (auto_round.with_deferred)
+        state = with_deferred(state, target, drafter, sync_every)
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
@@ -446,6 +450,8 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     known = table.get(key)
     if known is not None:  # (no copies of the rows' fields: a lookup costs nothing on the device)
         return state, known
+    if state.deferred is not None:  # the timed rounds reuse the held-back buffer: empty it first
+        state = run_flush(models, tparams, dparams, state)
     saved = _row_fields(state)
     room = state.generated + max_len - scratch - 1 - state.target_cache.lengths
     timing = dict(saved, stop_ids=jnp.full_like(state.stop_ids, NO_STOP),

@@ -27,9 +27,14 @@ from ddtree_jax.auto_budget import (
     choose_budget,
     expected_tokens,
 )
+from ddtree_jax.auto_round import round_plans, run_flush, run_tallied_rounds, with_deferred
+from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
+from ddtree_jax.decode_round import DecodePlan, Models, prefill
 from ddtree_jax.generation import generate
+from ddtree_jax.sampling import batch_sampling
 from ddtree_jax.serving import Engine
+from ddtree_jax.serving import engine as engine_module
 from ddtree_jax.serving.server import metrics_text
 from ddtree_jax.tree import build_draft_tree
 from tests._model_fixtures import tiny_dflash, tiny_kimi
@@ -373,3 +378,111 @@ def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar, tmp_pat
     assert snap["budgets"] == [0, 4] and sum(snap["rounds"]) > 0
     assert sum(snap["realized_tokens"]) == sum(sum(r.acceptance_lengths) for r in results)
     assert 'ddtree_auto_budget_rounds_total{budget="4"}' in metrics_text(engine)[0].decode()
+
+
+def _auto_state(law_models, plan, held: int | None):
+    """A prefilled state of four rows (greedy and seeded), with ``held`` positions of drafter
+    context held back by its plain rounds (``None``: added round by round)."""
+    target, drafter = law_models
+    models, tparams, dparams = Models.split(target, drafter)
+    prompts = GREEDY_PROMPTS + [[3, 1, 4, 1, 5, 9]]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    padded = np.zeros((len(prompts), lengths.max() - 1), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p) - 1] = p[:-1]
+    sampling = batch_sampling([dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0, seed=5),
+                               dt.SamplingParams(temperature=0.7, top_p=0.9, seed=6),
+                               dt.SamplingParams(temperature=1.0, top_k=4)], len(prompts))
+    state = prefill(models, tparams, dparams, plan, jnp.asarray(padded), jnp.asarray(lengths - 1),
+                    jnp.asarray([p[-1] for p in prompts]), max_len=64, capacity=24,
+                    max_new_tokens=jnp.full((len(prompts),), 24), stop_ids=jnp.full((len(prompts), 1), -2),
+                    sampling=sampling, request_ids=jnp.arange(len(prompts), dtype=jnp.uint32))
+    return state if held is None else with_deferred(state, target, drafter, held)
+
+
+def test_held_back_context_is_the_context_added_round_by_round(law_models):
+    """Plain rounds that hold the drafter's context back (``DecodeState.deferred``) and a program
+    that adds it first give the same tokens, statistics and drafter context as plain rounds that
+    add it as they commit (float32: the K/V within 1e-5), over plain and drafted dispatches in
+    turn; and the context is really held back in between (its lengths lag)."""
+    target, drafter = law_models
+    models, tparams, dparams = Models.split(target, drafter)
+    plan = DecodePlan(method="ddtree", budget=4, hidden_layer_ids=tuple(drafter.config.target_layer_ids),
+                      backend=resolve_backend(DecodeConfig().impl))
+    plans = round_plans(plan, AutoPlan(budgets=(0, 4), draft_len=4, probe_every=2))
+    every, held = _auto_state(law_models, plan, None), _auto_state(law_models, plan, 2)
+    key = jax.random.key(3)
+    lagged = False
+    for k, rounds in [(0, 2), (1, 2), (0, 2), (0, 2), (1, 2), (0, 2)]:  # (one program per budget)
+        every, tally_every = run_tallied_rounds(models, tparams, dparams, plans[k], every, key, rounds)
+        held, tally_held = run_tallied_rounds(models, tparams, dparams, plans[k], held, key, rounds)
+        np.testing.assert_array_equal(tally_held, tally_every)
+        for f in ("out", "generated", "accept_lengths", "finish", "root"):
+            np.testing.assert_array_equal(getattr(held, f), getattr(every, f), err_msg=f)
+        np.testing.assert_array_equal(held.target_cache.lengths, every.target_cache.lengths)
+        lag = np.asarray(every.draft_cache.lengths - held.draft_cache.lengths)
+        np.testing.assert_array_equal(lag, np.asarray(held.deferred.count))
+        lagged |= k == 0 and bool((lag == rounds).all())
+    assert lagged, "the plain rounds must have held their context back"
+    held = run_flush(models, tparams, dparams, held)
+    assert not np.asarray(held.deferred.count).any()
+    lengths = np.asarray(every.draft_cache.lengths)
+    np.testing.assert_array_equal(held.draft_cache.lengths, lengths)
+    for a, b in zip(held.draft_cache.k + held.draft_cache.v, every.draft_cache.k + every.draft_cache.v, strict=True):
+        for row, n in enumerate(lengths):
+            np.testing.assert_allclose(np.asarray(a[row, :n]), np.asarray(b[row, :n]), atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_engine_held_back_context_changes_no_token(law_models, monkeypatch, page_size):
+    """The engine's budget-0 rounds hold the drafter's context back (flushed before drafted
+    dispatches, every ``DEFER_ROUNDS`` rounds and before a request's pages are published): the
+    same tokens and acceptance lengths, greedy and seeded, as an engine that adds it every round,
+    with slots reused and (paged) a second turn that finds the first turn's generated tokens in
+    the prefix cache; the drafter's context in those pages (contiguous: in the slots) within 1e-5;
+    and flushes did run. Costs injected: both engines choose alike."""
+    config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2,
+                                                 auto_costs=(1.0, 1.6), seed=5),
+                             slots=2, max_model_len=64, prefill_chunk=16, page_size=page_size)
+    first = [list(range(1, 12)) + list(range(1, 11)), [7, 3, 5, 8, 2], [9, 10, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    sampling = [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.0, seed=5),
+                dt.SamplingParams(temperature=0.7, top_p=0.9, seed=6), dt.SamplingParams(temperature=0.0)]
+
+    def serve(defer: bool):
+        with monkeypatch.context() as m:
+            if not defer:
+                m.setattr(engine_module, "DEFER_ROUNDS", 0)
+            eng = Engine(*law_models, config)
+        assert bool(eng._defer) == defer
+        flushes, flush = [0], eng._flush
+
+        def counted(state):
+            flushes[0] += 1
+            return flush(state)
+
+        eng._flush = counted
+        one = eng.generate(first, sampling, max_tokens=24)
+        eng.drain()
+        ran = flushes[0]
+        cache = []  # the drafter's keys and values: in each first-turn context's cached pages, or in each
+        if page_size is not None:  # slot (its last request's context, the held-back part flushed)
+            for p, r in zip(first, one, strict=True):
+                pages = jnp.asarray(eng._pool.match_prefix(p + r.tokens)[0], jnp.int32)
+                cache.append([np.asarray(a[pages]) for a in eng._state.draft_cache.k + eng._state.draft_cache.v])
+        else:
+            eng._ops.append(eng._flush)
+            eng._run_ops()
+            d = eng._state.draft_cache
+            cache = [[np.asarray(a[s, :n]) for a in d.k + d.v] for s, n in enumerate(np.asarray(d.lengths))]
+        two = eng.generate([p + r.tokens + [5] for p, r in zip(first, one, strict=True)], sampling, max_tokens=8)
+        return [(r.tokens, r.acceptance_lengths) for r in one + two], ran, eng.metrics.snapshot(), cache
+
+    held, flushed, snap, held_pages = serve(True)
+    every, none, _, every_pages = serve(False)
+    assert held == every
+    assert flushed > 0 and none == 0  # (during the first turn)
+    assert len(held_pages) == len(every_pages) and any(len(x[0]) for x in held_pages)
+    for a, b in zip(held_pages, every_pages, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+    assert snap["auto_budget"]["rounds"][0] > 0 and snap["auto_budget"]["rounds"][1] > 0

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.auto_round import unrolled_tallied_rounds
+from ddtree_jax.auto_round import flush_deferred, unrolled_tallied_rounds, with_deferred
 from ddtree_jax.decode_round import (
     DecodePlan,
     Models,
@@ -163,6 +163,8 @@ def activate(state: DecodeState, packed) -> DecodeState:
         rounds=put(state.rounds, rounds), max_new_tokens=put(state.max_new_tokens, max_new_tokens),
         stop_ids=put(state.stop_ids, packed[:, ACTIVATION_FIELDS:]),
         sampling=jax.tree.map(put, state.sampling, sampling), request_ids=put(state.request_ids, u32(4)),
+        deferred=None if state.deferred is None else dataclasses.replace(state.deferred,
+                                                                         count=put(state.deferred.count, zeros)),
     )
 
 
@@ -181,6 +183,19 @@ def set_page_rows(state: DecodeState, rows, table_rows) -> DecodeState:
             cache, page_table=cache.page_table.at[rows].set(table_rows.astype(cache.page_table.dtype)))
 
     return dataclasses.replace(state, target_cache=put(state.target_cache), draft_cache=put(state.draft_cache))
+
+
+@functools.partial(jax.jit, static_argnames=("models",), donate_argnames=("state",))
+def flush(models: Models, tparams, dparams, state: DecodeState) -> DecodeState:
+    """``auto_round.flush_deferred``: every slot's held-back drafter context added to its context.
+    Paged, a slot holding none back writes through the null page: its length may be stale (a slot
+    between requests) while its table already maps pages it shares."""
+    drafter = models.merge(tparams, dparams)[1]
+    if _paged(state):
+        tables = (state.target_cache.page_table, state.draft_cache.page_table)
+        state = flush_deferred(drafter, without_pages(state, state.deferred.count == 0))
+        return _with_tables(state, tables)
+    return flush_deferred(drafter, state)
 
 
 def _paged(state: DecodeState) -> bool:
@@ -278,11 +293,12 @@ def page_bytes(target, drafter, page_size: int) -> int:
 
 
 def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, capacity: int, stop_width: int,
-                shard=None, pages: tuple[int, int] | None = None) -> DecodeState:
+                shard=None, pages: tuple[int, int] | None = None, deferred: int = 0) -> DecodeState:
     """A state of ``slots`` free slots (finish ``FREE``); ``shard`` optionally places it.
     ``pages``: ``(num_pages, page_size)`` for paged caches (pools of ``num_pages`` pages, the null
     page included; every table row of ``max_len`` positions' pages null), else contiguous ones of
-    ``max_len`` positions per slot."""
+    ``max_len`` positions per slot. ``deferred > 0``: autoregressive rounds hold back up to that
+    many positions of drafter context per slot (``auto_round.with_deferred``)."""
 
     def caches(model):
         if pages is None:
@@ -292,7 +308,7 @@ def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, cap
 
     def build():
         zeros = jnp.zeros((slots,), jnp.int32)
-        return DecodeState.start(
+        state = DecodeState.start(
             caches(target), caches(drafter) if plan.hidden_layer_ids else None,
             zeros, capacity=capacity, max_new_tokens=jnp.ones((slots,), jnp.int32),
             stop_ids=jnp.full((slots, stop_width), NO_STOP, jnp.int32),
@@ -301,6 +317,7 @@ def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, cap
                                    seed=jnp.zeros((slots,), jnp.uint32), has_seed=jnp.zeros((slots,), bool)),
             request_ids=jnp.zeros((slots,), jnp.uint32), finish=FREE,
         )
+        return with_deferred(state, target, drafter, deferred) if deferred else state
 
     state = jax.jit(build)()  # compiled: every leaf its own buffer (the state is donated leaf by leaf)
     if shard is not None:

@@ -53,7 +53,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan
-from ddtree_jax.auto_round import round_plans
+from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
@@ -316,6 +316,7 @@ class Engine:
             self._init_pages(config, target, drafter if decode.uses_drafter else None)
         self._base_key = jax.random.key(decode.seed)
         self.auto_plan = None
+        self._defer, self._deferred_rounds = 0, 0  # budget 0's held-back context: its size, rounds since a flush
         if decode.is_auto:
             if config.max_logprobs:
                 raise ConfigError("EngineConfig", "max_logprobs", "log-probabilities are not computed with "
@@ -324,6 +325,10 @@ class Engine:
                                       probe_every=decode.auto_probe_every)
             self._auto_plans = round_plans(self.plan, self.auto_plan)
             self._auto = AutoChooser(self.auto_plan, learn_costs=decode.auto_costs is None)
+            # Budget 0 holds the drafter's context back (``auto_round``), up to DEFER_ROUNDS
+            # positions a slot; the flush writes that many past a slot's context: the cache's scratch.
+            room = self.cache_len - self.max_model_len + 1
+            self._defer = min(DEFER_ROUNDS, room) if min(DEFER_ROUNDS, room) >= self.sync_every else 0
             self.auto_costs = decode.auto_costs or self._measure_costs()
         self._state = self._empty_state()
         # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
@@ -432,6 +437,7 @@ class Engine:
         if table.admitted is None:
             return
         if publish:
+            self._queue_flush()  # (before the table sync that takes the slot's pages away)
             known = self._known(r)
             table.commit(known)
             table.publish(np.concatenate([r.prompt, np.asarray(r.out, np.int32)])[:known])
@@ -551,7 +557,20 @@ class Engine:
     def _empty_state(self):
         return _device.empty_state(self._target, self._drafter, self.plan, self.slots, self.cache_len,
                                    self.max_output_tokens, self.max_stop_ids, self._shard_state,
-                                   pages=None if self.page_size is None else (self.kv_pages + 1, self.page_size))
+                                   pages=None if self.page_size is None else (self.kv_pages + 1, self.page_size),
+                                   deferred=self._defer)
+
+    def _flush(self, state):
+        """The state with every slot's held-back drafter context added (an op of ``_ops``)."""
+        return _device.flush(self._models, self._tparams, self._dparams, state)
+
+    def _queue_flush(self) -> None:
+        """Queue ``_flush`` (with ``budget="auto"``, when budget-0 rounds may hold context back):
+        before a drafted dispatch, before a slot's held positions would pass the buffer, and before
+        a request's pages are published (its drafter pages must hold its whole context)."""
+        if self._deferred_rounds:
+            self._ops.append(self._flush)
+            self._deferred_rounds = 0
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -869,7 +888,13 @@ class Engine:
             return None
         if self.auto_plan is not None:
             costs = self._auto.costs(self.slots, self.auto_costs)
-            return snapshot, self._auto.choose(sum(r is not None for r in snapshot), costs)
+            k = self._auto.choose(sum(r is not None for r in snapshot), costs)
+            if self._defer:
+                if k > 0 or self._deferred_rounds + self.sync_every > self._defer:
+                    self._queue_flush()
+                if k == 0:
+                    self._deferred_rounds += self.sync_every
+            return snapshot, k
         return snapshot, None
 
     def _run_ops(self) -> None:
@@ -894,8 +919,9 @@ class Engine:
         else:
             future = concurrent.futures.Future()
             future.set_result(self._launch_rounds(ops, plan))
-        # (a dispatch with programs before its rounds does not time its budget's rounds)
-        self._inflight.append((future, snapshot, auto_budget, not ops))
+        # (a dispatch with programs before its rounds does not time its budget's rounds; a flush
+        # before them is part of what its budget costs)
+        self._inflight.append((future, snapshot, auto_budget, all(op == self._flush for op in ops)))
 
     def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None):
         """Launch ``ops`` on the state, in order, then (given ``plan``) ``sync_every`` rounds of it,
