@@ -376,8 +376,7 @@ def generate(
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
-            paid = chooser.costs(rows, costs[rows])
-            k = chooser.choose(active, paid)
+            k = chooser.choose(active, chooser.costs(rows, costs[rows]))
             t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
             tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
@@ -387,8 +386,8 @@ def generate(
         if not decode.is_auto:  # (profile is never auto)
             done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
         in_rounds += time.perf_counter() - t_call
-        if decode.is_auto:
-            chooser.record(k, tally, paid)
+        if decode.is_auto:  # (with the costs this dispatch's timing corrected, as the engine records)
+            chooser.record(k, tally, chooser.costs(rows, costs[rows]))
         active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)
@@ -475,12 +474,14 @@ _ROW_FIELDS = ("root", "out", "generated", "finish", "accept_lengths", "rounds",
 
 @jax.jit
 def _row_fields(state: DecodeState) -> dict:
-    """Copies of what a round changes besides the caches' contents: the rows' fields and the
-    caches' lengths."""
+    """Copies of what a round changes besides the caches' contents: the rows' fields, the
+    caches' lengths and the held-back context's counts."""
     fields = {f: jnp.copy(getattr(state, f)) for f in _ROW_FIELDS}
     fields["target_lengths"] = jnp.copy(state.target_cache.lengths)
     if state.draft_cache is not None:
         fields["draft_lengths"] = jnp.copy(state.draft_cache.lengths)
+    if state.deferred is not None:
+        fields["deferred_count"] = jnp.copy(state.deferred.count)
     return fields
 
 
@@ -494,6 +495,8 @@ def _put_row_fields(state: DecodeState, fields: dict) -> DecodeState:
     if state.draft_cache is not None:
         new = dataclasses.replace(new, draft_cache=dataclasses.replace(state.draft_cache,
                                                                        lengths=fields["draft_lengths"]))
+    if state.deferred is not None:
+        new = dataclasses.replace(new, deferred=dataclasses.replace(state.deferred, count=fields["deferred_count"]))
     return new
 
 

@@ -486,3 +486,32 @@ def test_engine_held_back_context_changes_no_token(law_models, monkeypatch, page
         for x, y in zip(a, b, strict=True):
             np.testing.assert_allclose(x, y, atol=1e-5)
     assert snap["auto_budget"]["rounds"][0] > 0 and snap["auto_budget"]["rounds"][1] > 0
+
+
+def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monkeypatch):
+    """generate's cost timing (``_round_costs``) on rows that hold context back runs every budget
+    on them, then puts them back: the same rows, the same drafter context once flushed (the timed
+    rounds reuse the held-back buffer, so it is flushed first; without that this test fails)."""
+    monkeypatch.setattr(auto_costs, "_default", auto_costs.CostTable(str(tmp_path)))
+    target, drafter = law_models
+    models, tparams, dparams = Models.split(target, drafter)
+    plan = DecodePlan(method="ddtree", budget=4, hidden_layer_ids=tuple(drafter.config.target_layer_ids),
+                      backend=resolve_backend(DecodeConfig().impl))
+    plans = round_plans(plan, AutoPlan(budgets=(0, 4), draft_len=4, probe_every=2))
+    key = jax.random.key(3)
+    state, _ = run_tallied_rounds(models, tparams, dparams, plans[0], _auto_state(law_models, plan, 2), key, 2)
+    assert np.asarray(state.deferred.count).min() == 2
+    before = run_flush(models, tparams, dparams, jax.tree.map(jnp.copy, state))
+    after, costs = generation._round_costs(DecodeConfig(budget="auto", auto_max_budget=4), "digest", models, tparams,
+                                           dparams, plans, state, key, 64, 5, 2)
+    assert len(costs) == 2 and all(c > 0 for c in costs)
+    after = run_flush(models, tparams, dparams, after)
+    for f in ("out", "generated", "accept_lengths", "finish", "root", "rounds"):
+        np.testing.assert_array_equal(getattr(after, f), getattr(before, f), err_msg=f)
+    np.testing.assert_array_equal(after.target_cache.lengths, before.target_cache.lengths)
+    lengths = np.asarray(before.draft_cache.lengths)
+    np.testing.assert_array_equal(after.draft_cache.lengths, lengths)
+    kv = lambda s: s.draft_cache.k + s.draft_cache.v  # noqa: E731
+    for a, b in zip(kv(after), kv(before), strict=True):
+        for row, n in enumerate(lengths):
+            np.testing.assert_allclose(np.asarray(a[row, :n]), np.asarray(b[row, :n]), atol=1e-6)
