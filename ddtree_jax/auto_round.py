@@ -36,8 +36,8 @@ from ddtree_jax.auto_budget import AutoPlan
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
 from ddtree_jax.decode_state import DecodeState, DeferredContext
 
-__all__ = ["DEFER_ROUNDS", "flush_deferred", "round_plans", "run_flush", "run_tallied_rounds", "tallied_round",
-           "unrolled_tallied_rounds", "with_deferred"]
+__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_flush", "run_tallied_rounds",
+           "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -52,12 +52,24 @@ DEFER_ROUNDS = 16
 runs once per that many budget-0 rounds, and before each drafted dispatch)."""
 
 
-def with_deferred(state: DecodeState, target, drafter, length: int) -> DecodeState:
+def engine_deferred(decode, scratch: int) -> int:
+    """Positions of drafter context an ``Engine`` slot holds back (0: none) under ``decode``
+    (a ``DecodeConfig``): with ``budget="auto"``, ``DEFER_ROUNDS``, at most ``scratch + 1`` (the
+    flush writes that many positions past a slot's context; ``scratch``: the cache's positions past
+    ``max_model_len``), and none where that is fewer than a dispatch's rounds."""
+    if not decode.is_auto:
+        return 0
+    length = min(DEFER_ROUNDS, scratch + 1)
+    return length if length >= (decode.sync_every or 1) else 0
+
+
+def with_deferred(state: DecodeState, drafter, length: int) -> DecodeState:
     """``state`` whose autoregressive rounds hold back up to ``length`` positions of drafter
-    context per row (nothing held yet); ``target`` gives the features' dtype (its embedding's)."""
+    context per row (nothing held yet), features in the target cache's floating dtype (its
+    activations')."""
     if length < 1:
         raise ValueError(f"with_deferred: length must be >= 1, got {length}")
-    dtype = jax.eval_shape(target.embed, jax.ShapeDtypeStruct((1,), jnp.int32)).dtype
+    dtype = next(x.dtype for x in jax.tree.leaves(state.target_cache) if jnp.issubdtype(x.dtype, jnp.floating))
     features = drafter.fc.kernel.shape[0]
     return dataclasses.replace(state, deferred=DeferredContext.empty(state.batch_size, length, features, dtype))
 

@@ -338,7 +338,7 @@ def generate(
         state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
                                       checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
     if decode.is_auto:  # budget 0 runs no drafter code (auto_round.with_deferred)
-        state = with_deferred(state, target, drafter, sync_every)
+        state = with_deferred(state, drafter, sync_every)
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0

@@ -215,8 +215,9 @@ def _weight_bytes(target: nnx.Module, drafter: nnx.Module | None, mesh_sizes, me
 
 def _slot_bytes(target, drafter, config: EngineConfig, rows: int, cache_len: int) -> dict[str, int]:
     """Bytes of the three per-slot kinds of an engine state of ``rows`` slots (its caches of
-    ``cache_len`` positions, the output buffer, stop ids of ``config``), from the engine's own
-    constructor, not allocated."""
+    ``cache_len`` positions, the output buffer, stop ids of ``config``, with ``budget="auto"`` the
+    held-back drafter context), from the engine's own constructor, not allocated."""
+    from ddtree_jax.auto_round import engine_deferred
     from ddtree_jax.backend import REFERENCE
     from ddtree_jax.decode_round import DecodePlan
     from ddtree_jax.serving._device import empty_state
@@ -227,7 +228,10 @@ def _slot_bytes(target, drafter, config: EngineConfig, rows: int, cache_len: int
                       backend=REFERENCE)
     capacity = config.max_output_tokens or config.max_model_len - 1
     stop_width = max(config.max_stop_ids, len(decode.stop_token_ids))
-    state = jax.eval_shape(lambda: empty_state(target, drafter, plan, rows, cache_len, capacity, stop_width))
+    depth = drafter.config.block_size - 1 if drafter is not None else 0
+    deferred = engine_deferred(decode, config.cache_len(0, depth)) if drafter is not None else 0
+    state = jax.eval_shape(lambda: empty_state(target, drafter, plan, rows, cache_len, capacity, stop_width,
+                                               deferred=deferred))
 
     def nbytes(tree):
         return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

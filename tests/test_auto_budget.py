@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from ddtree_jax import _preflight, auto_costs, generation
+from ddtree_jax import _preflight, auto_costs, auto_round, generation
 from ddtree_jax.auto_budget import (
     COST_DECAY,
     DECAY,
@@ -34,7 +34,6 @@ from ddtree_jax.decode_round import DecodePlan, Models, prefill
 from ddtree_jax.generation import generate
 from ddtree_jax.sampling import batch_sampling
 from ddtree_jax.serving import Engine
-from ddtree_jax.serving import engine as engine_module
 from ddtree_jax.serving.server import metrics_text
 from ddtree_jax.tree import build_draft_tree
 from tests._model_fixtures import tiny_dflash, tiny_kimi
@@ -397,7 +396,7 @@ def _auto_state(law_models, plan, held: int | None):
                     jnp.asarray([p[-1] for p in prompts]), max_len=64, capacity=24,
                     max_new_tokens=jnp.full((len(prompts),), 24), stop_ids=jnp.full((len(prompts), 1), -2),
                     sampling=sampling, request_ids=jnp.arange(len(prompts), dtype=jnp.uint32))
-    return state if held is None else with_deferred(state, target, drafter, held)
+    return state if held is None else with_deferred(state, drafter, held)
 
 
 def test_held_back_context_is_the_context_added_round_by_round(law_models):
@@ -451,7 +450,7 @@ def test_engine_held_back_context_changes_no_token(law_models, monkeypatch, page
     def serve(defer: bool):
         with monkeypatch.context() as m:
             if not defer:
-                m.setattr(engine_module, "DEFER_ROUNDS", 0)
+                m.setattr(auto_round, "DEFER_ROUNDS", 0)
             eng = Engine(*law_models, config)
         assert bool(eng._defer) == defer
         flushes, flush = [0], eng._flush

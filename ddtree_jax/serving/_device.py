@@ -317,7 +317,7 @@ def empty_state(target, drafter, plan: DecodePlan, slots: int, max_len: int, cap
                                    seed=jnp.zeros((slots,), jnp.uint32), has_seed=jnp.zeros((slots,), bool)),
             request_ids=jnp.zeros((slots,), jnp.uint32), finish=FREE,
         )
-        return with_deferred(state, target, drafter, deferred) if deferred else state
+        return with_deferred(state, drafter, deferred) if deferred else state
 
     state = jax.jit(build)()  # compiled: every leaf its own buffer (the state is donated leaf by leaf)
     if shard is not None:

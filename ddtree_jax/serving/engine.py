@@ -53,7 +53,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan
-from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans
+from ddtree_jax.auto_round import engine_deferred, round_plans
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
@@ -325,10 +325,8 @@ class Engine:
                                       probe_every=decode.auto_probe_every)
             self._auto_plans = round_plans(self.plan, self.auto_plan)
             self._auto = AutoChooser(self.auto_plan, learn_costs=decode.auto_costs is None)
-            # Budget 0 holds the drafter's context back (``auto_round``), up to DEFER_ROUNDS
-            # positions a slot; the flush writes that many past a slot's context: the cache's scratch.
-            room = self.cache_len - self.max_model_len + 1
-            self._defer = min(DEFER_ROUNDS, room) if min(DEFER_ROUNDS, room) >= self.sync_every else 0
+            # Budget 0 holds the drafter's context back (``auto_round``), up to DEFER_ROUNDS positions a slot.
+            self._defer = engine_deferred(decode, self.cache_len - self.max_model_len)
             self.auto_costs = decode.auto_costs or self._measure_costs()
         self._state = self._empty_state()
         # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
