@@ -22,7 +22,8 @@ host before the dispatch from the statistics of the dispatches already read back
   running rows) / (cost of a round at that budget); ties go to the smaller budget. Budget 0 runs
   the plain autoregressive round (no drafter), so its rounds teach the averages nothing;
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
-  anyway, at the best positive budget (without it the averages would never change again). The
+  anyway, at the best positive budget (without it the averages would never change again;
+  ``generate`` runs it as a single round, the engine's dispatches are single rounds). The
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
   each drafted dispatch whose statistics still choose budget 0, and falls back to ``probe_every``
   after one whose statistics choose a tree, so probing costs little where drafting does not pay.
@@ -162,6 +163,7 @@ class AutoChooser:
       expected: f64 ``[K]`` the running rows' expected tokens summed over those rounds
         (uncalibrated; exactly one per row at budget 0).
       realized: f64 ``[K]`` the running rows' accepted tokens (bonus included) over those rounds.
+      probing: whether the last ``choose`` gave a probe (``generate`` runs a probe as one round).
       run_costs: ``{batch shape: RunCosts}``, the costs the run has paid (``costs``, ``observe``).
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
@@ -174,6 +176,7 @@ class AutoChooser:
         self.accepted_ema = self.predicted_ema = 0.0
         self.skipped = self.interval = plan.probe_every
         self.drafted = 0
+        self.probing = False
         self.rounds = np.zeros(K, np.int64)
         self.expected = np.zeros(K)
         self.realized = np.zeros(K)
@@ -208,7 +211,8 @@ class AutoChooser:
         budget once ``interval`` rounds in a row ran at budget 0."""
         costs = np.asarray(costs, np.float64)
         k = self._rule(active, costs)
-        if k == 0 and self.skipped >= self.interval:
+        self.probing = k == 0 and self.skipped >= self.interval
+        if self.probing:
             k = 1 + choose_budget(calibrated(self.expected_ema, self.factor(), self.plan.caps)[1:], costs[1:])
         return k
 

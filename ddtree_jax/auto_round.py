@@ -110,12 +110,12 @@ def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
     return jnp.zeros((state.batch_size, 2 + len(plan.expected_budgets)), jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
 def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-                       max_rounds: int) -> tuple[DecodeState, jax.Array]:
+                       max_rounds) -> tuple[DecodeState, jax.Array]:
     """``decode_round.run_rounds`` at one of ``round_plans``: the held-back context added
-    (``flush_deferred``), then up to ``max_rounds`` rounds, stopping early once every row is done;
-    returns ``(state, tally)``."""
+    (``flush_deferred``), then up to ``max_rounds`` rounds (an int, traced: one program for any
+    count), stopping early once every row is done; returns ``(state, tally)``."""
     state = _flushed(models, tparams, dparams, state)
 
     def cond(carry):

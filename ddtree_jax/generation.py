@@ -377,10 +377,11 @@ def generate(
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
             k = chooser.choose(active, chooser.costs(rows, costs[rows]))
+            n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
             t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
-            state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, sync_every)
+            state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
             tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
-            chooser.observe(rows, k, (time.perf_counter() - t_call) / sync_every)
+            chooser.observe(rows, k, (time.perf_counter() - t_call) / max(1, int(tally[:, 0].max(initial=0))))
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
         if not decode.is_auto:  # (profile is never auto)

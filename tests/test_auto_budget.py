@@ -514,3 +514,29 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
     for a, b in zip(kv(after), kv(before), strict=True):
         for row, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(a[row, :n]), np.asarray(b[row, :n]), atol=1e-6)
+
+
+@pytest.mark.parametrize("costs, pays", [((1.0, 50.0, 50.0), False), ((1.0, 1.0, 1.0), True)])
+def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, costs, pays):
+    """generate runs a probe (a drafted dispatch the statistics did not choose: the first one, and
+    one after ``interval`` plain rounds) as a single round, every other dispatch as ``sync_every``
+    rounds: where drafting never pays, every drafted dispatch is a one-round probe; where it pays,
+    only the first; greedy tokens stay autoregressive decoding's."""
+    calls = []
+    run = generation.run_tallied_rounds
+
+    def recorded(models, tparams, dparams, plan, state, base_key, max_rounds):
+        calls.append((plan.budget, int(max_rounds)))
+        return run(models, tparams, dparams, plan, state, base_key, max_rounds)
+
+    monkeypatch.setattr(generation, "run_tallied_rounds", recorded)
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=costs, auto_probe_every=2, sync_every=3)
+    out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert out.tokens == greedy_ar.tokens
+    drafted = [n for b, n in calls if b > 0]
+    assert calls[0][0] > 0 and calls[0][1] == 1  # the first dispatch probes
+    assert all(n == 3 for b, n in calls if b == 0)
+    if pays:
+        assert len(drafted) > 1 and all(n == 3 for n in drafted[1:])
+    else:
+        assert len(drafted) > 1 and all(n == 1 for n in drafted) and out.auto.drafted_rounds == len(drafted)
