@@ -12,7 +12,9 @@ streams, from a profiler trace of as many calls) and kernels per round; both ove
 autoregressive step's; the ``--top`` kernels by time. A plan ``method:budget:ref`` runs the
 drafter's attention through its plain-JAX reference instead of the kernel (the round as it was
 before the kernel), in the same run; ``ar:0:ctx`` is the autoregressive round that also extends
-the drafter's context (``budget="auto"``'s budget 0, which keeps the drafter ready to draft). On
+the drafter's context as it commits, ``ar:0:held`` the same round holding that context back and
+adding it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0 in the engine: the flush
+op counted in the rounds it serves). On
 a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
@@ -28,6 +30,7 @@ import numpy as np
 
 from bench._common import Report, device_trace, log
 from bench.bench_e2e import heldout_prompts, smoke_pair
+from ddtree_jax.auto_round import DEFER_ROUNDS, with_deferred
 from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.decode_round import DecodePlan, Models, prefill
 from ddtree_jax.decode_state import NO_STOP
@@ -74,17 +77,23 @@ def with_attention(drafter, backend):
 
 
 def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool,
-            context: bool = False) -> dict:
-    """Wall and device time per round of one plan (module doc); ``context``: an autoregressive
-    round that also extends the drafter's context (``budget="auto"``'s budget 0)."""
-    uses = method != "ar" or context
+            context: str = "") -> dict:
+    """Wall and device time per round of one plan (module doc); ``context``: for an autoregressive
+    round, ``"ctx"`` to extend the drafter's context as it commits, ``"held"`` to hold it back
+    and flush it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0)."""
+    uses = method != "ar" or bool(context)
     plan = DecodePlan(method=method, budget=budget, backend=resolve_backend("auto"),
                       hidden_layer_ids=tuple(drafter.config.target_layer_ids) if uses else ())
     models, tp, dp = Models.split(target, drafter if uses else None)
     key = jax.random.key(0)
-    box = [start_state(models, tp, dp, plan, prompts)]
+    box, calls = [start_state(models, tp, dp, plan, prompts)], [0]
+    if context == "held":
+        box[0] = with_deferred(box[0], drafter, DEFER_ROUNDS)
 
     def one_round():
+        if context == "held" and calls[0] % DEFER_ROUNDS == DEFER_ROUNDS - 1:
+            box[0] = _device.flush(models, tp, dp, box[0])
+        calls[0] += 1
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
 
@@ -131,11 +140,12 @@ def main(argv=None):
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
     for method, budget, variant in plans:
-        note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context"}.get(variant, "")
+        note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context",
+                "held": " holding the drafter's context back"}.get(variant, "")
         log(f"{method}:{budget}{note} at batch {args.batch}")
         d = with_attention(drafter, REFERENCE) if variant == "ref" else drafter
         rows[(method, budget, variant)] = r = measure(target, d, prompts, method, budget, args.rounds, trace,
-                                                      context=variant == "ctx")
+                                                      context=variant if variant in ("ctx", "held") else "")
         ar = rows.get(("ar", 0, "")) or r
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
