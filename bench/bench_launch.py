@@ -22,6 +22,15 @@ state the device has finished with:
   signature), ``noop state`` (the donated state alone), ``noop params`` (the parameters alone),
   ``noop 1`` (one small array).
 
+A synthetic program isolates what the addresses of a call's buffers cost: ``--kernels`` small
+kernels in a chain (one per step, kept apart by optimisation barriers) over a donated state of
+8 arrays, returning a harvest that is a fresh array every call (``synthetic fresh``), the same
+donated array written in place and passed back (``synthetic same``), or one of two donated
+arrays in turn (``synthetic alternate``: the engine's case, whose harvest of the dispatch before
+is still being read). XLA's command buffers (CUDA graphs) are recorded against buffer addresses;
+if a call whose addresses changed costs much more than one whose did not, the launch's cost is
+the graph's update, not the kernels' number.
+
 Each ``--xla-variants`` entry runs in its own process with its ``XLA_FLAGS`` (command buffers as
 XLA builds them by default, or none). Every variant also runs the same 8 dispatches from the same start
 (sampled at temperature 1 with fixed seeds) and the parent checks that their tokens equal the
@@ -131,6 +140,50 @@ def _case(target, drafter, method: str, B: int, args) -> dict:
     return row
 
 
+def _synthetic(args) -> dict:
+    """Median host microseconds per call of the synthetic chain (module doc), per harvest kind."""
+    import jax
+    import jax.numpy as jnp
+
+    shape, n = (64, 128), args.kernels
+
+    def chain(state, harvest):
+        state = list(state)
+        for i in range(n):
+            j = i % len(state)
+            state[j] = jax.lax.optimization_barrier(jnp.sin(state[j]) + 1.0)
+        return tuple(state), harvest.at[:, :8].set(state[0][:, :8].astype(jnp.int32))
+
+    def fresh(state, _):
+        return chain(state, jnp.zeros((shape[0], 16), jnp.int32))
+
+    run_fresh = jax.jit(fresh, donate_argnums=(0,))
+    run_donated = jax.jit(chain, donate_argnums=(0, 1))
+    box = {"state": tuple(jnp.full(shape, float(i)) for i in range(8)),
+           "h": [jnp.zeros((shape[0], 16), jnp.int32) for _ in range(2)], "turn": 0}
+
+    def call_fresh():
+        box["state"], box["out"] = run_fresh(box["state"], None)
+
+    def call_same():
+        box["state"], box["h"][0] = run_donated(box["state"], box["h"][0])
+
+    def call_alternate():
+        t = box["turn"] = 1 - box["turn"]
+        box["state"], box["h"][t] = run_donated(box["state"], box["h"][t])
+
+    def ready():
+        jax.block_until_ready(box["state"])
+
+    row = {}
+    for name, fn in (("fresh", call_fresh), ("same", call_same), ("alternate", call_alternate)):
+        for _ in range(3):
+            fn()  # compile, warm the graph
+        ready()
+        row[f"synthetic_{name}_us"] = _median_us(fn, args.calls, ready)
+    return row
+
+
 def _child(args) -> None:
     from bench._common import log
     from bench.bench_engine import _models
@@ -146,6 +199,12 @@ def _child(args) -> None:
                 f"{row['pipelined_us']:.0f} us, noop all/state/params/1 {row['noop_all_us']:.0f}/"
                 f"{row['noop_state_us']:.0f}/{row['noop_params_us']:.0f}/{row['noop_1_us']:.0f} us")
             rows.append(row)
+    if args.kernels:
+        log(f"[{args.variant}] synthetic chain of {args.kernels} kernels")
+        synthetic = _synthetic(args)
+        log("  " + ", ".join(f"{k} {v:.0f}" for k, v in synthetic.items()))
+        for row in rows:
+            row.update(synthetic)
     with open(args.child_json, "w") as f:
         json.dump(rows, f)
 
@@ -159,13 +218,14 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--kernels", type=int, default=280, help="the synthetic chain's kernels (0: no synthetic rows)")
     p.add_argument("--xla-variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
-        args.batches, args.calls, args.max_model_len = [4], 5, 128
+        args.batches, args.calls, args.max_model_len, args.kernels = [4], 5, 128, min(args.kernels, 16)
     if args.child_json:
         return _child(args)
 
@@ -182,7 +242,8 @@ def main(argv=None) -> None:
             out = os.path.join(tmp, "rows.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, "--child-json", out,
                    "--batches", *map(str, args.batches), "--methods", *args.methods, "--budget", str(args.budget),
-                   "--max-model-len", str(args.max_model_len), "--calls", str(args.calls)]
+                   "--max-model-len", str(args.max_model_len), "--calls", str(args.calls),
+                   "--kernels", str(args.kernels)]
             if args.smoke:
                 cmd.append("--smoke")
             env = dict(os.environ, XLA_FLAGS=f"{base_flags} {VARIANTS[variant]}".strip())

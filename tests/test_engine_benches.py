@@ -56,4 +56,5 @@ def test_bench_launch_smoke(tmp_path):
         (row,) = json.load(f)["launch"]
     assert row["same_tokens_as_first"] == "yes" and row["batch"] == 4
     assert all(row[k] > 0 for k in ("call_us", "call_copy_us", "launch_us", "launch_busy_us", "pipelined_us",
-                                    "noop_all_us", "noop_1_us"))
+                                    "noop_all_us", "noop_1_us", "synthetic_fresh_us", "synthetic_same_us",
+                                    "synthetic_alternate_us"))
