@@ -1074,8 +1074,9 @@ class Engine:
     def warmup(self) -> None:
         """Compile before serving: a round, the activation, the prefill of every power-of-two number
         of newcomers up to ``prefill_batch`` with the smallest prompt chunk, the largest prefill
-        shape (which covers any other until that one has compiled in the background) and, paged and
-        before ``start``, the page-table upload of every power-of-two number of slots."""
+        shape (which covers any other until that one has compiled in the background) and, before
+        ``start``, the flush of budget 0's held-back context (``budget="auto"``) and, paged, the
+        page-table upload of every power-of-two number of slots."""
         prompt = [0] * min(_MIN_CHUNK + 1, self.max_model_len - 1)
         R = 1
         while R <= min(self.prefill_batch, self.max_queue):
@@ -1089,6 +1090,9 @@ class Engine:
             R *= 2
         blocks = self._row_blocks  # a full prefill batch spread over the devices' blocks
         self._prefill.warm(blocks * _pow2(-(-self.prefill_batch // blocks)), self.prefill_chunk)
+        if self._defer and self._thread is None:  # the flush of budget 0's held-back context
+            self._ops.append(self._flush)
+            self._run_ops()
         if self.page_size is not None and self._thread is None:  # page-table uploads of 1, 2, 4, ... slots
             R = 1
             while R <= self.slots:
