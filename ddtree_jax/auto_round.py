@@ -52,14 +52,16 @@ DEFER_ROUNDS = 16
 runs once per that many budget-0 rounds, and before each drafted dispatch)."""
 
 
-def engine_deferred(decode, scratch: int) -> int:
-    """Positions of drafter context an ``Engine`` slot holds back (0: none) under ``decode``
-    (a ``DecodeConfig``): with ``budget="auto"``, ``DEFER_ROUNDS``, at most ``scratch + 1`` (the
-    flush writes that many positions past a slot's context; ``scratch``: the cache's positions past
-    ``max_model_len``), and none where that is fewer than a dispatch's rounds."""
+def engine_deferred(config, depth: int) -> int:
+    """Positions of drafter context an ``Engine`` slot holds back (0: none) under ``config`` (an
+    ``EngineConfig``; ``depth``: the drafter's block size - 1): with ``budget="auto"``,
+    ``DEFER_ROUNDS``, at most one more than the cache's scratch past ``max_model_len`` (the flush
+    writes that many positions past a slot's context), and none where that is fewer than a
+    dispatch's rounds."""
+    decode = config.decode
     if not decode.is_auto:
         return 0
-    length = min(DEFER_ROUNDS, scratch + 1)
+    length = min(DEFER_ROUNDS, config.cache_len(0, depth) + 1)
     return length if length >= (decode.sync_every or 1) else 0
 
 
@@ -86,7 +88,7 @@ def flush_deferred(drafter, state: DecodeState) -> DecodeState:
 
 
 def _flushed(models: Models, tparams, dparams, state: DecodeState) -> DecodeState:
-    return flush_deferred(models.merge(tparams, dparams)[1], state) if state.deferred is not None else state
+    return flush_deferred(models.merge(tparams, dparams)[1], state)
 
 
 @functools.partial(jax.jit, static_argnames=("models",), donate_argnames=("state",))

@@ -229,7 +229,7 @@ def _slot_bytes(target, drafter, config: EngineConfig, rows: int, cache_len: int
     capacity = config.max_output_tokens or config.max_model_len - 1
     stop_width = max(config.max_stop_ids, len(decode.stop_token_ids))
     depth = drafter.config.block_size - 1 if drafter is not None else 0
-    deferred = engine_deferred(decode, config.cache_len(0, depth)) if drafter is not None else 0
+    deferred = engine_deferred(config, depth) if drafter is not None else 0
     state = jax.eval_shape(lambda: empty_state(target, drafter, plan, rows, cache_len, capacity, stop_width,
                                                deferred=deferred))
 

@@ -192,14 +192,18 @@ def flush(models: Models, tparams, dparams, state: DecodeState) -> DecodeState:
     between requests) while its table already maps pages it shares."""
     drafter = models.merge(tparams, dparams)[1]
     if _paged(state):
-        tables = (state.target_cache.page_table, state.draft_cache.page_table)
-        state = flush_deferred(drafter, without_pages(state, state.deferred.count == 0))
-        return _with_tables(state, tables)
+        tables = _tables(state)
+        return _with_tables(flush_deferred(drafter, without_pages(state, state.deferred.count == 0)), tables)
     return flush_deferred(drafter, state)
 
 
 def _paged(state: DecodeState) -> bool:
     return hasattr(state.target_cache, "page_table")
+
+
+def _tables(state: DecodeState):
+    """A paged state's page tables, ``(target's, drafter's or None)``: what ``_with_tables`` puts back."""
+    return state.target_cache.page_table, None if state.draft_cache is None else state.draft_cache.page_table
 
 
 def _with_tables(state: DecodeState, tables) -> DecodeState:
@@ -228,8 +232,7 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
         # A row not running (a slot between requests, or admitted but not yet prefilled) holds a
         # stale length; its round's writes past it could reach pages the slot now shares, so the
         # rounds see its table as the null page, where writes land nowhere.
-        tables = (state.target_cache.page_table,
-                  None if state.draft_cache is None else state.draft_cache.page_table)
+        tables = _tables(state)
         state, packed = _rounds_and_harvest(models, tparams, dparams, plan,
                                             without_pages(state, state.finish != RUNNING), base_key, rounds, tokens)
         return _with_tables(state, tables), packed

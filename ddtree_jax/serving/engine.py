@@ -326,7 +326,7 @@ class Engine:
             self._auto_plans = round_plans(self.plan, self.auto_plan)
             self._auto = AutoChooser(self.auto_plan, learn_costs=decode.auto_costs is None)
             # Budget 0 holds the drafter's context back (``auto_round``), up to DEFER_ROUNDS positions a slot.
-            self._defer = engine_deferred(decode, self.cache_len - self.max_model_len)
+            self._defer = engine_deferred(config, depth)
             self.auto_costs = decode.auto_costs or self._measure_costs()
         self._state = self._empty_state()
         # The prefill's executables per (rows, chunk) shape: a new shape runs padded on a compiled
