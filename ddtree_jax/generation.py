@@ -381,7 +381,10 @@ def generate(
             t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
             tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
-            chooser.observe(rows, k, (time.perf_counter() - t_call) / max(1, int(tally[:, 0].max(initial=0))))
+            if not chooser.probing and int(tally[:, 0].max(initial=0)) == n:
+                # Only full dispatches time a budget: a dispatch's launch and read-back, spread
+                # over one round (a probe) or the few of the last dispatch, would overprice it.
+                chooser.observe(rows, k, (time.perf_counter() - t_call) / n)
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
         if not decode.is_auto:  # (profile is never auto)

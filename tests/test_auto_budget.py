@@ -518,8 +518,11 @@ def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, cost
     """generate runs a probe (a drafted dispatch the statistics did not choose: the first one, and
     one after ``interval`` plain rounds) as a single round, every other dispatch as ``sync_every``
     rounds: where drafting never pays, every drafted dispatch is a one-round probe; where it pays,
-    only the first; greedy tokens stay autoregressive decoding's."""
-    calls = []
+    only the first; greedy tokens stay autoregressive decoding's. Only full dispatches time their
+    budget (a probe's one round would carry a whole launch): the costs come from the table
+    (patched, and the timings only recorded, so no timing changes a choice), and the timed
+    dispatches are the ``sync_every``-round ones, all but maybe the last."""
+    calls, timed = [], []
     run = generation.run_tallied_rounds
 
     def recorded(models, tparams, dparams, plan, state, base_key, max_rounds):
@@ -527,12 +530,17 @@ def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, cost
         return run(models, tparams, dparams, plan, state, base_key, max_rounds)
 
     monkeypatch.setattr(generation, "run_tallied_rounds", recorded)
-    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=costs, auto_probe_every=2, sync_every=3)
+    monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
+                        *rest: (state, costs))
+    monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(self.plan.budgets[k]))
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=2, sync_every=3)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
     drafted = [n for b, n in calls if b > 0]
     assert calls[0][0] > 0 and calls[0][1] == 1  # the first dispatch probes
     assert all(n == 3 for b, n in calls if b == 0)
+    full = [b for b, n in calls if n == 3]
+    assert timed in (full, full[:-1])
     if pays:
         assert len(drafted) > 1 and all(n == 3 for n in drafted[1:])
     else:
