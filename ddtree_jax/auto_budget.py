@@ -29,9 +29,11 @@ host before the dispatch from the statistics of the dispatches already read back
   after one whose statistics choose a tree, so probing costs little where drafting does not pay.
 
 * **costs as the run pays them**: the cost table (timed once per device, models and shapes) is
-  the prior; each dispatch's wall time per round, host work between dispatches included, then
-  replaces its budget's entry as a moving average (``RunCosts``); a budget not timed yet in the
-  run keeps its table cost.
+  the prior; each timed dispatch gives its budget's ratio of paid to table cost (host work
+  between dispatches included), and a budget's cost is its table cost times the median of its own
+  latest ratios once it has ``OWN_SAMPLES`` of them, else the median of the latest ratios of all
+  budgets (``RunCosts``), so that one slow dispatch neither prices a budget out for good nor
+  leaves an untimed budget looking cheaper than the host's share allows.
 
 ``AutoChooser`` holds the averages, the run's costs and the report (rounds, expected and realized
 tokens per budget) on the host; ``AutoReport`` is its summary. Design note: docs/auto-budget.md.
@@ -39,6 +41,7 @@ tokens per budget) on the host; ``AutoReport`` is its summary. Design note: docs
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -47,19 +50,21 @@ import numpy as np
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["COST_DECAY", "DECAY", "MAX_BACKOFF", "AutoChooser", "AutoPlan", "AutoReport", "RunCosts", "calibrated",
-           "choose_budget", "expected_tokens"]
+__all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "STALL", "WINDOW", "AutoChooser", "AutoPlan", "AutoReport",
+           "RunCosts", "calibrated", "choose_budget", "expected_tokens"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
 
-COST_DECAY = 0.25
-"""``RunCosts``: the moving average's weight of a budget's newest timed dispatch."""
+WINDOW = 5
+"""``RunCosts``: the latest timed dispatches a median is taken over (per budget, and over all)."""
+
+OWN_SAMPLES = 3
+"""``RunCosts``: the timed dispatches after which a budget's cost follows its own ratios alone."""
 
 STALL = 4.0
-"""``RunCosts``: a timed dispatch counts as at most this many times the current estimate (the
-cost table's for the first one), so that one stall (a compile, another process) does not
-swing the choice."""
+"""``RunCosts``: a timed dispatch's ratio counts as at most this many times the budget's current
+ratio, so that one stall (a compile, another process) cannot dominate the medians."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
@@ -115,36 +120,45 @@ def calibrated(expected, factor, caps) -> np.ndarray:
 class RunCosts:
     """Seconds per round at each budget as a run pays them, for one compiled batch shape.
 
-    ``table``: the cost table's seconds per round (the prior, > 0). A budget's entry is the
-    table's until a dispatch at that budget is timed (``observe``: the dispatch's wall time per
-    round, from its launch to its results on the host, and for the engine the host's work between
-    dispatches), then the moving average of its timed dispatches (weight ``COST_DECAY``; each
-    sample at most ``STALL`` times the current value). A budget not timed yet keeps its table
-    cost: it looks at least as cheap as the timed ones (the table leaves the host's share of a
-    round out), so the choice tries it when its expected tokens come close, and the dispatch that
-    tries it times it. (Scaling untimed budgets by the timed ones' measured / table ratio was
-    measured to do worse: a few slow first dispatches of the trees priced budget 0 out of every
-    choice, docs/auto-budget.md.)"""
+    ``table``: the cost table's seconds per round (the prior, > 0). ``observe`` adds a timed
+    dispatch (its wall time per round, from its launch to its results on the host, and for the
+    engine the host's work between dispatches) as the ratio of that time to the budget's table
+    cost (capped at ``STALL`` times the budget's current ratio). A budget's cost is its table cost
+    times a ratio: the median of its own latest ``WINDOW`` ratios once it has ``OWN_SAMPLES``
+    of them; before that (an untimed budget too) the median of the latest ``WINDOW`` ratios of
+    all budgets; 1 before any dispatch is timed. Timing noise only adds time, so a lone slow
+    dispatch must not set a budget's cost: the choice would never run that budget again to correct
+    it (on the H200 one budget-0 dispatch at 1.7 times its table cost kept a run off budget 0).
+    The pooled ratio carries the host's share of a round, which the table leaves out, to the
+    budgets not timed yet."""
 
     def __init__(self, table):
         self.table = np.asarray(table, np.float64)
         if self.table.ndim != 1 or not (np.isfinite(self.table) & (self.table > 0)).all():
             raise ValueError(f"RunCosts: the cost table must be positive seconds per round, got {table!r}")
-        self.value = self.table.copy()
+        self.own = [collections.deque(maxlen=WINDOW) for _ in self.table]
+        self.recent = collections.deque(maxlen=WINDOW)
         self.timed = np.zeros(self.table.shape, np.int64)
+
+    def ratio(self, k: int) -> float:
+        """Budget index ``k``'s paid / table cost ratio (class docstring)."""
+        if len(self.own[k]) >= OWN_SAMPLES:
+            return float(np.median(self.own[k]))
+        return float(np.median(self.recent)) if self.recent else 1.0
 
     def observe(self, k: int, seconds_per_round: float) -> None:
         """Adds a timed dispatch at budget index ``k``; non-positive or non-finite times are ignored."""
         s = float(seconds_per_round)
         if not (np.isfinite(s) and s > 0):
             return
-        s = min(s, STALL * self.value[k])
-        self.value[k] = s if self.timed[k] == 0 else (1.0 - COST_DECAY) * self.value[k] + COST_DECAY * s
+        r = min(s / self.table[k], STALL * self.ratio(k))
+        self.own[k].append(r)
+        self.recent.append(r)
         self.timed[k] += 1
 
     def current(self) -> np.ndarray:
         """f64 ``[K]``: the seconds per round the choice uses now."""
-        return np.where(self.timed > 0, self.value, self.table)
+        return self.table * np.array([self.ratio(k) for k in range(len(self.table))])
 
 
 class AutoChooser:

@@ -16,9 +16,10 @@ import pytest
 import ddtree_jax as dt
 from ddtree_jax import _preflight, auto_costs, auto_round, generation
 from ddtree_jax.auto_budget import (
-    COST_DECAY,
     DECAY,
+    OWN_SAMPLES,
     STALL,
+    WINDOW,
     AutoChooser,
     AutoPlan,
     AutoReport,
@@ -124,41 +125,57 @@ def test_statistics_of_drafted_and_plain_dispatches():
     assert not c.record(1, _tally([[0, 0, 0, 0, 0]]), costs).any()  # nothing ran: nothing learned
 
 
-def test_run_costs_replace_the_table_as_dispatches_are_timed():
+def test_run_costs_scale_the_table_by_the_medians_of_the_timed_ratios():
     c = RunCosts((1.0, 2.0, 3.0))
     np.testing.assert_allclose(c.current(), [1.0, 2.0, 3.0])  # nothing timed: the table
-    c.observe(0, 0.5)  # the first timed dispatch replaces its entry; the others keep the table's
-    np.testing.assert_allclose(c.current(), [0.5, 2.0, 3.0])
-    c.observe(1, 3.0)
-    np.testing.assert_allclose(c.current(), [0.5, 3.0, 3.0])
-    c.observe(1, 1.0)  # then a moving average
-    np.testing.assert_allclose(c.current()[1], (1 - COST_DECAY) * 3.0 + COST_DECAY * 1.0)
-    c.observe(0, 100.0)  # a stall counts as STALL times the estimate at most
-    np.testing.assert_allclose(c.current()[0], (1 - COST_DECAY) * 0.5 + COST_DECAY * STALL * 0.5)
+    c.observe(0, 0.5)  # fewer than OWN_SAMPLES of its own: every budget takes the pooled median
+    np.testing.assert_allclose(c.current(), [0.5, 1.0, 1.5])
+    c.observe(1, 3.0)  # ratios 0.5, 1.5
+    np.testing.assert_allclose(c.current(), [1.0, 2.0, 3.0])
+    for _ in range(OWN_SAMPLES - 1):
+        c.observe(1, 3.0)
+    np.testing.assert_allclose(c.current(), [1.5, 3.0, 4.5])  # budget 1 on its own ratios; pooled 1.5
+    assert c.timed.tolist() == [1, OWN_SAMPLES, 0]
+
+    # A lone slow dispatch does not price its budget: the pooled median holds it until the
+    # budget has OWN_SAMPLES timings, then its own median (the latest WINDOW) does.
+    c = RunCosts((1.0, 2.0))
+    for _ in range(OWN_SAMPLES):
+        c.observe(1, 2.2)
+    c.observe(0, 1.7)
+    np.testing.assert_allclose(c.current(), [1.1, 2.2])
+    for _ in range(OWN_SAMPLES - 1):
+        c.observe(0, 1.1)
+    np.testing.assert_allclose(c.current()[0], 1.1)
+    for _ in range(WINDOW):
+        c.observe(0, 0.9)
+    np.testing.assert_allclose(c.current()[0], 0.9)
+    c.observe(1, 1000.0)  # a stall counts as STALL times the budget's ratio at most
+    assert c.own[1][-1] == STALL * 1.1
+
     before = c.current()
     for bad in (0.0, -1.0, float("nan"), float("inf")):
-        c.observe(2, bad)
+        c.observe(0, bad)
     np.testing.assert_allclose(c.current(), before)
-    assert c.timed.tolist() == [2, 2, 0]
     for table in ((1.0, 0.0), (1.0, float("nan")), ((1.0,),)):
         with pytest.raises(ValueError, match="cost table"):
             RunCosts(table)
 
 
 def test_the_chooser_decides_on_the_costs_the_run_pays():
-    """The table says a tree pays; the timed dispatches say its rounds cost three plain ones: the
-    choice tries the tree not timed yet, then, that one dear too, goes to budget 0. With costs
-    given (``learn_costs=False``) the table stands."""
+    """The table says a tree pays; the timed dispatches say its rounds cost three plain ones, and
+    the budget not timed yet is priced by the timed ratios' median: the choice goes to budget 0.
+    With costs given (``learn_costs=False``) the table stands."""
     table = (1.0, 1.5, 2.0)
     for learn in (True, False):
         c = _chooser([1.0, 2.5, 3.0])
         c.learn_costs = learn
         assert c.choose(8, c.costs(8, table)) == 1
-        c.observe(8, 0, 0.8)
-        c.observe(8, 1, 2.4)
-        np.testing.assert_allclose(c.costs(8, table), (0.8, 2.4, 2.0) if learn else table)  # budget 8 untimed
-        assert c.choose(8, c.costs(8, table)) == (2 if learn else 1)  # 3 / 2.0 beats 1 / 0.8
-        c.observe(8, 2, 3.2)
+        for _ in range(OWN_SAMPLES):
+            c.observe(8, 0, 0.8)
+            c.observe(8, 1, 2.4)
+        # budget 8 untimed: the latest WINDOW ratios (1.6, 0.8, 1.6, 0.8, 1.6) give 1.6
+        np.testing.assert_allclose(c.costs(8, table), (0.8, 2.4, 3.2) if learn else table)
         assert c.choose(8, c.costs(8, table)) == (0 if learn else 1)
         np.testing.assert_allclose(c.costs(16, (2.0, 3.0, 4.0)), (2.0, 3.0, 4.0))  # per batch shape
         report = AutoReport.of(c, {8: table})
