@@ -98,7 +98,10 @@ def route_tokens(weights: jax.Array, ids: jax.Array, num_experts: int, *, valid:
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     tiles = (group_sizes + block_m - 1) // block_m
-    tiles_end = jnp.cumsum(tiles)
+    # The barrier keeps the prefix sum a kernel of its own: fused into the compare-and-count below,
+    # XLA's GPU backend recomputed it for every compare, E steps in each of the few threads (on
+    # the H200, 10 us per layer with 16 experts; docs/kernels.md, "MoE experts").
+    tiles_end = jax.lax.optimization_barrier(jnp.cumsum(tiles))
     t = jnp.arange(max_row_tiles(r, e, block_m), dtype=jnp.int32)
     # One fused compare-and-count ([tiles, E] compares), not the default method's loop of
     # binary-search steps, which took about three times as long (docs/kernels.md, "MoE experts").
