@@ -162,6 +162,26 @@ def test_run_costs_scale_the_table_by_the_medians_of_the_timed_ratios():
             RunCosts(table)
 
 
+def test_one_slow_dispatch_does_not_keep_the_choice_off_a_budget():
+    """The H200 run at batch 64, T=1 (2026-12-03), simulated: the table says 0.668 / 1.021 / 1.078
+    ms per round at budgets 0 / 4 / 8, the dispatches pay 0.739 / 1.21 / 1.30, a tree commits 1.5
+    / 1.6 tokens per round (as expected), so plain rounds are best; the first budget-0 dispatch
+    stalls (1.124 ms per round). Over 60 dispatches (one-round probes untimed, as ``generate``
+    does) budget 0 runs at least 80% of the last 50 (46 here; the rest are probes). Costs that
+    take a budget's latest timing as it is never run budget 0 again after the stall (0 of 50)."""
+    table, paid, tokens = (0.668, 1.021, 1.078), (0.739, 1.21, 1.30), (1.0, 1.5, 1.6)
+    c, stalled, picks = AutoChooser(PLAN), False, []
+    for _ in range(60):
+        k = c.choose(64, c.costs(64, table))
+        rounds = 1 if c.probing else 8
+        if not c.probing:
+            c.observe(64, k, paid[k] if k or stalled else 1.124)
+            stalled |= k == 0
+        c.record(k, _tally([[rounds, tokens[k] * rounds, *(t * rounds for t in tokens)]] * 64), c.costs(64, table))
+        picks.append(k)
+    assert picks[10:].count(0) >= 40, picks
+
+
 def test_the_chooser_decides_on_the_costs_the_run_pays():
     """The table says a tree pays; the timed dispatches say its rounds cost three plain ones, and
     the budget not timed yet is priced by the timed ratios' median: the choice goes to budget 0.
