@@ -112,7 +112,9 @@ def _records(outs: dict) -> list[dict]:
             rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
                        expected=sum(a.expected), realized=sum(a.realized),
                        costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()},
-                       run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()})
+                       run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()},
+                       paid_ms={str(rows): [[n, lo * 1e3, mid * 1e3, hi * 1e3] for n, lo, mid, hi in per]
+                                for rows, per in a.paid.items()})
         recs.append(rec)
     return recs
 
@@ -167,6 +169,12 @@ def summarize(results: dict) -> str:
         for rows, costs in r.get("run_costs_ms", {}).items():
             lines.append(f"- {r.get('acceptance') or '-'}, batch {r['batch']}, {r['setting']}, at {rows} rows: "
                          + ", ".join(f"{b}: {c:.3f}" for b, c in zip(r["histogram"], costs, strict=True)))
+    lines += ["", "What the timed dispatches paid, ms per round (count: min / median / max), per budget:", ""]
+    for r in runs:
+        for rows, per in r.get("paid_ms", {}).items():
+            lines.append(f"- {r.get('acceptance') or '-'}, batch {r['batch']}, {r['setting']}, at {rows} rows: "
+                         + ", ".join(f"{b}: {n}: {lo:.3f} / {mid:.3f} / {hi:.3f}" if n else f"{b}: -"
+                                     for b, (n, lo, mid, hi) in zip(r["histogram"], per, strict=True)))
     return "\n".join(lines) + "\n"
 
 

@@ -130,7 +130,8 @@ class RunCosts:
     dispatch must not set a budget's cost: the choice would never run that budget again to correct
     it (on the H200 one budget-0 dispatch at 1.7 times its table cost kept a run off budget 0).
     The pooled ratio carries the host's share of a round, which the table leaves out, to the
-    budgets not timed yet."""
+    budgets not timed yet. ``paid[k]``: every timed dispatch's seconds per round at budget index
+    ``k``, as observed (for the report: ``summary``)."""
 
     def __init__(self, table):
         self.table = np.asarray(table, np.float64)
@@ -138,7 +139,12 @@ class RunCosts:
             raise ValueError(f"RunCosts: the cost table must be positive seconds per round, got {table!r}")
         self.own = [collections.deque(maxlen=WINDOW) for _ in self.table]
         self.recent = collections.deque(maxlen=WINDOW)
-        self.timed = np.zeros(self.table.shape, np.int64)
+        self.paid: list[list[float]] = [[] for _ in self.table]
+
+    @property
+    def timed(self) -> np.ndarray:
+        """i64 ``[K]``: timed dispatches per budget."""
+        return np.array([len(p) for p in self.paid], np.int64)
 
     def ratio(self, k: int) -> float:
         """Budget index ``k``'s paid / table cost ratio (class docstring)."""
@@ -154,11 +160,17 @@ class RunCosts:
         r = min(s / self.table[k], STALL * self.ratio(k))
         self.own[k].append(r)
         self.recent.append(r)
-        self.timed[k] += 1
+        self.paid[k].append(s)
 
     def current(self) -> np.ndarray:
         """f64 ``[K]``: the seconds per round the choice uses now."""
         return self.table * np.array([self.ratio(k) for k in range(len(self.table))])
+
+    def summary(self) -> tuple[tuple[int, float, float, float], ...]:
+        """Per budget: ``(timed dispatches, min, median, max seconds per round)`` of what was
+        observed (zeros where none was timed)."""
+        return tuple((len(p), float(min(p)), float(np.median(p)), float(max(p))) if p else (0, 0.0, 0.0, 0.0)
+                     for p in self.paid)
 
 
 class AutoChooser:
@@ -278,6 +290,8 @@ class AutoReport:
       costs: the cost table's round costs, one per budget, per batch size the rounds ran at.
       run_costs: the costs the run paid and chose with at the end (``RunCosts.current``), per
         batch size.
+      paid: per batch size, per budget, the timed dispatches' ``(count, min, median, max)``
+        seconds per round as observed (``RunCosts.summary``).
     """
 
     budgets: tuple[int, ...]
@@ -287,13 +301,15 @@ class AutoReport:
     realized: tuple[float, ...]
     costs: dict[int, tuple[float, ...]]
     run_costs: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    paid: dict[int, tuple[tuple[int, float, float, float], ...]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, chooser: AutoChooser, costs: dict[int, tuple[float, ...]]) -> AutoReport:
         return cls(budgets=chooser.plan.budgets, rounds=tuple(int(x) for x in chooser.rounds),
                    drafted_rounds=int(chooser.drafted), expected=tuple(float(x) for x in chooser.expected),
                    realized=tuple(float(x) for x in chooser.realized), costs=dict(costs),
-                   run_costs={n: tuple(float(x) for x in c.current()) for n, c in chooser.run_costs.items()})
+                   run_costs={n: tuple(float(x) for x in c.current()) for n, c in chooser.run_costs.items()},
+                   paid={n: c.summary() for n, c in chooser.run_costs.items()})
 
     @property
     def histogram(self) -> dict[int, int]:

@@ -152,6 +152,8 @@ def test_run_costs_scale_the_table_by_the_medians_of_the_timed_ratios():
     np.testing.assert_allclose(c.current()[0], 0.9)
     c.observe(1, 1000.0)  # a stall counts as STALL times the budget's ratio at most
     assert c.own[1][-1] == STALL * 1.1
+    # the report keeps what was observed, stall included
+    assert c.summary() == ((OWN_SAMPLES + WINDOW, 0.9, 0.9, 1.7), (OWN_SAMPLES + 1, 2.2, 2.2, 1000.0))
 
     before = c.current()
     for bad in (0.0, -1.0, float("nan"), float("inf")):
