@@ -302,7 +302,7 @@ def _rejection_batch():
 
 
 def test_first_check_pass_splits_give_the_same_bits():
-    """The rejection path's first check pass spread over 1, 2 or 4 programs per row (V=1000,
+    """The rejection path's first check pass spread over 1 or 4 programs per row (V=1000,
     tile 64: 16 tiles, 4 segments of CHECK_SEG tiles): every output field the same bits, since
     every value it stores is one tile's or one fixed segment's. Rows: top-p alone, min-p alone,
     top-k > CAND_CHUNKS with and without top-p, on Gaussian and on rounded (tied) logits."""
@@ -311,7 +311,7 @@ def test_first_check_pass_splits_give_the_same_bits():
     R, V, tile = 8, 1000, 64
     assert -(-V // tile) == 4 * CHECK_SEG
     x, pb = _rejection_batch()
-    outs = [_run(x, pb, _seeds(R, 9), tile, check_splits=c) for c in (1, 2, 4)]
+    outs = [_run(x, pb, _seeds(R, 9), tile, check_splits=c) for c in (1, 4)]
     assert (outs[0]["path"] == PATH_REJECT).all()
     for out in outs[1:]:
         for key in out:
