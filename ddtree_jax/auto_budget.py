@@ -66,6 +66,9 @@ STALL = 4.0
 """``RunCosts``: a timed dispatch's ratio counts as at most this many times the budget's current
 ratio, so that one stall (a compile, another process) cannot dominate the medians."""
 
+PAID_WINDOW = 256
+"""``RunCosts.summary``: the latest timed dispatches per budget its median is taken over."""
+
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
 
@@ -130,8 +133,9 @@ class RunCosts:
     dispatch must not set a budget's cost: the choice would never run that budget again to correct
     it (on the H200 one budget-0 dispatch at 1.7 times its table cost kept a run off budget 0).
     The pooled ratio carries the host's share of a round, which the table leaves out, to the
-    budgets not timed yet. ``paid[k]``: every timed dispatch's seconds per round at budget index
-    ``k``, as observed (for the report: ``summary``)."""
+    budgets not timed yet. For the report (``summary``) it also keeps, per budget, the timed
+    dispatches' count, least and most seconds per round and the latest ``PAID_WINDOW`` of them
+    (bounded: the engine's chooser lives as long as the engine)."""
 
     def __init__(self, table):
         self.table = np.asarray(table, np.float64)
@@ -139,12 +143,10 @@ class RunCosts:
             raise ValueError(f"RunCosts: the cost table must be positive seconds per round, got {table!r}")
         self.own = [collections.deque(maxlen=WINDOW) for _ in self.table]
         self.recent = collections.deque(maxlen=WINDOW)
-        self.paid: list[list[float]] = [[] for _ in self.table]
-
-    @property
-    def timed(self) -> np.ndarray:
-        """i64 ``[K]``: timed dispatches per budget."""
-        return np.array([len(p) for p in self.paid], np.int64)
+        self.timed = np.zeros(self.table.shape, np.int64)
+        self.low = np.full(self.table.shape, np.inf)
+        self.high = np.zeros(self.table.shape)
+        self.paid = [collections.deque(maxlen=PAID_WINDOW) for _ in self.table]
 
     def ratio(self, k: int) -> float:
         """Budget index ``k``'s paid / table cost ratio (class docstring)."""
@@ -160,6 +162,8 @@ class RunCosts:
         r = min(s / self.table[k], STALL * self.ratio(k))
         self.own[k].append(r)
         self.recent.append(r)
+        self.timed[k] += 1
+        self.low[k], self.high[k] = min(self.low[k], s), max(self.high[k], s)
         self.paid[k].append(s)
 
     def current(self) -> np.ndarray:
@@ -167,10 +171,10 @@ class RunCosts:
         return self.table * np.array([self.ratio(k) for k in range(len(self.table))])
 
     def summary(self) -> tuple[tuple[int, float, float, float], ...]:
-        """Per budget: ``(timed dispatches, min, median, max seconds per round)`` of what was
-        observed (zeros where none was timed)."""
-        return tuple((len(p), float(min(p)), float(np.median(p)), float(max(p))) if p else (0, 0.0, 0.0, 0.0)
-                     for p in self.paid)
+        """Per budget: ``(timed dispatches, min, median, max seconds per round)`` as observed, the
+        median over the latest ``PAID_WINDOW`` (zeros where none was timed)."""
+        return tuple((int(n), float(lo), float(np.median(p)), float(hi)) if n else (0, 0.0, 0.0, 0.0)
+                     for n, lo, hi, p in zip(self.timed, self.low, self.high, self.paid, strict=True))
 
 
 class AutoChooser:
