@@ -14,7 +14,13 @@ drafter's attention through its plain-JAX reference instead of the kernel (the r
 before the kernel), in the same run; ``ar:0:ctx`` is the autoregressive round that also extends
 the drafter's context as it commits, ``ar:0:held`` the same round holding that context back and
 adding it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0 in the engine: the flush
-op counted in the rounds it serves). On
+op counted in the rounds it serves). A plan ``method:budget:chunk`` runs ``generate``'s compiled
+call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` the call
+``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
+``--auto-max``: the held-back context's flush, the rounds and their tally), so the auto programs'
+extra work shows against the fixed ones; ``:exact`` (``ar:0:exact``, ``auto:4:exact``) runs
+those calls as a loop of exactly ``--chunk`` rounds (a known trip count) instead of one that
+stops when every row is done. On
 a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
@@ -30,9 +36,11 @@ import numpy as np
 
 from bench._common import Report, device_trace, log
 from bench.bench_e2e import heldout_prompts, smoke_pair
-from ddtree_jax.auto_round import DEFER_ROUNDS, with_deferred
+from ddtree_jax.auto_budget import AutoPlan
+from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans, run_exact_tallied_rounds, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import REFERENCE, resolve_backend
-from ddtree_jax.decode_round import DecodePlan, Models, prefill
+from ddtree_jax.config import auto_budget_set
+from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
 from ddtree_jax.decode_state import NO_STOP
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 from ddtree_jax.serving import _device
@@ -77,37 +85,58 @@ def with_attention(drafter, backend):
 
 
 def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool,
-            context: str = "") -> dict:
+            context: str = "", chunk: int = 0, auto_max: int = 16, exact: bool = False) -> dict:
     """Wall and device time per round of one plan (module doc); ``context``: for an autoregressive
     round, ``"ctx"`` to extend the drafter's context as it commits, ``"held"`` to hold it back
-    and flush it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0)."""
+    and flush it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0); ``chunk``: rounds
+    per call of ``generate``'s compiled call (0: the engine's one-round call); ``method="auto"``:
+    ``budget="auto"``'s call at ``budget`` (with ``chunk`` rounds); ``exact``: the chunked call's
+    loop of known trip count."""
+    auto = method == "auto"
     uses = method != "ar" or bool(context)
-    plan = DecodePlan(method=method, budget=budget, backend=resolve_backend("auto"),
+    plan = DecodePlan(method="ddtree" if auto else method, budget=auto_max if auto else budget,
+                      backend=resolve_backend("auto"),
                       hidden_layer_ids=tuple(drafter.config.target_layer_ids) if uses else ())
+    if auto:
+        budgets = auto_budget_set(auto_max)
+        plans = round_plans(plan, AutoPlan(budgets=budgets, draft_len=drafter.config.block_size - 1, probe_every=8))
+        plan = plans[budgets.index(budget)]
     models, tp, dp = Models.split(target, drafter if uses else None)
     key = jax.random.key(0)
     box, calls = [start_state(models, tp, dp, plan, prompts)], [0]
-    if context == "held":
-        box[0] = with_deferred(box[0], drafter, DEFER_ROUNDS)
+    if context == "held" or auto:
+        box[0] = with_deferred(box[0], drafter, chunk if auto else DEFER_ROUNDS)
 
     def one_round():
         if context == "held" and calls[0] % DEFER_ROUNDS == DEFER_ROUNDS - 1:
             box[0] = _device.flush(models, tp, dp, box[0])
         calls[0] += 1
+        if auto:
+            run = run_exact_tallied_rounds if exact else run_tallied_rounds
+            box[0], tally = run(models, tp, dp, plan, box[0], key, chunk)
+            return jax.device_get((tally, box[0].done))  # generate reads both back after each call
+        if chunk:
+            box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, exact=exact)
+            return np.asarray(box[0].done)
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
 
-    for _ in range(max(3, rounds)):  # compile, then as many untimed calls as timed (the first plan ran slow)
+    per_call = chunk or 1
+    calls_timed = max(1, rounds // per_call)
+    t0 = time.perf_counter()
+    jax.block_until_ready(one_round())
+    first_call_s = time.perf_counter() - t0  # the compile, mostly
+    for _ in range(max(2, calls_timed - 1)):  # as many untimed calls as timed (the first plan ran slow)
         jax.block_until_ready(one_round())
     t0 = time.perf_counter()
-    for _ in range(rounds):
+    for _ in range(calls_timed):
         packed = one_round()
     jax.block_until_ready(packed)
-    row = dict(wall_us=(time.perf_counter() - t0) / rounds * 1e6)
+    row = dict(wall_us=(time.perf_counter() - t0) / (calls_timed * per_call) * 1e6, first_call_s=first_call_s)
     if trace:
-        kernels, launched = device_trace(one_round, (), rounds)
-        row.update(device_us=sum(kernels.values()) / 1e3, kernels=launched,
-                   top=sorted(kernels.items(), key=lambda kv: -kv[1]))
+        kernels, launched = device_trace(one_round, (), calls_timed)
+        row.update(device_us=sum(kernels.values()) / 1e3 / per_call, kernels=launched / per_call,
+                   top=sorted(((k, v / per_call) for k, v in kernels.items()), key=lambda kv: -kv[1]))
     return row
 
 
@@ -116,8 +145,11 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="a tiny random pair on the CPU")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--plans", nargs="+", default=["ar:0", "ddtree:4", "ddtree:16"],
-                    help="method:budget; the first autoregressive plan is the reference (ar:0 is added if absent)")
-    ap.add_argument("--rounds", type=int, default=20, help="calls timed (and traced) per plan")
+                    help="method:budget[:variant] (module doc); x ar: over ar:0, or ar:0:chunk for chunked plans "
+                         "(ar:0 is added if absent)")
+    ap.add_argument("--rounds", type=int, default=20, help="rounds timed (and traced) per plan")
+    ap.add_argument("--chunk", type=int, default=8, help="rounds per call of the :chunk and auto plans")
+    ap.add_argument("--auto-max", type=int, default=16, help="the auto plans' largest budget")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -140,16 +172,20 @@ def main(argv=None):
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
     for method, budget, variant in plans:
+        chunked = variant in ("chunk", "exact") or method == "auto"
         note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context",
                 "held": " holding the drafter's context back"}.get(variant, "")
+        note += f" ({'exactly ' if variant == 'exact' else ''}{args.chunk} rounds a call)" if chunked else ""
         log(f"{method}:{budget}{note} at batch {args.batch}")
         d = with_attention(drafter, REFERENCE) if variant == "ref" else drafter
         rows[(method, budget, variant)] = r = measure(target, d, prompts, method, budget, args.rounds, trace,
-                                                      context=variant if variant in ("ctx", "held") else "")
-        ar = rows.get(("ar", 0, "")) or r
+                                                      context=variant if variant in ("ctx", "held") else "",
+                                                      chunk=args.chunk if chunked else 0, auto_max=args.auto_max,
+                                                      exact=variant == "exact")
+        ar = (chunked and rows.get(("ar", 0, "chunk"))) or rows.get(("ar", 0, "")) or r  # x ar: the same kind of call
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
-                   wall_x_ar=r["wall_us"] / ar["wall_us"])
+                   wall_x_ar=r["wall_us"] / ar["wall_us"], first_call_s=r["first_call_s"])
         if trace:
             out.update(device_us=r["device_us"], device_x_ar=r["device_us"] / ar["device_us"], kernels=r["kernels"])
             for name, ns in r["top"][: args.top]:
