@@ -18,9 +18,7 @@ op counted in the rounds it serves). A plan ``method:budget:chunk`` runs ``gener
 call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` the call
 ``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
 ``--auto-max``: the held-back context's flush, the rounds and their tally), so the auto programs'
-extra work shows against the fixed ones; ``:exact`` (``ar:0:exact``, ``auto:4:exact``) runs
-those calls as a loop of exactly ``--chunk`` rounds (a known trip count) instead of one that
-stops when every row is done. On
+extra work shows against the fixed ones. On
 a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
@@ -37,7 +35,7 @@ import numpy as np
 from bench._common import Report, device_trace, log
 from bench.bench_e2e import heldout_prompts, smoke_pair
 from ddtree_jax.auto_budget import AutoPlan
-from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans, run_exact_tallied_rounds, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.config import auto_budget_set
 from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
@@ -85,13 +83,12 @@ def with_attention(drafter, backend):
 
 
 def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool,
-            context: str = "", chunk: int = 0, auto_max: int = 16, exact: bool = False) -> dict:
+            context: str = "", chunk: int = 0, auto_max: int = 16) -> dict:
     """Wall and device time per round of one plan (module doc); ``context``: for an autoregressive
     round, ``"ctx"`` to extend the drafter's context as it commits, ``"held"`` to hold it back
     and flush it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0); ``chunk``: rounds
     per call of ``generate``'s compiled call (0: the engine's one-round call); ``method="auto"``:
-    ``budget="auto"``'s call at ``budget`` (with ``chunk`` rounds); ``exact``: the chunked call's
-    loop of known trip count."""
+    ``budget="auto"``'s call at ``budget`` (with ``chunk`` rounds)."""
     auto = method == "auto"
     uses = method != "ar" or bool(context)
     plan = DecodePlan(method="ddtree" if auto else method, budget=auto_max if auto else budget,
@@ -112,11 +109,10 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
             box[0] = _device.flush(models, tp, dp, box[0])
         calls[0] += 1
         if auto:
-            run = run_exact_tallied_rounds if exact else run_tallied_rounds
-            box[0], tally = run(models, tp, dp, plan, box[0], key, chunk)
+            box[0], tally = run_tallied_rounds(models, tp, dp, plan, box[0], key, chunk)
             return jax.device_get((tally, box[0].done))  # generate reads both back after each call
         if chunk:
-            box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, exact=exact)
+            box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk)
             return np.asarray(box[0].done)
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
@@ -172,16 +168,15 @@ def main(argv=None):
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
     for method, budget, variant in plans:
-        chunked = variant in ("chunk", "exact") or method == "auto"
+        chunked = variant == "chunk" or method == "auto"
         note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context",
                 "held": " holding the drafter's context back"}.get(variant, "")
-        note += f" ({'exactly ' if variant == 'exact' else ''}{args.chunk} rounds a call)" if chunked else ""
+        note += f" ({args.chunk} rounds a call)" if chunked else ""
         log(f"{method}:{budget}{note} at batch {args.batch}")
         d = with_attention(drafter, REFERENCE) if variant == "ref" else drafter
         rows[(method, budget, variant)] = r = measure(target, d, prompts, method, budget, args.rounds, trace,
                                                       context=variant if variant in ("ctx", "held") else "",
-                                                      chunk=args.chunk if chunked else 0, auto_max=args.auto_max,
-                                                      exact=variant == "exact")
+                                                      chunk=args.chunk if chunked else 0, auto_max=args.auto_max)
         ar = (chunked and rows.get(("ar", 0, "chunk"))) or rows.get(("ar", 0, "")) or r  # x ar: the same kind of call
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],

@@ -45,18 +45,12 @@ def models_digest(target, drafter) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def cost_key(models: str, *, backend, rows: int, cache_len: int, per_call: int, budgets: tuple[int, ...],
-             exact: bool = False) -> dict:
+def cost_key(models: str, *, backend, rows: int, cache_len: int, per_call: int, budgets: tuple[int, ...]) -> dict:
     """What a round's cost depends on (module docstring), as a JSON-able dict; ``models``: the
-    models' ``models_digest``; ``per_call``: rounds per compiled call; ``exact``: whether the call
-    loops a known number of rounds (else until every row is done: on a GPU the host reads each
-    round's predicate)."""
-    key = dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
-               backend=repr(backend), rows=int(rows), cache_len=int(cache_len), per_call=int(per_call),
-               budgets=[int(b) for b in budgets], jax=jax.__version__)
-    if exact:
-        key["loop"] = "exact"
-    return key
+    models' ``models_digest``; ``per_call``: rounds per compiled call."""
+    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
+                backend=repr(backend), rows=int(rows), cache_len=int(cache_len), per_call=int(per_call),
+                budgets=[int(b) for b in budgets], jax=jax.__version__)
 
 
 def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1,

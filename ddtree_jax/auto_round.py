@@ -36,8 +36,8 @@ from ddtree_jax.auto_budget import AutoPlan
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
 from ddtree_jax.decode_state import DecodeState, DeferredContext
 
-__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_exact_tallied_rounds", "run_flush",
-           "run_tallied_rounds", "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
+__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_flush", "run_tallied_rounds",
+           "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -112,15 +112,13 @@ def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
     return jnp.zeros((state.batch_size, 2 + len(plan.expected_budgets)), jnp.float32)
 
 
-def _tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, max_rounds,
-                    exact: bool) -> tuple[DecodeState, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
+def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                       max_rounds) -> tuple[DecodeState, jax.Array]:
+    """``decode_round.run_rounds`` at one of ``round_plans``: the held-back context added
+    (``flush_deferred``), then up to ``max_rounds`` rounds (an int, traced: one program for any
+    count), stopping early once every row is done; returns ``(state, tally)``."""
     state = _flushed(models, tparams, dparams, state)
-
-    def round_(st, tally):
-        return tallied_round(models, tparams, dparams, plan, st, base_key, tally)
-
-    if exact:
-        return jax.lax.fori_loop(0, max_rounds, lambda _, carry: round_(*carry), (state, _zeros(plan, state)))
 
     def cond(carry):
         i, st, _ = carry
@@ -128,27 +126,10 @@ def _tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: D
 
     def body(carry):
         i, st, tally = carry
-        return (i + 1, *round_(st, tally))
+        return (i + 1, *tallied_round(models, tparams, dparams, plan, st, base_key, tally))
 
     _, state, tally = jax.lax.while_loop(cond, body, (jnp.int32(0), state, _zeros(plan, state)))
     return state, tally
-
-
-@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
-def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-                       max_rounds) -> tuple[DecodeState, jax.Array]:
-    """``decode_round.run_rounds`` at one of ``round_plans``: the held-back context added
-    (``flush_deferred``), then up to ``max_rounds`` rounds (an int, traced: one program for any
-    count), stopping early once every row is done; returns ``(state, tally)``."""
-    return _tallied_rounds(models, tparams, dparams, plan, state, base_key, max_rounds, exact=False)
-
-
-@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds"), donate_argnames=("state",))
-def run_exact_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-                             rounds: int) -> tuple[DecodeState, jax.Array]:
-    """``run_tallied_rounds`` with exactly ``rounds`` rounds (static: a loop of known trip count,
-    ``decode_round.run_rounds(exact=True)``); rows that are done commit and tally nothing."""
-    return _tallied_rounds(models, tparams, dparams, plan, state, base_key, rounds, exact=True)
 
 
 def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,

@@ -19,9 +19,8 @@ log-probability and the ``K`` most probable tokens of the row it was drawn from
 ``round_with_logprobs`` returns them beside the next state.
 
 The round is ``STAGES`` applied in order; ``run_rounds`` runs whole rounds inside one
-device-side loop (one that stops once every row is done, or one of a known trip count), and
-``run_stage`` compiles one stage alone (to time the split). Models travel as ``(graphdef,
-params)`` pairs so that the compiled functions are pure.
+``lax.while_loop``, and ``run_stage`` compiles one stage alone (to time the split). Models travel
+as ``(graphdef, params)`` pairs so that the compiled functions are pure.
 """
 
 from __future__ import annotations
@@ -425,19 +424,10 @@ def round_with_expected(models: Models, tparams, dparams, plan: DecodePlan, stat
     return work["state"], work["expected"]
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds", "exact"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
 def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-               max_rounds: int, exact: bool = False) -> DecodeState:
-    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done; with
-    ``exact``, exactly ``max_rounds`` (a loop of known trip count: on a GPU the host then does
-    not wait for each round's predicate before launching the next; rows that are done commit
-    nothing, so extra rounds change no row)."""
-
-    def round_(st):
-        return _round(models, tparams, dparams, plan, st, base_key)
-
-    if exact:
-        return jax.lax.fori_loop(0, max_rounds, lambda _, st: round_(st), state)
+               max_rounds: int) -> DecodeState:
+    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done."""
 
     def cond(carry):
         i, st = carry
@@ -445,7 +435,7 @@ def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: Decode
 
     def body(carry):
         i, st = carry
-        return i + 1, round_(st)
+        return i + 1, _round(models, tparams, dparams, plan, st, base_key)
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
-from ddtree_jax.auto_round import round_plans, run_exact_tallied_rounds, run_flush, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import round_plans, run_flush, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
@@ -366,9 +366,6 @@ def generate(
 
     t0 = time.perf_counter()
     in_rounds = 0.0
-    counted_loops = _loops_wait_on_the_host(state)
-    pace = np.zeros((2,), np.int64)  # tokens committed and row-rounds run, over the rows seen at the last read-back
-    remaining = int(checked.max_new_tokens.max())  # tokens the running row with the most to go may still commit
     while True:
         t_call = time.perf_counter()
         if profile:
@@ -378,30 +375,21 @@ def generate(
             if rows not in costs:
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
-                                                  checked.max_len, scratch, sync_every, exact=counted_loops)
+                                                  checked.max_len, scratch, sync_every)
             k = chooser.choose(active, chooser.costs(rows, costs[rows]))
             n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
             t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
-            if n > 1 and counted_loops and _rounds_surely_needed(remaining, pace, drafted=k > 0, rounds=n):
-                state, tally = run_exact_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            else:
-                state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            # the one host round-trip per `sync_every` rounds
-            tally, done, generated, rounds_run = jax.device_get((tally, state.done, state.generated, state.rounds))
+            state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+            tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
             if not chooser.probing and int(tally[:, 0].max(initial=0)) == n:
                 # Only full dispatches time a budget: a dispatch's launch and read-back, spread
                 # over one round (a probe) or the few of the last dispatch, would overprice it.
                 chooser.observe(rows, k, (time.perf_counter() - t_call) / n)
         else:
-            exact = counted_loops and _rounds_surely_needed(remaining, pace, drafted=method != "ar", rounds=sync_every)
-            state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every, exact=exact)
-        if not decode.is_auto:  # (profile is never auto) the one host round-trip per `sync_every` rounds
-            done, generated, rounds_run = jax.device_get((state.done, state.generated, state.rounds))
+            state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
+        if not decode.is_auto:  # (profile is never auto)
+            done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
         in_rounds += time.perf_counter() - t_call
-        used = slot_request >= 0
-        pace = np.array([generated[used].sum(), rounds_run[used].sum()], np.int64)
-        limits = checked.max_new_tokens[slot_request[used]]
-        remaining = int((limits - generated[used])[~done[used]].max(initial=0))
         if decode.is_auto:  # (with the costs this dispatch's timing corrected, as the engine records)
             chooser.record(k, tally, chooser.costs(rows, costs[rows]))
         active = int((~done).sum())
@@ -426,6 +414,8 @@ def generate(
                 state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
             batch_sizes.append(size)
+            if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
+                jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
 
     requests = [
@@ -447,42 +437,20 @@ def generate(
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
 
 
-def _loops_wait_on_the_host(state: DecodeState) -> bool:
-    """Whether ``state``'s device runs a device-side loop whose end depends on data by reading
-    each iteration's predicate back on the host (XLA on a GPU does: the next round is launched
-    only once the host has it; a loop of known trip count runs without)."""
-    return next(iter(state.done.devices())).platform == "gpu"
-
-
-def _rounds_surely_needed(remaining: int, pace, drafted: bool, rounds: int) -> bool:
-    """Whether a dispatch of ``rounds`` rounds will very likely not see every row finish before
-    its last round, so that it may run them as a loop of known trip count (a round on finished
-    rows changes nothing, but costs a round). ``remaining``: the most tokens a running row may
-    still commit; ``pace``: (tokens committed, row-rounds run) so far. An autoregressive round
-    commits one token per running row, so ``remaining >= rounds`` suffices (short of a stop
-    token); a drafted round commits a varying number: twice the tokens the rounds so far
-    committed on average must remain (and the first dispatch, with no pace yet, loops until done)."""
-    if not drafted:
-        return remaining >= rounds
-    tokens, row_rounds = (int(x) for x in pace)
-    return row_rounds > 0 and remaining * row_rounds >= 2 * rounds * tokens
-
-
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
-                 base_key, max_len: int, scratch: int, sync_every: int, exact: bool):
+                 base_key, max_len: int, scratch: int, sync_every: int):
     """``(state, costs)``: seconds per round at each budget at ``state``'s batch size,
     ``decode.auto_costs`` if given, else from the cost table (``auto_costs.default_table``;
     ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
     compiled rounds of each of ``plans`` (``sync_every`` per call) on ``state``'s own rows,
     running, their stop ids cleared and their limits raised to what their output buffer and cache
-    hold (``scratch``: the positions a round needs past a row's tokens), in loops of exactly
-    ``sync_every`` rounds if ``exact`` (as the full dispatches run there), put back before every
+    hold (``scratch``: the positions a round needs past a row's tokens), put back before every
     call and after (a round writes the caches only past each row's length, so restoring the rows'
     small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
         return state, decode.auto_costs
     key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
-                              per_call=sync_every, budgets=plans[-1].expected_budgets, exact=exact)
+                              per_call=sync_every, budgets=plans[-1].expected_budgets)
     table = auto_costs.default_table()
     known = table.get(key)
     if known is not None:  # (no copies of the rows' fields: a lookup costs nothing on the device)
@@ -496,8 +464,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     work = [state]
 
     def run(k):
-        dispatch = run_exact_tallied_rounds if exact else run_tallied_rounds  # (the dispatches' own loop)
-        work[0], tally = dispatch(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
+        work[0], tally = run_tallied_rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
         return tally
 
     def before():
