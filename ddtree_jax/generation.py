@@ -366,41 +366,80 @@ def generate(
 
     t0 = time.perf_counter()
     in_rounds = 0.0
-    while True:
-        t_call = time.perf_counter()
+    # One dispatch ahead: the next dispatch is launched before the current one's results are read
+    # back, so that its launch (host work about as long as the rounds of a small model) runs while
+    # the device works. If every row finished in the current one, the next one's loop ends before
+    # its first round; after a compaction the pipeline starts again. Not with on_progress (it
+    # reads each dispatch's rows before the next takes them) or profile.
+    ahead = on_progress is None and not profile
+
+    def launch(state):
+        """``(state, the dispatch)``: the next rounds dispatched (not waited for)."""
+        t = time.perf_counter()
+        dispatch = dict(t=t, tally=None)
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
         elif decode.is_auto:
             rows = len(slot_request)
-            if rows not in costs:
+            if rows not in costs:  # (only where the pipeline starts: a new batch size)
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
+                dispatch["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
             k = chooser.choose(active, chooser.costs(rows, costs[rows]))
             n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
-            t_call = time.perf_counter()  # (the choice and a new batch size's costs are host work)
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            tally, done = jax.device_get((tally, state.done))  # the one host round-trip per `sync_every` rounds
-            if not chooser.probing and int(tally[:, 0].max(initial=0)) == n:
-                # Only full dispatches time a budget: a dispatch's launch and read-back, spread
-                # over one round (a probe) or the few of the last dispatch, would overprice it.
-                chooser.observe(rows, k, (time.perf_counter() - t_call) / n)
+            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally)
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
-        if not decode.is_auto:  # (profile is never auto)
-            done = np.asarray(state.done)  # the one host round-trip per `sync_every` rounds
-        in_rounds += time.perf_counter() - t_call
-        if decode.is_auto:  # (with the costs this dispatch's timing corrected, as the engine records)
-            chooser.record(k, tally, chooser.costs(rows, costs[rows]))
+        dispatch["done"] = state.done  # (its own array: the next dispatch takes `state`)
+        dispatch["launch"] = time.perf_counter() - t
+        return state, dispatch
+
+    def read(dispatch):
+        """``(tally, done)`` of a dispatch on the host (the one round-trip per dispatch)."""
+        return jax.device_get((dispatch["tally"], dispatch["done"]))
+
+    state, cur = launch(state)
+    last_read = None  # when the previous dispatch of the running pipeline was read back
+    while True:
+        # (after a probe, the next choice waits for the statistics the probe was run for)
+        nxt = launch(state) if ahead and not cur.get("probe") else None
+        if nxt is not None:
+            state, nxt = nxt
+        t = time.perf_counter()
+        tally, done = read(cur)
+        now = time.perf_counter()
+        in_rounds += cur["launch"] + now - t
+        if decode.is_auto:
+            # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
+            # dispatch, would carry a whole launch and read-back). One dispatch ahead, a dispatch
+            # costs the time between its read-back and the previous one's (its launch hidden).
+            start = last_read if ahead else cur["t"]
+            if start is not None and not cur["probe"] and int(tally[:, 0].max(initial=0)) == cur["n"]:
+                chooser.observe(cur["rows"], cur["k"], (now - start) / cur["n"])
+            # (with the costs this dispatch's timing corrected, as the engine records)
+            chooser.record(cur["k"], tally, chooser.costs(cur["rows"], costs[cur["rows"]]))
+        last_read = None if nxt is None else now  # (one launched after this read is not timed: its launch shows)
         active = int((~done).sum())
         if on_progress is not None or done.all():
-            harvest(state)
+            harvest(state)  # (one dispatch ahead, the rounds ahead changed no finished row)
             if on_progress is not None:
                 on_progress(host["out"].copy(), host["generated"].copy())
         if done.all():
             break
         running = np.flatnonzero(~done)
         if compact and len(running) <= len(slot_request) // 2:
+            if nxt is not None:  # the dispatch ahead ran on these rows: its results first
+                tally, done = read(nxt)
+                in_rounds += nxt["launch"]
+                if decode.is_auto:
+                    chooser.record(nxt["k"], tally, chooser.costs(nxt["rows"], costs[nxt["rows"]]))
+                nxt, active = None, int((~done).sum())
+                if done.all():
+                    harvest(state)
+                    break
+                running = np.flatnonzero(~done)
             if on_progress is None:
                 harvest(state)
             size = 1 << int(len(running) - 1).bit_length()
@@ -416,6 +455,10 @@ def generate(
             batch_sizes.append(size)
             if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
                 jax.block_until_ready(state)
+            last_read = None
+        if nxt is None:
+            state, nxt = launch(state)
+        cur = nxt
     seconds = time.perf_counter() - t0
 
     requests = [
