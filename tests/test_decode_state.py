@@ -51,7 +51,9 @@ def test_take_and_put_rows_move_whole_slots():
 def test_free_slots_commit_nothing():
     target = tiny_kimi(0)
     drafter = tiny_dflash(target, 1)
-    state = _state(target, drafter, [[1, 2, 3], [4, 5]])
+    # (prompts padded to the shape of test_take_and_put_rows_move_whole_slots's second state: its
+    # compiled prefill serves)
+    state = _state(target, drafter, [[1, 2, 3], [4, 5, 6, 7]])
     state = dataclasses.replace(state, finish=jnp.array([0, FREE]))
     plan = DecodePlan(method="ddtree", budget=4, hidden_layer_ids=drafter.config.target_layer_ids, backend=REFERENCE)
     tgraph, tparams = nnx.split(target)

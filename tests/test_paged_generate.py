@@ -31,20 +31,33 @@ SAMPLING = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, see
             SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
 
 
-def test_prompts_sharing_a_prefix_share_its_full_pages(models):
+def _sharing_prompts():
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(1, 100, 40).tolist()
+    return [prefix + [5, 6], [3, 4], prefix + [8, 9, 10, 11], prefix[:20] + [1], [7], [9, 10, 11] * 7]
+
+
+SHARING_KW = dict(method="ddtree", budget=6, max_new_tokens=[12, 2, 12, 2, 12, 2], sampling=SAMPLING * 2, seed=5,
+                  sync_every=2)
+
+
+@pytest.fixture(scope="module")
+def contiguous_sharing_run(models):
+    """The contiguous run of ``_sharing_prompts`` (the reference drafter): the paged run's
+    reference, and the reference drafter's greedy tokens for the drafter-kernel test."""
+    return generate(*models, _sharing_prompts(), **SHARING_KW)
+
+
+def test_prompts_sharing_a_prefix_share_its_full_pages(models, contiguous_sharing_run):
     """ddtree, greedy and seeded rows: the paged run equals the contiguous one token for token and
     round for round, with the prefix's full pages prefilled once and matched by the later prompts
     (the tree's shape does not touch the caches: dflash's and ar's take the same paths); three
     requests finish early, so the rounds go on at a batch of four whose padding row repeats a
     running one (its table is nulled: it cannot write that row's pages)."""
-    rng = np.random.default_rng(0)
-    prefix = rng.integers(1, 100, 40).tolist()
-    prompts = [prefix + [5, 6], [3, 4], prefix + [8, 9, 10, 11], prefix[:20] + [1], [7], [9, 10, 11] * 7]
+    prompts = _sharing_prompts()
     assert prefix_waves([np.asarray(p) for p in prompts], PAGE) == [[0, 1, 4, 5], [2, 3]]
-    kw = dict(method="ddtree", budget=6, max_new_tokens=[12, 2, 12, 2, 12, 2], sampling=SAMPLING * 2, seed=5,
-              sync_every=2)
-    want = generate(*models, prompts, **kw)
-    got = generate(*models, prompts, page_size=PAGE, **kw)
+    want = contiguous_sharing_run
+    got = generate(*models, prompts, page_size=PAGE, **SHARING_KW)
     assert 4 in want.batch_sizes and got.batch_sizes == want.batch_sizes
     assert got.tokens == want.tokens
     assert [r.acceptance_lengths for r in got.requests] == [r.acceptance_lengths for r in want.requests]
@@ -53,21 +66,23 @@ def test_prompts_sharing_a_prefix_share_its_full_pages(models):
     assert got.cached_prompt_tokens == 48
 
 
-def test_the_drafters_attention_kernel_reads_pages_as_it_reads_rows(models):
+def test_the_drafters_attention_kernel_reads_pages_as_it_reads_rows(models, contiguous_sharing_run):
     """The drafter's attention kernel (interpret mode) reading a paged context: the contiguous
-    kernel run's tokens and acceptance, round for round; greedy rows keep the reference drafter's
-    tokens (the target's law does not depend on the draft)."""
+    kernel run's tokens and acceptance, round for round; the greedy row keeps the reference
+    drafter's tokens (the target's law does not depend on the draft): its prompt is the first of
+    ``_sharing_prompts``, whose contiguous run (greedy there too) the module has already made."""
     from ddtree_jax.config import ExecutionConfig
 
     target, drafter = models
     kernel_drafter = drafter.with_execution(ExecutionConfig(impl="pallas"))
-    prompts = [[1, 2, 3, 4, 5] * 4, [7, 8], [9, 10, 11] * 7]
+    prompts = [_sharing_prompts()[0], [7, 8], [9, 10, 11] * 7]
     kw = dict(method="ddtree", budget=6, max_new_tokens=10, sampling=SAMPLING, seed=5, sync_every=2)
     contiguous = generate(target, kernel_drafter, prompts, **kw)
     paged = generate(target, kernel_drafter, prompts, page_size=PAGE, **kw)
     assert paged.tokens == contiguous.tokens
     assert [r.acceptance_lengths for r in paged.requests] == [r.acceptance_lengths for r in contiguous.requests]
-    assert contiguous.tokens[0] == generate(target, drafter, prompts, **kw).tokens[0]  # the greedy row
+    assert SAMPLING[0].temperature == 0 and contiguous_sharing_run.requests[0].finish_reason == "length"
+    assert contiguous.tokens[0] == contiguous_sharing_run.tokens[0][:10]  # the greedy row
 
 
 @pytest.mark.parametrize("page_size", [8, 24, 16.0, "16"])
