@@ -376,7 +376,7 @@ def generate(
     def launch(state):
         """``(state, the dispatch)``: the next rounds dispatched (not waited for)."""
         t = time.perf_counter()
-        dispatch = dict(t=t, tally=None)
+        dispatch = dict(t=t, tally=None, probe=False)
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
         elif decode.is_auto:
@@ -396,31 +396,33 @@ def generate(
         dispatch["launch"] = time.perf_counter() - t
         return state, dispatch
 
-    def read(dispatch):
-        """``(tally, done)`` of a dispatch on the host (the one round-trip per dispatch)."""
-        return jax.device_get((dispatch["tally"], dispatch["done"]))
+    def retire(dispatch, start) -> tuple[np.ndarray, float]:
+        """Reads a dispatch back (the one round-trip per dispatch) and, with ``budget="auto"``,
+        records its tally, timing it from ``start`` (``None``: untimed); ``(done, when read)``."""
+        nonlocal in_rounds
+        t = time.perf_counter()
+        tally, done = jax.device_get((dispatch["tally"], dispatch["done"]))
+        now = time.perf_counter()
+        in_rounds += dispatch["launch"] + now - t
+        if decode.is_auto:
+            # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
+            # dispatch, would carry a whole launch and read-back).
+            if start is not None and not dispatch["probe"] and int(tally[:, 0].max(initial=0)) == dispatch["n"]:
+                chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
+            # (with the costs this dispatch's timing corrected, as the engine records)
+            chooser.record(dispatch["k"], tally, chooser.costs(dispatch["rows"], costs[dispatch["rows"]]))
+        return done, now
 
     state, cur = launch(state)
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while True:
-        # (after a probe, the next choice waits for the statistics the probe was run for)
-        nxt = launch(state) if ahead and not cur.get("probe") else None
-        if nxt is not None:
-            state, nxt = nxt
-        t = time.perf_counter()
-        tally, done = read(cur)
-        now = time.perf_counter()
-        in_rounds += cur["launch"] + now - t
-        if decode.is_auto:
-            # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
-            # dispatch, would carry a whole launch and read-back). One dispatch ahead, a dispatch
-            # costs the time between its read-back and the previous one's (its launch hidden).
-            start = last_read if ahead else cur["t"]
-            if start is not None and not cur["probe"] and int(tally[:, 0].max(initial=0)) == cur["n"]:
-                chooser.observe(cur["rows"], cur["k"], (now - start) / cur["n"])
-            # (with the costs this dispatch's timing corrected, as the engine records)
-            chooser.record(cur["k"], tally, chooser.costs(cur["rows"], costs[cur["rows"]]))
-        last_read = None if nxt is None else now  # (one launched after this read is not timed: its launch shows)
+        nxt = None
+        if ahead and not cur["probe"]:  # (after a probe, the next choice waits for its statistics)
+            state, nxt = launch(state)
+        # One dispatch ahead, a dispatch costs the time between its read-back and the previous
+        # one's (its launch hidden); one launched after the previous read is not timed.
+        done, now = retire(cur, last_read if ahead else cur["t"])
+        last_read = None if nxt is None else now
         active = int((~done).sum())
         if on_progress is not None or done.all():
             harvest(state)  # (one dispatch ahead, the rounds ahead changed no finished row)
@@ -430,11 +432,8 @@ def generate(
             break
         running = np.flatnonzero(~done)
         if compact and len(running) <= len(slot_request) // 2:
-            if nxt is not None:  # the dispatch ahead ran on these rows: its results first
-                tally, done = read(nxt)
-                in_rounds += nxt["launch"]
-                if decode.is_auto:
-                    chooser.record(nxt["k"], tally, chooser.costs(nxt["rows"], costs[nxt["rows"]]))
+            if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
+                done, _ = retire(nxt, None)
                 nxt, active = None, int((~done).sum())
                 if done.all():
                     harvest(state)
