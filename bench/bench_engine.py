@@ -95,7 +95,7 @@ def _generate(target, drafter, prompts, B, method, budget, new, page_size=None):
     tokens, rounds = [], 0
     for i in range(0, len(prompts), B):
         out = generate(target, drafter, prompts[i : i + B], method=method, budget=budget, max_new_tokens=new,
-                       compact=False, max_len=len(prompts[0]) + new + 64, page_size=page_size)
+                       sync_every=8, compact=False, max_len=len(prompts[0]) + new + 64, page_size=page_size)
         tokens += out.tokens
         rounds += max(len(r.acceptance_lengths) for r in out.requests)
     return time.perf_counter() - t0, tokens, rounds

@@ -15,10 +15,9 @@ before the kernel), in the same run; ``ar:0:ctx`` is the autoregressive round th
 the drafter's context as it commits, ``ar:0:held`` the same round holding that context back and
 adding it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0 in the engine: the flush
 op counted in the rounds it serves). A plan ``method:budget:chunk`` runs ``generate``'s compiled
-call instead (``decode_round.run_rounds``: ``--chunk`` rounds, unrolled) and the read-back of its
-finish flags, and ``auto:budget`` the call ``budget="auto"`` runs at that budget
-(``auto_round.run_tallied_rounds`` of the set up to ``--auto-max``: the rounds and their tally; at
-budget 0 the held-back context's flush every ``DEFER_ROUNDS`` rounds), so the auto programs'
+call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` the call
+``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
+``--auto-max``: the held-back context's flush, the rounds and their tally), so the auto programs'
 extra work shows against the fixed ones. On
 a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
@@ -36,7 +35,7 @@ import numpy as np
 from bench._common import Report, device_trace, log
 from bench.bench_e2e import heldout_prompts, smoke_pair
 from ddtree_jax.auto_budget import AutoPlan
-from ddtree_jax.auto_round import DEFER_ROUNDS, flush_needed, round_plans, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.config import auto_budget_set
 from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
@@ -101,16 +100,14 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
         plan = plans[budgets.index(budget)]
     models, tp, dp = Models.split(target, drafter if uses else None)
     key = jax.random.key(0)
-    box, held = [start_state(models, tp, dp, plan, prompts)], [0]
-    holds = context == "held" or (auto and budget == 0)
+    box, calls = [start_state(models, tp, dp, plan, prompts)], [0]
     if context == "held" or auto:
-        box[0] = with_deferred(box[0], drafter, max(DEFER_ROUNDS, chunk))
-    per_call = chunk or 1
+        box[0] = with_deferred(box[0], drafter, chunk if auto else DEFER_ROUNDS)
 
     def one_round():
-        if holds and flush_needed(0, held[0], per_call, max(DEFER_ROUNDS, chunk)):
-            box[0], held[0] = _device.flush(models, tp, dp, box[0]), 0
-        held[0] += per_call
+        if context == "held" and calls[0] % DEFER_ROUNDS == DEFER_ROUNDS - 1:
+            box[0] = _device.flush(models, tp, dp, box[0])
+        calls[0] += 1
         if auto:
             box[0], tally = run_tallied_rounds(models, tp, dp, plan, box[0], key, chunk)
             return jax.device_get((tally, box[0].done))  # generate reads both back after each call
@@ -120,6 +117,7 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
 
+    per_call = chunk or 1
     calls_timed = max(1, rounds // per_call)
     t0 = time.perf_counter()
     jax.block_until_ready(one_round())
@@ -146,8 +144,7 @@ def main(argv=None):
                     help="method:budget[:variant] (module doc); x ar: over ar:0, or ar:0:chunk for chunked plans "
                          "(ar:0 is added if absent)")
     ap.add_argument("--rounds", type=int, default=20, help="rounds timed (and traced) per plan")
-    ap.add_argument("--chunk", type=int, default=1, help="rounds per call of the :chunk and auto plans (generate's "
-                    "default: 1)")
+    ap.add_argument("--chunk", type=int, default=8, help="rounds per call of the :chunk and auto plans")
     ap.add_argument("--auto-max", type=int, default=16, help="the auto plans' largest budget")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

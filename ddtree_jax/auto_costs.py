@@ -2,11 +2,11 @@
 
 ``cost_key`` names what a round's cost depends on: the device kind, the models (a hash of their
 configurations, execution settings and parameter shapes and dtypes), the decode backend, the
-batch rows, the cache positions per row, the rounds per compiled call and the calls timed back to
-back, the budget set and the JAX version. ``measure`` times the compiled rounds of each budget
-(after one untimed call that compiles and warms them; repetitions interleaved across budgets; the
-median); the callers time them on running rows (a round's cost includes what committing costs)
-and put the rows back before every call. ``CostTable`` keeps measured costs in memory and, with a
+batch rows, the cache positions per row, the rounds per compiled call, the budget set and the JAX
+version. ``measure`` times the compiled rounds of each budget (after one untimed call that
+compiles and warms them; repetitions interleaved across budgets; the median); the callers time
+them on running rows (a round's cost includes what committing costs) and put the rows back
+before every call. ``CostTable`` keeps measured costs in memory and, with a
 folder, one JSON file per key (``{"key": ..., "costs": [...]}``), so a later process with the same
 key loads them instead of timing again. ``default_table()`` keeps its files under the compilation
 cache folder (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that
@@ -45,14 +45,12 @@ def models_digest(target, drafter) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def cost_key(models: str, *, backend, rows: int, cache_len: int, per_call: int, budgets: tuple[int, ...],
-             calls: int = 1) -> dict:
+def cost_key(models: str, *, backend, rows: int, cache_len: int, per_call: int, budgets: tuple[int, ...]) -> dict:
     """What a round's cost depends on (module docstring), as a JSON-able dict; ``models``: the
-    models' ``models_digest``; ``per_call``: rounds per compiled call; ``calls``: calls timed back
-    to back (launched before the previous one finishes: more than one times a pipeline)."""
+    models' ``models_digest``; ``per_call``: rounds per compiled call."""
     return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
                 backend=repr(backend), rows=int(rows), cache_len=int(cache_len), per_call=int(per_call),
-                calls=int(calls), budgets=[int(b) for b in budgets], jax=jax.__version__)
+                budgets=[int(b) for b in budgets], jax=jax.__version__)
 
 
 def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1,

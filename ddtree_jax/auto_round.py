@@ -11,11 +11,12 @@ conditional: the host picks the program (``auto_budget.AutoChooser``). The stage
 
 Budget 0 can also hold back the drafter's context (``with_deferred``): its rounds then keep the
 features of the tokens they commit in ``DecodeState.deferred`` and run no drafter code at all, and
-the caller adds what is held back to the drafter's context (``flush_deferred``, ``run_flush``) in
-one pass over up to ``P`` positions per row before a drafted dispatch (a drafted round always
-drafts from the whole context) and before the buffer would overflow (``flush_needed``); a run of
-budget-0 rounds so costs what plain autoregressive rounds cost plus one context pass per ``P``
-rounds. ``generate`` and the engine (``serving._device.flush``) both flush so.
+``run_tallied_rounds`` (``generate``'s dispatches) first adds what is held back to the drafter's
+context (``flush_deferred``), in one pass over up to ``P`` positions per row; a run of budget-0
+rounds so costs what plain autoregressive rounds cost plus one context pass per dispatch, and a
+drafted round always drafts from the whole context. The caller keeps what a row holds within
+``P``; the engine, whose dispatches are single rounds, flushes only when needed
+(``serving._device.flush``).
 
 The tally of a run of rounds is f32 ``[B, 2 + K]`` per row, summed over the rounds in which the
 row was running: rounds, tokens accepted (bonus included: the acceptance lengths), then the
@@ -35,8 +36,8 @@ from ddtree_jax.auto_budget import AutoPlan
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
 from ddtree_jax.decode_state import DecodeState, DeferredContext
 
-__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "flush_needed", "round_plans", "run_flush",
-           "run_tallied_rounds", "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
+__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_flush", "run_tallied_rounds",
+           "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -47,15 +48,8 @@ def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
 
 
 DEFER_ROUNDS = 16
-"""The positions of drafter context a row holds back at most, in ``generate`` and the ``Engine``
-(its flush then runs once per that many budget-0 rounds, and before each drafted dispatch)."""
-
-
-def flush_needed(budget: int, held: int, rounds: int, length: int) -> bool:
-    """Whether the held-back context must be added before a dispatch of ``rounds`` rounds at
-    ``budget``: something is held (``held`` budget-0 rounds since the last flush) and the dispatch
-    drafts, or its rounds would pass the buffer's ``length`` positions."""
-    return held > 0 and (budget > 0 or held + rounds > length)
+"""The positions of drafter context a slot of the ``Engine`` holds back at most (its flush then
+runs once per that many budget-0 rounds, and before each drafted dispatch)."""
 
 
 def engine_deferred(config, depth: int) -> int:
@@ -118,20 +112,33 @@ def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
     return jnp.zeros((state.batch_size, 2 + len(plan.expected_budgets)), jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
 def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-                       rounds: int) -> tuple[DecodeState, jax.Array]:
-    """``decode_round.run_rounds`` at one of ``round_plans``: ``rounds`` rounds in one compiled
-    call (unrolled), returning ``(state, tally)``. It adds no held-back context: the caller flushes
-    first where ``flush_needed`` says so."""
-    return unrolled_tallied_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+                       max_rounds) -> tuple[DecodeState, jax.Array]:
+    """``decode_round.run_rounds`` at one of ``round_plans``: the held-back context added
+    (``flush_deferred``), then up to ``max_rounds`` rounds (an int, traced: one program for any
+    count), stopping early once every row is done; returns ``(state, tally)``."""
+    state = _flushed(models, tparams, dparams, state)
+
+    def cond(carry):
+        i, st, _ = carry
+        return (i < max_rounds) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, st, tally = carry
+        return (i + 1, *tallied_round(models, tparams, dparams, plan, st, base_key, tally))
+
+    _, state, tally = jax.lax.while_loop(cond, body, (jnp.int32(0), state, _zeros(plan, state)))
+    return state, tally
 
 
 def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
                             rounds: int) -> tuple[DecodeState, jax.Array]:
     """``rounds`` rounds one after the other inside a compiled function
-    (``decode_round.unrolled_rounds``'s counterpart); returns ``(state, tally)``. It adds no
-    held-back context first (``flush_needed``)."""
+    (``decode_round.unrolled_rounds``'s counterpart); returns ``(state, tally)``. Unlike
+    ``run_tallied_rounds`` it adds no held-back context first: a caller holding context back
+    flushes before a drafted dispatch (the ``Engine``: only when something is held, since its
+    dispatches are single rounds)."""
     tally = _zeros(plan, state)
     for _ in range(rounds):
         state, tally = tallied_round(models, tparams, dparams, plan, state, base_key, tally)

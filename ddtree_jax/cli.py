@@ -341,7 +341,7 @@ def run_demo(args, parser=None) -> None:
         target=os.path.join(args.dir, "target"), drafter=os.path.join(args.dir, "drafter"),
         tokenizer=os.path.join(args.dir, "tokenizer.json"), prompt=prompts_text, budget=args.budget,
         max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
-        stop_token_id=None, ignore_eos=True, dtype="float32", sync_every=None, profile=False, no_stream=True,
+        stop_token_id=None, ignore_eos=True, dtype="float32", sync_every=8, profile=False, no_stream=True,
         compilation_cache=args.compilation_cache, debug=args.debug,
     )
     ns = argparse.Namespace(method="ddtree", **base)
@@ -540,7 +540,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="weight dtype; auto (default): the checkpoint's own")
     g.add_argument("--sync-every", type=pf.positive_int, default=None,
-                   help="rounds per compiled call, >= 1 (default 1; more compile longer)")
+                   help="rounds on device between host checks, >= 1 (default 8; 4 with --budget auto)")
     g.add_argument("--profile", action="store_true", help="time draft/tree/verify/sample/commit separately")
     g.add_argument("--no-stream", action="store_true")
 

@@ -131,9 +131,8 @@ class DecodeConfig:
     drafts again to re-measure the acceptance, >= 1."""
 
     sync_every: int | None = None
-    """Rounds per compiled call (unrolled: more rounds compile longer), >= 1; the host reads each
-    call back while the next one runs. ``None``: the runner's default, 1 (the ``Engine``'s new
-    requests then join after every round)."""
+    """Compiled rounds between host checks, >= 1. ``None``: the runner's default (``generate``: 8,
+    fewer host round trips; ``Engine``: 1, so new requests join after every round)."""
 
     seed: int = 0
     """The base key of every random stream, in ``[0, 2**32)`` (``ddtree_jax.rng``): a seeded

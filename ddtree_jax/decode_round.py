@@ -18,8 +18,8 @@ log-probability and the ``K`` most probable tokens of the row it was drawn from
 (``token_logprobs``; the law it reports is stated there and in docs/serving.md);
 ``round_with_logprobs`` returns them beside the next state.
 
-The round is ``STAGES`` applied in order; ``run_rounds`` runs whole rounds in one compiled call
-(unrolled: no device-side loop), and ``run_stage`` compiles one stage alone (to time the split). Models travel
+The round is ``STAGES`` applied in order; ``run_rounds`` runs whole rounds inside one
+``lax.while_loop``, and ``run_stage`` compiles one stage alone (to time the split). Models travel
 as ``(graphdef, params)`` pairs so that the compiled functions are pure.
 """
 
@@ -424,20 +424,28 @@ def round_with_expected(models: Models, tparams, dparams, plan: DecodePlan, stat
     return work["state"], work["expected"]
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
 def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-               rounds: int) -> DecodeState:
-    """``rounds`` rounds in one compiled call (``unrolled_rounds``: the call returns before they
-    run, so the host can launch the next one meanwhile); rows that are done commit nothing."""
-    return unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+               max_rounds: int) -> DecodeState:
+    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done."""
+
+    def cond(carry):
+        i, st = carry
+        return (i < max_rounds) & ~jnp.all(st.done)
+
+    def body(carry):
+        i, st = carry
+        return i + 1, _round(models, tparams, dparams, plan, st, base_key)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
 def unrolled_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
                     rounds: int) -> DecodeState:
-    """``rounds`` rounds one after the other, for use inside a compiled function. No device-side
-    loop with a data-dependent end: on a GPU such a loop makes the host wait for each iteration's
-    predicate, so the call would return only once the rounds are done. Rows that are not running
-    commit nothing, so no round needs skipping."""
+    """``rounds`` rounds one after the other, for use inside a compiled function. Unlike
+    ``run_rounds`` there is no device-side loop with a data-dependent end (on a GPU such a loop
+    makes the host wait for each iteration's predicate, so the call would return only once the
+    rounds are done); rows that are not running commit nothing, so no round needs skipping."""
     for _ in range(rounds):
         state = _round(models, tparams, dparams, plan, state, base_key)
     return state

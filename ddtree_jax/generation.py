@@ -5,17 +5,15 @@ drafter's block) and DDTree ("ddtree": the best tree of ``budget`` nodes). Every
 is an exact sample of the target's own sampling rule, so all three give the same output law (and,
 greedy, the same tokens).
 
-This module does the host-side work only: it checks the inputs, prefills, dispatches compiled
-rounds (``ddtree_jax.decode_round``) ``sync_every`` per call, keeping up to ``_IN_FLIGHT`` calls
-launched ahead of the one it reads back, and reads results back. The host reads only the rows'
-finish flags and token counts (one small transfer) per call, to stop when every request has
-finished, to launch no call that could only run finished rows, and to report progress. With
-``profile=True`` each stage of a round runs as a separate compiled call timed on the host
-(slower; it exists to measure the time split).
+This module does the host-side work only: it checks the inputs, prefills, runs compiled rounds
+(``ddtree_jax.decode_round``) ``sync_every`` at a time, and reads results back. The host reads
+only the finish codes (one ``[B]`` transfer) after each batch of rounds, to stop when every
+request has finished and to report progress. With ``profile=True`` each stage of a round runs as
+a separate compiled call timed on the host (slower; it exists to measure the time split).
 
-Finished requests stop costing work where the shapes allow: inside a call they ride along (fixed
-shapes), but at a read-back where at most half the slots are still running, the running ones are
-gathered into the next smaller power-of-two batch (caches included, through
+Finished requests stop costing work where the shapes allow: inside a batch of rounds they ride
+along (fixed shapes), but at a host sync where at most half the slots are still running, the
+running ones are gathered into the next smaller power-of-two batch (caches included, through
 ``DecodeState.take_rows``) and the rounds continue on that; each batch size compiles once.
 
 With ``page_size`` the caches are paged, and prompts sharing full pages of a prefix share those
@@ -24,7 +22,6 @@ pages (``ddtree_jax.paged_generate``).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -36,7 +33,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
-from ddtree_jax.auto_round import DEFER_ROUNDS, flush_needed, round_plans, run_flush, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import round_plans, run_flush, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
@@ -150,14 +147,9 @@ class GenerateOutput:
 
 
 _GREEDY = SamplingParams(temperature=0.0)
-# generate's rounds per compiled call when its DecodeConfig leaves sync_every to the runner (with
-# budget="auto" the budget is chosen once per call)
-_SYNC_EVERY = 1
-# Calls launched and not yet read back (the pipeline's depth): while the host reads one back and
-# launches the next, the device runs the one between.
-_IN_FLIGHT = 2
-# Rounds a cost-table measurement runs back to back per budget (in calls of sync_every rounds).
-_COST_ROUNDS = 8
+# generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner (with
+# budget="auto" the budget is chosen once per sync; docs/auto-budget.md: why 8 there too)
+_SYNC_EVERY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +209,8 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
     # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
     scratch = max(budget, L) + 1
-    if decode.is_auto:  # the held-back drafter context (P positions) is added in one write
-        scratch = max(scratch, _deferred_length(decode) - 1)
+    if decode.is_auto:  # a dispatch's held-back drafter context (P = its rounds) is added in one write
+        scratch = max(scratch, (decode.sync_every or _SYNC_EVERY) - 1)
     for i, (p, m) in enumerate(zip(checked, limits, strict=False)):
         if len(p) + m > context:
             raise ValueError(f"prompts[{i}] ({len(p)} tokens) + max_new_tokens ({m}) exceeds the target's context "
@@ -231,12 +223,6 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     return _Checked(prompts=checked, max_new_tokens=np.array(limits, np.int32),
                     stop_ids=np.array([stop or [NO_STOP]] * B, np.int32), budget=budget, max_len=max_len or needed,
                     needs=needs)
-
-
-def _deferred_length(decode: DecodeConfig) -> int:
-    """Positions of drafter context a row holds back at budget 0 (``budget="auto"``): at least one
-    call's rounds."""
-    return max(DEFER_ROUNDS, decode.sync_every or _SYNC_EVERY)
 
 
 def _on_rows(state, target):
@@ -289,9 +275,8 @@ def generate(
         index, round)`` (``ddtree_jax.rng``), so a seeded request's output does not depend on the
         batch.
       max_len: cache size per request; default: just what this call needs.
-      sync_every: rounds per compiled call (default 1; unrolled, so more rounds compile longer);
-        the host reads each call's finish flags back while the next call runs. With
-        ``budget="auto"`` the budget is chosen once per call.
+      sync_every: rounds run on the device between host checks for completion (default 8; with
+        ``budget="auto"`` the budget is chosen on the host once per such chunk).
       profile: time each stage separately (see ``GenerateOutput.time_split``).
       compact: re-pack the running requests into a smaller batch once at most half are running.
       impl: tree builder, sampler and walk: ``"auto"`` (default: Pallas kernels on GPU and TPU,
@@ -353,7 +338,7 @@ def generate(
         state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
                                       checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
     if decode.is_auto:  # budget 0 runs no drafter code (auto_round.with_deferred)
-        state = with_deferred(state, drafter, _deferred_length(decode))
+        state = with_deferred(state, drafter, sync_every)
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
@@ -381,90 +366,79 @@ def generate(
 
     t0 = time.perf_counter()
     in_rounds = 0.0
-    # Calls in flight: up to _IN_FLIGHT launched before the oldest is read back, so that launching
-    # one (host work about as long as a round of a small model) runs while the device works.
-    # on_progress (which reads each call's rows before the next takes them) and profile run them
-    # one by one.
-    depth = 1 if on_progress is not None or profile else _IN_FLIGHT
-    in_flight: collections.deque = collections.deque()
-    limits = checked.max_new_tokens  # by request
-    # Rounds after which every row has surely finished (a running row commits at least one token
-    # a round), from the last read-back: no call is launched past it.
-    bound = int(limits.max())
-    held = 0  # budget-0 rounds dispatched since the held-back drafter context was last added
-    defer = _deferred_length(decode)
+    # One dispatch ahead: the next dispatch is launched before the current one's results are read
+    # back, so that its launch (host work about as long as the rounds of a small model) runs while
+    # the device works. If every row finished in the current one, the next one's loop ends before
+    # its first round; after a compaction the pipeline starts again. Not with on_progress (it
+    # reads each dispatch's rows before the next takes them) or profile.
+    ahead = on_progress is None and not profile
 
     def launch(state):
-        """``(state, the call)``: the next call's rounds dispatched (not waited for)."""
-        nonlocal held
+        """``(state, the dispatch)``: the next rounds dispatched (not waited for)."""
         t = time.perf_counter()
-        # A call launched with none in flight waits for its own launch: its time is not a round's
-        # (one by one, every call pays that, so each is timed as it runs).
-        call = dict(t=t, tally=None, probe=False, rounds=sync_every, timed=depth == 1 or bool(in_flight))
+        dispatch = dict(t=t, tally=None, probe=False)
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
-            call["rounds"] = 1
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:  # (only where the pipeline starts: a new batch size)
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every)
-                call["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
+                dispatch["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
             k = chooser.choose(active, chooser.costs(rows, costs[rows]))
             n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
-            if flush_needed(k, held, n, defer):  # (the call then also runs the flush: not timed)
-                state, held, call["timed"] = run_flush(models, tparams, dparams, state), 0, False
             state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            held += n if k == 0 else 0
-            call.update(k=k, rounds=n, rows=rows, probe=chooser.probing, tally=tally)
+            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally)
         else:
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
-        call["status"] = _status(state)
-        call["launch"] = time.perf_counter() - t
-        return state, call
+        dispatch["done"] = state.done  # (its own array: the next dispatch takes `state`)
+        dispatch["launch"] = time.perf_counter() - t
+        return state, dispatch
 
-    def retire(call, last_read) -> tuple[np.ndarray, np.ndarray, float]:
-        """Reads a call back (its one round-trip) and, with ``budget="auto"``, records its tally,
-        timing it from the later of ``last_read`` (the previous call's read-back, ``None`` if none)
-        and its launch; ``(done, generated, when read)`` by slot."""
+    def retire(dispatch, start) -> tuple[np.ndarray, float]:
+        """Reads a dispatch back (the one round-trip per dispatch) and, with ``budget="auto"``,
+        records its tally, timing it from ``start`` (``None``: untimed); ``(done, when read)``."""
         nonlocal in_rounds
         t = time.perf_counter()
-        tally, (done, generated) = jax.device_get((call["tally"], call["status"]))
+        tally, done = jax.device_get((dispatch["tally"], dispatch["done"]))
         now = time.perf_counter()
-        in_rounds += call["launch"] + now - t
+        in_rounds += dispatch["launch"] + now - t
         if decode.is_auto:
-            # Only full calls time a budget (a one-round probe, or the last call's rounds that ran
-            # no row, would carry a whole launch and read-back).
-            full = int(tally[:, 0].max(initial=0)) == call["rounds"]
-            if call["timed"] and not call["probe"] and full:
-                start = call["t"] if last_read is None else max(last_read, call["t"])
-                chooser.observe(call["rows"], call["k"], (now - start) / call["rounds"])
-            # (with the costs this call's timing corrected, as the engine records)
-            chooser.record(call["k"], tally, chooser.costs(call["rows"], costs[call["rows"]]))
-        return done, generated, now
+            # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
+            # dispatch, would carry a whole launch and read-back).
+            if start is not None and not dispatch["probe"] and int(tally[:, 0].max(initial=0)) == dispatch["n"]:
+                chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
+            # (with the costs this dispatch's timing corrected, as the engine records)
+            chooser.record(dispatch["k"], tally, chooser.costs(dispatch["rows"], costs[dispatch["rows"]]))
+        return done, now
 
-    last_read = None  # when the previous call of the running pipeline was read back
+    state, cur = launch(state)
+    last_read = None  # when the previous dispatch of the running pipeline was read back
     while True:
-        while (len(in_flight) < depth and not (in_flight and in_flight[-1]["probe"])
-               and sum(c["rounds"] for c in in_flight) < bound):  # (after a probe: its statistics first)
-            state, call = launch(state)
-            in_flight.append(call)
-        done, generated, last_read = retire(in_flight.popleft(), last_read)
-        if compact and int((~done).sum()) <= len(slot_request) // 2 and not done.all():
-            while in_flight:  # the calls ahead ran on these rows: their results first
-                done, generated, last_read = retire(in_flight.popleft(), last_read)
+        nxt = None
+        if ahead and not cur["probe"]:  # (after a probe, the next choice waits for its statistics)
+            state, nxt = launch(state)
+        # One dispatch ahead, a dispatch costs the time between its read-back and the previous
+        # one's (its launch hidden); one launched after the previous read is not timed.
+        done, now = retire(cur, last_read if ahead else cur["t"])
+        last_read = None if nxt is None else now
         active = int((~done).sum())
         if on_progress is not None or done.all():
-            harvest(state)  # (calls still in flight run no running row: they change nothing read here)
+            harvest(state)  # (one dispatch ahead, the rounds ahead changed no finished row)
             if on_progress is not None:
                 on_progress(host["out"].copy(), host["generated"].copy())
         if done.all():
             break
         running = np.flatnonzero(~done)
-        slot_limits = np.where(slot_request >= 0, limits[np.maximum(slot_request, 0)], 0)
-        bound = int((slot_limits - generated)[running].max())
         if compact and len(running) <= len(slot_request) // 2:
+            if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
+                done, _ = retire(nxt, None)
+                nxt, active = None, int((~done).sum())
+                if done.all():
+                    harvest(state)
+                    break
+                running = np.flatnonzero(~done)
             if on_progress is None:
                 harvest(state)
             size = 1 << int(len(running) - 1).bit_length()
@@ -478,9 +452,12 @@ def generate(
                 state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
             batch_sizes.append(size)
-            if decode.is_auto:  # the compaction is host time, not the next call's (whose time prices a budget)
+            if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
                 jax.block_until_ready(state)
             last_read = None
+        if nxt is None:
+            state, nxt = launch(state)
+        cur = nxt
     seconds = time.perf_counter() - t0
 
     requests = [
@@ -502,30 +479,20 @@ def generate(
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
 
 
-@jax.jit
-def _status(state: DecodeState) -> tuple[jax.Array, jax.Array]:
-    """What the host reads back of a call: ``(done [B], generated [B])``."""
-    return state.done, state.generated
-
-
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
                  base_key, max_len: int, scratch: int, sync_every: int):
     """``(state, costs)``: seconds per round at each budget at ``state``'s batch size,
     ``decode.auto_costs`` if given, else from the cost table (``auto_costs.default_table``;
     ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
-    compiled rounds of each of ``plans`` (``sync_every`` per call, about ``_COST_ROUNDS`` in calls
-    launched back to back as ``generate`` launches them, within the held-back context's buffer)
-    on ``state``'s own rows,
+    compiled rounds of each of ``plans`` (``sync_every`` per call) on ``state``'s own rows,
     running, their stop ids cleared and their limits raised to what their output buffer and cache
     hold (``scratch``: the positions a round needs past a row's tokens), put back before every
     call and after (a round writes the caches only past each row's length, so restoring the rows'
     small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
         return state, decode.auto_costs
-    room_held = _COST_ROUNDS if state.deferred is None else state.deferred.feats.shape[1]
-    calls = max(1, min(_COST_ROUNDS, room_held) // sync_every)
     key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
-                              per_call=sync_every, budgets=plans[-1].expected_budgets, calls=calls)
+                              per_call=sync_every, budgets=plans[-1].expected_budgets)
     table = auto_costs.default_table()
     known = table.get(key)
     if known is not None:  # (no copies of the rows' fields: a lookup costs nothing on the device)
@@ -539,15 +506,14 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     work = [state]
 
     def run(k):
-        for _ in range(calls):
-            work[0], tally = run_tallied_rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
+        work[0], tally = run_tallied_rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
         return tally
 
     def before():
         work[0] = _put_row_fields(work[0], timing)
         return work[0]
 
-    costs = table.get_or_measure(key, run, per_call=calls * sync_every, before=before)
+    costs = table.get_or_measure(key, run, per_call=sync_every, before=before)
     return _put_row_fields(work[0], saved), costs
 
 

@@ -42,7 +42,7 @@ def test_round_updates_caches_in_place():
                                                max_new_tokens=16)
     buffers = {tuple(a.shape) for a in jax.tree.leaves((state.target_cache, state.draft_cache)) if MAX_LEN in a.shape}
     assert buffers, "the caches should hold arrays of the cache length"
-    hlo = run_rounds.lower(models, tp, dp, plan, state, jax.random.key(0), rounds=2).compile().as_text()
+    hlo = run_rounds.lower(models, tp, dp, plan, state, jax.random.key(0), max_rounds=2).compile().as_text()
     offenders = []
     for line in hlo.splitlines():
         m = re.search(r"=\s*\w+\[([\d,]*)\]\S*\s+(copy|concatenate)\(", line)
@@ -71,7 +71,7 @@ def test_rows_that_commit_nothing_route_no_token_to_an_expert(monkeypatch):
     prompts = jnp.asarray(np.random.default_rng(0).integers(1, 60, (3, 6)), jnp.int32)
     models, tp, dp, plan, state = _greedy_rows(4, prompts, max_len=64, capacity=16, max_new_tokens=8)
     done = dataclasses.replace(state, finish=state.finish.at[1].set(STOP))
-    both = [run_rounds(models, tp, dp, plan, jax.tree.map(jnp.copy, s), jax.random.key(0), rounds=1)
+    both = [run_rounds(models, tp, dp, plan, jax.tree.map(jnp.copy, s), jax.random.key(0), max_rounds=1)
             for s in (state, done)]  # (the round donates its state)
     jax.effects_barrier()
     all_running, one_done = seen[-2], seen[-1]

@@ -53,7 +53,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan
-from ddtree_jax.auto_round import engine_deferred, flush_needed, round_plans
+from ddtree_jax.auto_round import engine_deferred, round_plans
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
@@ -888,7 +888,7 @@ class Engine:
             costs = self._auto.costs(self.slots, self.auto_costs)
             k = self._auto.choose(sum(r is not None for r in snapshot), costs)
             if self._defer:
-                if flush_needed(k, self._deferred_rounds, self.sync_every, self._defer):
+                if k > 0 or self._deferred_rounds + self.sync_every > self._defer:
                     self._queue_flush()
                 if k == 0:
                     self._deferred_rounds += self.sync_every
