@@ -7,7 +7,8 @@ exactly. Tensor parallelism sums partial results in another order, so a divergen
 where the sharded and the unsharded target's logits for the common prefix differ by at most
 ``LOGIT_TOL`` (float32 rounding, not a wrong model); and on every mesh each device's copy of the
 committed tokens must be identical (no shard commits a different token). Greedy and seeded
-sampling; one prompt long enough for chunked prefill."""
+sampling; one prompt long enough for chunked prefill. The pair (``tiny_pair``): a two-layer target
+(1 dense + 1 MoE layer) and a one-layer drafter, every kind of layer once."""
 
 from __future__ import annotations
 
@@ -21,13 +22,19 @@ MAX_TOKENS = 10
 LOGIT_TOL = 1e-4
 
 
+def tiny_pair():
+    """The random target (1 dense + 1 MoE layer) and drafter (one layer) the meshes are checked on."""
+    from tests._model_fixtures import tiny_dflash, tiny_kimi
+
+    target = tiny_kimi(0, num_hidden_layers=2)
+    return target, tiny_dflash(target, 1, num_hidden_layers=1, layer_types=("full_attention",))
+
+
 def one_device_tokens() -> list[list[int]]:
     import ddtree_jax as dt
     from ddtree_jax.serving import Engine
-    from tests._model_fixtures import tiny_dflash, tiny_kimi
 
-    target = tiny_kimi(0)
-    eng = Engine(target, tiny_dflash(target, 1), CONFIG)
+    eng = Engine(*tiny_pair(), CONFIG)
     return [r.tokens for r in eng.generate(PROMPTS, [dt.SamplingParams(**s) for s in SAMPLING], max_tokens=MAX_TOKENS)]
 
 
@@ -41,11 +48,10 @@ def mesh_runs(path: str, meshes: list[str], plain: list[list[int]]) -> list[dict
     import ddtree_jax as dt
     from ddtree_jax.serving import Engine
     from ddtree_jax.serving.sharding import make_mesh, state_sharding
-    from tests._model_fixtures import tiny_dflash, tiny_kimi
 
-    target = tiny_kimi(0)
+    target, drafter = tiny_pair()
     dt.save_checkpoint(target, path + "/target")
-    dt.save_checkpoint(tiny_dflash(target, 1), path + "/drafter")
+    dt.save_checkpoint(drafter, path + "/drafter")
     ref = dt.load_target(path + "/target", dtype=jnp.float32)
     runs = []
     for spec in meshes:

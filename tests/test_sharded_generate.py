@@ -3,23 +3,36 @@ tensor axes, and expert=8 with data-parallel attention) gives the same tokens as
 models, greedy and seeded sampling; the compiled round on the data-parallel layout exchanges
 only the MoE's tokens; the MoE kernel path runs expert-parallel without gathering weights, with
 rows over data or over data and expert; the per-head prefill too; a drafter loaded on a mesh
-attends through the plain path, not its one-device kernel."""
+attends through the plain path, not its one-device kernel.
 
+Every check runs in one subprocess (8 host devices: one JAX start-up for the file), on one pair of
+checkpoints (``tests/_mesh_check.tiny_pair``: a two-layer target, 1 dense + 1 MoE layer, and a
+one-layer drafter). Each test reads its own check's outcome."""
+
+import json
 import os
 import subprocess
 import sys
-import textwrap
 
-SCRIPT = textwrap.dedent("""
-    import sys
-    import jax, jax.numpy as jnp
-    import ddtree_jax as dt
-    from tests._model_fixtures import tiny_dflash, tiny_kimi
-    assert len(jax.devices()) == 8
-    path = sys.argv[1]
-    target = tiny_kimi(0)
-    dt.save_checkpoint(target, path + "/target")
-    dt.save_checkpoint(tiny_dflash(target, 1), path + "/drafter")
+import pytest
+
+SCRIPT = r"""
+import json, re, sys, traceback
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ddtree_jax as dt
+from ddtree_jax.serving.sharding import make_mesh
+from tests._mesh_check import check_round_collectives, tiny_pair
+from tests.test_moe_kernel import _tree_inputs
+assert len(jax.devices()) == 8
+path = sys.argv[1]
+target, drafter = tiny_pair()
+dt.save_checkpoint(target, path + "/target")
+dt.save_checkpoint(drafter, path + "/drafter")
+
+
+def sharded_generate():
     mesh = jax.make_mesh((4, 2), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     st = dt.load_target(path + "/target", mesh=mesh, dtype=jnp.float32)
     sd = dt.load_drafter(path + "/drafter", st, mesh=mesh)
@@ -43,8 +56,6 @@ SCRIPT = textwrap.dedent("""
     assert sharded.tokens == plain.tokens, (sharded.tokens, plain.tokens)
     # expert=8 with data-parallel attention: 8 prompts, one per device; then the compiled round's
     # collectives (tests/_mesh_check.py)
-    from ddtree_jax.serving.sharding import make_mesh
-    from tests._mesh_check import check_round_collectives
     mesh = make_mesh("expert=8")
     st = dt.load_target(path + "/target", mesh=mesh, dtype=jnp.float32)
     sd = dt.load_drafter(path + "/drafter", st, mesh=mesh)
@@ -56,34 +67,14 @@ SCRIPT = textwrap.dedent("""
     sharded, plain = dt.generate(st, sd, eight, **kw), dt.generate(pt, pd, eight, **kw)
     assert sharded.tokens == plain.tokens, ("dp", sharded.tokens, plain.tokens)
     check_round_collectives(st, sd)
-    print("SHARDED_OK")
-""")
 
 
-def test_sharded_generate_matches_unsharded(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
-                            timeout=600, cwd=root)
-    assert "SHARDED_OK" in result.stdout, result.stderr[-3000:]
-
-
-EXPERT_PARALLEL = textwrap.dedent("""
-    import re, sys
-    import jax, jax.numpy as jnp, numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import ddtree_jax as dt
-    from ddtree_jax.serving.sharding import make_mesh
-    from tests._model_fixtures import tiny_kimi
-    from tests.test_moe_kernel import _tree_inputs
-    path, S = sys.argv[1], 40
-    dt.save_checkpoint(tiny_kimi(0, num_hidden_layers=2), path)  # 1 dense + 1 MoE layer
-    plain = dt.load_target(path, dtype=jnp.float32, impl="reference")
+def kernel_paths():
+    S = 40
+    plain = dt.load_target(path + "/target", dtype=jnp.float32, impl="reference")
 
     def lines(hlo, op):
-        return [l for l in hlo.splitlines() if re.search(r"= \\S+ " + op + r"(-start)?\\(", l)]
+        return [l for l in hlo.splitlines() if re.search(r"= \S+ " + op + r"(-start)?\(", l)]
 
     # (mesh, batch, the all-gathers it may keep, its reductions). On data x expert with 2 rows the
     # rows split over data only: token-sized routing arrays (N = 16 tokens) and one psum of the
@@ -93,9 +84,9 @@ EXPERT_PARALLEL = textwrap.dedent("""
     # every expert's weights around the MoE kernel.) On expert x tensor (rows over expert) the
     # expert group's tokens and the local experts' weights over tensor (the stacked gate/up layout;
     # GSPMD alone also gathers the heads-split queries around the attention kernel).
-    cases = [("data=2,expert=4", 2, r"\\[16[,\\]]", ("all-reduce",)),
-             ("data=2,expert=4", 8, r"\\[32[,\\]]", ("reduce-scatter",)),
-             ("expert=2,tensor=4", 2, r"f32\\[4,(32|64),64\\]|\\[16[,\\]]", None)]
+    cases = [("data=2,expert=4", 2, r"\[16[,\]]", ("all-reduce",)),
+             ("data=2,expert=4", 8, r"\[32[,\]]", ("reduce-scatter",)),
+             ("expert=2,tensor=4", 2, r"f32\[4,(32|64),64\]|\[16[,\]]", None)]
     for spec, b, ok, reductions in cases:
         tokens, depths, mask, valid = _tree_inputs(b, 8, 3)
         f = nnx.jit(lambda m, *a, valid=valid: m.verify(*a, valid=valid)[0])
@@ -103,7 +94,7 @@ EXPERT_PARALLEL = textwrap.dedent("""
         want = f(plain, *args, plain.init_cache(b, S))
         v = np.asarray(valid)
         mesh = make_mesh(spec)
-        sharded = dt.load_target(path, mesh=mesh, dtype=jnp.float32, impl="pallas")
+        sharded = dt.load_target(path + "/target", mesh=mesh, dtype=jnp.float32, impl="pallas")
         cache = sharded.init_cache(b, S)
         rows = sharded.row_mesh.split(b) if sharded.row_mesh is not None else ()
         if rows:  # the serving state's placement: cache rows over the row axes
@@ -119,11 +110,47 @@ EXPERT_PARALLEL = textwrap.dedent("""
             assert found == {op: int(op in reductions) for op in found}, (spec, b, found)
         err = np.abs(np.asarray(got) - np.asarray(want))[v].max()
         assert err <= 2e-5 * np.abs(np.asarray(want)).max(), (spec, b, err)
-    print("EP_OK")
-""")
 
 
-def test_kernel_paths_on_meshes_of_8_devices(tmp_path):
+for check in (sharded_generate, kernel_paths):
+    try:
+        check()
+        error = None
+    except Exception:
+        error = traceback.format_exc()
+    print("CHECK", json.dumps({"name": check.__name__, "error": error}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """Runs ``SCRIPT`` once on 8 CPU devices: ``({check name: None if it passed, else its
+    traceback}, the end of the subprocess's stderr)``; a check missing from the dict did not run
+    to its end (the subprocess died)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path_factory.mktemp("mesh"))], env=env,
+                            capture_output=True, text=True, timeout=1200, cwd=root)
+    runs = [json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("CHECK ")]
+    return {r["name"]: r["error"] for r in runs}, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+def _passed(checks, name):
+    errors, tail = checks
+    assert name in errors, f"{name} did not finish: {tail}"
+    assert errors[name] is None, f"{name} failed:\n{errors[name]}"
+
+
+def test_sharded_generate_matches_unsharded(checks):
+    """generate() on expert=4 x tensor=2 (2 rows that do not split over the rows' axis; the per-head
+    prefill) and on expert=8 with data-parallel attention (8 rows) equals the unsharded models'
+    tokens, greedy and seeded rows; the drafter on a mesh takes the plain attention path; the
+    compiled round's collectives (``tests/_mesh_check.check_round_collectives``)."""
+    _passed(checks, "sharded_generate")
+
+
+def test_kernel_paths_on_meshes_of_8_devices(checks):
     """The kernel paths (impl="pallas", interpret) on meshes of 8 CPU devices: verify logits equal
     one device's reference (float32) on data=2 x expert=4 (2 rows: cache rows over data; 8 rows:
     over data and expert, data-parallel attention) and expert=2 x tensor=4 (heads over tensor). In
@@ -132,9 +159,4 @@ def test_kernel_paths_on_meshes_of_8_devices(tmp_path):
     none of the experts' weights over the expert axis, and on data x expert exactly one reduction
     per MoE layer (the expert-parallel shard_map's psum of [N, H], or with rows over the expert
     axis its psum_scatter)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL, str(tmp_path)], env=env, capture_output=True,
-                            text=True, timeout=600, cwd=root)
-    assert "EP_OK" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    _passed(checks, "kernel_paths")
