@@ -18,13 +18,19 @@ op counted in the rounds it serves). A plan ``method:budget:chunk`` runs ``gener
 call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` the call
 ``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
 ``--auto-max``: the held-back context's flush, the rounds and their tally), so the auto programs'
-extra work shows against the fixed ones. On
+extra work shows against the fixed ones. Two candidate forms of that call, for the same rounds:
+``method:budget:fixed`` (a loop of known trip count: no predicate read back each iteration, no
+early end) and ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
+``--ahead`` the timed calls are read back one call late, the way ``generate`` overlaps a call's
+launch with the previous call's rounds (a call that makes the host wait for its rounds gains
+nothing from it). On
 a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -38,7 +44,7 @@ from ddtree_jax.auto_budget import AutoPlan
 from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.config import auto_budget_set
-from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
+from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds, unrolled_rounds
 from ddtree_jax.decode_state import NO_STOP
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 from ddtree_jax.serving import _device
@@ -82,13 +88,23 @@ def with_attention(drafter, backend):
     return drafter
 
 
+@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds", "form"), donate_argnames=("state",))
+def candidate_rounds(models, tp, dp, plan, state, key, rounds: int, form: str):
+    """``rounds`` rounds in one call in a candidate form (module doc): ``"fixed"`` or ``"unrolled"``."""
+    if form == "unrolled":
+        return unrolled_rounds(models, tp, dp, plan, state, key, rounds)
+    return jax.lax.fori_loop(0, rounds, lambda i, st: unrolled_rounds(models, tp, dp, plan, st, key, 1), state)
+
+
 def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool,
-            context: str = "", chunk: int = 0, auto_max: int = 16) -> dict:
+            context: str = "", chunk: int = 0, auto_max: int = 16, form: str = "loop", ahead: bool = False) -> dict:
     """Wall and device time per round of one plan (module doc); ``context``: for an autoregressive
     round, ``"ctx"`` to extend the drafter's context as it commits, ``"held"`` to hold it back
     and flush it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0); ``chunk``: rounds
     per call of ``generate``'s compiled call (0: the engine's one-round call); ``method="auto"``:
-    ``budget="auto"``'s call at ``budget`` (with ``chunk`` rounds)."""
+    ``budget="auto"``'s call at ``budget`` (with ``chunk`` rounds); ``form``: the chunked call's
+    form (``"loop"``: ``run_rounds``; ``"fixed"``, ``"unrolled"``: ``candidate_rounds``);
+    ``ahead``: time the calls read back one call late."""
     auto = method == "auto"
     uses = method != "ar" or bool(context)
     plan = DecodePlan(method="ddtree" if auto else method, budget=auto_max if auto else budget,
@@ -110,27 +126,38 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
         calls[0] += 1
         if auto:
             box[0], tally = run_tallied_rounds(models, tp, dp, plan, box[0], key, chunk)
-            return jax.device_get((tally, box[0].done))  # generate reads both back after each call
+            return tally, box[0].done  # generate reads both back after each call
         if chunk:
-            box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk)
-            return np.asarray(box[0].done)
+            box[0] = (run_rounds(models, tp, dp, plan, box[0], key, chunk) if form == "loop" else
+                      candidate_rounds(models, tp, dp, plan, box[0], key, chunk, form))
+            return box[0].done
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
+
+    def read_each():
+        return jax.device_get(one_round())
 
     per_call = chunk or 1
     calls_timed = max(1, rounds // per_call)
     t0 = time.perf_counter()
-    jax.block_until_ready(one_round())
+    read_each()
     first_call_s = time.perf_counter() - t0  # the compile, mostly
     for _ in range(max(2, calls_timed - 1)):  # as many untimed calls as timed (the first plan ran slow)
-        jax.block_until_ready(one_round())
+        read_each()
     t0 = time.perf_counter()
+    last = None
     for _ in range(calls_timed):
-        packed = one_round()
-    jax.block_until_ready(packed)
+        if ahead:  # launch this call, then read the previous one back
+            out = one_round()
+            if last is not None:
+                jax.device_get(last)
+            last = out
+        else:
+            last = read_each()
+    jax.block_until_ready(last)
     row = dict(wall_us=(time.perf_counter() - t0) / (calls_timed * per_call) * 1e6, first_call_s=first_call_s)
     if trace:
-        kernels, launched = device_trace(one_round, (), calls_timed)
+        kernels, launched = device_trace(read_each, (), calls_timed)
         row.update(device_us=sum(kernels.values()) / 1e3 / per_call, kernels=launched / per_call,
                    top=sorted(((k, v / per_call) for k, v in kernels.items()), key=lambda kv: -kv[1]))
     return row
@@ -146,6 +173,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=20, help="rounds timed (and traced) per plan")
     ap.add_argument("--chunk", type=int, default=8, help="rounds per call of the :chunk and auto plans")
     ap.add_argument("--auto-max", type=int, default=16, help="the auto plans' largest budget")
+    ap.add_argument("--ahead", action="store_true", help="read each timed call back one call late (module doc)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per plan")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
@@ -168,15 +196,18 @@ def main(argv=None):
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
     for method, budget, variant in plans:
-        chunked = variant == "chunk" or method == "auto"
+        chunked = variant in ("chunk", "fixed", "unrolled") or method == "auto"
         note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context",
-                "held": " holding the drafter's context back"}.get(variant, "")
-        note += f" ({args.chunk} rounds a call)" if chunked else ""
+                "held": " holding the drafter's context back", "fixed": " (a loop of known trip count)",
+                "unrolled": " (unrolled)"}.get(variant, "")
+        note += f" ({args.chunk} rounds a call{', read one call late' if args.ahead else ''})" if chunked else ""
         log(f"{method}:{budget}{note} at batch {args.batch}")
         d = with_attention(drafter, REFERENCE) if variant == "ref" else drafter
         rows[(method, budget, variant)] = r = measure(target, d, prompts, method, budget, args.rounds, trace,
                                                       context=variant if variant in ("ctx", "held") else "",
-                                                      chunk=args.chunk if chunked else 0, auto_max=args.auto_max)
+                                                      chunk=args.chunk if chunked else 0, auto_max=args.auto_max,
+                                                      form=variant if variant in ("fixed", "unrolled") else "loop",
+                                                      ahead=args.ahead and chunked)
         ar = (chunked and rows.get(("ar", 0, "chunk"))) or rows.get(("ar", 0, "")) or r  # x ar: the same kind of call
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
