@@ -50,15 +50,16 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def _config(label: str, auto_max: int, seed: int) -> DecodeConfig:
+def _config(label: str, auto_max: int, seed: int, sync_every: int | None = None) -> DecodeConfig:
     if label == "ar":
-        return DecodeConfig(method="ar", seed=seed)
+        return DecodeConfig(method="ar", seed=seed, sync_every=sync_every)
     if label == "auto":
-        return DecodeConfig(budget="auto", auto_max_budget=auto_max, seed=seed)
-    return DecodeConfig(budget=int(label.split("@")[1]), seed=seed)
+        return DecodeConfig(budget="auto", auto_max_budget=auto_max, seed=seed, sync_every=sync_every)
+    return DecodeConfig(budget=int(label.split("@")[1]), seed=seed, sync_every=sync_every)
 
 
-def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats, deadline, publish):
+def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats, deadline, publish,
+             sync_every=None):
     """One cell: per label a warm-up call (compiles; auto: the cost table) and a first timed call,
     then ``repeats - 1`` more timed calls per label, interleaved across labels (a slow stretch of
     the device hits every label alike), while ``time.perf_counter() < deadline``. After every
@@ -83,7 +84,7 @@ def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, rep
     for label in labels:
         if time.perf_counter() > deadline:
             break
-        config = _config(label, auto_max, seed)
+        config = _config(label, auto_max, seed, sync_every)
         kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
         models = (target, drafter if config.uses_drafter else None)
         calls[label] = lambda models=models, kw=kw: generate(*models, prompts, **kw)
@@ -201,6 +202,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per label and cell (the median is reported)")
+    p.add_argument("--sync-every", type=int, default=None, help="generate's rounds per call (default: its own)")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help="JAX's on-disk cache of compiled programs (and the cost tables beside it)")
     args = p.parse_args(argv)
@@ -275,7 +277,7 @@ def main(argv=None):
                     save()
 
                 run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed, args.repeats,
-                         deadline, publish)
+                         deadline, publish, sync_every=args.sync_every)
                 for rec in results["runs"][len(kept):]:
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
                     _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "

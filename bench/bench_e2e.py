@@ -143,16 +143,17 @@ def _label(method, budget):
     return "ar" if method == "ar" else ("dflash" if method == "dflash" else f"ddtree@{budget}")
 
 
-def _run(target, drafter, prompts, method, budget, sampling, new, max_len, seed, profile=False):
+def _run(target, drafter, prompts, method, budget, sampling, new, max_len, seed, profile=False, sync_every=None):
     return generate(target, drafter if method != "ar" else None, prompts, method=method, budget=max(budget, 1),
-                    sampling=sampling, max_new_tokens=new, max_len=max_len, seed=seed, compact=False, profile=profile)
+                    sampling=sampling, max_new_tokens=new, max_len=max_len, seed=seed, compact=False, profile=profile,
+                    sync_every=sync_every)
 
 
-def measure(target, drafter, groups, method, budget, sampling, new, max_len, seed):
+def measure(target, drafter, groups, method, budget, sampling, new, max_len, seed, sync_every=None):
     """Runs every group of prompts (one ``generate`` call each); totals over the groups."""
     secs, toks, lengths, tokens, pubs = 0.0, 0, [], [], []
     for prompts in groups:
-        out = _run(target, drafter, prompts, method, budget, sampling, new, max_len, seed)
+        out = _run(target, drafter, prompts, method, budget, sampling, new, max_len, seed, sync_every=sync_every)
         secs += out.seconds
         toks += out.new_tokens
         lengths += [a for r in out.requests for a in r.acceptance_lengths]
@@ -273,6 +274,7 @@ def main(argv=None):
     p.add_argument("--tag", default=None, help="results file stem (default e2e_<device>_<date>)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync-every", type=int, default=None, help="generate's rounds per call (default: its own)")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help="JAX's on-disk cache of compiled programs (default: $DDTREE_JAX_COMPILATION_CACHE or ~/.cache)")
     args = p.parse_args(argv)
@@ -344,7 +346,8 @@ def main(argv=None):
             # Compiles the measured program: the state's shapes follow max_new_tokens, so the
             # warm-up decodes the same count (sampling parameters are data, not shapes).
             t = time.perf_counter()
-            _run(target, drafter, groups[0], method, budget, SETTINGS["T=0"], args.new, max_len, args.seed)
+            _run(target, drafter, groups[0], method, budget, SETTINGS["T=0"], args.new, max_len, args.seed,
+                 sync_every=args.sync_every)
             compile_s = time.perf_counter() - t
             if args.warm_cache:
                 if args.profile and (method != "ddtree" or budget in args.profile_budgets):
@@ -358,7 +361,7 @@ def main(argv=None):
                     stopped = True
                     break
                 rec, tokens = measure(target, drafter, groups, method, budget, SETTINGS[setting], args.new, max_len,
-                                      args.seed)
+                                      args.seed, sync_every=args.sync_every)
                 rec.update(batch=batch, setting=setting, method=method, budget=budget if method != "ar" else 0,
                            label=label, warmup_s=compile_s)
                 if setting == "T=0":
