@@ -7,12 +7,13 @@ exactly. Tensor parallelism sums partial results in another order, so a divergen
 where the sharded and the unsharded target's logits for the common prefix differ by at most
 ``LOGIT_TOL`` (float32 rounding, not a wrong model); and on every mesh each device's copy of the
 committed tokens must be identical (no shard commits a different token). Greedy and seeded
-sampling; one prompt long enough for chunked prefill. The pair (``tiny_pair``): a two-layer target
-(1 dense + 1 MoE layer) and a one-layer drafter, every kind of layer once."""
+sampling; one prompt long enough for chunked prefill. The pair: ``tests/_model_fixtures.tiny_pair``
+(every kind of layer once)."""
 
 from __future__ import annotations
 
 from ddtree_jax.config import DecodeConfig, EngineConfig
+from tests._model_fixtures import tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], list(range(20, 45)), [9, 10, 11]]
 SAMPLING = [dict(temperature=0.0)] * 3 + [dict(temperature=0.9, top_p=0.9, seed=5)]
@@ -20,14 +21,6 @@ CONFIG = EngineConfig(decode=DecodeConfig(method="ddtree", budget=6), slots=8, m
                       prefill_batch=2)
 MAX_TOKENS = 10
 LOGIT_TOL = 1e-4
-
-
-def tiny_pair():
-    """The random target (1 dense + 1 MoE layer) and drafter (one layer) the meshes are checked on."""
-    from tests._model_fixtures import tiny_dflash, tiny_kimi
-
-    target = tiny_kimi(0, num_hidden_layers=2)
-    return target, tiny_dflash(target, 1, num_hidden_layers=1, layer_types=("full_attention",))
 
 
 def one_device_tokens() -> list[list[int]]:

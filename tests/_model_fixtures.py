@@ -55,6 +55,14 @@ def tiny_dflash(target: KimiForCausalLM, seed: int = 1, **overrides) -> DFlashDr
     return drafter
 
 
+def tiny_pair(seed: int = 0) -> tuple[KimiForCausalLM, DFlashDrafter]:
+    """The tiny target at two layers (1 dense + 1 MoE) and a one-layer drafter reading both: every
+    kind of layer once, for tests where the depth does not matter (compiles faster than the
+    three-layer target and two-layer drafter)."""
+    target = tiny_kimi(seed, num_hidden_layers=2)
+    return target, tiny_dflash(target, seed + 1, num_hidden_layers=1, layer_types=("full_attention",))
+
+
 def random_tree(rng: np.random.Generator, size: int):
     """A random rooted tree of ``size`` nodes, node 0 the root, parents before children.
 

@@ -6,7 +6,7 @@ rows over data or over data and expert; the per-head prefill too; a drafter load
 attends through the plain path, not its one-device kernel.
 
 Every check runs in one subprocess (8 host devices: one JAX start-up for the file), on one pair of
-checkpoints (``tests/_mesh_check.tiny_pair``: a two-layer target, 1 dense + 1 MoE layer, and a
+checkpoints (``tests/_model_fixtures.tiny_pair``: a two-layer target, 1 dense + 1 MoE layer, and a
 one-layer drafter). Each test reads its own check's outcome."""
 
 import json
@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 import ddtree_jax as dt
 from ddtree_jax.serving.sharding import make_mesh
-from tests._mesh_check import check_round_collectives, tiny_pair
+from tests._mesh_check import check_round_collectives
+from tests._model_fixtures import tiny_pair
 from tests.test_moe_kernel import _tree_inputs
 assert len(jax.devices()) == 8
 path = sys.argv[1]
