@@ -16,7 +16,7 @@ import ddtree_jax as dt
 from ddtree_jax.generation import generate
 from ddtree_jax.sampling import GREEDY_BELOW, SamplingBatch, batch_sampling, canonical_temperature, target_logprobs
 from pallas_kernels.triton import fused_sample as fs
-from tests._model_fixtures import tiny_dflash, tiny_kimi
+from tests._model_fixtures import tiny_pair
 from tests._reference import filtered_probs
 
 TEMPS = [0.0, 1e-30, 1e-8, 1e-6, 9.99e-6, 1e-5, 1.2e-5, 3e-5]
@@ -124,8 +124,7 @@ def test_kernel_alone_is_finite_at_1e_6():
 def test_generate_at_1e_6_equals_greedy(impl):
     """``generate`` with T = 1e-6 gives the T = 0 tokens (ddtree), with the references and with
     the kernels (interpret mode)."""
-    target = tiny_kimi(0)
-    drafter = tiny_dflash(target, 1)
+    target, drafter = tiny_pair()  # (the depth does not matter here)
     prompts = [[1, 2, 3, 4, 5], [7]]
     kw = dict(method="ddtree", budget=6, max_new_tokens=6, max_len=32, impl=impl)
     greedy = generate(target, drafter, prompts, sampling=dt.SamplingParams(temperature=0.0), **kw)
