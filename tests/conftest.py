@@ -13,11 +13,10 @@
   loaded instead (on 2 CPU cores a second run of tests/test_exactness.py and
   tests/test_near_zero_temperature.py took 72 s against 110 s). The folder is removed at the
   end of the run.
-* The slowest test files are collected first (``_SLOW_FIRST``), the rest in their usual order:
-  pytest-xdist hands out whole files in collection order, so a long file started last would
-  leave the other worker idle at the end of the run.
-* ``models``: the tiny random target and drafter (float32, ``tests/_model_fixtures.py``), built
-  once per test module; a file that needs other models defines its own ``models``.
+* pytest-xdist (``--dist loadfile``) hands out whole files, the files with the most tests first
+  (its ``--loadscope-reorder``, on by default).
+* ``models``: the tiny random target and drafter (float32, ``tests/_model_fixtures.tiny_pair``),
+  built once per test module; a file that needs other models defines its own ``models``.
 * ``default_dir``: the small default model, trained once per run for every test that needs it
   (tests/test_cli.py, tests/test_tpu_kernels.py), whichever pytest-xdist worker asks first.
 """
@@ -33,31 +32,7 @@ import pytest
 
 from ddtree_jax import compilation_cache
 from ddtree_jax.training.recipe import make_default
-from tests._model_fixtures import tiny_dflash, tiny_kimi
-
-# Longest first; a file not listed runs after these, in the usual order.
-_SLOW_FIRST = [
-    "test_triton_fused_sample.py",
-    "test_serving_server.py",
-    "test_tree.py",
-    "test_serving_sharded.py",
-    "test_deterministic.py",
-    "test_auto_budget.py",
-    "test_cli.py",
-    "test_generate.py",
-    "test_sharded_generate.py",
-    "test_paged_models.py",
-    "test_paged_generate.py",
-    "test_paged_engine.py",
-    "test_default_pair.py",
-    "test_near_zero_temperature.py",
-    "test_exactness.py",
-    "test_tpu_kernels.py",
-    "test_training.py",
-    "test_paged_attention.py",
-    "test_mla_kernel.py",
-    "test_mla_prefix_kernel.py",
-]
+from tests._model_fixtures import tiny_pair
 
 
 def _run_cache_dir(config) -> str:
@@ -77,8 +52,6 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (compiled Pallas kernels); run `python -m pytest -m gpu` on one")
@@ -96,8 +69,8 @@ def _drop_compiled_programs_after_the_module():
 
 @pytest.fixture(scope="module")
 def models():
-    target = tiny_kimi(0)
-    return target, tiny_dflash(target, 1)
+    """The tiny pair (``tiny_pair``: every kind of layer once) of the generate tests."""
+    return tiny_pair(0)
 
 
 @pytest.fixture(scope="session")

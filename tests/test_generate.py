@@ -12,7 +12,7 @@ import pytest
 import ddtree_jax as dt
 from ddtree_jax.generation import generate
 from ddtree_jax.testing import BigramOracleDrafter, make_bigram
-from tests._model_fixtures import tiny_dflash, tiny_kimi
+from tests._model_fixtures import tiny_dflash, tiny_kimi, tiny_pair
 from tests._reference import chisquare_pvalue, filtered_probs
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]]
@@ -229,8 +229,7 @@ def test_non_finite_logits_fail_only_that_request(greedy_ar):
     (which never meet it) keep the clean models' greedy tokens (``greedy_ar``: the same seeds). The
     batch has the shapes of the module's runs (3 rows, prompts of at most 5 tokens, SHAPES), so
     the poisoned copies reuse their compiled programs."""
-    target = tiny_kimi(0)
-    drafter = tiny_dflash(target, 1)
+    target, drafter = tiny_pair(0)  # (conftest's models, fresh: their embedding is poisoned below)
     # Poison a token that requests 1 and 2 never meet, so their outputs must be unchanged: not in
     # their prompts or outputs, nor (at these seeds) in their drafts (a drafted poison fails the
     # request that verifies it); searched from the top of the vocabulary, below the mask token.
