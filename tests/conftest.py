@@ -13,9 +13,6 @@
   loaded instead (on 2 CPU cores a second run of tests/test_exactness.py and
   tests/test_near_zero_temperature.py took 72 s against 110 s). The folder is removed at the
   end of the run.
-* XLA's CPU compiler runs without LLVM's expensive optimisation passes
-  (``--xla_llvm_disable_expensive_passes``, added to ``XLA_FLAGS`` before JAX starts): compiling is
-  most of the suite's time, and this cut one ``generate()``'s compile by about 15%.
 * pytest-xdist (``--dist loadfile``) hands out whole files, the files with the most tests first
   (its ``--loadscope-reorder``, on by default).
 * ``models``: the tiny random target and drafter (float32, ``tests/_model_fixtures.tiny_pair``),
@@ -30,11 +27,8 @@ import os
 import shutil
 import tempfile
 
-# (before JAX's backend starts: see the module docstring)
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_llvm_disable_expensive_passes=true".strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 from ddtree_jax import compilation_cache
 from ddtree_jax.training.recipe import make_default
