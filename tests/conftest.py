@@ -69,7 +69,7 @@ def _drop_compiled_programs_after_the_module():
 
 @pytest.fixture(scope="module")
 def models():
-    """The tiny pair (``tiny_pair``: every kind of layer once) of the generate tests."""
+    """The tiny pair (``tiny_pair``: every kind of layer once), fresh per test module."""
     return tiny_pair(0)
 
 

@@ -14,18 +14,10 @@ from flax import nnx
 import ddtree_jax as dt
 from ddtree_jax.sampling import batch_sampling, target_logprobs
 from ddtree_jax.serving import Engine, RequestError
-from tests._model_fixtures import tiny_pair
 
 K = 4
 PROMPT = [5, 17, 33, 2, 90]
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def models():
-    """The two-layer target and one-layer drafter (``tiny_pair``): the engine's checks do not
-    depend on the depth."""
-    return tiny_pair()
 
 
 @pytest.fixture(scope="module")

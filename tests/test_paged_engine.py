@@ -16,7 +16,6 @@ import ddtree_jax as dt
 from ddtree_jax.config import ConfigError
 from ddtree_jax.serving import Engine
 from ddtree_jax.serving._device import page_bytes
-from tests._model_fixtures import tiny_pair
 
 DECODE = dt.DecodeConfig(method="ddtree", budget=6)
 SHAPE = dt.EngineConfig(decode=DECODE, slots=4, max_model_len=64, prefill_chunk=16, prefill_batch=2)
@@ -26,13 +25,6 @@ SAMPLING = [dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=1.
             dt.SamplingParams(temperature=0.0), dt.SamplingParams(temperature=0.8, seed=3),
             dt.SamplingParams(temperature=1.0, top_k=5, seed=11), dt.SamplingParams(temperature=0.0)]
 MAX_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def models():
-    """The two-layer target and one-layer drafter (``tiny_pair``): the engine's checks do not
-    depend on the depth."""
-    return tiny_pair()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from ddtree_jax.decode_state import RUNNING
 from ddtree_jax.serving import Engine, EngineOverloaded, RequestError
 from ddtree_jax.serving.shapes import ShapeCache
 from ddtree_jax.serving.text import TextStream
-from tests._model_fixtures import tiny_pair
 from tests._serving_fixtures import char_tokenizer
 
 # The 40-token prompt takes three 16-token prefill chunks.
@@ -26,13 +25,6 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11], list(range(20, 60)), [5, 6]]
 MAX_TOKENS = 12
 DECODE = dt.DecodeConfig(method="ddtree", budget=6)
 SHAPE = dt.EngineConfig(decode=DECODE, slots=2, max_model_len=64, prefill_chunk=16, prefill_batch=2)
-
-
-@pytest.fixture(scope="module")
-def models():
-    """The two-layer target and one-layer drafter (``tiny_pair``): the engine's checks do not
-    depend on the depth."""
-    return tiny_pair()
 
 
 @pytest.fixture(scope="module")
