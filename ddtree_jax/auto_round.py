@@ -36,8 +36,8 @@ from ddtree_jax.auto_budget import AutoPlan
 from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
 from ddtree_jax.decode_state import DecodeState, DeferredContext
 
-__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_flush", "run_tallied_rounds",
-           "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
+__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_fixed_tallied_rounds", "run_flush",
+           "run_tallied_rounds", "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -130,6 +130,20 @@ def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state
 
     _, state, tally = jax.lax.while_loop(cond, body, (jnp.int32(0), state, _zeros(plan, state)))
     return state, tally
+
+
+@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds"), donate_argnames=("state",))
+def run_fixed_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
+                             rounds: int) -> tuple[DecodeState, jax.Array]:
+    """``run_tallied_rounds`` with exactly ``rounds`` rounds (static: a loop of known trip count,
+    ``decode_round.run_rounds``'s ``fixed`` form); rows that are not running add nothing."""
+    state = _flushed(models, tparams, dparams, state)
+
+    def body(i, carry):
+        st, tally = carry
+        return tallied_round(models, tparams, dparams, plan, st, base_key, tally)
+
+    return jax.lax.fori_loop(0, rounds, body, (state, _zeros(plan, state)))
 
 
 def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,

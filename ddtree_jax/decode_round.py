@@ -424,10 +424,17 @@ def round_with_expected(models: Models, tparams, dparams, plan: DecodePlan, stat
     return work["state"], work["expected"]
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds", "fixed"), donate_argnames=("state",))
 def run_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-               max_rounds: int) -> DecodeState:
-    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done."""
+               max_rounds: int, fixed: bool = False) -> DecodeState:
+    """Up to ``max_rounds`` rounds on the device, stopping early once every row is done; with
+    ``fixed``, exactly ``max_rounds`` (rows that are not running commit nothing, so the tokens are
+    the same). On a GPU a loop with a data-dependent end makes the host wait for each iteration's
+    predicate, so the call returns only once its rounds are done; a loop of known trip count
+    returns at once and lets the host prepare the next call while the device runs this one."""
+    if fixed:
+        return jax.lax.fori_loop(0, max_rounds, lambda i, st: _round(models, tparams, dparams, plan, st, base_key),
+                                 state)
 
     def cond(carry):
         i, st = carry

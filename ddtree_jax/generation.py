@@ -33,7 +33,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
-from ddtree_jax.auto_round import round_plans, run_flush, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
@@ -150,6 +150,13 @@ _GREEDY = SamplingParams(temperature=0.0)
 # generate's rounds per host sync when its DecodeConfig leaves sync_every to the runner (with
 # budget="auto" the budget is chosen once per sync; docs/auto-budget.md: why 8 there too)
 _SYNC_EVERY = 8
+# Whether generate's calls run a loop of known trip count where the rows still need them (module
+# doc); None: where a loop with a data-dependent end holds the host, on GPUs.
+FIXED_CALLS: bool | None = None
+
+
+def _fixed_calls() -> bool:
+    return jax.default_backend() == "gpu" if FIXED_CALLS is None else FIXED_CALLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,27 +379,54 @@ def generate(
     # its first round; after a compaction the pipeline starts again. Not with on_progress (it
     # reads each dispatch's rows before the next takes them) or profile.
     ahead = on_progress is None and not profile
+    fixed_calls = ahead and _fixed_calls()
+    # What the last read says the rows still need: the most new tokens a running row may still
+    # commit, the rows' tokens per round so far, and the rounds launched since.
+    need = dict(left=int(checked.max_new_tokens.max()), rate=1.0, pending=0)
+    limits = checked.max_new_tokens
+
+    def call_form(n: int) -> str | None:
+        """The form of the next call of ``n`` rounds: ``"fixed"`` (a loop of known trip count)
+        where the rows are expected to need all ``n`` rounds past those in flight, ``"loop"`` (a
+        loop that ends once every row is done) where they may need some; ``None`` where no row
+        can (every running row commits at least one token a round)."""
+        if need["left"] - need["pending"] <= 0:
+            return None
+        expected = need["left"] / need["rate"] - need["pending"]
+        return "fixed" if fixed_calls and expected >= n else "loop"
 
     def launch(state):
-        """``(state, the dispatch)``: the next rounds dispatched (not waited for)."""
+        """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
+        where no row can need them."""
         t = time.perf_counter()
-        dispatch = dict(t=t, tally=None, probe=False)
+        dispatch = dict(t=t, tally=None, probe=False, n=sync_every)
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
+            dispatch["n"] = 1
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:  # (only where the pipeline starts: a new batch size)
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
-                                                  checked.max_len, scratch, sync_every)
+                                                  checked.max_len, scratch, sync_every, fixed_calls)
                 dispatch["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
+            if call_form(1) is None:  # (before the choice, which counts the dispatches)
+                return state, None
             k = chooser.choose(active, chooser.costs(rows, costs[rows]))
             n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
-            state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+            form = call_form(n)
+            if form == "fixed" and n > 1:
+                state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+            else:
+                state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
             dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally)
         else:
-            state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every)
-        dispatch["done"] = state.done  # (its own array: the next dispatch takes `state`)
+            form = call_form(sync_every)
+            if form is None:
+                return state, None
+            state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every, form == "fixed")
+        need["pending"] += dispatch["n"]
+        dispatch["progress"] = _progress(state)  # (its own array: the next dispatch takes `state`)
         dispatch["launch"] = time.perf_counter() - t
         return state, dispatch
 
@@ -401,9 +435,14 @@ def generate(
         records its tally, timing it from ``start`` (``None``: untimed); ``(done, when read)``."""
         nonlocal in_rounds
         t = time.perf_counter()
-        tally, done = jax.device_get((dispatch["tally"], dispatch["done"]))
+        tally, (done, generated, rounds) = jax.device_get((dispatch["tally"], dispatch["progress"]))
+        done = done.astype(bool)
         now = time.perf_counter()
         in_rounds += dispatch["launch"] + now - t
+        used = slot_request >= 0
+        left = np.where(done | ~used, 0, limits[np.maximum(slot_request, 0)] - generated)
+        need.update(left=int(left.max()), rate=max(1.0, generated.sum() / max(1, rounds.sum())),
+                    pending=need["pending"] - dispatch["n"])
         if decode.is_auto:
             # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
             # dispatch, would carry a whole launch and read-back).
@@ -414,6 +453,7 @@ def generate(
         return done, now
 
     state, cur = launch(state)
+    assert cur is not None  # (every row needs a round)
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while True:
         nxt = None
@@ -479,12 +519,19 @@ def generate(
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
 
 
+@jax.jit
+def _progress(state: DecodeState) -> jax.Array:
+    """i32 ``[3, B]``: the rows' done flags, tokens generated and rounds run (one read-back)."""
+    return jnp.stack([state.done.astype(jnp.int32), state.generated, state.rounds])
+
+
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
-                 base_key, max_len: int, scratch: int, sync_every: int):
+                 base_key, max_len: int, scratch: int, sync_every: int, fixed: bool):
     """``(state, costs)``: seconds per round at each budget at ``state``'s batch size,
     ``decode.auto_costs`` if given, else from the cost table (``auto_costs.default_table``;
     ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
-    compiled rounds of each of ``plans`` (``sync_every`` per call) on ``state``'s own rows,
+    compiled rounds of each of ``plans`` (``sync_every`` per call, in a loop of known trip count
+    with ``fixed``: the calls ``generate`` runs) on ``state``'s own rows,
     running, their stop ids cleared and their limits raised to what their output buffer and cache
     hold (``scratch``: the positions a round needs past a row's tokens), put back before every
     call and after (a round writes the caches only past each row's length, so restoring the rows'
@@ -506,7 +553,8 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     work = [state]
 
     def run(k):
-        work[0], tally = run_tallied_rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
+        rounds = run_fixed_tallied_rounds if fixed else run_tallied_rounds
+        work[0], tally = rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
         return tally
 
     def before():

@@ -523,7 +523,8 @@ def test_engine_held_back_context_changes_no_token(law_models, monkeypatch):
     assert snap["auto_budget"]["rounds"][0] > 0 and snap["auto_budget"]["rounds"][1] > 0
 
 
-def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monkeypatch, fixed):
     """generate's cost timing (``_round_costs``) on rows that hold context back runs every budget
     on them, then puts them back: the same rows, the same drafter context once flushed (the timed
     rounds reuse the held-back buffer, so it is flushed first; without that this test fails)."""
@@ -538,7 +539,7 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
     assert np.asarray(state.deferred.count).min() == 2
     before = run_flush(models, tparams, dparams, jax.tree.map(jnp.copy, state))
     after, costs = generation._round_costs(DecodeConfig(budget="auto", auto_max_budget=4), "digest", models, tparams,
-                                           dparams, plans, state, key, 64, 5, 2)
+                                           dparams, plans, state, key, 64, 5, 2, fixed)
     assert len(costs) == 2 and all(c > 0 for c in costs)
     after = run_flush(models, tparams, dparams, after)
     for f in ("out", "generated", "accept_lengths", "finish", "root", "rounds"):
@@ -562,6 +563,7 @@ def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, cost
     (patched, and the timings only recorded, so no timing changes a choice), and the timed
     dispatches are the ``sync_every``-round ones, all but maybe the last that ran rounds."""
     calls, timed = [], []
+    S = 2  # (rounds per dispatch: a second probe comes before the rows' GREEDY_TOKENS are done)
     run = generation.run_tallied_rounds
 
     def recorded(models, tparams, dparams, plan, state, base_key, max_rounds):
@@ -573,7 +575,7 @@ def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, cost
     monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
                         *rest: (state, costs))
     monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(self.plan.budgets[k]))
-    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=2, sync_every=3)
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=2, sync_every=S)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
     # One dispatch ahead, a call launched after every row finished runs no round: the calls that ran
@@ -581,13 +583,13 @@ def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, cost
     assert len(ran) >= len(calls) - 1
     drafted = [n for b, n in ran if b > 0]
     assert ran[0][0] > 0 and ran[0][1] == 1  # the first dispatch probes
-    assert all(n == 3 for b, n in ran if b == 0)
+    assert all(n == S for b, n in ran if b == 0)
     # Timed: the full calls but maybe the last that ran (fewer rounds) and those launched after a
     # probe was read back (their time would show their launch).
-    full = [b for (b, n), (_, m) in zip(ran, [(0, 3), *ran], strict=False) if n == 3 and m == 3]
+    full = [b for (b, n), (_, m) in zip(ran, [(0, S), *ran], strict=False) if n == S and m == S]
     assert timed in (full, full[:-1]), (timed, ran)
     if pays:
-        assert len(drafted) > 1 and all(n == 3 for n in drafted[1:])
-    else:  # (counting a probe launched once every row had finished: its size is the rule's)
+        assert len(drafted) > 1 and all(n == S for n in drafted[1:])
+    else:
         launched = [n for b, n, _ in calls if b > 0]
         assert len(launched) > 1 and all(n == 1 for n in launched) and out.auto.drafted_rounds == len(drafted)

@@ -1,7 +1,7 @@
 """``generate`` one dispatch ahead: the next call of rounds is launched before the current one's
 done flags are read back (docs/usage.md, "How it runs"); with ``on_progress`` the calls run one
 after the other. Both give the same tokens, through compactions and a last call launched after
-every row finished."""
+every row finished; so do calls of a loop of known trip count (generate's form on GPUs)."""
 
 import jax
 
@@ -40,3 +40,29 @@ def test_dispatching_one_ahead_changes_no_token(models, monkeypatch):
     assert one_by_one.tokens == ahead.tokens
     assert [r.acceptance_lengths for r in one_by_one.requests] == [r.acceptance_lengths for r in ahead.requests]
     assert progress[-1] == sum(len(t) for t in ahead.tokens)
+
+
+def test_calls_of_known_trip_count_change_no_token(models, monkeypatch):
+    """With ``FIXED_CALLS`` (the default on GPUs) a call runs all its rounds where the rows are
+    expected to need them and ends early where they may not: the same tokens and acceptance lengths
+    as calls that all end early, and no fixed rounds past the most a row's limit leaves (each
+    round commits at least one token per running row)."""
+    forms = []
+    run_rounds = generation.run_rounds
+
+    def launch(*a):
+        forms.append((a[6], a[7]))
+        return run_rounds(*a)
+
+    monkeypatch.setattr(generation, "run_rounds", launch)
+    kw = dict(method="ddtree", budget=6, sampling=SAMPLING, max_new_tokens=[30, 5, 17, 9, 24], sync_every=2)
+    monkeypatch.setattr(generation, "FIXED_CALLS", False)
+    loop = dt.generate(*models, PROMPTS, **kw)
+    assert forms and not any(fixed for _, fixed in forms)
+    monkeypatch.setattr(generation, "FIXED_CALLS", True)
+    forms.clear()
+    fixed = dt.generate(*models, PROMPTS, **kw)
+    assert any(f for _, f in forms), forms
+    assert sum(n for n, f in forms if f) <= 30, forms
+    assert fixed.tokens == loop.tokens
+    assert [r.acceptance_lengths for r in fixed.requests] == [r.acceptance_lengths for r in loop.requests]
