@@ -7,9 +7,13 @@ greedy, the same tokens).
 
 This module does the host-side work only: it checks the inputs, prefills, runs compiled rounds
 (``ddtree_jax.decode_round``) ``sync_every`` at a time, and reads results back. The host reads
-only the finish codes (one ``[B]`` transfer) after each batch of rounds, to stop when every
-request has finished and to report progress. With ``profile=True`` each stage of a round runs as
-a separate compiled call timed on the host (slower; it exists to measure the time split).
+the rows' progress (one ``[3, B]`` transfer: done flags, tokens, rounds) after each batch of
+rounds, to stop when every request has finished, to size the next calls and to report progress.
+On GPUs a call whose rounds the rows are expected to need runs a loop of known trip count, so
+that it returns before its rounds are done and the next call's launch overlaps them
+(``FIXED_CALLS``; a loop ending on a device predicate holds the host each iteration). With
+``profile=True`` each stage of a round runs as a separate compiled call timed on the host (slower;
+it exists to measure the time split).
 
 Finished requests stop costing work where the shapes allow: inside a batch of rounds they ride
 along (fixed shapes), but at a host sync where at most half the slots are still running, the
@@ -375,9 +379,9 @@ def generate(
     in_rounds = 0.0
     # One dispatch ahead: the next dispatch is launched before the current one's results are read
     # back, so that its launch (host work about as long as the rounds of a small model) runs while
-    # the device works. If every row finished in the current one, the next one's loop ends before
-    # its first round; after a compaction the pipeline starts again. Not with on_progress (it
-    # reads each dispatch's rows before the next takes them) or profile.
+    # the device works (on GPUs only from a loop of known trip count: call_form). After a
+    # compaction the pipeline starts again. Not with on_progress (it reads each dispatch's rows
+    # before the next takes them) or profile.
     ahead = on_progress is None and not profile
     fixed_calls = ahead and _fixed_calls()
     # What the last read says the rows still need: the most new tokens a running row may still
