@@ -20,7 +20,12 @@ host before the dispatch from the statistics of the dispatches already read back
   one factor for the batch is what it needs;
 * **the choice**: ``choose_budget``: the budget of the largest (calibrated expected tokens of the
   running rows) / (cost of a round at that budget); ties go to the smaller budget. Budget 0 runs
-  the plain autoregressive round (no drafter), so its rounds teach the averages nothing;
+  the plain autoregressive round (no drafter), so its rounds teach the averages nothing. That is
+  the rule for a batch whose finished rows make room for new ones (the engine). A static batch
+  (``generate``) ends with its slowest row, so there the rule is ``finish_budget``: the budget
+  that ends the batch soonest if every later round used it, ``cost * max over running rows of
+  (tokens the row may still commit) / (its own calibrated expected tokens per round)``, from
+  per-row moving averages of the expected tokens (rows not drafted yet take the batch's);
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
   ``generate`` runs it as a single round, the engine's dispatches are single rounds). The
@@ -52,7 +57,7 @@ import numpy as np
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "STALL", "WINDOW", "AutoChooser", "AutoPlan", "AutoReport",
-           "RunCosts", "calibrated", "choose_budget", "expected_tokens"]
+           "RunCosts", "calibrated", "choose_budget", "expected_tokens", "finish_budget"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -113,6 +118,15 @@ def choose_budget(expected, costs) -> int:
     ``expected[k] / costs[k]`` (``expected``: the batch's expected committed tokens at each
     budget ``[K]``; ``costs``: a round's cost at each budget ``[K]``, > 0); the first on ties."""
     return int(np.argmax(np.asarray(expected, np.float64) / np.asarray(costs, np.float64)))
+
+
+def finish_budget(remaining, expected, costs) -> int:
+    """Index ``k`` of the budget that ends a static batch soonest if every later round used it:
+    argmin of ``costs[k] * max_i remaining[i] / expected[i, k]`` (``remaining``: ``[R]`` tokens
+    each running row may still commit, > 0; ``expected``: ``[R, K]`` each row's expected
+    committed tokens per round at each budget, >= 1; ``costs``: ``[K]``, > 0); the first on ties."""
+    rounds = np.asarray(remaining, np.float64)[:, None] / np.asarray(expected, np.float64)
+    return int(np.argmin(rounds.max(axis=0) * np.asarray(costs, np.float64)))
 
 
 def calibrated(expected, factor, caps) -> np.ndarray:
@@ -201,6 +215,9 @@ class AutoChooser:
       realized: f64 ``[K]`` the running rows' accepted tokens (bonus included) over those rounds.
       probing: whether the last ``choose`` gave a probe (``generate`` runs a probe as one round).
       run_costs: ``{batch shape: RunCosts}``, the costs the run has paid (``costs``, ``observe``).
+      row_expected: f64 ``[rows, K]``, by row id, each row's moving average over its drafted
+        rounds of its expected tokens at each budget (uncalibrated; NaN before its first), for
+        ``finish_budget`` (``record``'s ``rows``).
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
     """
@@ -217,7 +234,9 @@ class AutoChooser:
         self.expected = np.zeros(K)
         self.realized = np.zeros(K)
         self.run_costs: dict[int, RunCosts] = {}
+        self.row_expected = np.full((0, K), np.nan)
         self.learn_costs = learn_costs
+        self._finish = None  # the last choice's `finish`
 
     def costs(self, shape: int, table) -> np.ndarray:
         """The seconds per round at each budget for the compiled batch shape ``shape`` (its rows):
@@ -238,26 +257,37 @@ class AutoChooser:
         drafted round committed."""
         return self.accepted_ema / self.predicted_ema if self.predicted_ema > 0 else 1.0
 
-    def _rule(self, active: int, costs) -> int:
-        return choose_budget(active * calibrated(self.expected_ema, self.factor(), self.plan.caps), costs)
+    def _rule(self, active: int, costs, finish=None) -> int:
+        if finish is None:
+            return choose_budget(active * calibrated(self.expected_ema, self.factor(), self.plan.caps), costs)
+        ids, remaining = (np.asarray(x) for x in finish)
+        rows = np.full((len(ids), len(self.plan.budgets)), np.nan)
+        known = ids < len(self.row_expected)
+        rows[known] = self.row_expected[ids[known]]
+        rows = np.where(np.isnan(rows), self.expected_ema, rows)
+        return finish_budget(remaining, calibrated(rows, self.factor(), self.plan.caps), costs)
 
-    def choose(self, active: int, costs) -> int:
+    def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
         (a round's cost at each budget): the rule on the averages, or a probe at the best positive
-        budget once ``interval`` rounds in a row ran at budget 0."""
+        budget once ``interval`` rounds in a row ran at budget 0. ``finish``: for a static batch,
+        ``(row ids, tokens each may still commit)`` of its running rows (``[R]`` each, R >= 1):
+        the rule is then ``finish_budget`` on the rows' own averages (module docstring)."""
         costs = np.asarray(costs, np.float64)
-        k = self._rule(active, costs)
+        self._finish = finish
+        k = self._rule(active, costs, finish)
         self.probing = k == 0 and self.skipped >= self.interval
         if self.probing:
             k = 1 + choose_budget(calibrated(self.expected_ema, self.factor(), self.plan.caps)[1:], costs[1:])
         return k
 
-    def record(self, k: int, tally, costs) -> np.ndarray:
+    def record(self, k: int, tally, costs, rows=None) -> np.ndarray:
         """Adds a dispatch at budget index ``k`` from its rows' ``tally`` ``[B, 2 + K]``
         (``auto_round.tally``: rounds run, tokens accepted, expected tokens at each budget; zero
-        rows for rows that did not run); ``costs``: the costs its choice used. Returns the
-        dispatch's report increments f64 ``[3, K]``: rounds, expected and realized tokens per
-        budget."""
+        rows for rows that did not run); ``costs``: the costs its choice used; ``rows``: ``[B]``
+        the slots' row ids (negative: a free slot), to keep per-row averages (``row_expected``).
+        Returns the dispatch's report increments f64 ``[3, K]``: rounds, expected and realized
+        tokens per budget."""
         tally = np.asarray(tally, np.float64)
         row_rounds, accepted = tally[:, 0].sum(), tally[:, 1].sum()
         curve = tally[:, 2:].sum(axis=0)
@@ -280,7 +310,17 @@ class AutoChooser:
         self.predicted_ema = mix(self.predicted_ema, (curve[k] - row_rounds) / row_rounds)
         self.drafted += rounds
         self.skipped = 0
-        pays = self._rule(1, costs) > 0
+        if rows is not None:
+            slots = np.flatnonzero((np.asarray(rows) >= 0) & (tally[:, 0] > 0))
+            ids, n = np.asarray(rows)[slots], tally[slots, :1]
+            if ids.size and ids.max() >= len(self.row_expected):
+                grown = np.full((int(ids.max()) + 1, len(self.plan.budgets)), np.nan)
+                grown[: len(self.row_expected)] = self.row_expected
+                self.row_expected = grown
+            old, own = self.row_expected[ids], tally[slots, 2:] / n
+            w = 1.0 - (1.0 - DECAY) ** n
+            self.row_expected[ids] = np.where(np.isnan(old), own, (1.0 - w) * old + w * own)
+        pays = self._rule(1, costs, self._finish) > 0
         self.interval = self.plan.probe_every if pays else min(2 * self.interval,
                                                                 MAX_BACKOFF * self.plan.probe_every)
         return report

@@ -386,7 +386,7 @@ def generate(
     fixed_calls = ahead and _fixed_calls()
     # What the last read says the rows still need: the most new tokens a running row may still
     # commit, the rows' tokens per round so far, and the rounds launched since.
-    need = dict(left=int(checked.max_new_tokens.max()), rate=1.0, pending=0)
+    need = dict(left=int(checked.max_new_tokens.max()), rate=1.0, pending=0, rows=checked.max_new_tokens.copy())
     limits = checked.max_new_tokens
 
     def call_form(n: int) -> str | None:
@@ -416,14 +416,16 @@ def generate(
                 dispatch["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
             if call_form(1) is None:  # (before the choice, which counts the dispatches)
                 return state, None
-            k = chooser.choose(active, chooser.costs(rows, costs[rows]))
+            running = need["rows"] > 0  # (a static batch: the choice that ends it soonest)
+            k = chooser.choose(active, chooser.costs(rows, costs[rows]),
+                               finish=(slot_request[running], need["rows"][running]))
             n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
             form = call_form(n)
             if form == "fixed" and n > 1:
                 state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
             else:
                 state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally)
+            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally, requests=slot_request.copy())
         else:
             form = call_form(sync_every)
             if form is None:
@@ -445,7 +447,7 @@ def generate(
         in_rounds += dispatch["launch"] + now - t
         used = slot_request >= 0
         left = np.where(done | ~used, 0, limits[np.maximum(slot_request, 0)] - generated)
-        need.update(left=int(left.max()), rate=max(1.0, generated.sum() / max(1, rounds.sum())),
+        need.update(rows=left, left=int(left.max()), rate=max(1.0, generated.sum() / max(1, rounds.sum())),
                     pending=need["pending"] - dispatch["n"])
         if decode.is_auto:
             # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
@@ -453,7 +455,8 @@ def generate(
             if start is not None and not dispatch["probe"] and int(tally[:, 0].max(initial=0)) == dispatch["n"]:
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             # (with the costs this dispatch's timing corrected, as the engine records)
-            chooser.record(dispatch["k"], tally, chooser.costs(dispatch["rows"], costs[dispatch["rows"]]))
+            chooser.record(dispatch["k"], tally, chooser.costs(dispatch["rows"], costs[dispatch["rows"]]),
+                           rows=dispatch["requests"])
         return done, now
 
     state, cur = launch(state)
@@ -495,6 +498,7 @@ def generate(
             if page_size is not None:
                 state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
+            need["rows"] = np.where(pad, 0, need["rows"][take])
             batch_sizes.append(size)
             if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
                 jax.block_until_ready(state)

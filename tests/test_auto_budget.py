@@ -27,6 +27,7 @@ from ddtree_jax.auto_budget import (
     calibrated,
     choose_budget,
     expected_tokens,
+    finish_budget,
 )
 from ddtree_jax.auto_round import round_plans, run_flush, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import resolve_backend
@@ -62,6 +63,43 @@ def test_chooser_on_hand_made_inputs():
     assert int(choose_budget([4.0, 10.0, 11.0], [1.0, 2.0, 3.0])) == 1
     # ties go to the smaller budget
     assert int(choose_budget([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])) == 0
+
+
+def test_finish_rule_on_hand_made_inputs():
+    """A static batch ends with its slowest row: the budget that ends it soonest, not the one with
+    the most tokens per second."""
+    costs = [1.0, 2.0]
+    # every row the same: drafting triples each row's pace at twice the cost
+    assert finish_budget([10, 10], [[1, 3], [1, 3]], costs) == 1
+    # one row accepts little: the batch would wait for it (10 / 1.2 rounds at cost 2 > 10 at 1),
+    # though the batch's tokens per second favour drafting (4.2 / 2 > 2 / 1)
+    assert finish_budget([10, 10], [[1, 3], [1, 1.2]], costs) == 0
+    assert int(choose_budget([2.0, 4.2], costs)) == 1
+    # that row nearly done: the confident row decides (10 / 3 rounds at cost 2 < 10 at 1)
+    assert finish_budget([10, 1], [[1, 3], [1, 1.2]], costs) == 1
+    # ties go to the smaller budget
+    assert finish_budget([6], [[1, 2]], costs) == 0
+
+
+def test_chooser_finish_rule_uses_each_rows_own_averages():
+    costs = (1.0, 1.5, 2.0)
+    c = AutoChooser(PLAN)
+    # rows 7 and 3 (slots 0, 1) ran 2 drafted rounds: row 7 expects 3 tokens at budget 4, row 3 1.2;
+    # slot 2 is free
+    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 3, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=np.array([7, 3, -1]))
+    np.testing.assert_allclose(c.row_expected[7], [1.0, 3.0, 3.5])
+    np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
+    assert np.isnan(c.row_expected[:3]).all()
+    c.accepted_ema = c.predicted_ema  # (calibration factor 1)
+    assert c.choose(2, costs) == 1  # the batch's mean (2.1 at budget 4, for 1.5): draft
+    assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 0  # row 3 would set the pace
+    assert c.choose(2, costs, finish=([7, 3], [20, 2])) == 1  # row 3 nearly done: row 7 decides
+    # a row not drafted yet takes the batch's averages (2.1, 2.4): 20 / 2.1 * 1.5 < 20
+    assert c.choose(1, costs, finish=([11], [20])) == 1
+    # a second dispatch moves row 7's average by the weight of its rounds
+    c.record(1, _tally([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]), costs, rows=np.array([7, 3, -1]))
+    np.testing.assert_allclose(c.row_expected[7], (1 - DECAY) * np.array([1.0, 3.0, 3.5]) + DECAY * 1.0)
+    np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
 
 
 def test_calibration_scales_the_drafted_part_and_caps_it():
@@ -575,8 +613,21 @@ def test_generate_probes_with_one_round(law_models, greedy_ar, monkeypatch, cost
     monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
                         *rest: (state, costs))
     monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(self.plan.budgets[k]))
+    finishes, choose = [], AutoChooser.choose
+
+    def choosing(self, active, costs, finish=None):
+        finishes.append(finish)
+        return choose(self, active, costs, finish)
+
+    monkeypatch.setattr(AutoChooser, "choose", choosing)
     config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=2, sync_every=S)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    # A static batch: each choice sees its running rows and what they may still commit, as of the
+    # last read (the first: every row, its whole limit)
+    ids, left = finishes[0]
+    assert list(ids) == [0, 1, 2] and list(left) == [GREEDY_TOKENS] * 3
+    assert all(0 < min(f[1]) and max(f[1]) <= GREEDY_TOKENS and len(f[0]) == len(f[1]) for f in finishes)
+    assert sum(finishes[-1][1]) < sum(left)
     assert out.tokens == greedy_ar.tokens
     # One dispatch ahead, a call launched after every row finished runs no round: the calls that ran
     ran = [(b, n) for b, n, tally in calls if np.asarray(tally)[:, 0].max() > 0]
