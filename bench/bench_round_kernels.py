@@ -19,8 +19,8 @@ call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` th
 ``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
 ``--auto-max``: the held-back context's flush, the rounds and their tally), so the auto programs'
 extra work shows against the fixed ones. Two candidate forms of that call, for the same rounds:
-``method:budget:fixed`` (a loop of known trip count: no predicate read back each iteration, no
-early end) and ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
+``method:budget:fixed`` (a loop of known trip count, ``generate``'s form on GPUs: no predicate
+read back each iteration, no early end) and ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
 ``--ahead`` the timed calls are read back one call late, the way ``generate`` overlaps a call's
 launch with the previous call's rounds (a call that makes the host wait for its rounds gains
 nothing from it). On
@@ -88,12 +88,9 @@ def with_attention(drafter, backend):
     return drafter
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds", "form"), donate_argnames=("state",))
-def candidate_rounds(models, tp, dp, plan, state, key, rounds: int, form: str):
-    """``rounds`` rounds in one call in a candidate form (module doc): ``"fixed"`` or ``"unrolled"``."""
-    if form == "unrolled":
-        return unrolled_rounds(models, tp, dp, plan, state, key, rounds)
-    return jax.lax.fori_loop(0, rounds, lambda i, st: unrolled_rounds(models, tp, dp, plan, st, key, 1), state)
+@functools.partial(jax.jit, static_argnames=("models", "plan", "rounds"), donate_argnames=("state",))
+def _unrolled(models, tp, dp, plan, state, key, rounds: int):
+    return unrolled_rounds(models, tp, dp, plan, state, key, rounds)
 
 
 def measure(target, drafter, prompts, method: str, budget: int, rounds: int, trace: bool,
@@ -103,7 +100,8 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
     and flush it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0); ``chunk``: rounds
     per call of ``generate``'s compiled call (0: the engine's one-round call); ``method="auto"``:
     ``budget="auto"``'s call at ``budget`` (with ``chunk`` rounds); ``form``: the chunked call's
-    form (``"loop"``: ``run_rounds``; ``"fixed"``, ``"unrolled"``: ``candidate_rounds``);
+    form (``"loop"``: ``run_rounds``; ``"fixed"``: ``run_rounds``' loop of known trip count, as
+    ``generate`` runs on GPUs; ``"unrolled"``: ``decode_round.unrolled_rounds``);
     ``ahead``: time the calls read back one call late."""
     auto = method == "auto"
     uses = method != "ar" or bool(context)
@@ -128,8 +126,8 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
             box[0], tally = run_tallied_rounds(models, tp, dp, plan, box[0], key, chunk)
             return tally, box[0].done  # generate reads both back after each call
         if chunk:
-            box[0] = (run_rounds(models, tp, dp, plan, box[0], key, chunk) if form == "loop" else
-                      candidate_rounds(models, tp, dp, plan, box[0], key, chunk, form))
+            box[0] = (_unrolled(models, tp, dp, plan, box[0], key, chunk) if form == "unrolled" else
+                      run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed"))
             return box[0].done
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
