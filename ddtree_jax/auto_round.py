@@ -11,7 +11,8 @@ conditional: the host picks the program (``auto_budget.AutoChooser``). The stage
 
 Budget 0 can also hold back the drafter's context (``with_deferred``): its rounds then keep the
 features of the tokens they commit in ``DecodeState.deferred`` and run no drafter code at all, and
-``run_tallied_rounds`` (``generate``'s dispatches) first adds what is held back to the drafter's
+``run_tallied_rounds`` (``generate``'s dispatches; ``run_fixed_tallied_rounds``, its loop of
+known trip count on GPUs) first adds what is held back to the drafter's
 context (``flush_deferred``), in one pass over up to ``P`` positions per row; a run of budget-0
 rounds so costs what plain autoregressive rounds cost plus one context pass per dispatch, and a
 drafted round always drafts from the whole context. The caller keeps what a row holds within
