@@ -25,7 +25,8 @@ host before the dispatch from the statistics of the dispatches already read back
   (``generate``) ends with its slowest row, so there the rule is ``finish_budget``: the budget
   that ends the batch soonest if every later round used it, ``cost * max over running rows of
   (tokens the row may still commit) / (its own calibrated expected tokens per round)``, from
-  per-row moving averages of the expected tokens (rows not drafted yet take the batch's);
+  per-row moving averages of the expected tokens, shrunk toward the batch's by the rounds behind
+  them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's);
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
   ``generate`` runs it as a single round, the engine's dispatches are single rounds). The
@@ -57,7 +58,7 @@ import numpy as np
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "STALL", "WINDOW", "AutoChooser", "AutoPlan", "AutoReport",
-           "RunCosts", "calibrated", "choose_budget", "expected_tokens", "finish_budget"]
+           "PRIOR_ROUNDS", "RunCosts", "calibrated", "choose_budget", "expected_tokens", "finish_budget"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -77,6 +78,11 @@ PAID_WINDOW = 256
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
+
+PRIOR_ROUNDS = 4.0
+"""``finish_budget``'s per-row estimates: the drafted rounds after which a row's own average weighs
+as much as the batch's (a row's average over ``n`` drafted rounds gets weight
+``n / (n + PRIOR_ROUNDS)``), so that one round's noise in one row does not set the batch's pace."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +223,7 @@ class AutoChooser:
       run_costs: ``{batch shape: RunCosts}``, the costs the run has paid (``costs``, ``observe``).
       row_expected: f64 ``[rows, K]``, by row id, each row's moving average over its drafted
         rounds of its expected tokens at each budget (uncalibrated; NaN before its first), for
-        ``finish_budget`` (``record``'s ``rows``).
+        ``finish_budget`` (``record``'s ``rows``); row_rounds: f64 ``[rows]`` those rounds.
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
     """
@@ -235,6 +241,7 @@ class AutoChooser:
         self.realized = np.zeros(K)
         self.run_costs: dict[int, RunCosts] = {}
         self.row_expected = np.full((0, K), np.nan)
+        self.row_rounds = np.zeros(0)
         self.learn_costs = learn_costs
         self._finish = None  # the last choice's `finish`
 
@@ -261,10 +268,12 @@ class AutoChooser:
         if finish is None:
             return choose_budget(active * calibrated(self.expected_ema, self.factor(), self.plan.caps), costs)
         ids, remaining = (np.asarray(x) for x in finish)
-        rows = np.full((len(ids), len(self.plan.budgets)), np.nan)
+        own = np.zeros((len(ids), len(self.plan.budgets)))
+        n = np.zeros((len(ids), 1))
         known = ids < len(self.row_expected)
-        rows[known] = self.row_expected[ids[known]]
-        rows = np.where(np.isnan(rows), self.expected_ema, rows)
+        own[known], n[known, 0] = self.row_expected[ids[known]], self.row_rounds[ids[known]]
+        w = n / (n + PRIOR_ROUNDS)  # (0 for a row not drafted yet: its average is NaN)
+        rows = np.where(w > 0, w * own, 0.0) + (1.0 - w) * self.expected_ema
         return finish_budget(remaining, calibrated(rows, self.factor(), self.plan.caps), costs)
 
     def choose(self, active: int, costs, finish=None) -> int:
@@ -317,9 +326,11 @@ class AutoChooser:
                 grown = np.full((int(ids.max()) + 1, len(self.plan.budgets)), np.nan)
                 grown[: len(self.row_expected)] = self.row_expected
                 self.row_expected = grown
+                self.row_rounds = np.concatenate([self.row_rounds, np.zeros(len(grown) - len(self.row_rounds))])
             old, own = self.row_expected[ids], tally[slots, 2:] / n
             w = 1.0 - (1.0 - DECAY) ** n
             self.row_expected[ids] = np.where(np.isnan(old), own, (1.0 - w) * old + w * own)
+            self.row_rounds[ids] += n[:, 0]
         pays = self._rule(1, costs, self._finish) > 0
         self.interval = self.plan.probe_every if pays else min(2 * self.interval,
                                                                 MAX_BACKOFF * self.plan.probe_every)

@@ -83,23 +83,32 @@ def test_finish_rule_on_hand_made_inputs():
 
 def test_chooser_finish_rule_uses_each_rows_own_averages():
     costs = (1.0, 1.5, 2.0)
+    rows = np.array([7, 3, -1])
     c = AutoChooser(PLAN)
-    # rows 7 and 3 (slots 0, 1) ran 2 drafted rounds: row 7 expects 3 tokens at budget 4, row 3 1.2;
-    # slot 2 is free
-    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 3, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=np.array([7, 3, -1]))
+    # rows 7 and 3 (slots 0, 1) ran 12 drafted rounds: row 7 expects 3 tokens at budget 4, row 3
+    # 1.2; slot 2 is free. The batch's averages: 2.1 and 2.4
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 18, 12, 14.4, 15.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
     np.testing.assert_allclose(c.row_expected[7], [1.0, 3.0, 3.5])
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
-    assert np.isnan(c.row_expected[:3]).all()
+    assert np.isnan(c.row_expected[:3]).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]
     c.accepted_ema = c.predicted_ema  # (calibration factor 1)
     assert c.choose(2, costs) == 1  # the batch's mean (2.1 at budget 4, for 1.5): draft
-    assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 0  # row 3 would set the pace
+    # row 3, at 0.75 its own average (12 rounds against PRIOR_ROUNDS = 4) and 0.25 the batch's
+    # (1.425 at budget 4), would set the pace: 20 / 1.425 * 1.5 > 20
+    assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 0
     assert c.choose(2, costs, finish=([7, 3], [20, 2])) == 1  # row 3 nearly done: row 7 decides
-    # a row not drafted yet takes the batch's averages (2.1, 2.4): 20 / 2.1 * 1.5 < 20
+    # a row not drafted yet takes the batch's averages: 20 / 2.1 * 1.5 < 20
     assert c.choose(1, costs, finish=([11], [20])) == 1
     # a second dispatch moves row 7's average by the weight of its rounds
-    c.record(1, _tally([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]), costs, rows=np.array([7, 3, -1]))
+    c.record(1, _tally([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]), costs, rows=rows)
     np.testing.assert_allclose(c.row_expected[7], (1 - DECAY) * np.array([1.0, 3.0, 3.5]) + DECAY * 1.0)
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
+    assert c.row_rounds[[3, 7]].tolist() == [12, 13]
+    # after 2 rounds the same averages weigh 1/3: row 3 (1.8 at budget 4) no longer stops drafting
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 3, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
+    c.accepted_ema = c.predicted_ema
+    assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 1
 
 
 def test_calibration_scales_the_drafted_part_and_caps_it():
