@@ -3,10 +3,13 @@
 ``cost_key`` names what a round's cost depends on: the device kind, the models (a hash of their
 configurations, execution settings and parameter shapes and dtypes), the decode backend, the
 batch rows, the cache positions per row, the rounds per compiled call, the budget set and the JAX
-version. ``measure`` times the compiled rounds of each budget (after one untimed call that
-compiles and warms them; repetitions interleaved across budgets; the median); the callers time
-them on running rows (a round's cost includes what committing costs) and put the rows back
-before every call. ``CostTable`` keeps measured costs in memory and, with a
+version, and how the rounds were timed (``TIMING``). ``measure`` times the compiled rounds of
+each budget (after one untimed call that compiles and warms them; repetitions interleaved across
+budgets; the median), each repetition a burst of ``BURST`` calls launched back to back and waited
+for at the end, as the runs launch them (a call ahead of the one read back), so that a call whose
+launch overlaps the device is priced at the device's pace and one that holds the host pays for
+it; the callers time them on running rows (a round's cost includes what committing costs) and put
+the rows back before every call. ``CostTable`` keeps measured costs in memory and, with a
 folder, one JSON file per key (``{"key": ..., "costs": [...]}``), so a later process with the same
 key loads them instead of timing again. ``default_table()`` keeps its files under the compilation
 cache folder (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that
@@ -28,9 +31,15 @@ import jax
 
 from ddtree_jax import compilation_cache
 
-__all__ = ["FOLDER", "CostTable", "cost_key", "default_table", "measure", "models_digest"]
+__all__ = ["BURST", "FOLDER", "TIMING", "CostTable", "cost_key", "default_table", "measure", "models_digest"]
 
 FOLDER = "auto_budget_costs"
+
+BURST = 4
+"""``measure``: calls launched back to back per timed repetition."""
+
+TIMING = f"bursts of {BURST} calls"
+"""How ``measure`` times (part of ``cost_key``: tables timed another way are not reused)."""
 
 
 def models_digest(target, drafter) -> str:
@@ -50,31 +59,36 @@ def cost_key(models: str, *, backend, rows: int, cache_len: int, per_call: int, 
     models' ``models_digest``; ``per_call``: rounds per compiled call."""
     return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), models=models,
                 backend=repr(backend), rows=int(rows), cache_len=int(cache_len), per_call=int(per_call),
-                budgets=[int(b) for b in budgets], jax=jax.__version__)
+                budgets=[int(b) for b in budgets], jax=jax.__version__, timing=TIMING)
 
 
 def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: int = 1,
             before: Callable[[], object] | None = None) -> tuple[float, ...]:
     """Seconds per round of ``run(k)`` (``per_call`` rounds) for ``k < count``: one untimed call
-    each (compilation, warm-up), then ``reps`` timed calls each, interleaved across ``k``, each
-    waited for (``jax.block_until_ready``); the median per ``k`` over ``per_call``. ``before``,
-    if given, runs (untimed, waited for) before every call: e.g. to put the rows back where the
-    timing started."""
+    each (compilation, warm-up), waited for, then ``reps`` timed bursts each, interleaved across
+    ``k``: ``BURST`` calls launched back to back, waited for (``jax.block_until_ready``) after the
+    last; the median per ``k`` over ``BURST * per_call``. ``before``, if given, runs before every
+    call (waited for before a burst, launched in line within it): e.g. to put the rows back where
+    the timing started."""
 
-    def call(k):
+    def burst(k, calls):
         if before is not None:
             jax.block_until_ready(before())
         t0 = time.perf_counter()
-        jax.block_until_ready(run(k))
+        for i in range(calls):
+            if i and before is not None:
+                before()
+            out = run(k)
+        jax.block_until_ready(out)
         return time.perf_counter() - t0
 
     for k in range(count):
-        call(k)
+        burst(k, 1)
     times = [[] for _ in range(count)]
     for _ in range(reps):
         for k in range(count):
-            times[k].append(call(k))
-    return tuple(statistics.median(t) / per_call for t in times)
+            times[k].append(burst(k, BURST))
+    return tuple(statistics.median(t) / (BURST * per_call) for t in times)
 
 
 class CostTable:

@@ -305,6 +305,7 @@ def test_cost_key_names_device_models_shapes_and_versions():
     key = auto_costs.cost_key(auto_costs.models_digest(target, drafter), backend="ref", rows=16, cache_len=80,
                               per_call=4, budgets=(0, 4, 8))
     assert key["device"] == jax.devices()[0].device_kind and key["jax"] == jax.__version__
+    assert key["timing"] == auto_costs.TIMING
     assert (key["rows"], key["cache_len"], key["per_call"], key["budgets"]) == (16, 80, 4, [0, 4, 8])
     other = tiny_kimi(0, num_hidden_layers=2)
     assert auto_costs.models_digest(target, drafter) == auto_costs.models_digest(tiny_kimi(5), drafter)  # weights: no
@@ -332,7 +333,9 @@ def test_cost_table_saves_loads_and_refuses_what_does_not_match(tmp_path):
     assert auto_costs.CostTable(str(tmp_path)).get(key) is None
     measured = auto_costs.CostTable(None).get_or_measure(key, calls.append, reps=2, per_call=4,
                                                          before=lambda: calls.append("before"))
-    assert calls == ["before", 0, "before", 1, "before", 2] * 3
+    # one warm-up call each, then two repetitions of a burst of BURST calls each
+    bursts = [x for k in range(3) for x in ["before", k] * auto_costs.BURST]
+    assert calls == ["before", 0, "before", 1, "before", 2] + bursts * 2
     assert len(measured) == 3 and all(c > 0 for c in measured)
 
 
