@@ -222,8 +222,9 @@ class AutoChooser:
       probing: whether the last ``choose`` gave a probe (``generate`` runs a probe as one round).
       run_costs: ``{batch shape: RunCosts}``, the costs the run has paid (``costs``, ``observe``).
       row_expected: f64 ``[rows, K]``, by row id, each row's moving average over its drafted
-        rounds of its expected tokens at each budget (uncalibrated; NaN before its first), for
-        ``finish_budget`` (``record``'s ``rows``); row_rounds: f64 ``[rows]`` those rounds.
+        rounds of its expected tokens at each budget (uncalibrated; meaningless while the row's
+        ``row_rounds`` is 0), for ``finish_budget`` (``record``'s ``rows``); row_rounds: f64
+        ``[rows]`` those rounds.
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
     """
@@ -240,7 +241,7 @@ class AutoChooser:
         self.expected = np.zeros(K)
         self.realized = np.zeros(K)
         self.run_costs: dict[int, RunCosts] = {}
-        self.row_expected = np.full((0, K), np.nan)
+        self.row_expected = np.zeros((0, K))
         self.row_rounds = np.zeros(0)
         self.learn_costs = learn_costs
         self._finish = None  # the last choice's `finish`
@@ -272,8 +273,8 @@ class AutoChooser:
         n = np.zeros((len(ids), 1))
         known = ids < len(self.row_expected)
         own[known], n[known, 0] = self.row_expected[ids[known]], self.row_rounds[ids[known]]
-        w = n / (n + PRIOR_ROUNDS)  # (0 for a row not drafted yet: its average is NaN)
-        rows = np.where(w > 0, w * own, 0.0) + (1.0 - w) * self.expected_ema
+        w = n / (n + PRIOR_ROUNDS)  # (0 for a row not drafted yet)
+        rows = w * own + (1.0 - w) * self.expected_ema
         return finish_budget(remaining, calibrated(rows, self.factor(), self.plan.caps), costs)
 
     def choose(self, active: int, costs, finish=None) -> int:
@@ -323,13 +324,12 @@ class AutoChooser:
             slots = np.flatnonzero((np.asarray(rows) >= 0) & (tally[:, 0] > 0))
             ids, n = np.asarray(rows)[slots], tally[slots, :1]
             if ids.size and ids.max() >= len(self.row_expected):
-                grown = np.full((int(ids.max()) + 1, len(self.plan.budgets)), np.nan)
-                grown[: len(self.row_expected)] = self.row_expected
-                self.row_expected = grown
-                self.row_rounds = np.concatenate([self.row_rounds, np.zeros(len(grown) - len(self.row_rounds))])
+                more = int(ids.max()) + 1 - len(self.row_expected)
+                self.row_expected = np.concatenate([self.row_expected, np.zeros((more, len(self.plan.budgets)))])
+                self.row_rounds = np.concatenate([self.row_rounds, np.zeros(more)])
             old, own = self.row_expected[ids], tally[slots, 2:] / n
-            w = 1.0 - (1.0 - DECAY) ** n
-            self.row_expected[ids] = np.where(np.isnan(old), own, (1.0 - w) * old + w * own)
+            w = np.where(self.row_rounds[ids, None] > 0, 1.0 - (1.0 - DECAY) ** n, 1.0)  # (1: its first)
+            self.row_expected[ids] = (1.0 - w) * old + w * own
             self.row_rounds[ids] += n[:, 0]
         pays = self._rule(1, costs, self._finish) > 0
         self.interval = self.plan.probe_every if pays else min(2 * self.interval,

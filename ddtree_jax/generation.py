@@ -384,9 +384,9 @@ def generate(
     # before the next takes them) or profile.
     ahead = on_progress is None and not profile
     fixed_calls = ahead and _fixed_calls()
-    # What the last read says the rows still need: the most new tokens a running row may still
-    # commit, the rows' tokens per round so far, and the rounds launched since.
-    need = dict(left=int(checked.max_new_tokens.max()), rate=1.0, pending=0, rows=checked.max_new_tokens.copy())
+    # What the last read says the rows still need: the new tokens each slot's row may still commit
+    # (0: done or free), the rows' tokens per round so far, and the rounds launched since.
+    need = dict(rows=checked.max_new_tokens.copy(), rate=1.0, pending=0)
     limits = checked.max_new_tokens
 
     def call_form(n: int) -> str | None:
@@ -394,9 +394,10 @@ def generate(
         where the rows are expected to need all ``n`` rounds past those in flight, ``"loop"`` (a
         loop that ends once every row is done) where they may need some; ``None`` where no row
         can (every running row commits at least one token a round)."""
-        if need["left"] - need["pending"] <= 0:
+        left = int(need["rows"].max())
+        if left - need["pending"] <= 0:
             return None
-        expected = need["left"] / need["rate"] - need["pending"]
+        expected = left / need["rate"] - need["pending"]
         return "fixed" if fixed_calls and expected >= n else "loop"
 
     def launch(state):
@@ -425,7 +426,7 @@ def generate(
                 state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
             else:
                 state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally, requests=slot_request.copy())
+            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally, requests=slot_request)
         else:
             form = call_form(sync_every)
             if form is None:
@@ -447,7 +448,7 @@ def generate(
         in_rounds += dispatch["launch"] + now - t
         used = slot_request >= 0
         left = np.where(done | ~used, 0, limits[np.maximum(slot_request, 0)] - generated)
-        need.update(rows=left, left=int(left.max()), rate=max(1.0, generated.sum() / max(1, rounds.sum())),
+        need.update(rows=left, rate=max(1.0, generated.sum() / max(1, rounds.sum())),
                     pending=need["pending"] - dispatch["n"])
         if decode.is_auto:
             # Only full dispatches time a budget (a one-round probe, or the few rounds of the last

@@ -90,7 +90,7 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     c.record(1, _tally([[12, 36, 12, 36, 42], [12, 18, 12, 14.4, 15.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
     np.testing.assert_allclose(c.row_expected[7], [1.0, 3.0, 3.5])
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
-    assert np.isnan(c.row_expected[:3]).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]
+    assert (c.row_rounds[:3] == 0).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]  # (rows 0-2: none)
     c.accepted_ema = c.predicted_ema  # (calibration factor 1)
     assert c.choose(2, costs) == 1  # the batch's mean (2.1 at budget 4, for 1.5): draft
     # row 3, at 0.75 its own average (12 rounds against PRIOR_ROUNDS = 4) and 0.25 the batch's
