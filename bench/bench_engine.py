@@ -8,8 +8,9 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
 ``--prompt-len`` random prompt tokens and ``--new`` new tokens each (greedy, no stop tokens):
 
 * ``generate()``: the requests in batches of ``B`` (prefill included), tokens/s;
-* the ``Engine`` with ``B`` slots, ``sync_every=1`` (``--admit-group``: its ``admit_group``, each
-  value in turn; ``--freeze-gc``: its ``freeze_gc``, on by default, or off, or both in turn),
+* the ``Engine`` with ``B`` slots, ``sync_every="auto"`` (``--sync-every``: rounds per dispatch,
+  each value in turn, ``auto`` the engine's choice per dispatch; ``--admit-group``: its
+  ``admit_group``, each value in turn; ``--freeze-gc``: its ``freeze_gc``, on by default, or off, or both in turn),
   driven by its background thread (the emitter on the engine thread; the shipped tokenizer, whose
   text nobody reads here, so that none is decoded), every request submitted at once:
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
@@ -109,7 +110,9 @@ def _engine_run(eng: Engine, prompts, new):
     dt_ = time.perf_counter() - t0
     m1 = eng.metrics.snapshot()
     steps = m1["engine_steps"] - m0["engine_steps"]
+    sizes = {k: n - m0["dispatches"].get(k, 0) for k, n in m1["dispatches"].items()}
     return dict(seconds=dt_, tokens=[r.tokens for r in results], steps=steps,
+                dispatches=" ".join(f"{k}:{n}" for k, n in sorted(sizes.items(), key=lambda kv: int(kv[0])) if n),
                 **{f"{k}_ms_per_step": 1e3 * (m1[f"{k}_seconds"] - m0[f"{k}_seconds"]) / max(steps, 1)
                    for k in ("host", "wait", "prefill", "launch", "state_ops", "emit")})
 
@@ -160,13 +163,13 @@ class _Timeline:
 
 
 def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True,
-             launcher="thread") -> dict:
+             launcher="thread", sync_every="auto") -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
     warm = prompts[: min(B, n)]
     _generate(target, drafter, warm, B, method, budget, args.new, page_size)  # compile
-    config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=1), slots=B,
+    config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=sync_every), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
                           admit_group=admit_group, freeze_gc=freeze_gc)
@@ -201,12 +204,12 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
-               admit_group=eng.admit_group, freeze_gc=freeze_gc, launcher=launcher,
+               admit_group=eng.admit_group, freeze_gc=freeze_gc, launcher=launcher, sync_every=sync_every,
                switch_interval_ms=1e3 * sys.getswitchinterval(),
                timeline_ms=None if timeline is None else timeline.summary(),
                requests=n, new=args.new,
                generate_tok_s=total / g_s, engine_tok_s=total / e["seconds"],
-               engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"],
+               engine_over_generate=g_s / e["seconds"], engine_steps=e["steps"], dispatches=e["dispatches"],
                **{k: e[k] for k in e if k.endswith("_ms_per_step")},
                generate_ms_per_round=1e3 * g_s / max(g_rounds, 1), launch_ms=launch_ms, repeats=args.repeats,
                prefill_compile_s_in_timed_passes=compiled,
@@ -232,6 +235,8 @@ def _markdown(report: dict) -> str:
     for r in report["rows"]:
         name = r["method"] + (f"@{r['budget']}" if r["method"] == "ddtree" else "")
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
+        name += f", {r['sync_every']} rounds per dispatch" if r.get("sync_every", 1) != 1 else ""
+        name += f" {r['dispatches']}" if r.get("sync_every") == "auto" else ""
         name += ", gc not frozen" if r.get("freeze_gc") is False else ""
         name += ", launched inline" if r.get("launcher") == "inline" else ""
         name += f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms", 5) != 5 else ""
@@ -282,6 +287,9 @@ def main(argv=None) -> dict:
                          "(each in turn; default: as Python starts, 5 ms)")
     ap.add_argument("--timeline", action="store_true",
                     help="also report the medians of the engine's step, launch and read-back spans")
+    ap.add_argument("--sync-every", type=lambda v: v if v == "auto" else int(v), nargs="+", default=["auto"],
+                    metavar="K",
+                    help="the engine's rounds per dispatch (DecodeConfig.sync_every), each value in turn")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--json", metavar="PATH", help="also write the report's JSON here (smoke runs too)")
     args = ap.parse_args(argv)
@@ -302,18 +310,18 @@ def main(argv=None) -> dict:
     for method in args.methods:
         for B in args.batches:
             freezes = {"on": [True], "off": [False], "both": [False, True]}[args.freeze_gc]
-            cases = [(p, g, f, la, si) for p in sizes for g in args.admit_group for f in freezes
-                     for la in args.launcher for si in args.switch_interval]
-            for page_size, group, freeze, launcher, interval in cases:
+            cases = [(p, g, f, la, si, k) for p in sizes for g in args.admit_group for f in freezes
+                     for la in args.launcher for si in args.switch_interval for k in args.sync_every]
+            for page_size, group, freeze, launcher, interval, k in cases:
                 pages = f" pages of {page_size}" if page_size else ""
                 log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} "
-                    f"launcher {launcher} switch interval {interval or 'default'} ...")
+                    f"launcher {launcher} switch interval {interval or 'default'} sync_every {k} ...")
                 before = sys.getswitchinterval()
                 if interval:
                     sys.setswitchinterval(interval / 1e3)
                 try:
                     report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size,
-                                                   group or None, freeze, launcher))
+                                                   group or None, freeze, launcher, k))
                 finally:
                     sys.setswitchinterval(before)
                 if not args.smoke:  # after every case: a run cut short keeps what it measured

@@ -71,7 +71,7 @@ def run(slots: int, tokens: int, steps: int, repeats: int, stop: tuple[str, ...]
     from ddtree_jax.serving.text import TextStream
 
     tok, target = _loaded()
-    config = dt.EngineConfig(decode=dt.DecodeConfig(method="ar"), slots=slots, max_model_len=64)
+    config = dt.EngineConfig(decode=dt.DecodeConfig(method="ar", sync_every=1), slots=slots, max_model_len=64)
     eng = Engine(target, None, config, tokenizer=tok)
     eng.tokens_per_round = tokens  # the harvest's token columns per round, as a tree round's
     T = eng.sync_every * tokens

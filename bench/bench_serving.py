@@ -278,7 +278,8 @@ def _in_process(args) -> list[dict]:
     path = os.path.join(tempfile.mkdtemp(prefix="bench_engine_"), "engine.json")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_engine.py"), "--smoke" if args.smoke else "--default",
            "--batches", str(args.slots), "--methods", *methods, "--budget", str(args.budget),
-           "--new", str(args.max_tokens), "--repeats", str(args.repeats), "--out", os.path.dirname(path),
+           "--new", str(args.max_tokens), "--repeats", str(args.repeats), "--sync-every", str(args.sync_every),
+           "--out", os.path.dirname(path),
            "--json", path]
     print(f"[bench_serving] in process: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -342,7 +343,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--budget", type=int)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--sync-every", type=int, default=1)
+    ap.add_argument("--sync-every", default="auto", help="the server's --sync-every: rounds per dispatch or auto")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-model-len", type=int)
     ap.add_argument("--mesh", default="")

@@ -109,14 +109,18 @@ def positive_int(text: str) -> int:
     return value
 
 
-def budget(text: str) -> int | str:
-    """A DDTree budget option: an integer >= 1, or ``auto`` (chosen per round)."""
+def positive_int_or_auto(text: str) -> int | str:
+    """An integer >= 1, or ``auto`` (chosen by the runner: a DDTree budget per round, an engine
+    dispatch's rounds)."""
     if text.strip().lower() == "auto":
         return "auto"
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text} (or auto)")
     return value
+
+
+budget = positive_int_or_auto
 
 
 def nonnegative_int(text: str) -> int:

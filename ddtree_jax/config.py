@@ -130,9 +130,12 @@ class DecodeConfig:
     """With ``budget="auto"``: after this many rounds in a row without the drafter, one round
     drafts again to re-measure the acceptance, >= 1."""
 
-    sync_every: int | None = None
-    """Compiled rounds between host checks, >= 1. ``None``: the runner's default (``generate``: 8,
-    fewer host round trips; ``Engine``: 1, so new requests join after every round)."""
+    sync_every: int | str | None = None
+    """Compiled rounds between host checks, >= 1, or ``"auto"``. ``None``: the runner's default
+    (``generate``: 8, fewer host round trips; ``Engine``: ``"auto"`` on GPUs with a fixed budget,
+    else 1). ``"auto"``: the ``Engine`` chooses each dispatch's rounds from 1, 2 and 4 by their
+    measured cost (``ddtree_jax.serving.dispatch``; not with ``budget="auto"``); ``generate``
+    takes its default."""
 
     seed: int = 0
     """The base key of every random stream, in ``[0, 2**32)`` (``ddtree_jax.rng``): a seeded
@@ -169,7 +172,12 @@ class DecodeConfig:
                      f"must be None or {n} positive finite numbers (one per budget of "
                      f"{auto_budget_set(self.auto_max_budget)}), got {self.auto_costs!r}")
             object.__setattr__(self, "auto_costs", tuple(float(c) for c in costs))
-        _check_count(owner, "sync_every", self.sync_every, optional=True)
+        if not (isinstance(self.sync_every, str) and self.sync_every == AUTO):
+            _require(self.sync_every is None or (is_int(self.sync_every) and self.sync_every >= 1), owner,
+                     "sync_every", f"must be None, 'auto' or an integer >= 1, got {self.sync_every!r}")
+        elif self.is_auto:
+            raise ConfigError(owner, "sync_every", "'auto' (rounds per dispatch chosen by cost) does not combine "
+                              "with budget='auto' yet; give an integer or None")
         _require(is_int(self.seed) and 0 <= self.seed < 2**32, owner, "seed",
                  f"must be an integer in [0, 2**32), got {self.seed!r}")
         ids = self.stop_token_ids

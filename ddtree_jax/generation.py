@@ -39,7 +39,7 @@ from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
 from ddtree_jax.auto_round import round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds, with_deferred
 from ddtree_jax.backend import Backend, resolve_backend
-from ddtree_jax.config import METHODS, DecodeConfig, auto_budget_set, is_int
+from ddtree_jax.config import AUTO, METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
 from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP, DecodeState
 from ddtree_jax.paged_generate import check_page_size, paged_prefill, without_pages
@@ -286,8 +286,8 @@ def generate(
         index, round)`` (``ddtree_jax.rng``), so a seeded request's output does not depend on the
         batch.
       max_len: cache size per request; default: just what this call needs.
-      sync_every: rounds run on the device between host checks for completion (default 8; with
-        ``budget="auto"`` the budget is chosen on the host once per such chunk).
+      sync_every: rounds run on the device between host checks for completion (default, or
+        ``"auto"``: 8; with ``budget="auto"`` the budget is chosen on the host once per such chunk).
       profile: time each stage separately (see ``GenerateOutput.time_split``).
       compact: re-pack the running requests into a smaller batch once at most half are running.
       impl: tree builder, sampler and walk: ``"auto"`` (default: Pallas kernels on GPU and TPU,
@@ -322,7 +322,7 @@ def generate(
     if decode.is_auto and profile:
         raise ValueError("generate: profile=True times the stages of one fixed budget; not with budget='auto'")
     method = decode.method
-    sync_every = decode.sync_every or _SYNC_EVERY
+    sync_every = _SYNC_EVERY if decode.sync_every in (None, AUTO) else decode.sync_every
     backend = resolve_backend(decode.impl)
     B = len(checked.prompts)
     sampling_batch = batch_sampling(sampling, B)

@@ -261,7 +261,7 @@ def test_non_finite_logits_fail_only_that_request(greedy_ar):
         (dict(stop_tokens=[500]), "stop_token_ids: 500 is outside the vocabulary"),
         (dict(sampling=[dt.SamplingParams()] * 2), "2 SamplingParams for a batch of 1"),
         (dict(drafter=None), "'ddtree' needs a drafter"),
-        (dict(sync_every=0), "sync_every: must be None or an integer >= 1"),
+        (dict(sync_every=0), "sync_every: must be None, 'auto' or an integer >= 1"),
         (dict(seed=2**32), r"seed: must be an integer in \[0, 2\*\*32\)"),
         (dict(config=dt.DecodeConfig()), "pass config= or the keywords it holds, not both .* method, budget"),
     ],

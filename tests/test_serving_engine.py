@@ -8,6 +8,7 @@ max_model_len 64, prefill chunks of 16, at most 2 prefilled per step); generate(
 
 import collections
 import dataclasses
+import itertools
 import threading
 
 import numpy as np
@@ -214,13 +215,13 @@ def test_the_launch_runs_beside_the_read_back_and_the_next_step(models, referenc
             progress.notify_all()
         return got
 
-    def launch_after_the_next_prepare(ops, plan):
+    def launch_after_the_next_prepare(ops, plan, rounds):
         if plan is not None:
             with progress:
                 n = rounds_of.popleft()
                 ok = progress.wait_for(lambda: prepared[0] > n, timeout=2.0)
             saw.append((ok, threading.current_thread().name))
-        return launch(ops, plan)
+        return launch(ops, plan, rounds)
 
     eng._prepare_rounds, eng._launch_rounds = counted_prepare, launch_after_the_next_prepare
     results = run(eng, [eng.submit(p, max_tokens=MAX_TOKENS) for p in PROMPTS])
@@ -518,3 +519,74 @@ def test_astream_batches_gives_every_chunk_once_in_order_and_what_queued_togethe
     batches = asyncio.run(read(flat=False))
     assert batches == [chunks[:2], chunks[2:5], chunks[5:]]
     assert asyncio.run(read(flat=True)) == chunks
+
+
+class Cycle:
+    """A sizer that runs the sizes in turn (so that the engine meets every change of size), and
+    records what it was told."""
+
+    def __init__(self, sizes):
+        self.sizes, self.observed = itertools.cycle(sizes), []
+
+    def choose(self, running):
+        return next(self.sizes)
+
+    def observe(self, running, rounds, seconds):
+        self.observed.append((running, rounds, seconds))
+
+
+def cycling_engine(models, tokenizer=None, seed=0):
+    config = dataclasses.replace(SHAPE, decode=dataclasses.replace(DECODE, sync_every="auto", seed=seed))
+    eng = Engine(*models, config, tokenizer=tokenizer)
+    assert eng.sync_every == "auto" and eng.dispatch_rounds == (1, 2, 4)
+    eng._sizer = Cycle([4, 1, 2, 2, 4])
+    return eng
+
+
+def test_dispatches_of_changing_sizes_give_the_same_tokens(models, reference):
+    eng = cycling_engine(models)
+    handles = {}
+    for i in [2, 0, 4, 1, 3]:  # staggered arrivals
+        handles[i] = eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS)
+        eng.step()
+    assert [r.tokens for r in run(eng, [handles[i] for i in range(5)])] == reference.tokens
+    m = eng.metrics.snapshot()
+    assert set(m["dispatches"]) == {"1", "2", "4"} and m["generated_tokens"] == 5 * MAX_TOKENS
+    assert m["itl"].count == 5 * (MAX_TOKENS - 1) and m["accept"].count == m["rounds"] > 0
+    assert eng._sizer.observed and {r for _, r, _ in eng._sizer.observed} <= {1, 2, 4}
+    # Seeded sampling: the same tokens as dispatches of one round (a row's stream is keyed by its rounds).
+    p = [dt.SamplingParams(temperature=1.0, top_p=0.9, seed=7), dt.SamplingParams(temperature=0.7, seed=8)]
+    single = Engine(*models, dataclasses.replace(SHAPE, decode=dataclasses.replace(DECODE, seed=3)))
+    want = [r.tokens for r in single.generate(PROMPTS[:2], p, max_tokens=MAX_TOKENS)]
+    assert [r.tokens for r in cycling_engine(models, seed=3).generate(PROMPTS[:2], p, max_tokens=MAX_TOKENS)] == want
+
+
+def test_changing_sizes_under_many_streams_lose_and_duplicate_nothing(models, reference):
+    """The background loop with stop strings and cancellations mid-flight, dispatches of 1, 2 and 4
+    rounds in turn: every stream joins up to its result, which is a prefix of generate()'s tokens."""
+    tok = char_tokenizer()
+    eng = cycling_engine(models, tokenizer=tok).start()
+    try:
+        full = [tok.decode(t) for t in reference.tokens]
+        jobs = []
+        for n in range(15):
+            i = n % 5
+            stop = [full[i][4:6]] if n % 4 == 3 else []
+            jobs.append((i, stop, eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS, stop=stop)))
+            if n % 6 == 4:
+                jobs[-1][2].cancel()
+        for i, stop, h in jobs:
+            chunks = list(h.stream(timeout=300))
+            res = chunks[-1].result
+            assert [t for c in chunks for t in c.token_ids] == res.tokens
+            assert "".join(c.text for c in chunks) == res.text
+            assert res.tokens == reference.tokens[i][: len(res.tokens)]
+            if res.finish_reason == "stop":
+                assert stop and res.text == full[i][: full[i].find(stop[0])]
+            elif res.finish_reason == "length":
+                assert not stop and res.tokens == reference.tokens[i]
+            else:
+                assert res.finish_reason == "cancelled"
+    finally:
+        eng.stop()
+    assert all(h is None for h in eng._slot)

@@ -100,7 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while requests queue, admit them once this many slots are free (default: slots / 8)")
     p.add_argument("--admit-wait", type=pf.nonnegative_int, default=8,
                    help="most engine steps a free slot waits for --admit-group")
-    p.add_argument("--sync-every", type=pf.positive_int, default=1, help="rounds per engine step")
+    p.add_argument("--sync-every", type=pf.positive_int_or_auto, default=None,
+                   help="rounds per engine dispatch, or auto: 1, 2 or 4 by their measured cost (default: auto on a "
+                        "GPU with a fixed budget, else 1)")
     p.add_argument("--seed", type=pf.seed, default=0, help="base key of the random streams")
     p.add_argument("--default-max-tokens", type=pf.positive_int, default=16, help="/v1/completions max_tokens default")
     p.add_argument("--stop-token-id", type=pf.nonnegative_int, action="append", help="in addition to the EOS token")

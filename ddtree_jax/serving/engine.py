@@ -10,7 +10,9 @@ step (``step()``)
     padded to a power of two (a shape not compiled yet runs padded on a compiled one while it
     compiles in the background: ``serving/shapes.py``); a slot whose prompt is in starts decoding
     (``activate``);
-(c) dispatches ``sync_every`` compiled rounds without waiting for them, and meanwhile reads back
+(c) dispatches compiled rounds without waiting for them (``sync_every`` of them, or with
+    ``sync_every="auto"`` 1, 2 or 4, whichever the measured cost per round favours at the current
+    load: ``serving/dispatch.py``), and meanwhile reads back
     the previous step's rounds: one packed device-to-host transfer, per-slot work only for slots
     with news, and the token ids handed to the ``Emitter`` (stop strings, chunks; the text of a
     request without stop strings is decoded by its reader, off this thread):
@@ -55,11 +57,12 @@ from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan
 from ddtree_jax.auto_round import engine_deferred, round_plans
 from ddtree_jax.backend import resolve_backend
-from ddtree_jax.config import ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
+from ddtree_jax.config import AUTO, ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
 from ddtree_jax.decode_state import FINISH_REASONS, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.sampling import SamplingBatch, SamplingParams
 from ddtree_jax.serving import _device
+from ddtree_jax.serving.dispatch import ROUNDS, DispatchSizer
 from ddtree_jax.serving.emitter import Emit, Emitter, RequestResult, StreamChunk, TokenLogprobs, deliver
 from ddtree_jax.serving.metrics import EngineMetrics
 from ddtree_jax.serving.pages import PagePool, PageTable, page_keys, preemption_order
@@ -250,16 +253,18 @@ class Engine:
 
     Args:
       target, drafter: the models (``drafter`` may be ``None`` for ``method="ar"``).
-      config: the settings (``EngineConfig``; its ``decode`` as in ``generate``, with
-        ``sync_every`` 1 by default); checked against the models here (``ConfigError`` naming the
-        field).
+      config: the settings (``EngineConfig``; its ``decode`` as in ``generate``, except that
+        ``sync_every`` is the rounds per dispatch: ``"auto"`` by default on GPUs with a fixed
+        budget, else 1); checked against the models here (``ConfigError`` naming the field).
       tokenizer: a ``tokenizers.Tokenizer`` (or anything with ``decode(ids)``), for text and stop
         strings; ``None``: tokens only.
       shard_state: optional function placing the state (``ddtree_jax.serving.sharding``).
 
     The resolved settings are attributes: ``method``, ``budget`` (DDTree's node budget or
     ``"auto"``; the drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
-    ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``admit_group``, ``admit_wait``, ``sync_every``,
+    ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``admit_group``, ``admit_wait``, ``sync_every``
+    (an integer or ``"auto"``), ``dispatch_rounds`` (the rounds a dispatch may run: ``(sync_every,)``,
+    or with ``"auto"`` ``dispatch.ROUNDS``),
     ``stop_token_ids``, ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
     ``auto_plan`` (the budget set) and ``auto_costs`` (seconds per round at each budget:
     ``decode.auto_costs``, else the cost table's, timed at start-up on a scratch state of running
@@ -289,7 +294,15 @@ class Engine:
         self.method, self.budget, self.slots = method, decode.budget if method == "ddtree" else depth, slots
         self.tokenizer = tokenizer
         self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
-        self.sync_every = decode.sync_every or 1
+        sync = decode.sync_every
+        if sync is None:  # a round's launch costs more than a small model's round on a GPU (docs/serving.md)
+            sync = AUTO if jax.default_backend() == "gpu" and not decode.is_auto and jax.process_count() == 1 else 1
+        elif sync == AUTO and jax.process_count() > 1:
+            raise ConfigError("DecodeConfig", "sync_every", "'auto' measures costs on each host, which would "
+                              "choose differently across processes; give an integer")
+        self.sync_every = sync
+        self.dispatch_rounds = ROUNDS if sync == AUTO else (sync,)
+        self._sizer = DispatchSizer(self.dispatch_rounds) if sync == AUTO else None
         self.prefill_batch = min(config.prefill_batch or slots, slots)
         self.admit_group = min(config.admit_group or max(1, slots // 8), self.prefill_batch)
         self.admit_wait = config.admit_wait
@@ -342,7 +355,7 @@ class Engine:
         self._emitter = Emitter(self.metrics)
         # The dispatches not read back yet, oldest first: (launch future -> packed harvest or None,
         # the slots' requests at dispatch or None, the auto budget's index or None, whether it
-        # launched rounds alone: _read_back's arguments).
+        # launched rounds alone, its rounds: _read_back's arguments).
         self._inflight: collections.deque[tuple] = collections.deque()
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched before the step's rounds.
@@ -371,7 +384,7 @@ class Engine:
         # A dispatch's rounds run while the previous dispatch is not read back yet: the table must
         # cover both dispatches' tokens past the last length read back, and a round's scratch.
         self._block = self.cache_len - self.max_model_len
-        self._margin = 2 * self.sync_every * self.tokens_per_round
+        self._margin = 2 * self.dispatch_rounds[-1] * self.tokens_per_round
         longest = -(-(self.max_model_len - 1 + self._block) // P)
         if longest > self.kv_pages:
             raise ConfigError("EngineConfig", "kv_pages",
@@ -500,10 +513,10 @@ class Engine:
     def _new_metrics(self) -> EngineMetrics:
         return EngineMetrics(self.slots, auto_budgets=self.auto_plan.budgets if self.auto_plan else ())
 
-    def _rounds(self, plan: DecodePlan, state):
-        """``sync_every`` rounds of ``plan`` on ``state`` and their harvest: ``(state, packed)``."""
+    def _rounds(self, plan: DecodePlan, state, rounds: int):
+        """``rounds`` rounds of ``plan`` on ``state`` and their harvest: ``(state, packed)``."""
         return _device.rounds_and_harvest(self._models, self._tparams, self._dparams, plan, state, self._base_key,
-                                          rounds=self.sync_every, tokens=self.sync_every * self.tokens_per_round)
+                                          rounds=rounds, tokens=rounds * self.tokens_per_round)
 
     def _measure_costs(self) -> tuple[float, ...]:
         """Seconds per round at each budget (``auto_costs``): the cost table's, or timed now
@@ -511,7 +524,7 @@ class Engine:
         roots, empty caches, sampled at temperature 1, limits the output buffer's, put back before
         every call. With several processes, process 0's costs (every process must choose alike)."""
         key = auto_costs.cost_key(auto_costs.models_digest(self._target, self._drafter), backend=self.plan.backend,
-                                  rows=self.slots, cache_len=self.cache_len, per_call=self.sync_every,
+                                  rows=self.slots, cache_len=self.cache_len, per_call=self.dispatch_rounds[0],
                                   budgets=self.auto_plan.budgets)
         scratch = [self._empty_state()]
         packed = self._scratch_activation()
@@ -521,10 +534,10 @@ class Engine:
             return scratch[0]
 
         def run(k):
-            scratch[0], packed = self._rounds(self._auto_plans[k], scratch[0])
+            scratch[0], packed = self._rounds(self._auto_plans[k], scratch[0], self.dispatch_rounds[0])
             return packed
 
-        costs = auto_costs.default_table().get_or_measure(key, run, per_call=self.sync_every, before=before)
+        costs = auto_costs.default_table().get_or_measure(key, run, per_call=self.dispatch_rounds[0], before=before)
         del scratch[0]
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -711,7 +724,7 @@ class Engine:
 
         In order: free the slots of requests that ended on the host (cancelled, or a stop string
         found by the emitter), admit queued requests into free slots, prefill one chunk, dispatch
-        ``sync_every`` rounds (asynchronously: launched from a second thread, ``_launch_rounds``),
+        its rounds (asynchronously: launched from a second thread, ``_launch_rounds``),
         and meanwhile read back the PREVIOUS dispatch's tokens and hand them to the emitter: the
         host's work runs while the device computes the rounds just dispatched, and while the
         host launches them. A request's tokens therefore reach its stream one engine step after
@@ -875,8 +888,9 @@ class Engine:
 
     def _prepare_rounds(self):
         """The host's decisions for the next dispatch, on the engine thread: the running slots, their
-        pages (preempting if the pool runs short) and, with ``budget="auto"``, the budget. Returns
-        ``_launch_rounds``'s arguments, or ``None`` when no slot is running."""
+        pages (preempting if the pool runs short), the rounds of the dispatch and, with
+        ``budget="auto"``, the budget. Returns ``(snapshot, auto budget index or None, rounds)``, or
+        ``None`` when no slot is running."""
         with self._lock:
             snapshot = [r if r is not None and r.running and not r.retired else None for r in self._slot]
         if self.page_size is not None:
@@ -884,16 +898,20 @@ class Engine:
             self._sync_tables()
         if not any(snapshot):
             return None
+        rounds = self.dispatch_rounds[0]
+        if self._sizer is not None:
+            rounds = self._sizer.choose(sum(r is not None for r in snapshot))
+        self.metrics.count("dispatches", str(rounds))
         if self.auto_plan is not None:
             costs = self._auto.costs(self.slots, self.auto_costs)
             k = self._auto.choose(sum(r is not None for r in snapshot), costs)
             if self._defer:
-                if k > 0 or self._deferred_rounds + self.sync_every > self._defer:
+                if k > 0 or self._deferred_rounds + rounds > self._defer:
                     self._queue_flush()
                 if k == 0:
-                    self._deferred_rounds += self.sync_every
-            return snapshot, k
-        return snapshot, None
+                    self._deferred_rounds += rounds
+            return snapshot, k, rounds
+        return snapshot, None, rounds
 
     def _run_ops(self) -> None:
         """Launch the queued programs on the state (``_ops``) on this thread, in order, once no
@@ -904,25 +922,26 @@ class Engine:
 
     def _submit_launch(self, rounds) -> None:
         """Hand the step's queued programs (``_ops``) and, given ``_prepare_rounds``'s
-        ``(snapshot, auto budget)``, its rounds to the launcher (in the engine thread with several
+        ``(snapshot, auto budget, rounds)``, its rounds to the launcher (in the engine thread with several
         processes); the launch joins ``_inflight`` (without rounds, with no snapshot: its read-back
         only waits for it)."""
         ops, self._ops = self._ops, []
         if rounds is None and not ops:
             return
-        snapshot, auto_budget = rounds if rounds is not None else (None, None)
+        snapshot, auto_budget, n = rounds if rounds is not None else (None, None, 0)
         plan = None if rounds is None else self.plan if auto_budget is None else self._auto_plans[auto_budget]
         if self._launcher is not None:
-            future = self._launcher.submit(self._launch_rounds, ops, plan)
+            future = self._launcher.submit(self._launch_rounds, ops, plan, n)
         else:
             future = concurrent.futures.Future()
-            future.set_result(self._launch_rounds(ops, plan))
-        # (a dispatch with programs before its rounds does not time its budget's rounds; a flush
-        # before them is part of what its budget costs)
-        self._inflight.append((future, snapshot, auto_budget, all(op == self._flush for op in ops)))
+            future.set_result(self._launch_rounds(ops, plan, n))
+        # (a dispatch with programs before its rounds does not time its rounds; a flush before
+        # them is part of what its budget costs)
+        self._inflight.append((future, snapshot, auto_budget, all(op == self._flush for op in ops), n))
 
-    def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None):
-        """Launch ``ops`` on the state, in order, then (given ``plan``) ``sync_every`` rounds of it,
+    def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None,
+                       rounds: int = 1):
+        """Launch ``ops`` on the state, in order, then (given ``plan``) ``rounds`` rounds of it,
         not waiting for any; returns the packed harvest on the device (``None`` without rounds),
         which ``_read_back`` copies once it is computed (starting the copy here, before the rounds
         ran, costs the launcher more host time than the small copy takes later: 0.17-0.24 ms per
@@ -934,12 +953,12 @@ class Engine:
         self.metrics.count("state_ops_seconds", n=time.perf_counter() - t0)
         if plan is None:
             return None
-        self._state, packed = self._rounds(plan, self._state)
+        self._state, packed = self._rounds(plan, self._state, rounds)
         self.metrics.count("launch_seconds", n=time.perf_counter() - t0)
         return packed
 
     def _read_back(self, launch: concurrent.futures.Future, snapshot: list[_Request | None] | None,
-                   auto_budget: int | None = None, clean: bool = False) -> list[Emit]:
+                   auto_budget: int | None = None, clean: bool = False, rounds: int = 1) -> list[Emit]:
         """Wait for a dispatch's launch and its harvest (one transfer) and turn it into emitter
         items; slots whose request ended on the device are freed on the host (on the device they
         no longer run: their finish code says why they ended until a new request's activation
@@ -947,8 +966,9 @@ class Engine:
         whose tally (the harvest's last columns) goes to the chooser and the metrics; when it and
         the dispatch read back before it were ``clean`` (rounds alone, one step apart), the time
         between their read-backs is what a round at its budget costs the engine, host work
-        included (``AutoChooser.observe``). A dispatch of programs without rounds (``snapshot``
-        None) only waits for its launch."""
+        included (``AutoChooser.observe``), and with ``sync_every="auto"`` what a round costs at
+        the dispatch's ``rounds`` and load (``DispatchSizer.observe``). A dispatch of programs
+        without rounds (``snapshot`` None) only waits for its launch."""
         t0 = time.perf_counter()
         packed = launch.result()
         if packed is None:
@@ -958,11 +978,14 @@ class Engine:
         got = np.asarray(self._fetch(packed))
         now = time.perf_counter()
         self._waited += now - t0
-        if auto_budget is not None and clean and self._last_read is not None:
-            self._auto.observe(self.slots, auto_budget, (now - self._last_read) / self.sync_every)
+        if clean and self._last_read is not None:
+            if auto_budget is not None:
+                self._auto.observe(self.slots, auto_budget, (now - self._last_read) / rounds)
+            if self._sizer is not None:
+                self._sizer.observe(sum(r is not None for r in snapshot), rounds, (now - self._last_read) / rounds)
         self._last_read = now if clean else None
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
-        T = self.sync_every * self.tokens_per_round
+        T = rounds * self.tokens_per_round
         live = np.array([r is not None and not r.retired for r in snapshot])
         if auto_budget is not None:
             tally = np.ascontiguousarray(got[:, -(2 + len(self.auto_plan.budgets)):]).view(np.float32)
@@ -970,11 +993,11 @@ class Engine:
             self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0), costs), costs)
         n_rounds = np.where(live, n_rounds, 0)
         self.metrics.count("rounds", n=int(n_rounds.sum()))
-        accept = got[:, _device.HARVEST_FIELDS + T : _device.HARVEST_FIELDS + T + self.sync_every]
-        self.metrics.observe_many("accept", accept[np.arange(self.sync_every)[None] < n_rounds[:, None]])
+        accept = got[:, _device.HARVEST_FIELDS + T : _device.HARVEST_FIELDS + T + rounds]
+        self.metrics.observe_many("accept", accept[np.arange(rounds)[None] < n_rounds[:, None]])
         items, done = [], []
         first = _device.HARVEST_FIELDS
-        rows = got[:, : first + T + self.sync_every].tolist()  # one conversion, then list slices
+        rows = got[:, : first + T + rounds].tolist()  # one conversion, then list slices
         for s in np.flatnonzero(live & ((n_new > 0) | (finish != RUNNING))).tolist():
             r, row = snapshot[s], rows[s]
             reason = None if row[2] == RUNNING else FINISH_REASONS[row[2]]
@@ -982,7 +1005,7 @@ class Engine:
             r.out += tokens
             r.rounds_done += row[1]
             items.append(Emit(r, tokens, row[first + T : first + T + row[1]], reason,
-                              None if r.logprobs is None else self._logprobs(got[s], r, row[0])))
+                              None if r.logprobs is None else self._logprobs(got[s], r, row[0], rounds)))
             if reason is not None:
                 done.append(r)
         if done:
@@ -996,12 +1019,12 @@ class Engine:
                         self._slot[r.slot] = None
         return items
 
-    def _logprobs(self, row: np.ndarray, r: _Request, n: int) -> TokenLogprobs:
-        """The log-probabilities of a slot's ``n`` new tokens from its harvest row (after the
-        tokens and acceptance columns: ``_device.rounds_and_harvest``), for a request that asked
-        (``r.logprobs`` set)."""
+    def _logprobs(self, row: np.ndarray, r: _Request, n: int, rounds: int) -> TokenLogprobs:
+        """The log-probabilities of a slot's ``n`` new tokens from its harvest row of a dispatch of
+        ``rounds`` rounds (after the tokens and acceptance columns: ``_device.rounds_and_harvest``),
+        for a request that asked (``r.logprobs`` set)."""
         K = self.max_logprobs
-        start = _device.HARVEST_FIELDS + self.sync_every * (self.tokens_per_round + 1)
+        start = _device.HARVEST_FIELDS + rounds * (self.tokens_per_round + 1)
         block = row[start:].reshape(-1, 1 + 2 * K)[:n]
         return TokenLogprobs(block[:, 0].view(np.float32), block[:, 1 : 1 + r.logprobs],
                              block[:, 1 + K : 1 + K + r.logprobs].view(np.float32))
@@ -1075,8 +1098,9 @@ class Engine:
         """Compile before serving: a round, the activation, the prefill of every power-of-two number
         of newcomers up to ``prefill_batch`` with the smallest prompt chunk, the largest prefill
         shape (which covers any other until that one has compiled in the background) and, before
-        ``start``, the flush of budget 0's held-back context (``budget="auto"``) and, paged, the
-        page-table upload of every power-of-two number of slots."""
+        ``start``, the flush of budget 0's held-back context (``budget="auto"``), the dispatch of
+        every size ``sync_every="auto"`` may choose (whose measurements then start afresh) and,
+        paged, the page-table upload of every power-of-two number of slots."""
         prompt = [0] * min(_MIN_CHUNK + 1, self.max_model_len - 1)
         R = 1
         while R <= min(self.prefill_batch, self.max_queue):
@@ -1090,6 +1114,11 @@ class Engine:
             R *= 2
         blocks = self._row_blocks  # a full prefill batch spread over the devices' blocks
         self._prefill.warm(blocks * _pow2(-(-self.prefill_batch // blocks)), self.prefill_chunk)
+        if self._sizer is not None and self._thread is None:  # every dispatch size, on slots that do not run
+            self._settle()
+            for rounds in self.dispatch_rounds:
+                jax.block_until_ready(self._launch_rounds([], self.plan, rounds))
+            self._sizer = DispatchSizer(self.dispatch_rounds)  # (the warm-up's timings include compiling)
         if self._defer and self._thread is None:  # the flush of budget 0's held-back context
             self._ops.append(self._flush)
             self._run_ops()

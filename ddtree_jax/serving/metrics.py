@@ -93,6 +93,7 @@ class EngineMetrics:
         self.generated_tokens = 0
         self.rounds = 0  # request-rounds (one request running one round)
         self.engine_steps = 0
+        self.dispatches = collections.Counter()  # dispatches of rounds by their rounds ("1", "2", "4", ...)
         self.host_seconds = 0.0  # engine-thread time in steps, not counting waits for the device
         self.wait_seconds = 0.0  # engine-thread time blocked reading rounds back from the device
         self.prefill_seconds = 0.0  # engine-thread time preparing prefill steps (their launches: launch_seconds)
@@ -173,6 +174,7 @@ class EngineMetrics:
                 free_slots=self.slots - self.running - self.prefilling, requests=dict(self.requests),
                 rejected=dict(self.rejected), prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens, rounds=self.rounds, engine_steps=self.engine_steps,
+                dispatches=dict(self.dispatches),
                 host_seconds=self.host_seconds, wait_seconds=self.wait_seconds, prefill_seconds=self.prefill_seconds,
                 launch_seconds=self.launch_seconds, state_ops_seconds=self.state_ops_seconds,
                 emit_seconds=self.emit_seconds, preemptions=self.preemptions,

@@ -313,6 +313,11 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 for reason, n in sorted(counts.items()):
                     c.add_metric([reason], n)
                 yield c
+            c = CounterMetricFamily("ddtree_dispatches", "dispatches of decoding rounds by rounds per dispatch",
+                                    labels=["rounds"])
+            for rounds, n in sorted(s["dispatches"].items(), key=lambda kv: int(kv[0])):
+                c.add_metric([rounds], n)
+            yield c
             pages = s["kv_pages"]
             for name, doc, key in [
                 ("kv_pages_free", "paged caches: pages free or cached (allocatable)", "free"),
