@@ -73,7 +73,7 @@ def _case(target, drafter, method: str, B: int, args) -> dict:
     from ddtree_jax.serving import Engine, _device
 
     eng = Engine(target, drafter, EngineConfig(slots=B, max_model_len=args.max_model_len, decode=DecodeConfig(
-        method=method, budget=args.budget if method == "ddtree" else 1)))
+        method=method, budget=args.budget if method == "ddtree" else 1, sync_every=1)))
     start = _device.activate(eng._state, eng._scratch_activation())
     jax.block_until_ready(start)
     eng._state = start

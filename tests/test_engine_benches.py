@@ -13,7 +13,7 @@ def test_bench_engine_host_smoke(tmp_path):
 
 def test_bench_engine_smoke_with_repeats_and_admission_groups():
     report = bench_engine.main(["--smoke", "--batches", "2", "--methods", "ar", "--repeats", "2",
-                                "--admit-group", "1", "2"])
+                                "--admit-group", "1", "2", "--sync-every", "1"])
     rows = report["rows"]
     assert [r["admit_group"] for r in rows] == [1, 2]
     for r in rows:
@@ -40,6 +40,7 @@ def test_bench_engine_smoke_launched_inline_with_a_timeline():
                                 "--timeline"])
     (row,) = report["rows"]
     assert row["launcher"] == "inline" and row["greedy_equal"] == f"{row['requests']}/{row['requests']}"
+    assert row["sync_every"] == "auto" and row["dispatches"]  # the engine's default: sizes chosen per dispatch
     spans = row["timeline_ms"]
     assert all(spans[k] > 0 for k in ("step", "launch", "read", "launch_end_to_read_end"))
     assert spans["launch_end_after_step_start"] >= spans["launch"]
