@@ -383,6 +383,34 @@ def test_bad_engine_settings(models, settings, match):
         Engine(target, drafter, dataclasses.replace(SHAPE, decode=dataclasses.replace(DECODE, **decode), **settings))
 
 
+def check_streams(eng, tok, reference, requests, stop_every, cancel_every):
+    """Submits ``requests`` streams to a started engine (every ``stop_every``-th with a stop string,
+    every ``cancel_every``-th cancelled at once) and checks each: its chunks join up to exactly its
+    result, whose tokens are a prefix of generate()'s (all of them, or up to the stop string).
+    Returns ``(prompt index, stop strings, handle)`` per stream."""
+    full = [tok.decode(t) for t in reference.tokens]
+    jobs = []
+    for n in range(requests):
+        i = n % 5
+        stop = [full[i][4:6]] if n % stop_every == 3 else []
+        jobs.append((i, stop, eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS, stop=stop)))
+        if n % cancel_every == 4:
+            jobs[-1][2].cancel()
+    for i, stop, h in jobs:
+        chunks = list(h.stream(timeout=300))
+        res = chunks[-1].result
+        assert [t for c in chunks for t in c.token_ids] == res.tokens
+        assert "".join(c.text for c in chunks) == res.text
+        assert res.tokens == reference.tokens[i][: len(res.tokens)]
+        if res.finish_reason == "stop":
+            assert stop and res.text == full[i][: full[i].find(stop[0])]
+        elif res.finish_reason == "length":
+            assert not stop and res.tokens == reference.tokens[i]
+        else:
+            assert res.finish_reason == "cancelled"
+    return jobs
+
+
 def test_overlapped_loop_under_many_streams_loses_and_duplicates_nothing(models, reference):
     """The background loop (rounds dispatched before the previous ones are read back) under 40
     concurrent streams over 2 slots, with stop strings and cancellations
@@ -391,26 +419,7 @@ def test_overlapped_loop_under_many_streams_loses_and_duplicates_nothing(models,
     tok = char_tokenizer()
     eng = engine(models, slots=2, tokenizer=tok).start()
     try:
-        full = [tok.decode(t) for t in reference.tokens]
-        jobs = []
-        for n in range(40):
-            i = n % 5
-            stop = [full[i][4:6]] if n % 7 == 3 else []
-            jobs.append((i, stop, eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS, stop=stop)))
-            if n % 9 == 4:
-                jobs[-1][2].cancel()
-        for i, stop, h in jobs:
-            chunks = list(h.stream(timeout=300))
-            res = chunks[-1].result
-            assert [t for c in chunks for t in c.token_ids] == res.tokens
-            assert "".join(c.text for c in chunks) == res.text
-            assert res.tokens == reference.tokens[i][: len(res.tokens)]
-            if res.finish_reason == "stop":
-                assert stop and res.text == full[i][: full[i].find(stop[0])]
-            elif res.finish_reason == "length":
-                assert not stop and res.tokens == reference.tokens[i]
-            else:
-                assert res.finish_reason == "cancelled"
+        jobs = check_streams(eng, tok, reference, requests=40, stop_every=7, cancel_every=9)
         assert sum(h.result().finish_reason == "cancelled" for _, _, h in jobs) >= 1
     finally:
         eng.stop()
@@ -567,26 +576,7 @@ def test_changing_sizes_under_many_streams_lose_and_duplicate_nothing(models, re
     tok = char_tokenizer()
     eng = cycling_engine(models, tokenizer=tok).start()
     try:
-        full = [tok.decode(t) for t in reference.tokens]
-        jobs = []
-        for n in range(15):
-            i = n % 5
-            stop = [full[i][4:6]] if n % 4 == 3 else []
-            jobs.append((i, stop, eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS, stop=stop)))
-            if n % 6 == 4:
-                jobs[-1][2].cancel()
-        for i, stop, h in jobs:
-            chunks = list(h.stream(timeout=300))
-            res = chunks[-1].result
-            assert [t for c in chunks for t in c.token_ids] == res.tokens
-            assert "".join(c.text for c in chunks) == res.text
-            assert res.tokens == reference.tokens[i][: len(res.tokens)]
-            if res.finish_reason == "stop":
-                assert stop and res.text == full[i][: full[i].find(stop[0])]
-            elif res.finish_reason == "length":
-                assert not stop and res.tokens == reference.tokens[i]
-            else:
-                assert res.finish_reason == "cancelled"
+        check_streams(eng, tok, reference, requests=15, stop_every=4, cancel_every=6)
     finally:
         eng.stop()
     assert all(h is None for h in eng._slot)
