@@ -93,10 +93,10 @@ def _case(target, drafter, method: str, B: int, args) -> dict:
                state_leaves=len(jax.tree.leaves(eng._state)))
 
     def call():
-        eng._state, _ = eng._rounds(plan, eng._state)
+        eng._state, _ = eng._rounds(plan, eng._state, 1)
 
     def call_copy():
-        eng._state, packed = eng._rounds(plan, eng._state)
+        eng._state, packed = eng._rounds(plan, eng._state, 1)
         packed.copy_to_host_async()
 
     row["call_us"] = _median_us(call, args.calls, ready)
