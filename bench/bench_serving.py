@@ -205,12 +205,40 @@ def _client_process(base, concurrency, indices, max_tokens, temperature, barrier
     out.put(asyncio.run(_requests(base, concurrency, indices, max_tokens, temperature)))
 
 
+def _scrape(base: str) -> dict[str, float]:
+    """The server's ``/metrics`` as ``{name{labels}: value}``."""
+    import re
+
+    import httpx
+
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(ddtree_\S+) (\S+)$", text, re.M)}
+
+
+def _inside(before: dict, after: dict, wall: float) -> dict:
+    """What the server's own metrics say about a level (their change over it): the engine's mean
+    time to first token, split into the queue (submission to a slot) and the slot to the token
+    (prefill, first round, read-back), its mean inter-token latency, its steps per second and the
+    engine thread's milliseconds per step outside waits (host), waiting for the device and streaming
+    (emit, part of host), and the dispatches by rounds."""
+    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
+    mean_ms = lambda h: 1e3 * d(f"ddtree_{h}_sum") / max(d(f"ddtree_{h}_count"), 1)
+    steps = max(d("ddtree_engine_steps_total"), 1)
+    per_step = lambda k: 1e3 * d(f"ddtree_engine_{k}_seconds_total") / steps
+    dispatches = {k.split('"')[1]: int(d(k)) for k in after if k.startswith("ddtree_dispatches_total{") and d(k)}
+    return dict(ttft_ms=mean_ms("time_to_first_token_seconds"), queue_ms=mean_ms("request_queue_time_seconds"),
+                slot_to_token_ms=mean_ms("request_prefill_time_seconds"), itl_ms=mean_ms("inter_token_latency_seconds"),
+                steps_per_s=d("ddtree_engine_steps_total") / wall, host_ms_per_step=per_step("host"),
+                wait_ms_per_step=per_step("wait"), emit_ms_per_step=per_step("emit"), dispatches=dispatches)
+
+
 def _level(base: str, concurrency: int, n: int, args, max_tokens: int | None = None) -> dict:
     """``n`` requests with ``concurrency`` in flight, from ``min(--client-processes, concurrency)``
     client processes (each ``concurrency / K`` in flight, every K-th request): one Python client
     process parses too few server-sent events per second to keep up with the engine at 64 streams."""
     max_tokens = max_tokens or args.max_tokens
     K = max(1, min(args.client_processes, concurrency))
+    before = _scrape(base)
     if K == 1:
         t0 = time.perf_counter()
         results = asyncio.run(_requests(base, concurrency, list(range(n)), max_tokens, args.temperature))
@@ -231,15 +259,17 @@ def _level(base: str, concurrency: int, n: int, args, max_tokens: int | None = N
         wall = time.perf_counter() - t0
         for p in procs:
             p.join()
+    inside = _inside(before, _scrape(base), wall)
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
     ttft = [r["ttft"] for r in results]
     itl = [r["itl"] for r in results if r["itl"] is not None]
     tokens = sum(r["tokens"] for r in results)
     return dict(concurrency=concurrency, requests=n, client_processes=K, wall_s=wall, output_tokens=tokens,
                 tokens_per_s=tokens / wall, requests_per_s=n / wall,
-                ttft_ms={f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
+                ttft_ms={f"p{q}": pct(ttft, q) for q in (50, 90, 99)}, ttft_ms_mean=1e3 * float(np.mean(ttft)),
                 itl_ms={f"p{q}": pct(itl, q) for q in (50, 90, 99)},
-                e2e_ms_p50=pct([r["e2e"] for r in results], 50), mean_tau=float(np.mean([r["tau"] for r in results])))
+                e2e_ms_p50=pct([r["e2e"] for r in results], 50), mean_tau=float(np.mean([r["tau"] for r in results])),
+                inside=inside)
 
 
 def _markdown(report: dict) -> str:
@@ -264,6 +294,22 @@ def _markdown(report: dict) -> str:
               f"from up to {report.get('client_processes', 1)} client processes). "
               "TTFT: request sent -> first text. ITL: (last text - first text) / (tokens - 1) per request. "
               "tau: mean acceptance length (tokens per target pass) the server reports in `usage`."]
+    lines += ["", "Inside the server (its `/metrics`, over each level): the client's mean TTFT beside the "
+              "engine's (submission to the engine -> first token streamed), split into the queue (-> a slot) and "
+              "the slot to the token (prefill, first round, read-back); the engine's mean ITL; its steps per second "
+              "and the engine thread's ms per step: host work (emit: of it, streaming), waiting for the device; "
+              "dispatches by rounds per dispatch.", "",
+              "| method | concurrency | client TTFT ms | engine TTFT ms | queue ms | slot -> token ms | engine ITL ms "
+              "| steps/s | host ms/step | emit ms/step | wait ms/step | dispatches |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, levels in report["results"].items():
+        for r in levels:
+            e = r["inside"]
+            sizes = ", ".join(f"{k}: {v}" for k, v in sorted(e["dispatches"].items(), key=lambda kv: int(kv[0])))
+            lines.append(f"| {method} | {r['concurrency']} | {r['ttft_ms_mean']:.1f} | {e['ttft_ms']:.1f} | "
+                         f"{e['queue_ms']:.1f} | {e['slot_to_token_ms']:.1f} | {e['itl_ms']:.2f} | "
+                         f"{e['steps_per_s']:.0f} | {e['host_ms_per_step']:.2f} | {e['emit_ms_per_step']:.2f} | "
+                         f"{e['wait_ms_per_step']:.2f} | {sizes} |")
     if report.get("in_process"):
         lines += _in_process_markdown(report)
     return "\n".join(lines) + "\n"

@@ -63,6 +63,10 @@ def test_greedy_equals_generate_whatever_the_arrival_order_and_slot(models, refe
     m = eng.metrics.snapshot()
     assert m["requests"] == {"length": 5} and m["generated_tokens"] == 5 * MAX_TOKENS
     assert m["ttft"].count == 5 and m["itl"].count == 5 * (MAX_TOKENS - 1) and m["free_slots"] == 2
+    # A first token's wait splits into the queue (staggered arrivals: some wait for a slot) and the
+    # time from its slot to the token.
+    assert m["queue_time"].count == m["prefill_time"].count == 5 and m["queue_time"].total > 0
+    assert m["queue_time"].total + m["prefill_time"].total == pytest.approx(m["ttft"].total, rel=1e-9, abs=1e-9)
     assert m["accept"].count == m["rounds"] > 0 and 1 <= m["mean_acceptance_length"] <= 5
     # The step's parts: the launches include the programs before the rounds (prefill, activation).
     assert 0 < m["state_ops_seconds"] < m["launch_seconds"]

@@ -301,6 +301,10 @@ def test_concurrent_streams_mixed_bad_and_disconnecting(server):
     assert delta['ddtree_requests_total{reason="cancelled"}'] == len(hangups)
     assert delta['ddtree_rejected_requests_total{reason="invalid"}'] == len(bad)
     assert m["ddtree_time_to_first_token_seconds_count"] >= n_ok and m["ddtree_acceptance_length_count"] > 0
+    # Every request that got a slot waited in the queue; each first token came after its slot's prefill.
+    assert delta["ddtree_request_queue_time_seconds_count"] >= n_ok + len(hangups)
+    assert delta["ddtree_request_prefill_time_seconds_count"] >= n_ok
+    assert delta["ddtree_request_prefill_time_seconds_sum"] <= delta["ddtree_time_to_first_token_seconds_sum"]
 
 
 def test_non_streaming_client_that_gives_up_cancels_its_request(server):

@@ -86,15 +86,17 @@ def _put_all(batch: list) -> None:
 
 class StepLatency:
     """One step's latency observations, recorded into the metrics under one lock acquisition: the
-    tokens, each first token's time to first token, and per request the inter-token gap with the
+    tokens, each first token's time to first token and time from its request's admission into a
+    slot (the prefill, the first round and its read-back), and per request the inter-token gap with the
     number of tokens it covers (a first chunk of ``n`` tokens adds ``n - 1`` gaps of 0)."""
 
-    __slots__ = ("tokens", "ttft", "itl_values", "itl_counts", "deliveries")
+    __slots__ = ("tokens", "ttft", "prefill", "itl_values", "itl_counts", "deliveries")
 
     def __init__(self):
         self.deliveries: list = []  # the step's chunks for async listeners (``deliver``)
         self.tokens = 0
         self.ttft: list[float] = []
+        self.prefill: list[float] = []
         self.itl_values: list[float] = []
         self.itl_counts: list[int] = []
 
@@ -103,6 +105,8 @@ class StepLatency:
         if r.first_token is None:
             r.first_token = now
             self.ttft.append(now - r.submitted)
+            if r.admitted is not None:
+                self.prefill.append(now - r.admitted)
             if n > 1:
                 self.itl_values.append(0.0)
                 self.itl_counts.append(n - 1)
@@ -114,7 +118,7 @@ class StepLatency:
     def record(self, metrics: EngineMetrics, seen: float) -> None:
         """Record the step's observations into ``metrics`` (nothing when it streamed no token)."""
         if self.tokens:
-            metrics.record_step(self.tokens, seen, self.ttft, self.itl_values, self.itl_counts)
+            metrics.record_step(self.tokens, seen, self.ttft, self.itl_values, self.itl_counts, self.prefill)
 
 
 @dataclasses.dataclass(frozen=True)

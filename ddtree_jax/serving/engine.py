@@ -212,6 +212,7 @@ class _Request:
     stop_ids: list[int]
     text: TextStream
     submitted: float
+    admitted: float | None = None  # when it last took a slot
     slot: int = -1
     prefilled: int = 0  # prompt tokens (of prompt[:-1]) in the slot's caches
     running: bool = False
@@ -737,7 +738,7 @@ class Engine:
             for r in cancelled_queued:
                 self._queue.remove(r)
             cancelled = [r for r in self._slot if r is not None and r.handle.cancel_requested and not r.retired]
-            freed = []
+            freed, waits = [], []
             for r in cancelled + stopped:
                 r.retired = True
                 if r.slot >= 0 and self._slot[r.slot] is r:
@@ -754,10 +755,14 @@ class Engine:
                         break  # first come, first served: wait for pages
                     req = self._queue.popleft()
                     req.slot = i
+                    req.admitted = time.perf_counter()
                     self._slot[i] = req
                     self._admitted.append(req)
+                    waits.append(req.admitted - req.submitted)
             self._update_load()
             busy = any(r is not None for r in self._slot)
+        if waits:
+            self.metrics.observe_many("queue_time", waits)
         ended = [Emit(r, [], [], r.handle.cancel_reason) for r in cancelled_queued + cancelled]
         self._release([r.slot for r in freed if r.running])
         if not busy and not self._inflight:

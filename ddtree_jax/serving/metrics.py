@@ -103,6 +103,8 @@ class EngineMetrics:
         self.preemptions = 0  # paged caches: requests preempted for pages (each resumes later)
         self.kv_pages: dict | None = None  # paged caches: the page pool's counts (PagePool.stats)
         self.ttft = Histogram(LATENCY_BUCKETS)
+        self.queue_time = Histogram(LATENCY_BUCKETS)  # submission to a slot
+        self.prefill_time = Histogram(LATENCY_BUCKETS)  # a slot to the first token
         self.itl = Histogram(LATENCY_BUCKETS)
         self.accept = Histogram(ACCEPT_BUCKETS)
         self._window = rate_window_s
@@ -121,14 +123,17 @@ class EngineMetrics:
             self.generated_tokens += n
             self._recent.append((now, n))
 
-    def record_step(self, tokens: int, now: float, ttft, itl_values, itl_counts) -> None:
-        """One engine step's streamed tokens and latencies: ``ttft`` values, and ``itl_values``
-        each observed ``itl_counts`` times (one lock acquisition for the step)."""
+    def record_step(self, tokens: int, now: float, ttft, itl_values, itl_counts, prefill=()) -> None:
+        """One engine step's streamed tokens and latencies: ``ttft`` and ``prefill`` (a slot to the
+        first token) values, and ``itl_values`` each observed ``itl_counts`` times (one lock
+        acquisition for the step)."""
         with self._lock:
             self.generated_tokens += tokens
             self._recent.append((now, tokens))
             if ttft:
                 self.ttft.observe_many(ttft)
+            if prefill:
+                self.prefill_time.observe_many(prefill)
             if itl_values:
                 self.itl.observe_many(itl_values, itl_counts)
 
@@ -180,7 +185,8 @@ class EngineMetrics:
                 emit_seconds=self.emit_seconds, preemptions=self.preemptions,
                 kv_pages=None if self.kv_pages is None else dict(self.kv_pages),
                 tokens_per_second=tps, mean_acceptance_length=self.accept.mean,
-                ttft=self.ttft.copy(), itl=self.itl.copy(), accept=self.accept.copy(),
+                ttft=self.ttft.copy(), queue_time=self.queue_time.copy(), prefill_time=self.prefill_time.copy(),
+                itl=self.itl.copy(), accept=self.accept.copy(),
                 auto_budget=None if not self.auto_budgets else dict(
                     budgets=list(self.auto_budgets), rounds=list(self.budget_rounds),
                     expected_tokens=list(self.budget_expected), realized_tokens=list(self.budget_realized),

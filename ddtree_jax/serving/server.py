@@ -345,6 +345,9 @@ def metrics_text(engine: Engine) -> tuple[bytes, str]:
                 yield c
             for name, doc, h in [
                 ("time_to_first_token_seconds", "submission to first streamed token", s["ttft"]),
+                ("request_queue_time_seconds", "submission to a slot", s["queue_time"]),
+                ("request_prefill_time_seconds", "a slot to the first streamed token (prefill, first round, "
+                 "read-back)", s["prefill_time"]),
                 ("inter_token_latency_seconds", "time per streamed token after the first", s["itl"]),
                 ("acceptance_length", "tokens accepted per round (bonus included)", s["accept"]),
             ]:
