@@ -32,10 +32,12 @@ unknown route or method, 413 body larger than ``max_request_bytes`` (checked fro
 ``Content-Length`` before reading, and while reading), 500 engine failure, 503 queue full or
 shutting down.
 
-The event loop only moves bytes: parsing a body, checking its fields, rendering the chat template
-and tokenizing run on a pool of worker threads (tokenizing with ``encode_batch``, which releases
-the GIL), so a huge or pathological request delays only itself. A client that disconnects
-cancels its request; the slot is free after the current engine step.
+The completion routes speak ASGI to uvicorn directly (``serving/asgi.py``; the other routes are
+FastAPI's). A body of up to ``INLINE_BYTES`` is parsed, checked and tokenized on the event loop
+(a short prompt costs less there than the hop to a thread); a larger one on a pool of worker
+threads (tokenizing with ``encode_batch``, which releases the GIL), so a huge or pathological
+request delays only itself. A client that disconnects cancels its request; the slot is free after
+the current engine step.
 
 Access: with ``api_key`` every ``/v1/*`` route needs ``Authorization: Bearer <key>`` (compared in
 constant time); ``/health`` and ``/metrics`` stay open.
@@ -57,21 +59,23 @@ import hmac
 import json
 import math
 import os
+import secrets
 import signal
 import socket
 import sys
 import time
-import uuid
+import traceback
 import weakref
 from typing import Any
 
 import numpy as np
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree_jax.config import is_int
+from ddtree_jax.serving import asgi
 from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult, queued
 from ddtree_jax.serving.openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, completion_logprobs
 
@@ -83,6 +87,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 256k-token prompt as a JSON list of i
 DEFAULT_DRAIN_TIMEOUT = 20.0  # seconds; with the abort grace, inside a 30 s termination grace period
 ABORT_GRACE = 10.0  # seconds the cancelled requests get to send their final chunk
 CPU_WORKERS = 4  # threads for parsing, chat templates and tokenizing
+INLINE_BYTES = 4096  # bodies up to this size are parsed and tokenized on the event loop (module doc)
 
 
 def _log(msg: str) -> None:
@@ -424,27 +429,33 @@ class Admission:
         self._skip.clear()
 
 
-class _Gate:
-    """ASGI middleware before the routes: the API key and draining for ``/v1/*``; counts the
-    requests in flight."""
+class _App:
+    """The server's ASGI app: the API key and draining for ``/v1/*`` (counting the requests in
+    flight), then the completion routes in plain ASGI (``serving/asgi.py``: ``routes`` maps a path
+    to its handler, POST only), and every other route on the FastAPI app ``api``."""
 
-    def __init__(self, app, admission: Admission):
-        self.app, self.admission = app, admission
+    def __init__(self, api, admission: Admission, routes: dict):
+        self.api, self.admission, self.routes = api, admission, routes
+        self.state = api.state
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
         if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
-            return await self.app(scope, receive, send)
+            return await self.api(scope, receive, send)
         adm = self.admission
         if not adm.authorized(scope.get("headers", [])):
             err = APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'", None,
                            code="invalid_api_key")
-            return await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return await asgi.send_json(send, err.status, err.body(), {"WWW-Authenticate": "Bearer"})
         if adm.draining:
-            return await _unavailable().response()(scope, receive, send)
+            return await asgi.send_json(send, 503, _unavailable().body())
+        route = self.routes.get(path)
+        if route is not None and scope["method"] != "POST":
+            err = APIError(405, f"Method Not Allowed: {scope['method']} {path}", None, code="method_not_allowed")
+            return await asgi.send_json(send, 405, err.body(), {"Allow": "POST"})
         adm.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await (route or self.api)(scope, receive, send)
         finally:
             adm.in_flight -= 1
 
@@ -507,7 +518,11 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
 
     app = FastAPI(title="ddtree-jax", lifespan=lifespan)
     app.state.admission = admission
-    app.add_middleware(_Gate, admission=admission)
+    routes: dict = {}  # the completion routes, in plain ASGI (added below)
+    boot = secrets.token_hex(4)  # completion ids: "cmpl-<boot>-<request id>", unique across restarts
+
+    def request_id(handle, chat: bool) -> str:
+        return f"{'chatcmpl' if chat else 'cmpl'}-{boot}-{handle.request_id}"
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -543,23 +558,6 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
     async def metrics():  # off the loop: an engine in another process answers a round trip
         body, ctype = await asyncio.get_running_loop().run_in_executor(pool, metrics_text, engine)
         return Response(body, media_type=ctype)
-
-    async def read_body(request: Request) -> bytes:
-        """The body, refused with a 413 beyond ``max_request_bytes`` (from Content-Length before
-        reading anything, then while reading)."""
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise APIError(400, f"Content-Length {length!r} is not a byte count", None)
-            if int(length) > max_request_bytes:
-                raise _too_large(max_request_bytes, int(length))
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_request_bytes:
-                raise _too_large(max_request_bytes)
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def parse(raw: bytes) -> dict:
         try:
@@ -733,52 +731,67 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                 handle.cancel()
             admission.handles.discard(handle)
 
-    async def watch_disconnect(request: Request, handles):
-        """Cancel ``handles`` once the client has gone (non-streaming requests)."""
-        while not all(h.done for h in handles):
-            if await request.is_disconnected():
-                for handle in handles:
-                    handle.cancel()
-                return
-            await asyncio.sleep(0.1)
-
-    async def respond(request: Request, chat: bool):
+    async def completion_route(scope, receive, send, chat: bool) -> None:
+        """``POST /v1/completions`` (``chat`` False) and ``/v1/chat/completions``, in plain ASGI."""
         try:
-            raw = await read_body(request)
-            prepared = await asyncio.get_running_loop().run_in_executor(pool, prepare, raw, chat)
+            raw = await asgi.read_body(scope, receive, max_request_bytes)
+        except asgi.ClientGone:
+            return
+        except asgi.BodyTooLarge as e:
+            return await refuse(send, _too_large(max_request_bytes, e.size))
+        except ValueError as e:  # the Content-Length
+            return await refuse(send, APIError(400, str(e), None))
+        try:
+            if len(raw) <= INLINE_BYTES:  # a small body costs less here than a hop to a worker thread
+                prepared = prepare(raw, chat)
+            else:
+                prepared = await asyncio.get_running_loop().run_in_executor(pool, prepare, raw, chat)
             handles = await submit(prepared, chat)
         except APIError as e:
-            if e.status in (400, 413) and not e.counted:
-                engine.metrics.count("rejected", "invalid" if e.status == 400 else "too_large")
-            raise
-        return await (stream_response if prepared.stream else whole_response)(request, handles, prepared, chat)
-
-    async def whole_response(request: Request, handles, p: _Prepared, chat: bool):
-        watcher = asyncio.create_task(watch_disconnect(request, handles))
-        results: list[RequestResult | None] = [None] * len(handles)
+            return await refuse(send, e)
+        watcher = asgi.Disconnect(receive, lambda: [h.cancel() for h in handles if not h.done])
+        events = asgi.EventStream(send)
         try:
-            async for batch in merged(handles):
-                for i, chunk in batch:
-                    if chunk.finished:
-                        results[i] = chunk.result
+            if prepared.stream:
+                await stream_response(events, handles, prepared, chat)
+            else:
+                status, body = await whole_response(handles, prepared, chat)
+                await asgi.send_json(send, status, body)
+        except Exception as e:
+            _log(f"internal error: {''.join(traceback.format_exception(e)).rstrip()}")
+            if events.started:
+                raise  # uvicorn closes the connection
+            await refuse(send, APIError(500, f"internal error: {type(e).__name__}", None, kind="server_error"))
         finally:
-            watcher.cancel()
+            watcher.close()
             release(handles)
+
+    async def refuse(send, e: APIError) -> None:
+        if e.status in (400, 413) and not e.counted:
+            engine.metrics.count("rejected", "invalid" if e.status == 400 else "too_large")
+        await asgi.send_json(send, e.status, e.body())
+
+    async def whole_response(handles, p: _Prepared, chat: bool) -> tuple[int, dict]:
+        results: list[RequestResult | None] = [None] * len(handles)
+        async for batch in merged(handles):
+            for i, chunk in batch:
+                if chunk.finished:
+                    results[i] = chunk.result
         failed = next((r for r in results if r.finish_reason.startswith("error")), None)
         if failed is not None:
-            raise APIError(500, failed.finish_reason, None, kind="server_error")
+            return 500, APIError(500, failed.finish_reason, None, kind="server_error").body()
         choices = []
         for i, result in enumerate(results):
             lp = logprobs_of(p, chat, result.tokens, result.logprobs, CompletionOffsets())
             choices.append({"index": i, "message": {"role": "assistant", "content": result.text}, "logprobs": lp,
                             "finish_reason": finish_reason(result)} if chat else
                            {"index": i, "text": result.text, "logprobs": lp, "finish_reason": finish_reason(result)})
-        return {"id": _request_id(handles[0], chat), "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name, "system_fingerprint": fingerprint,
-                "choices": choices, "usage": usage(results)}
+        return 200, {"id": request_id(handles[0], chat), "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": model_name, "system_fingerprint": fingerprint,
+                     "choices": choices, "usage": usage(results)}
 
-    async def stream_response(request: Request, handles, p: _Prepared, chat: bool):
-        rid, now = _request_id(handles[0], chat), int(time.time())
+    async def stream_response(out: asgi.EventStream, handles, p: _Prepared, chat: bool) -> None:
+        rid, now = request_id(handles[0], chat), int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [CompletionOffsets() for _ in handles]
 
@@ -809,47 +822,32 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                 return last + [f"data: {json.dumps(err.body())}\n\n"], True
             return [event([choice(i, chunk, finish_reason(result))])], False
 
-        async def events():
-            # The chunks that arrived together go out in one write (each its own event): a stream
-            # that fell behind catches up at once.
-            results: list[RequestResult | None] = [None] * len(handles)
-            try:
-                if chat:
-                    yield "".join(event([choice(i, None, None, first=True)]) for i in range(len(handles)))
-                failed = False
-                async for batch in merged(handles):
-                    out = []
-                    for i, chunk in batch:
-                        more, failed = events_of(i, chunk, results)
-                        out += more
-                        if failed:
-                            break
-                    if out:
-                        yield "".join(out)
-                    if failed:
-                        break
-                if not failed and p.include_usage:
-                    yield event([], usage(results))
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away (or the response ended): nothing more to decode
-                release(handles)
+        # The chunks that arrived together go out in one write (each its own event): a stream that
+        # fell behind catches up at once.
+        results: list[RequestResult | None] = [None] * len(handles)
+        await out.start()
+        if chat:
+            await out.write("".join(event([choice(i, None, None, first=True)]) for i in range(len(handles))))
+        failed = False
+        async for batch in merged(handles):
+            text = []
+            for i, chunk in batch:
+                more, failed = events_of(i, chunk, results)
+                text += more
+                if failed:
+                    break
+            if text:
+                await out.write("".join(text))
+            if failed:
+                break
+        if not failed and p.include_usage:
+            await out.write(event([], usage(results)))
+        await out.write("data: [DONE]\n\n")
+        await out.end()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await respond(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await respond(request, chat=True)
-
-    return app
-
-
-def _request_id(handle, chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}-{uuid.uuid4().hex[:8]}"
+    routes["/v1/completions"] = lambda scope, receive, send: completion_route(scope, receive, send, chat=False)
+    routes["/v1/chat/completions"] = lambda scope, receive, send: completion_route(scope, receive, send, chat=True)
+    return _App(app, admission, routes)
 
 
 def serve(engine: Engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
