@@ -620,6 +620,18 @@ def test_every_status_is_an_openai_error_object(small_engine):
         assert _openai_error(r, 400)["code"] == "model_not_found"
 
 
+def test_a_failure_inside_the_server_is_a_500_openai_error(small_engine, monkeypatch):
+    def broken(*args, **kw):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(small_engine, "submit", broken)
+    with _app_client(small_engine) as http:
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
+            err = _openai_error(r, 500)
+            assert err["type"] == "server_error" and err["message"] == "internal error: ZeroDivisionError"
+
+
 def test_logprobs_from_an_engine_without_them_is_400(small_engine):
     from tests._serving_fixtures import CHAT_TEMPLATE
 

@@ -487,7 +487,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                specials: dict[str, Any] | None = None, default_max_tokens: int = 16, manage_engine: bool = True,
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                cpu_workers: int = CPU_WORKERS):
-    """The FastAPI app serving ``engine`` as model ``model_name``: an ``Engine``, or an
+    """The ASGI app serving ``engine`` as model ``model_name`` (FastAPI's, with the completion
+    routes in plain ASGI in front): an ``Engine``, or an
     ``EngineClient`` (the engine in a process of its own: ``engine_process``; once that process is
     gone, ``/health`` answers 503 with its ``failure``). With ``manage_engine`` the app starts the
     engine at startup and stops it at shutdown. ``api_key``: required on
@@ -749,6 +750,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             handles = await submit(prepared, chat)
         except APIError as e:
             return await refuse(send, e)
+        except Exception as e:
+            return await internal_error(send, e)
         watcher = asgi.Disconnect(receive, lambda: [h.cancel() for h in handles if not h.done])
         events = asgi.EventStream(send)
         try:
@@ -758,10 +761,9 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
                 status, body = await whole_response(handles, prepared, chat)
                 await asgi.send_json(send, status, body)
         except Exception as e:
-            _log(f"internal error: {''.join(traceback.format_exception(e)).rstrip()}")
             if events.started:
-                raise  # uvicorn closes the connection
-            await refuse(send, APIError(500, f"internal error: {type(e).__name__}", None, kind="server_error"))
+                raise  # uvicorn logs it and closes the connection
+            await internal_error(send, e)
         finally:
             watcher.close()
             release(handles)
@@ -770,6 +772,10 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         if e.status in (400, 413) and not e.counted:
             engine.metrics.count("rejected", "invalid" if e.status == 400 else "too_large")
         await asgi.send_json(send, e.status, e.body())
+
+    async def internal_error(send, e: Exception) -> None:
+        _log(f"internal error: {''.join(traceback.format_exception(e)).rstrip()}")
+        await refuse(send, APIError(500, f"internal error: {type(e).__name__}", None, kind="server_error"))
 
     async def whole_response(handles, p: _Prepared, chat: bool) -> tuple[int, dict]:
         results: list[RequestResult | None] = [None] * len(handles)
