@@ -102,8 +102,11 @@ class Disconnect:
         self._task = asyncio.ensure_future(self._watch(receive))
 
     async def _watch(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # the server's channel closed under us: the response's own sends end it
+            return
         self.gone = True
         self._on_gone()
 
