@@ -43,9 +43,33 @@ def test_one_outlier_does_not_move_the_choice_and_a_lasting_change_does():
     assert chosen[-20:].count(1) >= 16 and sizer.best(8) == 1
 
 
+def test_a_size_whose_observations_rarely_come_is_measured_with_bounded_patience():
+    # Under traffic most dispatches prefill, admit or release beside their rounds and are not
+    # observations: here one dispatch in five is. Measuring size 1 must not run it for 15 dispatches.
+    sizer = DispatchSizer((1, 2, 4), tolerance=0.1, min_obs=3, patience=3, reprobe=1000)
+    costs = {1: 1.4e-3, 2: 0.75e-3, 4: 0.58e-3}
+    chosen = []
+    for i in range(60):
+        k = sizer.choose(64)
+        chosen.append(k)
+        if i % 5 == 4:
+            sizer.observe(64, k, costs[k])
+    assert chosen[:9] == [1] * 9 and chosen[9:18] == [2] * 9  # patience: 3 tries per missing observation
+    assert set(chosen[27:]) == {4} and sizer.best(64) == 4
+    # A size never observed is never chosen once its tries are spent.
+    sizer = DispatchSizer((1, 2, 4), min_obs=3, patience=2, reprobe=1000)
+    chosen = [sizer.choose(8) for _ in range(6)]  # size 1, nothing observed
+    assert chosen == [1] * 6
+    for _ in range(3):
+        sizer.observe(8, sizer.choose(8), 1.0)  # size 2
+    for _ in range(3):
+        sizer.observe(8, sizer.choose(8), 0.5)  # size 4
+    assert {sizer.choose(8) for _ in range(10)} == {4} and 1 not in sizer.costs(8)
+
+
 @pytest.mark.parametrize("kw", [dict(rounds=()), dict(rounds=(2, 1)), dict(rounds=(0, 1)), dict(tolerance=-1),
                                 dict(min_obs=0), dict(min_obs=6, window=5), dict(reprobe=0), dict(reprobe_obs=0),
-                                dict(reprobe_obs=4, min_obs=3)])
+                                dict(reprobe_obs=4, min_obs=3), dict(patience=0)])
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError, match="DispatchSizer"):
         DispatchSizer(**kw)

@@ -14,6 +14,11 @@ in turn until each has ``MIN_OBS`` observations, and then runs the SMALLEST size
 round is within ``TOLERANCE`` of the best: throughput where more rounds per dispatch pay, latency
 where they do not. Every ``REPROBE`` dispatches of a bucket its chosen size's neighbours are
 measured ``REPROBE_OBS`` times again (the costs move with the load and the host's other work).
+Only a dispatch of rounds alone, read back one step after the last such one, is an observation;
+under serving traffic most steps also prefill, admit or release, so a size being measured would
+run for as long as its observations take to come: a size is tried at most ``PATIENCE`` times per
+observation it still needs, then left with what it has (a size with no observation is never
+chosen) until the next re-measurement.
 docs/serving.md gives the measurements behind the rule.
 """
 
@@ -30,6 +35,7 @@ MIN_OBS = 3  # observations of a size before it is trusted
 WINDOW = 5  # the observations a cost is the median of
 REPROBE = 64  # dispatches of a bucket between re-measurements of the chosen size's neighbours
 REPROBE_OBS = 2  # fresh observations of each neighbour then
+PATIENCE = 3  # dispatches of a size being measured per observation it needs, at most
 
 
 def _bucket(running: int) -> int:
@@ -42,25 +48,32 @@ class DispatchSizer:
     thread-safe (the engine thread alone calls it)."""
 
     def __init__(self, rounds: tuple[int, ...] = ROUNDS, *, tolerance: float = TOLERANCE, min_obs: int = MIN_OBS,
-                 window: int = WINDOW, reprobe: int = REPROBE, reprobe_obs: int = REPROBE_OBS):
+                 window: int = WINDOW, reprobe: int = REPROBE, reprobe_obs: int = REPROBE_OBS,
+                 patience: int = PATIENCE):
         rounds = tuple(rounds)
         if not rounds or list(rounds) != sorted(set(rounds)) or rounds[0] < 1:
             raise ValueError(f"DispatchSizer: rounds must be ascending distinct integers >= 1, got {rounds!r}")
-        if tolerance < 0 or not 1 <= min_obs <= window or reprobe < 1 or not 1 <= reprobe_obs <= min_obs:
-            raise ValueError("DispatchSizer: tolerance >= 0, 1 <= min_obs <= window, reprobe >= 1 and "
-                             "1 <= reprobe_obs <= min_obs")
+        if (tolerance < 0 or not 1 <= min_obs <= window or reprobe < 1 or not 1 <= reprobe_obs <= min_obs
+                or patience < 1):
+            raise ValueError("DispatchSizer: tolerance >= 0, 1 <= min_obs <= window, reprobe >= 1, "
+                             "1 <= reprobe_obs <= min_obs and patience >= 1")
         self.rounds, self.tolerance, self.min_obs, self.reprobe = rounds, tolerance, min_obs, reprobe
-        self.window, self.reprobe_obs = window, reprobe_obs
+        self.window, self.reprobe_obs, self.patience = window, reprobe_obs, patience
         self._obs: dict[tuple[int, int], collections.deque] = {}  # (bucket, rounds) -> seconds per round
         self._seen: dict[tuple[int, int], int] = {}  # (bucket, rounds) -> observations since last (re)probe
         self._since: dict[int, int] = {}  # bucket -> dispatches chosen since its last re-probe
+        self._tries: dict[tuple[int, int], int] = {}  # (bucket, rounds) -> tries left to measure it
 
     def choose(self, running: int) -> int:
         """The rounds of the next dispatch, given how many slots run in it (>= 1)."""
         b = _bucket(running)
-        for k in self.rounds:  # first measure every size at this load
-            if self._seen.get((b, k), 0) < self.min_obs:
-                return k
+        for k in self.rounds:  # first measure every size at this load (with bounded patience)
+            need = self.min_obs - self._seen.get((b, k), 0)
+            if need > 0:
+                left = self._tries.setdefault((b, k), self.patience * need)
+                if left > 0:
+                    self._tries[(b, k)] = left - 1
+                    return k
         best = self.best(running)
         self._since[b] = self._since.get(b, 0) + 1
         if self._since[b] >= self.reprobe:  # re-measure the neighbours
@@ -69,6 +82,7 @@ class DispatchSizer:
             for j in (i - 1, i + 1):
                 if 0 <= j < len(self.rounds):
                     self._seen[(b, self.rounds[j])] = self.min_obs - self.reprobe_obs
+                    self._tries.pop((b, self.rounds[j]), None)
         return best
 
     def best(self, running: int) -> int:
