@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -519,7 +520,6 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
 
     app = FastAPI(title="ddtree-jax", lifespan=lifespan)
     app.state.admission = admission
-    routes: dict = {}  # the completion routes, in plain ASGI (added below)
     boot = secrets.token_hex(4)  # completion ids: "cmpl-<boot>-<request id>", unique across restarts
 
     def request_id(handle, chat: bool) -> str:
@@ -851,8 +851,8 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         await out.write("data: [DONE]\n\n")
         await out.end()
 
-    routes["/v1/completions"] = lambda scope, receive, send: completion_route(scope, receive, send, chat=False)
-    routes["/v1/chat/completions"] = lambda scope, receive, send: completion_route(scope, receive, send, chat=True)
+    routes = {"/v1/completions": functools.partial(completion_route, chat=False),
+              "/v1/chat/completions": functools.partial(completion_route, chat=True)}
     return _App(app, admission, routes)
 
 
