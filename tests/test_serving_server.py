@@ -13,6 +13,7 @@ one-process server, cancellation, the SIGTERM drain, and a killed engine process
 import concurrent.futures
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -985,3 +986,36 @@ def test_a_signal_repeated_within_the_window_does_not_cut_the_drain():
         server.handle_exit(signal.SIGTERM, None)
         assert ("skip_drain" in Loop.calls) == skipped, (window, Loop.calls)
         assert Loop.calls.count("_start_drain") == 1, Loop.calls
+
+
+def test_stream_events_are_json_dumps_byte_for_byte():
+    """``StreamEvents`` renders each event's fixed fields once; its events must be the bytes of
+    ``json.dumps(obj, ensure_ascii=False)`` for any text (quotes, backslashes, control characters,
+    non-ASCII) and with or without usage."""
+    from ddtree_jax.serving.server import StreamEvents
+
+    rng = random.Random(0)
+    alphabet = ['"', "\\", "\n", "\t", "\x00", "\x1f", "é", "ß", "中", "🙂", "\u2028", "a", " ", "/", "{", "}"]
+    for include_usage in (False, True):
+        ids = dict(id='cmpl-"x\\y', object="text_completion", created=1764800000, model="mödel\n",
+                   system_fingerprint="fp_0")
+        events = StreamEvents(ids["id"], ids["object"], ids["created"], ids["model"], ids["system_fingerprint"],
+                              include_usage)
+
+        def dumped(choices, use=None, ids=ids, include_usage=include_usage):
+            obj = dict(ids, choices=choices)
+            if include_usage:
+                obj["usage"] = use
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        for _ in range(200):
+            text = "".join(rng.choices(alphabet, k=rng.randrange(12)))
+            index = rng.randrange(4)
+            reason = rng.choice([None, "stop", "length", 'odd "reason"'])
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            assert events.text(index, text, reason) == dumped([choice])
+            chat = {"index": index, "delta": {"content": text}, "logprobs": {"content": [{"logprob": -0.5}]},
+                    "finish_reason": reason}
+            assert events.event([chat]) == dumped([chat])
+        use = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        assert events.event([], use) == dumped([], use if include_usage else None)

@@ -102,7 +102,7 @@ class RequestHandle:
         self._cond = threading.Condition(self._mutex)
         self._chunks: list[StreamChunk] = []
         # Replaced, never changed in place (copy on write): ``_push`` reads it without a copy.
-        self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._listeners: list[tuple[asyncio.AbstractEventLoop, _Inbox]] = []
         self._blocked = 0  # threads waiting in ``result`` or ``stream``: only they need a notify
         self._result: RequestResult | None = None
         self.cancel_requested = False
@@ -175,22 +175,52 @@ class RequestHandle:
         """``astream``'s chunks, as lists: each time every chunk that has arrived (at least one),
         in order, so that a reader that fell behind catches up in one pass; the last list ends
         with the finished chunk."""
-        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        queue = _Inbox(loop)
         with self._cond:
             backlog = list(self._chunks)
-            self._listeners = [*self._listeners, (asyncio.get_running_loop(), queue)]
+            self._listeners = [*self._listeners, (loop, queue)]
         try:
             batch = backlog
             while True:
-                if batch:
-                    end = next((k + 1 for k, c in enumerate(batch) if c.finished), len(batch))
-                    yield batch[:end]
-                    if batch[end - 1].finished:
+                for k, c in enumerate(batch):
+                    if c.finished:
+                        yield batch[: k + 1]
                         return
-                batch = await queued(queue)
+                if batch:
+                    yield batch
+                batch = await queue.take()
         finally:
             with self._cond:
                 self._listeners = [x for x in self._listeners if x[1] is not queue]
+
+
+class _Inbox:
+    """An async listener's chunks (``astream_batches``), lighter than an ``asyncio.Queue``:
+    ``put_nowait`` (on the event loop: ``emitter.deliver``) appends and wakes the waiter;
+    ``take`` returns every chunk that has arrived once one has, in order."""
+
+    __slots__ = ("_items", "_waiter", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+        self._loop = loop
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
 
 
 async def queued(queue: asyncio.Queue) -> list:

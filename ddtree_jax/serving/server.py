@@ -58,6 +58,7 @@ import functools
 import hashlib
 import hmac
 import json
+import json.encoder
 import math
 import os
 import secrets
@@ -89,6 +90,37 @@ DEFAULT_DRAIN_TIMEOUT = 20.0  # seconds; with the abort grace, inside a 30 s ter
 ABORT_GRACE = 10.0  # seconds the cancelled requests get to send their final chunk
 CPU_WORKERS = 4  # threads for parsing, chat templates and tokenizing
 INLINE_BYTES = 4096  # bodies up to this size are parsed and tokenized on the event loop (module doc)
+
+
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(x, ensure_ascii=False), one encoder
+_encode_str = json.encoder.encode_basestring  # what that encoder writes for a str
+
+
+class StreamEvents:
+    """A streamed completion's server-sent events: ``data: `` + ``json.dumps(obj,
+    ensure_ascii=False)`` + a blank line, byte for byte, where ``obj`` is ``{"id", "object",
+    "created", "model", "system_fingerprint", "choices"}`` and, with ``include_usage``, ``"usage"``.
+    The fields before the choices are rendered once per response, not once per event."""
+
+    __slots__ = ("_head", "_tail", "_usage")
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, fingerprint: str, include_usage: bool):
+        self._head = (f'data: {{"id": {_encode(rid)}, "object": {_encode(obj)}, "created": {created}, '
+                      f'"model": {_encode(model)}, "system_fingerprint": {_encode(fingerprint)}, "choices": ')
+        self._usage = include_usage
+        self._tail = ', "usage": null}\n\n' if include_usage else "}\n\n"
+
+    def event(self, choices: list, use: dict | None = None) -> str:
+        """The event of ``choices`` (and, with ``include_usage``, ``use``: ``None`` writes null)."""
+        if self._usage and use is not None:
+            return f'{self._head}{_encode(choices)}, "usage": {_encode(use)}}}\n\n'
+        return self._head + _encode(choices) + self._tail
+
+    def text(self, index: int, text: str, reason: str | None) -> str:
+        """``event`` of one completion choice without log-probabilities: ``{"index", "text",
+        "logprobs": null, "finish_reason"}``."""
+        return (f'{self._head}[{{"index": {index}, "text": {_encode_str(text)}, "logprobs": null, '
+                f'"finish_reason": {"null" if reason is None else _encode_str(reason)}}}]{self._tail}')
 
 
 def _log(msg: str) -> None:
@@ -800,13 +832,9 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
         rid, now = request_id(handles[0], chat), int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         offsets = [CompletionOffsets() for _ in handles]
-
-        def event(choices, use=None) -> str:
-            data = {"id": rid, "object": obj, "created": now, "model": model_name,
-                    "system_fingerprint": fingerprint, "choices": choices}
-            if p.include_usage:
-                data["usage"] = use
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+        plain = not chat and p.logprobs is None  # a completion choice is its text alone
+        events = StreamEvents(rid, obj, now, model_name, fingerprint, p.include_usage)
+        event = events.event
 
         def choice(i: int, chunk, reason: str | None, first: bool = False) -> dict:
             text = None if first else chunk.text
@@ -820,13 +848,16 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             """One chunk's events, and whether it ended the response with an error."""
             news = bool(chunk.text) or (p.logprobs is not None and bool(chunk.token_ids))
             if not chunk.finished:
-                return ([event([choice(i, chunk, None)])] if news else []), False
+                if not news:
+                    return [], False
+                return [events.text(i, chunk.text, None) if plain else event([choice(i, chunk, None)])], False
             result = results[i] = chunk.result
             if result.finish_reason.startswith("error"):
                 err = APIError(500, result.finish_reason, None, kind="server_error")
                 last = [event([choice(i, chunk, None)])] if news else []
                 return last + [f"data: {json.dumps(err.body())}\n\n"], True
-            return [event([choice(i, chunk, finish_reason(result))])], False
+            reason = finish_reason(result)
+            return [events.text(i, chunk.text or "", reason) if plain else event([choice(i, chunk, reason)])], False
 
         # The chunks that arrived together go out in one write (each its own event): a stream that
         # fell behind catches up at once.
