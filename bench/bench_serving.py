@@ -342,20 +342,24 @@ def _in_process(args) -> list[dict]:
 
 
 def _in_process_markdown(report: dict) -> list[str]:
+    """The in-process rows beside the server levels of the same shape: as many streams as slots,
+    and as many as the engine's requests (all submitted at once, as the engine gets them)."""
     slots = report["slots"]
     lines = ["", f"In process at a batch of {slots} (`bench_engine.py`: its own random prompts of 64 tokens, "
-             "greedy) beside the servers at the same number of streams:", "",
-             f"| method | generate() tok/s | engine tok/s | engine / generate | server | server tok/s at {slots} "
-             "streams | server / engine |", "|---|---|---|---|---|---|---|"]
+             "greedy) beside the servers at as many streams as slots and, where run, as many streams as the "
+             "engine's requests (its whole workload at once, as the engine gets it):", "",
+             "| method | generate() tok/s | engine tok/s | engine / generate | server | streams | server tok/s | "
+             "server / engine |", "|---|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
+        shapes = sorted({slots, r.get("requests", slots)})
         for name, levels in report["results"].items():
             if name.split("+")[0] != r["method"]:
                 continue
             for lv in levels:
-                if lv["concurrency"] == slots:
+                if lv["concurrency"] in shapes:
                     lines.append(f"| {r['method']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
-                                 f"{r['engine_over_generate']:.2f}x | {name} | {lv['tokens_per_s']:,.0f} | "
-                                 f"{lv['tokens_per_s'] / r['engine_tok_s']:.2f}x |")
+                                 f"{r['engine_over_generate']:.2f}x | {name} | {lv['concurrency']} | "
+                                 f"{lv['tokens_per_s']:,.0f} | {lv['tokens_per_s'] / r['engine_tok_s']:.2f}x |")
     return lines
 
 
