@@ -68,7 +68,7 @@ from ddtree_jax.serving.metrics import EngineMetrics
 from ddtree_jax.serving.pages import PagePool, PageTable, page_keys, preemption_order
 from ddtree_jax.serving.text import TextStream
 
-__all__ = ["Engine", "EngineOverloaded", "RequestError", "RequestHandle", "RequestResult", "StreamChunk",
+__all__ = ["Engine", "EngineOverloaded", "Inbox", "RequestError", "RequestHandle", "RequestResult", "StreamChunk",
            "TokenLogprobs"]
 
 log = logging.getLogger("ddtree_jax.serving")
@@ -102,7 +102,7 @@ class RequestHandle:
         self._cond = threading.Condition(self._mutex)
         self._chunks: list[StreamChunk] = []
         # Replaced, never changed in place (copy on write): ``_push`` reads it without a copy.
-        self._listeners: list[tuple[asyncio.AbstractEventLoop, _Inbox]] = []
+        self._listeners: list[tuple[asyncio.AbstractEventLoop, Inbox]] = []
         self._blocked = 0  # threads waiting in ``result`` or ``stream``: only they need a notify
         self._result: RequestResult | None = None
         self.cancel_requested = False
@@ -176,10 +176,10 @@ class RequestHandle:
         in order, so that a reader that fell behind catches up in one pass; the last list ends
         with the finished chunk."""
         loop = asyncio.get_running_loop()
-        queue = _Inbox(loop)
+        inbox = Inbox(loop)
         with self._cond:
             backlog = list(self._chunks)
-            self._listeners = [*self._listeners, (loop, queue)]
+            self._listeners = [*self._listeners, (loop, inbox)]
         try:
             batch = backlog
             while True:
@@ -189,16 +189,16 @@ class RequestHandle:
                         return
                 if batch:
                     yield batch
-                batch = await queue.take()
+                batch = await inbox.take()
         finally:
             with self._cond:
-                self._listeners = [x for x in self._listeners if x[1] is not queue]
+                self._listeners = [x for x in self._listeners if x[1] is not inbox]
 
 
-class _Inbox:
-    """An async listener's chunks (``astream_batches``), lighter than an ``asyncio.Queue``:
-    ``put_nowait`` (on the event loop: ``emitter.deliver``) appends and wakes the waiter;
-    ``take`` returns every chunk that has arrived once one has, in order."""
+class Inbox:
+    """Items handed to one waiting task on an event loop, lighter than an ``asyncio.Queue``:
+    ``put_nowait`` (on that loop: ``emitter.deliver`` for ``astream_batches``' chunks) appends and
+    wakes the waiter; ``take`` returns every item that has arrived once one has, in order."""
 
     __slots__ = ("_items", "_waiter", "_loop")
 
@@ -221,14 +221,6 @@ class _Inbox:
             await self._waiter
         items, self._items = self._items, []
         return items
-
-
-async def queued(queue: asyncio.Queue) -> list:
-    """Every item of ``queue`` once at least one has arrived, in order (the queue is left empty)."""
-    items = [await queue.get()]
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
 
 
 @dataclasses.dataclass

@@ -78,7 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree_jax.config import is_int
 from ddtree_jax.serving import asgi
-from ddtree_jax.serving.engine import Engine, EngineOverloaded, RequestError, RequestResult, queued
+from ddtree_jax.serving.engine import Engine, EngineOverloaded, Inbox, RequestError, RequestResult
 from ddtree_jax.serving.openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, completion_logprobs
 
 __all__ = ["API_KEY_ENV", "DEFAULT_DRAIN_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "Admission", "create_app",
@@ -741,17 +741,17 @@ def create_app(engine: Engine, *, model_name: str, chat_template: str | None = N
             async for batch in handles[0].astream_batches():
                 yield [(0, chunk) for chunk in batch]
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        inbox = Inbox(asyncio.get_running_loop())
 
         async def pump(i, handle):
             async for batch in handle.astream_batches():
-                queue.put_nowait([(i, chunk) for chunk in batch])
+                inbox.put_nowait([(i, chunk) for chunk in batch])
 
         tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
         try:
             left = len(handles)
             while left:
-                batch = [pair for pairs in await queued(queue) for pair in pairs]
+                batch = [pair for pairs in await inbox.take() for pair in pairs]
                 left -= sum(chunk.finished for _, chunk in batch)
                 yield batch
         finally:
