@@ -17,7 +17,8 @@ adding it every ``DEFER_ROUNDS`` rounds (``budget="auto"``'s budget 0 in the eng
 op counted in the rounds it serves). A plan ``method:budget:chunk`` runs ``generate``'s compiled
 call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` the call
 ``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
-``--auto-max``: the held-back context's flush, the rounds and their tally), so the auto programs'
+``--auto-max``: at budget 0 plain rounds holding the drafter's context back, flushed every
+``auto_round.HELD_DISPATCHES`` calls; above it the rounds and their tally), so the auto programs'
 extra work shows against the fixed ones. Two candidate forms of that call, for the same rounds:
 ``method:budget:fixed`` (a loop of known trip count, ``generate``'s form on GPUs: no predicate
 read back each iteration, no early end) and ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
@@ -41,7 +42,14 @@ import numpy as np
 from bench._common import Report, device_trace, log
 from bench.bench_e2e import heldout_prompts, smoke_pair
 from ddtree_jax.auto_budget import AutoPlan
-from ddtree_jax.auto_round import DEFER_ROUNDS, round_plans, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import (
+    DEFER_ROUNDS,
+    HELD_DISPATCHES,
+    round_plans,
+    run_flush,
+    run_tallied_rounds,
+    with_deferred,
+)
 from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.config import auto_budget_set
 from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds, unrolled_rounds
@@ -116,15 +124,20 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
     key = jax.random.key(0)
     box, calls = [start_state(models, tp, dp, plan, prompts)], [0]
     if context == "held" or auto:
-        box[0] = with_deferred(box[0], drafter, chunk if auto else DEFER_ROUNDS)
+        box[0] = with_deferred(box[0], drafter, HELD_DISPATCHES * chunk if auto else DEFER_ROUNDS)
 
     def one_round():
         if context == "held" and calls[0] % DEFER_ROUNDS == DEFER_ROUNDS - 1:
             box[0] = _device.flush(models, tp, dp, box[0])
+        if auto and budget == 0 and calls[0] % HELD_DISPATCHES == 0:  # (generate's flushes)
+            box[0] = run_flush(models, tp, dp, box[0])
         calls[0] += 1
+        if auto and budget == 0:  # plain rounds holding the drafter's context back
+            box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed")
+            return box[0].done, box[0].rounds  # generate reads both back after each call
         if auto:
             box[0], tally = run_tallied_rounds(models, tp, dp, plan, box[0], key, chunk)
-            return tally, box[0].done  # generate reads both back after each call
+            return tally, box[0].done
         if chunk:
             box[0] = (_unrolled(models, tp, dp, plan, box[0], key, chunk) if form == "unrolled" else
                       run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed"))

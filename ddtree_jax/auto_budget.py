@@ -29,7 +29,8 @@ host before the dispatch from the statistics of the dispatches already read back
   them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's);
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
-  ``generate`` runs it as a single round, the engine's dispatches are single rounds). The
+  ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
+  the engine's dispatches are single rounds). The
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
   each drafted dispatch whose statistics still choose budget 0, and falls back to ``probe_every``
   after one whose statistics choose a tree, so probing costs little where drafting does not pay.
@@ -211,15 +212,16 @@ class AutoChooser:
         expected tokens at each budget (uncalibrated); ones before any drafted round.
       accepted_ema, predicted_ema: moving averages over drafted rounds of the running rows' mean
         realized and expected drafted tokens at the verified budget (``factor``).
-      skipped: rounds at budget 0 since the last drafted dispatch (starts at ``probe_every``: the
-        first dispatch drafts).
+      skipped: rounds at budget 0 since the last drafted dispatch or probe chosen (starts at
+        ``probe_every``: the first dispatch probes).
       interval: the rounds at budget 0 after which a dispatch probes.
       drafted: drafted rounds so far.
       rounds: ``[K]`` rounds run at each budget (rounds with a running row).
       expected: f64 ``[K]`` the running rows' expected tokens summed over those rounds
         (uncalibrated; exactly one per row at budget 0).
       realized: f64 ``[K]`` the running rows' accepted tokens (bonus included) over those rounds.
-      probing: whether the last ``choose`` gave a probe (``generate`` runs a probe as one round).
+      probing: whether the last ``choose`` gave a probe (``generate`` runs one drafted round, then
+        plain ones: ``auto_round.run_probe_rounds``).
       run_costs: ``{batch shape: RunCosts}``, the costs the run has paid (``costs``, ``observe``).
       row_expected: f64 ``[rows, K]``, by row id, each row's moving average over its drafted
         rounds of its expected tokens at each budget (uncalibrated; meaningless while the row's
@@ -287,7 +289,8 @@ class AutoChooser:
         self._finish = finish
         k = self._rule(active, costs, finish)
         self.probing = k == 0 and self.skipped >= self.interval
-        if self.probing:
+        if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
+            self.skipped = 0
             k = 1 + choose_budget(calibrated(self.expected_ema, self.factor(), self.plan.caps)[1:], costs[1:])
         return k
 

@@ -10,14 +10,17 @@ conditional: the host picks the program (``auto_budget.AutoChooser``). The stage
 ``decode_round``'s, so every committed token keeps the target's exact law.
 
 Budget 0 can also hold back the drafter's context (``with_deferred``): its rounds then keep the
-features of the tokens they commit in ``DecodeState.deferred`` and run no drafter code at all, and
-``run_tallied_rounds`` (``generate``'s dispatches; ``run_fixed_tallied_rounds``, its loop of
-known trip count on GPUs) first adds what is held back to the drafter's
-context (``flush_deferred``), in one pass over up to ``P`` positions per row; a run of budget-0
-rounds so costs what plain autoregressive rounds cost plus one context pass per dispatch, and a
-drafted round always drafts from the whole context. The caller keeps what a row holds within
-``P``; the engine, whose dispatches are single rounds, flushes only when needed
-(``serving._device.flush``).
+features of the tokens they commit in ``DecodeState.deferred`` and run no drafter code at all, so
+a run of budget-0 rounds is ``decode_round.run_rounds`` at ``round_plans(...)[0]`` and costs what
+plain autoregressive rounds cost. The caller adds what is held back to the drafter's context
+(``run_flush``, one pass over up to ``P`` positions per row) only when needed: before a drafted
+dispatch (a drafted round always drafts from the whole context) and before budget-0 rounds that
+would hold more than ``P``. ``generate`` holds ``HELD_DISPATCHES`` dispatches' rounds; the
+``Engine``, whose dispatches are single rounds, ``DEFER_ROUNDS`` (``serving._device.flush``).
+
+A probe (a drafted round the statistics did not choose, to refresh them) runs inside a full
+dispatch (``run_probe_rounds``: one drafted round, then budget-0 rounds), so it neither breaks the
+caller's pipeline of dispatches nor pays a dispatch of its own.
 
 The tally of a run of rounds is f32 ``[B, 2 + K]`` per row, summed over the rounds in which the
 row was running: rounds, tokens accepted (bonus included: the acceptance lengths), then the
@@ -32,13 +35,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.auto_budget import AutoPlan
-from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected
+from ddtree_jax.decode_round import DecodePlan, Models, round_with_expected, run_rounds
 from ddtree_jax.decode_state import DecodeState, DeferredContext
 
-__all__ = ["DEFER_ROUNDS", "engine_deferred", "flush_deferred", "round_plans", "run_fixed_tallied_rounds", "run_flush",
-           "run_tallied_rounds", "tallied_round", "unrolled_tallied_rounds", "with_deferred"]
+__all__ = ["DEFER_ROUNDS", "HELD_DISPATCHES", "engine_deferred", "flush_deferred", "plain_tally", "round_plans",
+           "run_fixed_tallied_rounds", "run_flush", "run_probe_rounds", "run_tallied_rounds", "tallied_round",
+           "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -51,6 +56,10 @@ def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
 DEFER_ROUNDS = 16
 """The positions of drafter context a slot of the ``Engine`` holds back at most (its flush then
 runs once per that many budget-0 rounds, and before each drafted dispatch)."""
+
+HELD_DISPATCHES = 4
+"""The dispatches of budget-0 rounds whose drafter context ``generate`` holds back at most (its
+flush then runs once per that many, and before each drafted dispatch)."""
 
 
 def engine_deferred(config, depth: int) -> int:
@@ -116,10 +125,9 @@ def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
 def run_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
                        max_rounds) -> tuple[DecodeState, jax.Array]:
-    """``decode_round.run_rounds`` at one of ``round_plans``: the held-back context added
-    (``flush_deferred``), then up to ``max_rounds`` rounds (an int, traced: one program for any
-    count), stopping early once every row is done; returns ``(state, tally)``."""
-    state = _flushed(models, tparams, dparams, state)
+    """``decode_round.run_rounds`` at one of ``round_plans`` with its tally: up to ``max_rounds``
+    rounds (an int, traced: one program for any count), stopping early once every row is done;
+    returns ``(state, tally)``. A drafted plan needs nothing held back (``run_flush`` first)."""
 
     def cond(carry):
         i, st, _ = carry
@@ -138,13 +146,32 @@ def run_fixed_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan,
                              rounds: int) -> tuple[DecodeState, jax.Array]:
     """``run_tallied_rounds`` with exactly ``rounds`` rounds (static: a loop of known trip count,
     ``decode_round.run_rounds``'s ``fixed`` form); rows that are not running add nothing."""
-    state = _flushed(models, tparams, dparams, state)
 
     def body(i, carry):
         st, tally = carry
         return tallied_round(models, tparams, dparams, plan, st, base_key, tally)
 
     return jax.lax.fori_loop(0, rounds, body, (state, _zeros(plan, state)))
+
+
+@functools.partial(jax.jit, static_argnames=("models", "probe", "plain", "rounds", "fixed"),
+                   donate_argnames=("state",))
+def run_probe_rounds(models: Models, tparams, dparams, probe: DecodePlan, plain: DecodePlan, state: DecodeState,
+                     base_key, rounds: int, fixed: bool) -> tuple[DecodeState, jax.Array]:
+    """A probing dispatch: one round at the drafted plan ``probe`` (nothing held back: ``run_flush``
+    first), then up to ``rounds - 1`` at ``plain`` (``round_plans(...)[0]``, holding their context
+    back); ``fixed``: exactly that many, else stopping once every row is done. Returns ``(state,
+    the probe round's tally)``; the plain rounds' tally is ``plain_tally`` of the rows' rounds past
+    the probe's."""
+    state, tally = tallied_round(models, tparams, dparams, probe, state, base_key, _zeros(probe, state))
+    return run_rounds(models, tparams, dparams, plain, state, base_key, rounds - 1, fixed), tally
+
+
+def plain_tally(rounds: np.ndarray, budgets: int) -> np.ndarray:
+    """The tally of budget-0 rounds, from each row's count of them (``rounds`` ``[B]``): every such
+    round accepts one token and expects one at every budget (no drafter ran). f64 ``[B, 2 + budgets]``."""
+    d = np.asarray(rounds, np.float64)[:, None]
+    return np.repeat(d, 2 + budgets, axis=1)
 
 
 def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,

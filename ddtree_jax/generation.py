@@ -36,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import auto_costs
+from ddtree_jax import auto_round as ar
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
-from ddtree_jax.auto_round import round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds, with_deferred
+from ddtree_jax.auto_round import plain_tally, round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import AUTO, METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
@@ -220,8 +221,8 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     # Scratch after each row's tokens: the verify block writes budget + 1 positions, a commit
     # writes the L + 1 positions of the accepted path (both caches), whichever is larger.
     scratch = max(budget, L) + 1
-    if decode.is_auto:  # a dispatch's held-back drafter context (P = its rounds) is added in one write
-        scratch = max(scratch, (decode.sync_every or _SYNC_EVERY) - 1)
+    if decode.is_auto:  # the held-back drafter context (P positions) is added in one write
+        scratch = max(scratch, _held(decode) - 1)
     for i, (p, m) in enumerate(zip(checked, limits, strict=False)):
         if len(p) + m > context:
             raise ValueError(f"prompts[{i}] ({len(p)} tokens) + max_new_tokens ({m}) exceeds the target's context "
@@ -234,6 +235,11 @@ def _check_inputs(target, drafter, prompts, decode: DecodeConfig, max_new_tokens
     return _Checked(prompts=checked, max_new_tokens=np.array(limits, np.int32),
                     stop_ids=np.array([stop or [NO_STOP]] * B, np.int32), budget=budget, max_len=max_len or needed,
                     needs=needs)
+
+
+def _held(decode: DecodeConfig) -> int:
+    """``P``: the positions of drafter context each row holds back with ``budget="auto"``."""
+    return ar.HELD_DISPATCHES * (_SYNC_EVERY if decode.sync_every in (None, AUTO) else decode.sync_every)
 
 
 def _on_rows(state, target):
@@ -349,7 +355,7 @@ def generate(
         state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
                                       checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
     if decode.is_auto:  # budget 0 runs no drafter code (auto_round.with_deferred)
-        state = with_deferred(state, drafter, sync_every)
+        state = ar.with_deferred(state, drafter, _held(decode))
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
@@ -368,6 +374,9 @@ def generate(
         chooser, costs, plans = AutoChooser(auto_plan, decode.auto_costs is None), {}, round_plans(plan, auto_plan)
         digest = auto_costs.models_digest(target, drafter) if decode.auto_costs is None else None
         active = B
+        # The budget-0 rounds whose drafter context is held back (at most: rows that finished hold
+        # fewer), and each slot's rounds as of the last read (the tally of budget-0 rounds is theirs).
+        held, last_rounds, P = [0], np.zeros((B,), np.int32), _held(decode)
 
     def harvest(state):
         got = jax.device_get({k: getattr(state, k) for k in host})
@@ -388,6 +397,13 @@ def generate(
     # (0: done or free), the rows' tokens per round so far, and the rounds launched since.
     need = dict(rows=checked.max_new_tokens.copy(), rate=1.0, pending=0)
     limits = checked.max_new_tokens
+
+    def flush(state):
+        """``state`` with the drafter context its rows hold back added (nothing to do where none is)."""
+        if held[0]:
+            held[0] = 0
+            return run_flush(models, tparams, dparams, state)
+        return state
 
     def call_form(n: int) -> str | None:
         """The form of the next call of ``n`` rounds: ``"fixed"`` (a loop of known trip count)
@@ -411,6 +427,7 @@ def generate(
         elif decode.is_auto:
             rows = len(slot_request)
             if rows not in costs:  # (only where the pipeline starts: a new batch size)
+                state = flush(state)
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
                 state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
                                                   checked.max_len, scratch, sync_every, fixed_calls)
@@ -420,12 +437,23 @@ def generate(
             running = need["rows"] > 0  # (a static batch: the choice that ends it soonest)
             k = chooser.choose(active, chooser.costs(rows, costs[rows]),
                                finish=(slot_request[running], need["rows"][running]))
-            n = 1 if chooser.probing else sync_every  # a probe refreshes the statistics: one round does
-            form = call_form(n)
-            if form == "fixed" and n > 1:
-                state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+            n, tally = sync_every, None
+            fixed = call_form(n) == "fixed"
+            if k == 0:  # plain rounds, their context held back (flushed first if it would not fit)
+                if held[0] + n > P:
+                    state = flush(state)
+                state = run_rounds(models, tparams, dparams, plans[0], state, base_key, n, fixed)
+                held[0] += n
             else:
-                state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+                state = flush(state)
+                if chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
+                    state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
+                                                    n, fixed)
+                    held[0] = n - 1
+                elif fixed:
+                    state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+                else:
+                    state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
             dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally, requests=slot_request)
         else:
             form = call_form(sync_every)
@@ -451,13 +479,19 @@ def generate(
         need.update(rows=left, rate=max(1.0, generated.sum() / max(1, rounds.sum())),
                     pending=need["pending"] - dispatch["n"])
         if decode.is_auto:
-            # Only full dispatches time a budget (a one-round probe, or the few rounds of the last
-            # dispatch, would carry a whole launch and read-back).
-            if start is not None and not dispatch["probe"] and int(tally[:, 0].max(initial=0)) == dispatch["n"]:
+            ran = rounds - last_rounds  # (a probing dispatch: its probe round, then plain rounds)
+            last_rounds[:] = rounds
+            plain = plain_tally(ran if tally is None else ran - tally[:, 0], len(auto_plan.budgets))
+            # Only full dispatches at one budget time it (a probing one mixes two; the few rounds
+            # of the last dispatch would carry a whole launch and read-back).
+            if start is not None and not dispatch["probe"] and int(ran.max(initial=0)) == dispatch["n"]:
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             # (with the costs this dispatch's timing corrected, as the engine records)
-            chooser.record(dispatch["k"], tally, chooser.costs(dispatch["rows"], costs[dispatch["rows"]]),
-                           rows=dispatch["requests"])
+            paid = chooser.costs(dispatch["rows"], costs[dispatch["rows"]])
+            if tally is not None:
+                chooser.record(dispatch["k"], tally, paid, rows=dispatch["requests"])
+            if dispatch["k"] == 0 or dispatch["probe"]:
+                chooser.record(0, plain, paid, rows=dispatch["requests"])
         return done, now
 
     state, cur = launch(state)
@@ -465,7 +499,7 @@ def generate(
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while True:
         nxt = None
-        if ahead and not cur["probe"]:  # (after a probe, the next choice waits for its statistics)
+        if ahead:  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)
         # One dispatch ahead, a dispatch costs the time between its read-back and the previous
         # one's (its launch hidden); one launched after the previous read is not timed.
@@ -500,6 +534,8 @@ def generate(
                 state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
             need["rows"] = np.where(pad, 0, need["rows"][take])
+            if decode.is_auto:
+                last_rounds = last_rounds[take]
             batch_sizes.append(size)
             if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
                 jax.block_until_ready(state)
