@@ -38,7 +38,7 @@ FOLDER = "auto_budget_costs"
 BURST = 4
 """``measure``: calls launched back to back per timed repetition."""
 
-TIMING = f"bursts of {BURST} calls"
+TIMING = f"bursts of {BURST} calls; budget 0 untallied"
 """How ``measure`` times (part of ``cost_key``: tables timed another way are not reused)."""
 
 

@@ -576,7 +576,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     ``decode.auto_costs`` if given, else from the cost table (``auto_costs.default_table``;
     ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
     compiled rounds of each of ``plans`` (``sync_every`` per call, in a loop of known trip count
-    with ``fixed``: the calls ``generate`` runs) on ``state``'s own rows,
+    with ``fixed``: the calls ``generate`` runs, budget 0's without a tally) on ``state``'s own rows,
     running, their stop ids cleared and their limits raised to what their output buffer and cache
     hold (``scratch``: the positions a round needs past a row's tokens), put back before every
     call and after (a round writes the caches only past each row's length, so restoring the rows'
@@ -597,7 +597,10 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
                   max_new_tokens=jnp.clip(room, 1, state.capacity).astype(jnp.int32))
     work = [state]
 
-    def run(k):
+    def run(k):  # (the programs generate runs: budget 0 plain rounds, holding their context back)
+        if k == 0:
+            work[0] = run_rounds(models, tparams, dparams, plans[0], work[0], base_key, sync_every, fixed)
+            return work[0].rounds
         rounds = run_fixed_tallied_rounds if fixed else run_tallied_rounds
         work[0], tally = rounds(models, tparams, dparams, plans[k], work[0], base_key, sync_every)
         return tally
