@@ -225,9 +225,11 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     (``tokens`` columns, the first ``n`` valid) and the rounds' acceptance lengths (``rounds``
     columns). With ``plan.logprobs = K > 0``, ``tokens * (1 + 2 K)`` more columns follow: for
     each token column, ``decode_round.token_logprobs``'s ``1 + 2 K`` entries (float32 bits as
-    int32). With ``plan.expected_budgets`` (``budget="auto"``'s rounds, ``auto_round.round_plans``;
-    no log-probabilities), ``2 + len(expected_budgets)`` more columns follow instead: the rounds'
-    tally (``auto_round``, float32 bits as int32). Returns ``(state, packed)``."""
+    int32). With ``plan.expected_budgets`` at a positive budget (``budget="auto"``'s drafted
+    rounds, ``auto_round.round_plans``; no log-probabilities), ``2 + len(expected_budgets)`` more
+    columns follow instead: the rounds' tally (``auto_round``, float32 bits as int32); budget 0's
+    rounds are plain ones, their tally ``auto_round.plain_tally`` of the rounds column. Returns
+    ``(state, packed)``."""
     if _paged(state):
         # A row not running (a slot between requests, or admitted but not yet prefilled) holds a
         # stale length; its round's writes past it could reach pages the slot now shares, so the
@@ -245,9 +247,10 @@ def _rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, stat
     if plan.expected_budgets:
         if plan.logprobs:
             raise ValueError("rounds_and_harvest: no log-probabilities with expected_budgets")
-        state, tally = unrolled_tallied_rounds(models, tparams, dparams, plan, state, base_key, rounds)
-        bits = jax.lax.bitcast_convert_type(tally, jnp.int32)
-        return state, jnp.concatenate([_harvest(state, gen0, rnd0, rounds, tokens), bits], axis=1)
+        if plan.budget:  # (budget 0's tally is its rounds column's: auto_round.plain_tally)
+            state, tally = unrolled_tallied_rounds(models, tparams, dparams, plan, state, base_key, rounds)
+            bits = jax.lax.bitcast_convert_type(tally, jnp.int32)
+            return state, jnp.concatenate([_harvest(state, gen0, rnd0, rounds, tokens), bits], axis=1)
     if plan.logprobs:
         state, logprobs = _rounds_with_logprobs(models, tparams, dparams, plan, state, base_key, rounds, tokens)
         packed = _harvest(state, gen0, rnd0, rounds, tokens)

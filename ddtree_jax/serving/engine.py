@@ -55,7 +55,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan
-from ddtree_jax.auto_round import engine_deferred, round_plans
+from ddtree_jax.auto_round import engine_deferred, plain_tally, round_plans
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import AUTO, ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
@@ -990,7 +990,8 @@ class Engine:
         items; slots whose request ended on the device are freed on the host (on the device they
         no longer run: their finish code says why they ended until a new request's activation
         replaces it). ``auto_budget``: the index of the budget of a ``budget="auto"`` dispatch,
-        whose tally (the harvest's last columns) goes to the chooser and the metrics; when it and
+        whose tally (the harvest's last columns; at budget 0 ``auto_round.plain_tally`` of its rounds
+        column) goes to the chooser and the metrics; when it and
         the dispatch read back before it were ``clean`` (rounds alone, one step apart), the time
         between their read-backs is what a round at its budget costs the engine, host work
         included (``AutoChooser.observe``), and with ``sync_every="auto"`` what a round costs at
@@ -1015,7 +1016,9 @@ class Engine:
         T = rounds * self.tokens_per_round
         live = np.array([r is not None and not r.retired for r in snapshot])
         if auto_budget is not None:
-            tally = np.ascontiguousarray(got[:, -(2 + len(self.auto_plan.budgets)):]).view(np.float32)
+            K = len(self.auto_plan.budgets)
+            tally = (plain_tally(n_rounds, K) if auto_budget == 0 else
+                     np.ascontiguousarray(got[:, -(2 + K):]).view(np.float32))
             costs = self._auto.costs(self.slots, self.auto_costs)
             self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0), costs), costs)
         n_rounds = np.where(live, n_rounds, 0)
