@@ -25,7 +25,8 @@ host before the dispatch from the statistics of the dispatches already read back
   (``generate``) ends with its slowest row, so there the rule is ``finish_budget``: the budget
   that ends the batch soonest if every later round used it, ``cost * max over running rows of
   (tokens the row may still commit) / (its own calibrated expected tokens per round)``, from
-  per-row moving averages of the expected tokens, shrunk toward the batch's by the rounds behind
+  per-row moving averages of the expected tokens, each calibrated by the row's own factor
+  (realized over expected drafted tokens), both shrunk toward the batch's by the rounds behind
   them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's);
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
@@ -226,7 +227,9 @@ class AutoChooser:
       row_expected: f64 ``[rows, K]``, by row id, each row's moving average over its drafted
         rounds of its expected tokens at each budget (uncalibrated; meaningless while the row's
         ``row_rounds`` is 0), for ``finish_budget`` (``record``'s ``rows``); row_rounds: f64
-        ``[rows]`` those rounds.
+        ``[rows]`` those rounds; row_drafted: f64 ``[rows, 2]``, the same rows' moving averages
+        of their accepted and of their expected drafted tokens per round at the verified budget
+        (each row's own calibration factor, shrunk toward the batch's by ``PRIOR_ROUNDS``).
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
     """
@@ -245,6 +248,7 @@ class AutoChooser:
         self.run_costs: dict[int, RunCosts] = {}
         self.row_expected = np.zeros((0, K))
         self.row_rounds = np.zeros(0)
+        self.row_drafted = np.zeros((0, 2))
         self.learn_costs = learn_costs
         self._finish = None  # the last choice's `finish`
 
@@ -273,11 +277,20 @@ class AutoChooser:
         ids, remaining = (np.asarray(x) for x in finish)
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
+        drafted = np.zeros((len(ids), 2))
         known = ids < len(self.row_expected)
         own[known], n[known, 0] = self.row_expected[ids[known]], self.row_rounds[ids[known]]
+        drafted[known] = self.row_drafted[ids[known]]
         w = n / (n + PRIOR_ROUNDS)  # (0 for a row not drafted yet)
         rows = w * own + (1.0 - w) * self.expected_ema
-        return finish_budget(remaining, calibrated(rows, self.factor(), self.plan.caps), costs)
+        # Each row's own realized / expected drafted tokens, with PRIOR_ROUNDS rounds of the batch's
+        # (the rows the batch waits for are those whose drafts are accepted least, not predicted least)
+        factor = self.factor()
+        prior = PRIOR_ROUNDS * self.predicted_ema
+        if prior > 0:
+            factor = (n[:, 0] * drafted[:, 0] + prior * factor) / (n[:, 0] * drafted[:, 1] + prior)
+            factor = factor[:, None]
+        return finish_budget(remaining, calibrated(rows, factor, self.plan.caps), costs)
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
@@ -330,9 +343,12 @@ class AutoChooser:
                 more = int(ids.max()) + 1 - len(self.row_expected)
                 self.row_expected = np.concatenate([self.row_expected, np.zeros((more, len(self.plan.budgets)))])
                 self.row_rounds = np.concatenate([self.row_rounds, np.zeros(more)])
+                self.row_drafted = np.concatenate([self.row_drafted, np.zeros((more, 2))])
             old, own = self.row_expected[ids], tally[slots, 2:] / n
             w = np.where(self.row_rounds[ids, None] > 0, 1.0 - (1.0 - DECAY) ** n, 1.0)  # (1: its first)
             self.row_expected[ids] = (1.0 - w) * old + w * own
+            drafted = np.stack([tally[slots, 1], tally[slots, 2 + k]], axis=1) / n - 1.0  # accepted, expected
+            self.row_drafted[ids] = (1.0 - w) * self.row_drafted[ids] + w * drafted
             self.row_rounds[ids] += n[:, 0]
         pays = self._rule(1, costs, self._finish) > 0
         self.interval = self.plan.probe_every if pays else min(2 * self.interval,

@@ -93,8 +93,8 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     rows = np.array([7, 3, -1])
     c = AutoChooser(PLAN)
     # rows 7 and 3 (slots 0, 1) ran 12 drafted rounds: row 7 expects 3 tokens at budget 4, row 3
-    # 1.2; slot 2 is free. The batch's averages: 2.1 and 2.4
-    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 18, 12, 14.4, 15.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
+    # 1.2, and each accepted what it expected; slot 2 is free. The batch's averages: 2.1 and 2.4
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 14.4, 12, 14.4, 15.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
     np.testing.assert_allclose(c.row_expected[7], [1.0, 3.0, 3.5])
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
     assert (c.row_rounds[:3] == 0).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]  # (rows 0-2: none)
@@ -113,9 +113,28 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     assert c.row_rounds[[3, 7]].tolist() == [12, 13]
     # after 2 rounds the same averages weigh 1/3: row 3 (1.8 at budget 4) no longer stops drafting
     c = AutoChooser(PLAN)
-    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 3, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
+    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2.4, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
     c.accepted_ema = c.predicted_ema
     assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 1
+
+
+def test_chooser_finish_rule_calibrates_each_row_by_its_own_acceptance():
+    """Two rows that expect the same (3 tokens a round at budget 4, 3.5 at 8), one accepting what
+    it expects, the other a twentieth of its drafted tokens: the batch's factor (0.525) says
+    drafting ends the batch soonest (20 / 2.05 * 1.5 < 20), the slow row's own factor (0.05,
+    shrunk toward 0.525 by PRIOR_ROUNDS to 0.17) says it does not: 20 / 1.34 * 1.5 > 20. With both
+    rows accepting what they expect, drafting."""
+    costs = (1.0, 1.5, 2.0)
+    rows = np.array([0, 1])
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 13.2, 12, 36, 42]]), costs, rows=rows)
+    np.testing.assert_allclose(c.factor(), 0.525, rtol=1e-6)
+    np.testing.assert_allclose(c.row_drafted, [[2.0, 2.0], [0.1, 2.0]], rtol=1e-6)
+    assert c._rule(2, costs) == 1  # (the batch's tokens per second: 2.05 a row at budget 4 for 1.5)
+    assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 0
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 36, 12, 36, 42]]), costs, rows=rows)
+    assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 1
 
 
 def test_calibration_scales_the_drafted_part_and_caps_it():
