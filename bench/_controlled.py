@@ -103,10 +103,12 @@ class ControlledTarget(KimiForCausalLM):
         super().__init__(cfg, **kwargs)
         self.acceptance = acceptance
 
-    def _run(self, tokens, *args, **kwargs):
-        logits, hidden, rows = super()._run(tokens, *args, **kwargs)
+    def _run(self, tokens, *args, logits_at=None, **kwargs):
+        logits, hidden, rows = super()._run(tokens, *args, logits_at=logits_at, **kwargs)
         vocab = self.config.vocab_size
         bias = _logit(self.acceptance.target_p, 1.0, vocab, 1)
+        if logits_at is not None:  # (the logits of those positions only)
+            tokens = jnp.take_along_axis(tokens, logits_at[:, None], axis=1)
         return _steer(logits, [successor(tokens, vocab)], [bias]), hidden, rows
 
 

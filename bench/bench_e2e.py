@@ -157,7 +157,7 @@ def measure(target, drafter, groups, method, budget, sampling, new, max_len, see
         secs += out.seconds
         toks += out.new_tokens
         lengths += [a for r in out.requests for a in r.acceptance_lengths]
-        pubs += [r.tau_published for r in out.requests if r.tau_published is not None]
+        pubs += [r.tau for r in out.requests if r.acceptance_lengths]
         tokens += out.tokens
     return dict(seconds=secs, new_tokens=toks, tokens_per_s=toks / secs if secs else float("nan"),
                 tau=float(np.mean(lengths)) if lengths else float("nan"),

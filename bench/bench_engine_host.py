@@ -74,7 +74,7 @@ def run(slots: int, tokens: int, steps: int, repeats: int, stop: tuple[str, ...]
     config = dt.EngineConfig(decode=dt.DecodeConfig(method="ar", sync_every=1), slots=slots, max_model_len=64)
     eng = Engine(target, None, config, tokenizer=tok)
     eng.tokens_per_round = tokens  # the harvest's token columns per round, as a tree round's
-    T = eng.sync_every * tokens
+    T = eng.sync_every * tokens + 1  # (+ the column of a new request's first token)
     width = _device.HARVEST_FIELDS + T + eng.sync_every
     rng = np.random.default_rng(0)
     best = float("inf")

@@ -36,7 +36,7 @@ from ddtree_jax.accept import _accept_path
 from ddtree_jax.auto_budget import expected_tokens
 from ddtree_jax.backend import Backend
 from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
-from ddtree_jax.rng import round_keys
+from ddtree_jax.rng import first_token_keys, round_keys
 from ddtree_jax.rows import RowMesh, on_own_rows, per_rows
 from ddtree_jax.sampling import (
     INVALID_TOKEN,
@@ -47,8 +47,8 @@ from ddtree_jax.sampling import (
 )
 from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
 
-__all__ = ["STAGES", "DecodePlan", "prefill", "prefill_rows", "round_with_expected", "round_with_logprobs",
-           "run_rounds", "run_stage", "token_logprobs"]
+__all__ = ["STAGES", "DecodePlan", "first_tokens", "prefill", "prefill_rows", "round_with_expected",
+           "round_with_logprobs", "run_rounds", "run_stage", "token_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,30 +177,59 @@ def _interned(models: Models) -> Models:
 
 @functools.partial(jax.jit, static_argnames=("models", "plan", "max_len", "capacity"))
 def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths, roots, *, max_len: int,
-            capacity: int, max_new_tokens, stop_ids, sampling: SamplingBatch, request_ids) -> DecodeState:
+            capacity: int, max_new_tokens, stop_ids, sampling: SamplingBatch, request_ids,
+            first_key=None) -> DecodeState:
     """A fresh state for ``B`` requests: their prompts but the last token in both caches.
 
     ``prompts [B, P]`` right-padded (all but each prompt's last token), ``lengths [B]`` their
     lengths, ``roots [B]`` the prompts' last tokens; per-row ``max_new_tokens [B]``,
     ``stop_ids [B, S]``, ``sampling`` and ``request_ids [B]``.
+
+    With ``first_key`` (the rounds' base key) the last tokens are prefilled too, and each
+    request's first new token is drawn from the target's logits at its prompt's last position,
+    by its own law (``rng.first_token_keys``; the sampler of a round's node): the state starts
+    with that token committed (``DecodeState.with_first_tokens``), and the first round drafts
+    from it.
     """
     target, drafter = models.merge(tparams, dparams)
     B = prompts.shape[0]
+    if first_key is not None:
+        prompts = jnp.concatenate([prompts, jnp.zeros((B, 1), prompts.dtype)], axis=1)
+        prompts = prompts.at[jnp.arange(B), lengths].set(roots.astype(prompts.dtype))
+        lengths = lengths + 1
     dcache = drafter.init_cache(B, max_len) if plan.hidden_layer_ids else None
-    tcache, dcache = _append_prompts(target, drafter, plan, target.init_cache(B, max_len), dcache, prompts, lengths)
-    return DecodeState.start(tcache, dcache, roots, capacity=capacity, max_new_tokens=max_new_tokens,
-                             stop_ids=stop_ids, sampling=sampling, request_ids=request_ids)
+    tcache, dcache, last = _append_prompts(target, drafter, plan, target.init_cache(B, max_len), dcache, prompts,
+                                           lengths, last=first_key is not None)
+    state = DecodeState.start(tcache, dcache, roots, capacity=capacity, max_new_tokens=max_new_tokens,
+                              stop_ids=stop_ids, sampling=sampling, request_ids=request_ids)
+    if first_key is None:
+        return state
+    keys = first_token_keys(first_key, sampling, request_ids)
+    first = per_rows(functools.partial(_sample_tree_nodes, backend=plan.backend), _rows(target), B,
+                     last[:, None], sampling, keys)[:, 0]
+    return state.with_first_tokens(first)
 
 
-@functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("tcache", "dcache"))
-def prefill_rows(models: Models, tparams, dparams, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths):
+@functools.partial(jax.jit, static_argnames=("models", "plan", "last"), donate_argnames=("tcache", "dcache"))
+def prefill_rows(models: Models, tparams, dparams, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths,
+                 last: bool = False):
     """``(tcache, dcache)`` with ``prompts [R, T]`` (right-padded, ``lengths [R]`` valid) appended
     to rows ``rows [R]`` (distinct) of both caches after their first ``starts [R]`` positions,
     which they hold already (their lengths are set to ``starts`` first); ``dcache`` is ``None``
     without a drafter. Paged caches (the caches donated): the other rows' pages are left as they
-    are, since the rows write only their own pages past ``starts``."""
+    are, since the rows write only their own pages past ``starts``. With ``last``, also the
+    target's logits f32 ``[R, V]`` at each row's last appended token (a third output)."""
     target, drafter = models.merge(tparams, dparams)
-    return append_to_rows(target, drafter, plan, tcache, dcache, rows, prompts, starts, lengths)
+    return append_to_rows(target, drafter, plan, tcache, dcache, rows, prompts, starts, lengths, last=last)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def first_tokens(logits, sampling: SamplingBatch, request_ids, base_key, backend: Backend) -> jax.Array:
+    """Each request's first new token ``[B]``, drawn from the target's logits ``[B, V]`` at its
+    prompt's last position by its own law (``rng.first_token_keys``; a round's node sampler):
+    what ``prefill`` with ``first_key`` draws, for prefills that gather the logits themselves."""
+    keys = first_token_keys(base_key, sampling, request_ids)
+    return _sample_tree_nodes(logits[:, None], sampling, keys, backend)[:, 0]
 
 
 def with_row_lengths(cache, rows, lengths):
@@ -209,7 +238,7 @@ def with_row_lengths(cache, rows, lengths):
 
 
 def append_to_rows(target, drafter, plan: DecodePlan, tcache, dcache, rows, prompts, starts, lengths, *,
-                   by_device: bool = False):
+                   by_device: bool = False, last: bool = False):
     """``prefill_rows`` on merged models, for use inside a compiled function (the serving engine's
     prefill chunk runs it on its state's caches). A start of ``-1`` keeps the row's length (a
     padding row of ``lengths`` 0: what it writes past its length, a round writes over before it
@@ -227,19 +256,24 @@ def append_to_rows(target, drafter, plan: DecodePlan, tcache, dcache, rows, prom
     def put(cache, new):
         return on_own_rows(lambda c, idx, n: c.put_rows(idx, n), mesh, cache, rows, new)
 
-    new_t, new_d = _append_prompts(target, drafter, plan, rows_of(tcache), rows_of(dcache), prompts, lengths)
-    return put(tcache, new_t), None if dcache is None else put(dcache, new_d)
+    new_t, new_d, logits = _append_prompts(target, drafter, plan, rows_of(tcache), rows_of(dcache), prompts, lengths,
+                                           last=last)
+    out = put(tcache, new_t), None if dcache is None else put(dcache, new_d)
+    return (*out, logits) if last else out
 
 
-def _append_prompts(target, drafter, plan: DecodePlan, tcache, dcache, prompts, lengths):
+def _append_prompts(target, drafter, plan: DecodePlan, tcache, dcache, prompts, lengths, *, last: bool = False):
     """The target's prefill of ``prompts [B, T]`` (``lengths [B]`` valid) and, with a drafter, the
-    context it feeds: ``(tcache, dcache)``. The padding (a row's tokens past its length, every
-    token of a padding row) routes to no expert."""
+    context it feeds: ``(tcache, dcache, the target's logits [B, V] at each row's last valid token
+    with ``last``, else None)``. The padding (a row's tokens past its length, every token of a
+    padding row) routes to no expert."""
     valid = jnp.arange(prompts.shape[1])[None, :] < lengths[:, None]
-    _, hidden, tcache = target.prefill(prompts, lengths, tcache, hidden_layer_ids=plan.hidden_layer_ids, valid=valid)
+    at = jnp.maximum(lengths - 1, 0) if last else None
+    logits, hidden, tcache = target.prefill(prompts, lengths, tcache, hidden_layer_ids=plan.hidden_layer_ids,
+                                            valid=valid, logits_at=at)
     if plan.hidden_layer_ids:
         dcache = drafter.append_context(dcache, jnp.concatenate(hidden, axis=-1), lengths)
-    return tcache, dcache
+    return tcache, dcache, logits[:, 0] if last else None
 
 
 # ---------------------------------------------------------------------------------------------- stages

@@ -131,6 +131,28 @@ class DecodeState:
             request_ids=request_ids.astype(jnp.uint32),
         )
 
+    def with_first_tokens(self, first: jax.Array, where: jax.Array | None = None) -> DecodeState:
+        """The state after each running row (of those ``where [B]`` marks; default all) commits
+        ``first [B]``, its first new token (drawn from the prompt's last position by the prefill;
+        ``INVALID_TOKEN``, -1: the row's law was invalid there): the token becomes the row's root
+        and its first output, with stop tokens and ``max_new_tokens`` applied as a round's commit
+        applies them. No round ran: the acceptance lengths and round counts stay empty."""
+        first = first.astype(jnp.int32)
+        running = self.finish == RUNNING
+        if where is not None:
+            running = running & where
+        invalid = first < 0
+        count = (running & ~invalid).astype(jnp.int32)
+        generated = self.generated + count
+        is_stop = jnp.any(first[:, None] == self.stop_ids, axis=1)
+        finish = jnp.where(running & invalid, ERROR, self.finish)
+        finish = jnp.where(running & ~invalid & is_stop, STOP, finish)
+        finish = jnp.where((finish == RUNNING) & running & (generated >= self.max_new_tokens), LENGTH, finish)
+        at = jnp.where(count > 0, self.generated, self.capacity)
+        out = jax.vmap(lambda row, i, t: row.at[i].set(t, mode="drop"))(self.out, at, first)
+        return dataclasses.replace(self, out=out, generated=generated, finish=finish,
+                                   root=jnp.where(count > 0, first, self.root))
+
     @property
     def batch_size(self) -> int:
         return self.root.shape[0]

@@ -59,9 +59,9 @@ class RequestOutput:
         stop token when ``finish_reason == "stop"``.
       finish_reason: ``"stop"``, ``"length"`` or ``"error: ..."``.
       acceptance_lengths: tokens the target accepted per round, bonus included (1 .. L + 1),
-        before truncation at a stop token or the length limit. Round 1 verifies the prompt's last
-        token as its root, so its count includes the first new token (the one the DFlash
-        reference samples from its prefill and does not count); see ``tau_published``.
+        before truncation at a stop token or the length limit. The first new token is drawn from
+        the prefill (the prompt's last position) and counts in no round, as in the published
+        DFlash and DDTree loops: ``1 + sum(acceptance_lengths)`` tokens, before truncation.
       cached_prompt_tokens: prompt positions taken from pages another request of the call
         computed (``page_size`` runs; 0 otherwise).
     """
@@ -77,17 +77,9 @@ class RequestOutput:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length over ALL rounds, bonus token included (round 1 counts the first
-        new token): new tokens per target verify pass, before truncation."""
+        """Mean acceptance length over the rounds, bonus token included: new tokens per target
+        verify pass, before truncation (the published tables' tau; 0 without a round)."""
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
-
-    @property
-    def tau_published(self) -> float | None:
-        """Mean acceptance length over rounds 2.. (rounds rooted at a generated token, like every
-        decoding round of the DFlash reference, whose tables leave out the prefill's token);
-        ``None`` with a single round."""
-        later = self.acceptance_lengths[1:]
-        return float(np.mean(later)) if later else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,15 +122,15 @@ class GenerateOutput:
 
     @property
     def mean_tau(self) -> float:
-        """Mean acceptance length over all rounds of all requests (pooled; round 1 included)."""
+        """Mean acceptance length over all rounds of all requests (pooled)."""
         lengths = [a for r in self.requests for a in r.acceptance_lengths]
         return float(np.mean(lengths)) if lengths else 0.0
 
     @property
     def mean_tau_published(self) -> float:
-        """The published tables' tau: each request's ``tau_published``, averaged over requests (the
-        reference benchmark's mean of per-request means), over requests with >= 2 rounds; NaN if none."""
-        taus = [r.tau_published for r in self.requests if r.tau_published is not None]
+        """The published tables' tau: each request's ``tau``, averaged over requests (the reference
+        benchmark's mean of per-request means), over requests with a round; NaN if none."""
+        taus = [r.tau for r in self.requests if r.acceptance_lengths]
         return float(np.mean(taus)) if taus else float("nan")
 
     @property
@@ -313,13 +305,12 @@ def generate(
     Returns:
       ``GenerateOutput``.
 
-    Acceptance statistics: the prefill covers the prompt without its last token; that token is
-    the root of round 1, so round 1's acceptance length counts the first new token (which the
-    DFlash reference samples from its own prefill and leaves out of its statistics) plus the
-    drafted tokens accepted after it. ``tau``/``mean_tau`` average over all rounds (new tokens
-    per verify pass); ``tau_published``/``mean_tau_published`` leave round 1 out and average per
-    request first, the way the published DFlash/DDTree tables report tau. They differ most on
-    short outputs (docs/acceptance-statistics.md).
+    Acceptance statistics: the prefill covers the whole prompt and draws the first new token
+    from its last position (by the request's own law and key: ``rng.first_token_keys``); every
+    round is rooted at a generated token, as in the published DFlash and DDTree loops, and no
+    round counts the first token. ``mean_tau`` pools every request's rounds; ``mean_tau_published``
+    averages per request first, the way the published tables report tau
+    (docs/acceptance-statistics.md).
     """
     decode = _decode_config(config, method=method, budget=budget, stop_token_ids=stop_tokens, seed=seed,
                             sync_every=sync_every, impl=impl)
@@ -348,19 +339,20 @@ def generate(
                    stop_ids=jnp.asarray(checked.stop_ids), sampling=sampling_batch,
                    request_ids=jnp.arange(B, dtype=jnp.uint32))
     cached = np.zeros((B,), np.int32)
-    if page_size is None:
+    base_key = jax.random.key(decode.seed)
+    if page_size is None:  # (each request's first token drawn from its prompt's last position)
         state = prefill(models, tparams, dparams, plan, jnp.asarray(padded), jnp.asarray(lengths - 1),
-                        jnp.asarray(roots), max_len=checked.max_len, **per_row)
+                        jnp.asarray(roots), max_len=checked.max_len, first_key=base_key, **per_row)
     else:
         state, cached = paged_prefill(models, tparams, dparams, plan, target, drafter if uses_drafter else None,
-                                      checked.prompts, checked.needs, page_size, jnp.asarray(roots), **per_row)
+                                      checked.prompts, checked.needs, page_size, jnp.asarray(roots),
+                                      first_key=base_key, **per_row)
     if decode.is_auto:  # budget 0 runs no drafter code (auto_round.with_deferred)
         state = ar.with_deferred(state, drafter, _held(decode))
     state = _on_rows(state, target)
     jax.block_until_ready(state)
     prefill_seconds = time.perf_counter() - t0
 
-    base_key = jax.random.key(decode.seed)
     split = {name: 0.0 for name, _ in STAGES} if profile else None
     # Host copies of each request's results, by request index; slot_request maps slots to
     # requests (-1: a free slot).
@@ -395,7 +387,9 @@ def generate(
     fixed_calls = ahead and _fixed_calls()
     # What the last read says the rows still need: the new tokens each slot's row may still commit
     # (0: done or free), the rows' tokens per round so far, and the rounds launched since.
-    need = dict(rows=checked.max_new_tokens.copy(), rate=1.0, pending=0)
+    # (each row committed its first token in the prefill, or ended there: a stop token, which the
+    # first read shows)
+    need = dict(rows=checked.max_new_tokens - 1, rate=1.0, pending=0)
     limits = checked.max_new_tokens
 
     def flush(state):
@@ -494,10 +488,11 @@ def generate(
                 chooser.record(0, plain, paid, rows=dispatch["requests"])
         return done, now
 
-    state, cur = launch(state)
-    assert cur is not None  # (every row needs a round)
+    state, cur = launch(state)  # (None: every request ended with its first token)
+    if cur is None:
+        harvest(state)
     last_read = None  # when the previous dispatch of the running pipeline was read back
-    while True:
+    while cur is not None:
         nxt = None
         if ahead:  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.config import MIN_PAGE_SIZE, ConfigError, is_page_size
-from ddtree_jax.decode_round import DecodePlan, Models, prefill_rows
+from ddtree_jax.decode_round import DecodePlan, Models, first_tokens, prefill_rows
 from ddtree_jax.decode_state import DecodeState
 from ddtree_jax.models.paged_cache import NULL_PAGE
 from ddtree_jax.serving.pages import PagePool, PageTable, page_keys
@@ -56,10 +56,12 @@ def prefix_waves(prompts: Sequence[np.ndarray], page_size: int) -> list[list[int
 
 def paged_prefill(models: Models, tparams, dparams, plan: DecodePlan, target, drafter,
                   prompts: Sequence[np.ndarray], needs: np.ndarray, page_size: int, roots: jax.Array,
-                  **per_row) -> tuple[DecodeState, np.ndarray]:
+                  first_key=None, **per_row) -> tuple[DecodeState, np.ndarray]:
     """``(state, cached)``: a fresh ``DecodeState`` (``DecodeState.start`` of ``roots`` and the
     keywords ``per_row``) over paged caches holding every prompt but its last token, and ``cached
     [B]`` int32, the prompt positions each request took from pages another request computed.
+    With ``first_key``, as ``decode_round.prefill`` with it: the caches hold the whole prompts and
+    each request starts with its first new token, drawn from its prompt's last position.
 
     Request ``b``'s table covers ``needs[b]`` positions (its prompt, its output and a round's
     scratch); the pool holds every request's pages unshared, so no allocation can fail.
@@ -73,6 +75,8 @@ def paged_prefill(models: Models, tparams, dparams, plan: DecodePlan, target, dr
     tcache = target.init_paged_cache(pool.num_pages, page_size, pages_per_slot, b)
     dcache = None if drafter is None else drafter.init_paged_cache(pool.num_pages, page_size, pages_per_slot, b)
     cached = np.zeros((b,), np.int32)
+    last = first_key is not None  # (the prompts' last tokens prefilled too, their logits kept)
+    logits = [None] * b
 
     def cover(i):
         covered = tables[i].ensure(int(needs[i]))
@@ -81,21 +85,28 @@ def paged_prefill(models: Models, tparams, dparams, plan: DecodePlan, target, dr
 
     for wave in prefix_waves(prompts, page_size):
         for i in wave:
-            cached[i] = tables[i].admit(prompts[i])
+            cached[i] = tables[i].admit(prompts[i])  # (at most all but the last token)
             cover(i)
-        counts = np.array([len(prompts[i]) - 1 - cached[i] for i in wave], np.int32)
+        end = [len(prompts[i]) - (0 if last else 1) for i in wave]
+        counts = np.array([e - cached[i] for e, i in zip(end, wave, strict=True)], np.int32)
         ids = np.zeros((len(wave), max(1, int(counts.max()))), np.int32)
         for r, i in enumerate(wave):
-            ids[r, :counts[r]] = prompts[i][cached[i]:-1]
+            ids[r, :counts[r]] = prompts[i][cached[i]:end[r]]
         tcache, dcache = _with_table(tcache, table), _with_table(dcache, table)
-        tcache, dcache = prefill_rows(models, tparams, dparams, plan, tcache, dcache, jnp.asarray(wave, jnp.int32),
-                                      jnp.asarray(ids), jnp.asarray(cached[wave]), jnp.asarray(counts))
-        for i in wave:
+        out = prefill_rows(models, tparams, dparams, plan, tcache, dcache, jnp.asarray(wave, jnp.int32),
+                           jnp.asarray(ids), jnp.asarray(cached[wave]), jnp.asarray(counts), last=last)
+        tcache, dcache = out[:2]
+        for r, i in enumerate(wave):
+            if last:
+                logits[i] = out[2][r]
             # commit gives back the pages past the prompt; cover takes the decoding's pages again
-            tables[i].commit(len(prompts[i]) - 1)
-            tables[i].publish(prompts[i][:-1])
+            tables[i].commit(end[r])
+            tables[i].publish(prompts[i][: end[r]])
             cover(i)
     state = _start(_with_table(tcache, table), _with_table(dcache, table), roots, **per_row)
+    if last:
+        state = state.with_first_tokens(first_tokens(jnp.stack(logits), state.sampling, state.request_ids,
+                                                     first_key, plan.backend))
     return state, cached
 
 

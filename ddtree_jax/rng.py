@@ -7,6 +7,8 @@ between batch rows:
 
 * request key: ``fold_in(fold_in(key, 0), seed)`` for a seeded request,
   ``fold_in(fold_in(key, 1), request_id)`` for an unseeded one (``request_keys``);
+* first-token key: ``fold_in(request key, FIRST_TOKEN)`` (``first_token_keys``): the draw of a
+  request's first new token from the prefill's last position (``FIRST_TOKEN`` is no round count);
 * round key: ``fold_in(request key, the request's own round count)`` (``round_keys``);
 * node draws: the reference sampler draws Gumbel noise ``[M, V]`` from the round key; the fused
   kernel hashes two seed words per node, those of ``fold_in(round key, node)``
@@ -18,7 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["node_seed_words", "request_keys", "round_keys"]
+__all__ = ["FIRST_TOKEN", "first_token_keys", "node_seed_words", "request_keys", "round_keys"]
+
+FIRST_TOKEN = 0xFFFFFFFF
+"""The fold of a request's first-token key (``first_token_keys``): a round count no request reaches."""
 
 
 def _as_key(key: jax.Array) -> jax.Array:
@@ -53,6 +58,13 @@ def request_keys(key: jax.Array, params, request_ids: jax.Array | None = None) -
 def round_keys(base_key: jax.Array, params, request_ids: jax.Array, rounds: jax.Array) -> jax.Array:
     """Keys ``[B]`` of one decoding round: each request's key folded with its own round count."""
     return jax.vmap(jax.random.fold_in)(request_keys(base_key, params, request_ids), rounds)
+
+
+def first_token_keys(base_key: jax.Array, params, request_ids: jax.Array) -> jax.Array:
+    """Keys ``[B]`` of each request's first new token (drawn from the prefill's last position, as
+    node 0 of a round draws): its request key folded with ``FIRST_TOKEN``."""
+    keys = request_keys(base_key, params, request_ids)
+    return jax.vmap(lambda k: jax.random.fold_in(k, jnp.uint32(FIRST_TOKEN)))(keys)
 
 
 def node_seed_words(keys: jax.Array, num_nodes: int) -> jax.Array:

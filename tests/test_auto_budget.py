@@ -688,10 +688,10 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=1, sync_every=S)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     # A static batch: each choice sees its running rows and what they may still commit, as of the
-    # last read (the first: every row, its whole limit)
+    # last read (the first: every row, its limit but the first token, drawn by the prefill)
     ids, left = finishes[0]
-    assert list(ids) == [0, 1, 2] and list(left) == [GREEDY_TOKENS] * 3
-    assert all(0 < min(f[1]) and max(f[1]) <= GREEDY_TOKENS and len(f[0]) == len(f[1]) for f in finishes)
+    assert list(ids) == [0, 1, 2] and list(left) == [GREEDY_TOKENS - 1] * 3
+    assert all(0 < min(f[1]) and max(f[1]) < GREEDY_TOKENS and len(f[0]) == len(f[1]) for f in finishes)
     assert sum(finishes[-1][1]) < sum(left)
     assert out.tokens == greedy_ar.tokens
     assert all(n == S for _, _, n, _ in calls), calls

@@ -31,9 +31,9 @@ def test_greedy_equals_autoregressive(models, greedy_ar, method, budget):
     assert all(len(t) == 12 for t in out.tokens)
     assert [r.finish_reason for r in out.requests] == ["length"] * 3
     L = models[1].config.block_size - 1
-    for r in out.requests:  # the statistics describe the rounds that made the tokens
+    for r in out.requests:  # the statistics describe the rounds that made the tokens (after the prefill's)
         assert all(1 <= a <= L + 1 for a in r.acceptance_lengths)
-        assert sum(r.acceptance_lengths[:-1]) < 12 <= sum(r.acceptance_lengths)
+        assert 1 + sum(r.acceptance_lengths[:-1]) < 12 <= 1 + sum(r.acceptance_lengths)
 
 
 def test_budget_below_the_draft_depth_with_the_default_cache(models, greedy_ar):
@@ -273,11 +273,27 @@ def test_bad_inputs(models, kwargs, match):
         generate(**args)
 
 
-def test_published_tau_leaves_out_round_one():
+def test_published_tau_averages_per_request_and_no_round_counts_the_first_token():
     target, drafter = bigram_target(), BigramOracleDrafter(block_size=5)
     out = generate(target, drafter, PROMPTS, method="dflash", **SHAPES)
+    for r in out.requests:  # the prefill's token, then the rounds' (before truncation)
+        assert r.tau == float(np.mean(r.acceptance_lengths))
+        assert 1 + sum(r.acceptance_lengths[:-1]) < len(r.tokens) <= 1 + sum(r.acceptance_lengths)
+    assert out.mean_tau_published == float(np.mean([q.tau for q in out.requests]))
+    single = generate(target, drafter, PROMPTS, method="dflash", max_new_tokens=1, max_len=64)
+    assert all(q.acceptance_lengths == [] and len(q.tokens) == 1 for q in single.requests)
+    assert np.isnan(single.mean_tau_published) and single.rounds == 0
+
+
+def test_a_request_can_end_with_its_first_token(models, greedy_ar):
+    """The first token comes from the prefill: a stop token there, or a limit of one token, ends
+    the request without a round (and the batch runs none when every request ends so)."""
+    first = greedy_ar.tokens[0][0]
+    out = generate(*models, PROMPTS, method="ddtree", budget=6, stop_tokens=[first], **SHAPES)
     r = out.requests[0]
-    assert r.tau_published == float(np.mean(r.acceptance_lengths[1:]))
-    assert out.mean_tau_published == float(np.mean([q.tau_published for q in out.requests]))
-    single = generate(target, drafter, PROMPTS, method="dflash", max_new_tokens=3, max_len=64)
-    assert all(q.tau_published is None for q in single.requests) and np.isnan(single.mean_tau_published)
+    assert r.tokens == [first] and r.finish_reason == "stop" and r.acceptance_lengths == []
+    cut = lambda t: t[: t.index(first) + 1] if first in t else t  # noqa: E731
+    assert out.tokens == [cut(t) for t in greedy_ar.tokens]
+    one = generate(*models, PROMPTS, method="ddtree", budget=6, max_new_tokens=1, max_len=64)
+    assert one.tokens == [t[:1] for t in greedy_ar.tokens] and one.rounds == 0
+    assert [q.finish_reason for q in one.requests] == ["length"] * len(PROMPTS)

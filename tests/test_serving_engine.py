@@ -584,3 +584,34 @@ def test_changing_sizes_under_many_streams_lose_and_duplicate_nothing(models, re
     finally:
         eng.stop()
     assert all(h is None for h in eng._slot)
+
+
+def test_the_first_token_goes_out_before_the_rounds_after_it(models, reference):
+    """A new request's first token is drawn from its prompt's last position by its activation and
+    read back as soon as that has run: the step that activates it streams that one token while no
+    round of it has been read back (metrics: 0 rounds); its harvest does not stream it again, and
+    the tokens stay generate()'s. With the launcher held back, the step does not wait for it: the
+    first token then comes with the harvest."""
+    eng = engine(models, slots=1)
+    h = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
+    eng.step()  # admits, prefills, activates and launches the first rounds
+    assert len(eng._early) == 1 and eng._early[0][1].result(timeout=60) is not None  # (the launcher ran them)
+    eng.step()  # its first token goes out before the first rounds are read back
+    assert [c.token_ids for c in h._chunks][:1] == [reference.tokens[0][:1]]
+    assert eng.metrics.snapshot()["rounds"] <= 1 and not eng._early
+    assert run(eng, [h])[0].tokens == reference.tokens[0]
+    assert sum(len(c.token_ids) for c in h._chunks) == MAX_TOKENS
+
+    eng = engine(models, slots=1)
+    launch, gate = eng._launch_rounds, threading.Event()
+
+    def held(ops, plan, rounds):
+        gate.wait(timeout=5.0)
+        return launch(ops, plan, rounds)
+
+    eng._launch_rounds = held
+    h = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
+    eng.step()  # (a step that waited for its own launch would never return)
+    assert not h._chunks and len(eng._early) == 1
+    gate.set()
+    assert run(eng, [h])[0].tokens == reference.tokens[0]

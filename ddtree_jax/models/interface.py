@@ -68,10 +68,12 @@ class TargetModel(Protocol):
 
     def prefill(self, input_ids: jax.Array, lengths: jax.Array, cache: RowCache, *,
                 hidden_layer_ids: tuple[int, ...] = (), valid: jax.Array | None = None,
+                logits_at: jax.Array | None = None,
                 ) -> tuple[jax.Array, tuple[jax.Array, ...], RowCache]:
         """Append a causal chunk ``input_ids [B, T]`` (``lengths [B]`` valid) after each row's prefix.
         ``valid [B, T]`` bool (None: all) marks the tokens before each row's length; a model may
-        skip work for the others (their outputs are meaningless anyway)."""
+        skip work for the others (their outputs are meaningless anyway). Logits ``[B, T, V]``, or
+        with ``logits_at [B]`` (positions in the chunk) ``[B, 1, V]`` at those positions."""
         ...
 
     def verify(self, tokens: jax.Array, depths: jax.Array, ancestor_mask: jax.Array, cache: RowCache, *,

@@ -514,6 +514,7 @@ class KimiForCausalLM(nnx.Module):
         hidden_layer_ids: tuple[int, ...] = (),
         dense_experts: bool = False,
         valid: jax.Array | None = None,
+        logits_at: jax.Array | None = None,
     ):
         """Append a causal chunk after each row's prefix (a prompt into an empty slot, or a decode step).
 
@@ -525,14 +526,15 @@ class KimiForCausalLM(nnx.Module):
         valid tokens' outputs are unchanged). ``cache``:
         a ``KVCache`` or a ``PagedKVCache`` whose tables cover ``[0, cache.lengths + lengths)``
         (``verify``'s and ``commit``'s the same, over their blocks).
-        ``dense_experts`` runs the dense reference MoE (benchmarks).
+        ``dense_experts`` runs the dense reference MoE (benchmarks). ``logits_at [B]`` (positions in
+        the chunk): the logits there only, ``[B, 1, V]`` (the LM head runs on those rows alone).
         """
         b, t = input_ids.shape
         chex.assert_shape(lengths, (b,))
         start = cache.lengths
         positions = start[:, None] + jnp.arange(t)[None]
         logits, hidden, cache = self._run_cached(
-            input_ids, positions, None, cache, hidden_layer_ids, dense_experts, valid
+            input_ids, positions, None, cache, hidden_layer_ids, dense_experts, valid, logits_at=logits_at
         )
         return logits, hidden, dataclasses.replace(cache, lengths=start + lengths.astype(jnp.int32))
 
@@ -581,22 +583,24 @@ class KimiForCausalLM(nnx.Module):
 
     # ---- shared trunk ----
 
-    def _run_cached(self, tokens, positions, block_mask, cache, hidden_layer_ids, dense_experts, valid=None):
+    def _run_cached(self, tokens, positions, block_mask, cache, hidden_layer_ids, dense_experts, valid=None,
+                    logits_at=None):
         """Run a block written at ``cache.lengths`` (a ``KVCache`` or ``PagedKVCache``);
         ``block_mask [B,T,T]`` says which block tokens see which, ``None`` a causal block (the
         whole prefix is always visible)."""
         start = cache.lengths
         mask = BlockMask(start, block_mask)
         logits, hidden, rows = self._run(tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts,
-                                         valid)
+                                         valid, logits_at=logits_at)
         # Each layer's buffer was updated where the block landed; nothing is stacked or copied.
         return logits, hidden, dataclasses.replace(cache, latent=tuple(r[0] for r in rows),
                                                    k_rope=tuple(r[1] for r in rows))
 
-    def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts, valid=None):
+    def _run(self, tokens, positions, mask, cache, start, hidden_layer_ids, dense_experts, valid=None,
+             logits_at=None):
         """The trunk; ``cache`` is ``None`` (cache-free) or a cache whose ``layout`` says where its
         buffers hold the positions; ``valid [B,T]`` (or None) reaches only the MoE layers (invalid
-        tokens route to no expert)."""
+        tokens route to no expert); ``logits_at [B]``: the logits at those positions only."""
         cfg = self.config
         for i in hidden_layer_ids:
             if not 0 <= i < cfg.num_hidden_layers:
@@ -615,5 +619,7 @@ class KimiForCausalLM(nnx.Module):
         # transformers' ``hidden_states[i + 1]`` convention: the last entry is the NORMED output
         # (DFlash's ``extract_context_feature`` reads it that way for a last-layer target id).
         hidden[cfg.num_hidden_layers - 1] = normed = self.model.norm(x)
+        if logits_at is not None:
+            normed = jnp.take_along_axis(normed, logits_at[:, None, None], axis=1)
         logits = self.lm_logits(normed)
         return logits, tuple(hidden[i] for i in hidden_layer_ids), rows

@@ -15,11 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.auto_round import flush_deferred, unrolled_tallied_rounds, with_deferred
+from ddtree_jax.backend import Backend
 from ddtree_jax.decode_round import (
     DecodePlan,
     Models,
     append_to_rows,
+    first_tokens,
     round_with_logprobs,
+    token_logprobs,
     unrolled_rounds,
     with_row_lengths,
 )
@@ -32,7 +35,7 @@ PREFILL_FIELDS = 3  # int32 columns of a prefill chunk's rows before its token i
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
-def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, packed) -> DecodeState:
+def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, packed):
     """Append one prompt chunk to some slots, given as ONE int32 array ``packed [R, PREFILL_FIELDS
     + T]`` (one host-to-device transfer): per row its slot, the prompt tokens already in that
     slot's cache (``starts``: 0 for a prompt's first chunk, which discards whatever the slot held;
@@ -40,13 +43,15 @@ def prefill_chunk(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
     chunk's ``T`` token ids, right-padded. Finish codes do not change: a slot being filled is not
     ``RUNNING`` and the rounds leave it alone. Where the target splits the slots over a row mesh,
     the rows must be laid out device by device (``prefill_layout``): each device then prefills its
-    own slots in place, and no slot's cache leaves its device."""
+    own slots in place, and no slot's cache leaves its device. Returns ``(state, the target's
+    logits f32 [R, V] at each row's last chunk token)`` (a new request's first token is drawn
+    from those of its prompt's last chunk: ``activate_first``; meaningless for padding rows)."""
     rows, starts, counts, ids = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, PREFILL_FIELDS:]
     target, drafter = models.merge(tparams, dparams)
     dcache = state.draft_cache if plan.hidden_layer_ids else None
-    tcache, dcache = append_to_rows(target, drafter, plan, state.target_cache, dcache, rows, ids, starts, counts,
-                                    by_device=True)
-    return dataclasses.replace(state, target_cache=tcache, draft_cache=dcache or state.draft_cache)
+    tcache, dcache, logits = append_to_rows(target, drafter, plan, state.target_cache, dcache, rows, ids, starts,
+                                            counts, by_device=True, last=True)
+    return dataclasses.replace(state, target_cache=tcache, draft_cache=dcache or state.draft_cache), logits
 
 
 def prefill_rows(rows, starts, counts, ids) -> np.ndarray:
@@ -168,6 +173,21 @@ def activate(state: DecodeState, packed) -> DecodeState:
     )
 
 
+@functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("state",))
+def activate_first(state: DecodeState, packed, logits, base_key, *, backend: Backend) -> DecodeState:
+    """``activate``, where a row whose root is -1 is a new request whose caches hold its whole
+    prompt: its first token is drawn from ``logits [R, V]`` (the target's at its prompt's last
+    position, row by row with ``packed``) by its own law (``decode_round.first_tokens``) and
+    committed (``DecodeState.with_first_tokens``: root, first output, stop tokens and limits)."""
+    rows, new = packed[:, 0], packed[:, 1] < 0
+    state = activate(state, packed.at[:, 1].set(jnp.maximum(packed[:, 1], 0)))
+    sampling = jax.tree.map(lambda x: x[rows], state.sampling)
+    first = first_tokens(logits, sampling, state.request_ids[rows], base_key, backend)
+    B = state.batch_size
+    return state.with_first_tokens(jnp.zeros((B,), jnp.int32).at[rows].set(first),
+                                   where=jnp.zeros((B,), bool).at[rows].set(new))
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def release(state: DecodeState, rows) -> DecodeState:
     """Mark slots ``rows`` ``FREE``: they commit nothing more (a cancelled or stop-string request)."""
@@ -218,14 +238,15 @@ HARVEST_FIELDS = 3  # columns before the tokens in ``rounds_and_harvest``'s pack
 
 @functools.partial(jax.jit, static_argnames=("models", "plan", "rounds", "tokens"), donate_argnames=("state",))
 def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key, *,
-                       rounds: int, tokens: int):
+                       rounds: int, tokens: int, first_logprobs=None):
     """``rounds`` rounds (``unrolled_rounds``: the call returns before they finish), and what the
     host needs of them in ONE int32 array ``[B, HARVEST_FIELDS + tokens + rounds]``; per slot:
     tokens committed by these rounds, rounds run, finish code, then the committed tokens
     (``tokens`` columns, the first ``n`` valid) and the rounds' acceptance lengths (``rounds``
     columns). With ``plan.logprobs = K > 0``, ``tokens * (1 + 2 K)`` more columns follow: for
     each token column, ``decode_round.token_logprobs``'s ``1 + 2 K`` entries (float32 bits as
-    int32). With ``plan.expected_budgets`` at a positive budget (``budget="auto"``'s drafted
+    int32; a slot with no round yet starts with its first token's, ``first_logprobs [B, 1 + 2 K]``:
+    ``first_token_logprobs``). With ``plan.expected_budgets`` at a positive budget (``budget="auto"``'s drafted
     rounds, ``auto_round.round_plans``; no log-probabilities), ``2 + len(expected_budgets)`` more
     columns follow instead: the rounds' tally (``auto_round``, float32 bits as int32); budget 0's
     rounds are plain ones, their tally ``auto_round.plain_tally`` of the rounds column. Returns
@@ -236,13 +257,14 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
         # rounds see its table as the null page, where writes land nowhere.
         tables = _tables(state)
         state, packed = _rounds_and_harvest(models, tparams, dparams, plan,
-                                            without_pages(state, state.finish != RUNNING), base_key, rounds, tokens)
+                                            without_pages(state, state.finish != RUNNING), base_key, rounds, tokens,
+                                            first_logprobs)
         return _with_tables(state, tables), packed
-    return _rounds_and_harvest(models, tparams, dparams, plan, state, base_key, rounds, tokens)
+    return _rounds_and_harvest(models, tparams, dparams, plan, state, base_key, rounds, tokens, first_logprobs)
 
 
 def _rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-                        rounds: int, tokens: int):
+                        rounds: int, tokens: int, first_logprobs=None):
     gen0, rnd0 = state.generated, state.rounds
     if plan.expected_budgets:
         if plan.logprobs:
@@ -252,7 +274,8 @@ def _rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, stat
             bits = jax.lax.bitcast_convert_type(tally, jnp.int32)
             return state, jnp.concatenate([_harvest(state, gen0, rnd0, rounds, tokens), bits], axis=1)
     if plan.logprobs:
-        state, logprobs = _rounds_with_logprobs(models, tparams, dparams, plan, state, base_key, rounds, tokens)
+        state, logprobs = _rounds_with_logprobs(models, tparams, dparams, plan, state, base_key, rounds, tokens,
+                                                first_logprobs)
         packed = _harvest(state, gen0, rnd0, rounds, tokens)
         return state, jnp.concatenate([packed, logprobs.reshape(logprobs.shape[0], -1)], axis=1)
     state = unrolled_rounds(models, tparams, dparams, plan, state, base_key, rounds)
@@ -260,7 +283,10 @@ def _rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, stat
 
 
 def _harvest(state: DecodeState, gen0, rnd0, rounds: int, tokens: int):
-    """The packed rows of ``rounds_and_harvest`` for rounds run from ``gen0``/``rnd0``."""
+    """The packed rows of ``rounds_and_harvest`` for rounds run from ``gen0``/``rnd0``; a slot
+    that had run no round (``rnd0`` 0) from its first output on (a new request's first token,
+    committed by its activation: ``activate_first``)."""
+    gen0 = jnp.where(rnd0 == 0, 0, gen0)
     C = state.capacity
     tok_idx = jnp.clip(gen0[:, None] + jnp.arange(tokens)[None], 0, C - 1)
     rnd_idx = jnp.clip(rnd0[:, None] + jnp.arange(rounds)[None], 0, C - 1)
@@ -271,11 +297,14 @@ def _harvest(state: DecodeState, gen0, rnd0, rounds: int, tokens: int):
 
 
 def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,
-                          rounds: int, tokens: int):
+                          rounds: int, tokens: int, first_logprobs=None):
     """``unrolled_rounds`` that also gathers each committed token's ``token_logprobs`` entries:
-    ``(state, i32 [B, tokens, 1 + 2 K])``, row ``b``'s first ``generated - generated before`` valid."""
+    ``(state, i32 [B, tokens, 1 + 2 K])``, row ``b``'s first ``generated - generated before`` valid;
+    a slot that had run no round (a new request) starts with its first token's entries,
+    ``first_logprobs [B, 1 + 2 K]`` (``first_token_logprobs``)."""
     B = state.batch_size
-    gen0 = state.generated
+    new = state.rounds == 0
+    gen0 = jnp.where(new, 0, state.generated)
     rows = jnp.arange(B)[:, None]
     gathered = jnp.zeros((B, tokens, 1 + 2 * plan.logprobs), jnp.int32)
     for _ in range(rounds):
@@ -284,7 +313,19 @@ def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, st
         idx = jnp.arange(logprobs.shape[1])[None]
         pos = jnp.where(idx < (state.generated - before)[:, None], (before - gen0)[:, None] + idx, tokens)
         gathered = gathered.at[rows, pos].set(logprobs, mode="drop")
+    if first_logprobs is not None:
+        gathered = gathered.at[:, 0].set(jnp.where(new[:, None], first_logprobs, gathered[:, 0]))
     return state, gathered
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def first_token_logprobs(state: DecodeState, packed, logits, first_logprobs, *, k: int):
+    """``first_logprobs [B, 1 + 2 k]`` with the rows of ``packed`` (``activate_first``'s, after it
+    ran) set to their first token's ``token_logprobs`` entries, from the same ``logits``."""
+    rows = packed[:, 0]
+    sampling = jax.tree.map(lambda x: x[rows], state.sampling)
+    entries = token_logprobs(logits[:, None], state.out[rows, :1], sampling, k)[:, 0]
+    return first_logprobs.at[rows].set(entries)
 
 
 def page_bytes(target, drafter, page_size: int) -> int:

@@ -9,7 +9,9 @@ step (``step()``)
     long prompt does not stall the running streams), up to ``prefill_batch`` slots per step,
     padded to a power of two (a shape not compiled yet runs padded on a compiled one while it
     compiles in the background: ``serving/shapes.py``); a slot whose prompt is in starts decoding
-    (``activate``);
+    (``activate_first``: a new request's prefill takes its whole prompt and its first token is
+    drawn from the last position, read back as soon as that has run, before the rounds after it;
+    docs/first-token.md);
 (c) dispatches compiled rounds without waiting for them (``sync_every`` of them, or with
     ``sync_every="auto"`` 1, 2 or 4, whichever the measured cost per round favours at the current
     load: ``serving/dispatch.py``), and meanwhile reads back
@@ -51,6 +53,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import auto_costs
@@ -250,6 +253,7 @@ class _Request:
     logprob_parts: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     first_token: float | None = None
     last_emit: float | None = None
+    early: bool = False  # its first token was emitted from its activation: its first harvest's copy is dropped
 
     @property
     def tokens(self) -> np.ndarray:
@@ -351,6 +355,10 @@ class Engine:
         if self.page_size is not None:
             self._init_pages(config, target, drafter if decode.uses_drafter else None)
         self._base_key = jax.random.key(decode.seed)
+        # (an activation with no new request: no logits to draw a first token from)
+        self._no_logits = jnp.zeros((self.slots, target.config.vocab_size), jnp.float32)
+        # each slot's first token's log-probability entries (``_device.first_token_logprobs``)
+        self._first_logprobs = jnp.zeros((self.slots, 1 + 2 * config.max_logprobs), jnp.int32)
         self.auto_plan = None
         self._defer, self._deferred_rounds = 0, 0  # budget 0's held-back context: its size, rounds since a flush
         if decode.is_auto:
@@ -380,6 +388,9 @@ class Engine:
         # the slots' requests at dispatch or None, the auto budget's index or None, whether it
         # launched rounds alone, its rounds: _read_back's arguments).
         self._inflight: collections.deque[tuple] = collections.deque()
+        # New requests' first tokens, read back as soon as their activation has run (before the
+        # rounds after it): (requests, future of the device array of their first tokens)
+        self._early: collections.deque[tuple] = collections.deque()
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched before the step's rounds.
         self._ops: list[Callable[[DecodeState], DecodeState]] = []
@@ -539,7 +550,8 @@ class Engine:
     def _rounds(self, plan: DecodePlan, state, rounds: int):
         """``rounds`` rounds of ``plan`` on ``state`` and their harvest: ``(state, packed)``."""
         return _device.rounds_and_harvest(self._models, self._tparams, self._dparams, plan, state, self._base_key,
-                                          rounds=rounds, tokens=rounds * self.tokens_per_round)
+                                          rounds=rounds, tokens=rounds * self.tokens_per_round + 1,
+                                          first_logprobs=self._first_logprobs if plan.logprobs else None)
 
     def _measure_costs(self) -> tuple[float, ...]:
         """Seconds per round at each budget (``auto_costs``): the cost table's, or timed now
@@ -800,9 +812,10 @@ class Engine:
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
         previous = len(self._inflight)
         self._submit_launch(self._prepare_rounds())
-        items = ended
+        items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(previous):
             items += self._read_back(*self._inflight.popleft())
+        items += self._early_tokens()
         t1 = time.perf_counter()
         self._emitter.submit(items, t1)
         self.metrics.count("emit_seconds", n=time.perf_counter() - t1)
@@ -820,6 +833,9 @@ class Engine:
         reached its stream and no launch is running."""
         while self._inflight:
             self._emitter.submit(self._read_back(*self._inflight.popleft()), time.perf_counter())
+        # (every launch has ended: an activation that did not run never will)
+        self._early = collections.deque(e for e in self._early if e[1].done())
+        self._emitter.submit(self._early_tokens(), time.perf_counter())
 
     def _settle(self) -> None:
         """Wait until no launch is running (the launcher alone touches ``_state`` meanwhile);
@@ -857,11 +873,12 @@ class Engine:
             batch = batch[: self.prefill_batch]
         if not batch:
             return
-        need = [r for r in batch if r.prefilled < r.tokens.size - 1]
+        need = [r for r in batch if r.prefilled < self._end(r)]
         if self.page_size is not None:
             self._sync_tables()
+        logits = {}  # (the chunk's logits, for the activation of requests whose prompt it ends)
         if need:
-            longest = max(r.tokens.size - 1 - r.prefilled for r in need)
+            longest = max(self._end(r) - r.prefilled for r in need)
             width = min(self.prefill_chunk, max(_MIN_CHUNK, _pow2(longest)))
             # Rows device by device (one block without a row mesh): each device prefills its own slots.
             blocks, per = self._row_blocks, self._block_slots
@@ -871,21 +888,38 @@ class Engine:
             counts = np.zeros((len(need),), np.int32)
             starts = np.array([r.prefilled for r in need], np.int32)
             for i, r in enumerate(need):
-                chunk = r.tokens[r.prefilled : min(r.prefilled + T, r.tokens.size - 1)]
+                chunk = r.tokens[r.prefilled : min(r.prefilled + T, self._end(r))]
                 ids[i, : chunk.size] = chunk
                 counts[i] = chunk.size
             rows, pick = _device.prefill_layout([r.slot for r in need], blocks, per, R // blocks)
             pad, at = pick < 0, np.maximum(pick, 0)
             packed = _device.prefill_rows(rows, np.where(pad, -1, starts[at]), np.where(pad, 0, counts[at]),
                                           np.where(pad[:, None], 0, ids[at]))
-            self._ops.append(lambda state, fn=prefill, packed=packed: fn(self._tparams, self._dparams, state, packed))
+
+            def chunk_op(state, fn=prefill, packed=packed):
+                state, logits["chunk"] = fn(self._tparams, self._dparams, state, packed)
+                return state
+
+            self._ops.append(chunk_op)
+            logits["row"] = {id(r): int(np.flatnonzero(pick == i)[0]) for i, r in enumerate(need)}
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
-        ready = [r for r in batch if r.prefilled == r.tokens.size - 1]
+        ready = [r for r in batch if r.prefilled == self._end(r)]
         if ready:
-            self._activate(ready)
+            self._activate(ready, logits)
 
-    def _activate(self, reqs: list[_Request]) -> None:
+    @staticmethod
+    def _new(r: _Request) -> bool:
+        """Whether ``r`` has no token yet: its prefill takes its whole prompt and draws its first
+        token there (``_device.activate_first``). A resumed request's context (prompt and tokens
+        so far) is prefilled but its last token, the root of its next round."""
+        return not r.out
+
+    def _end(self, r: _Request) -> int:
+        """The positions of ``r.tokens`` its prefill puts in the slot's caches."""
+        return r.tokens.size - (0 if self._new(r) else 1)
+
+    def _activate(self, reqs: list[_Request], logits: dict) -> None:
         R = self.slots  # one compiled activation whatever the number of newcomers (a cheap scatter)
         stop_ids = np.full((len(reqs), self.max_stop_ids), NO_STOP, np.int32)
         for i, r in enumerate(reqs):
@@ -897,21 +931,65 @@ class Engine:
                                  seed=pad(np.array([r.sampling.seed or 0 for r in reqs], np.uint32)),
                                  has_seed=pad(np.array([r.sampling.seed is not None for r in reqs], bool)))
         packed = _device.activation_rows(
-            self._rows([r.slot for r in reqs], R), pad([r.tokens[-1] for r in reqs]),
-            pad(np.array([r.tokens.size - 1 for r in reqs], np.int32)),
+            self._rows([r.slot for r in reqs], R), pad([-1 if self._new(r) else r.tokens[-1] for r in reqs]),
+            pad(np.array([self._end(r) for r in reqs], np.int32)),
             pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
             pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
             pad(np.array([r.rounds_done for r in reqs], np.int32)))
-        self._ops.append(lambda state, packed=packed: _device.activate(state, packed))
+        # the logits of each new request's prompt's last chunk (this step's: its prompt ends in it)
+        at = pad(np.array([logits["row"][id(r)] if self._new(r) else 0 for r in reqs], np.int32))
+
+        # New requests without log-probabilities get their first token as soon as it is drawn
+        early = [r for r in reqs if self._new(r) and r.logprobs is None]
+        found = concurrent.futures.Future() if early else None
+        if early:
+            self._early.append((early, found))
+
+        def activate(state, packed=packed, at=at):
+            try:
+                chunk = logits.get("chunk")
+                rows = self._no_logits if chunk is None else jnp.take(chunk, jnp.asarray(at), axis=0)
+                state = _device.activate_first(state, packed, rows, self._base_key, backend=self.plan.backend)
+                if self.max_logprobs:  # (launched in order: the rounds after it read them)
+                    self._first_logprobs = _device.first_token_logprobs(state, packed, rows, self._first_logprobs,
+                                                                        k=self.max_logprobs)
+                if found is not None:
+                    found.set_result(state.out[jnp.asarray([r.slot for r in early], jnp.int32), 0])
+                return state
+            except BaseException as e:
+                if found is not None and not found.done():
+                    found.set_exception(e)
+                raise
+
+        self._ops.append(activate)
         if self.page_size is not None:
             for r in reqs:  # the context's full pages join the prefix cache
-                table, n = self._tables[r.slot], r.tokens.size - 1
+                table, n = self._tables[r.slot], self._end(r)
                 table.commit(n, keep=self._cover(r, n))
                 table.publish(r.tokens[:n])
         with self._lock:
             for r in reqs:
                 r.running = True
+                r.early = False
                 self._admitted.remove(r)
+
+    def _early_tokens(self) -> list[Emit]:
+        """The first tokens of the requests whose activation the launcher has launched, read back:
+        that waits for the device to run their prefill and activation, not for the rounds after
+        them, so a first token goes out a dispatch earlier than the rounds' harvest would bring
+        it. The engine thread never waits for the launcher here: a request whose activation is not
+        launched yet gets its first token with its harvest."""
+        items = []
+        while self._early and self._early[0][1].done():
+            reqs, found = self._early.popleft()
+            firsts = np.asarray(self._fetch(found.result())).tolist()
+            for r, t in zip(reqs, firsts, strict=True):
+                if r.retired or r.out:  # (cancelled, or its harvest came first)
+                    continue
+                r.out.append(t)
+                r.early = True
+                items.append(Emit(r, [t], [], None))
+        return items
 
     def _prepare_rounds(self):
         """The host's decisions for the next dispatch, on the engine thread: the running slots, their
@@ -1013,7 +1091,7 @@ class Engine:
                 self._sizer.observe(sum(r is not None for r in snapshot), rounds, (now - self._last_read) / rounds)
         self._last_read = now if clean else None
         n_new, n_rounds, finish = got[:, 0], got[:, 1], got[:, 2]
-        T = rounds * self.tokens_per_round
+        T = rounds * self.tokens_per_round + 1  # (+ a new request's first token, from its activation)
         live = np.array([r is not None and not r.retired for r in snapshot])
         if auto_budget is not None:
             K = len(self.auto_plan.budgets)
@@ -1032,6 +1110,8 @@ class Engine:
             r, row = snapshot[s], rows[s]
             reason = None if row[2] == RUNNING else FINISH_REASONS[row[2]]
             tokens = row[first : first + row[0]]
+            if r.early:  # (its first token went out from its activation)
+                tokens, r.early = tokens[1:], False
             r.out += tokens
             r.rounds_done += row[1]
             items.append(Emit(r, tokens, row[first + T : first + T + row[1]], reason,
@@ -1054,7 +1134,7 @@ class Engine:
         ``rounds`` rounds (after the tokens and acceptance columns: ``_device.rounds_and_harvest``),
         for a request that asked (``r.logprobs`` set)."""
         K = self.max_logprobs
-        start = _device.HARVEST_FIELDS + rounds * (self.tokens_per_round + 1)
+        start = _device.HARVEST_FIELDS + rounds * (self.tokens_per_round + 1) + 1
         block = row[start:].reshape(-1, 1 + 2 * K)[:n]
         return TokenLogprobs(block[:, 0].view(np.float32), block[:, 1 : 1 + r.logprobs],
                              block[:, 1 + K : 1 + K + r.logprobs].view(np.float32))
