@@ -475,7 +475,6 @@ def generate(
         if decode.is_auto:
             ran = rounds - last_rounds  # (a probing dispatch: its probe round, then plain rounds)
             last_rounds[:] = rounds
-            plain = plain_tally(ran if tally is None else ran - tally[:, 0], len(auto_plan.budgets))
             # Only full dispatches at one budget time it (a probing one mixes two; the few rounds
             # of the last dispatch would carry a whole launch and read-back).
             if start is not None and not dispatch["probe"] and int(ran.max(initial=0)) == dispatch["n"]:
@@ -485,6 +484,7 @@ def generate(
             if tally is not None:
                 chooser.record(dispatch["k"], tally, paid, rows=dispatch["requests"])
             if dispatch["k"] == 0 or dispatch["probe"]:
+                plain = plain_tally(ran if tally is None else ran - tally[:, 0], len(auto_plan.budgets))
                 chooser.record(0, plain, paid, rows=dispatch["requests"])
         return done, now
 
@@ -529,10 +529,9 @@ def generate(
                 state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
             need["rows"] = np.where(pad, 0, need["rows"][take])
-            if decode.is_auto:
-                last_rounds = last_rounds[take]
             batch_sizes.append(size)
             if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
+                last_rounds = last_rounds[take]
                 jax.block_until_ready(state)
             last_read = None
         if nxt is None:
