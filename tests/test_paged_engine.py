@@ -132,3 +132,18 @@ def test_traffic_after_warmup_compiles_nothing(models, page_size):
                         zip(prompts, SAMPLING, (3, 9, 14, 5, 20, 7), strict=True)], check=False)
     assert [len(r.tokens) for r in got] == [3, 9, 14, 5, 20, 7]
     assert watch.compiles == 0
+
+
+def test_any_number_of_newcomers_compiles_nothing_after_warmup(models):
+    """Three newcomers activated together (the warm-up admits 1, 2 and 4): their first tokens are
+    read back through one program whatever their number (an eager gather of their slots compiled
+    again for every new count, a stall of every stream on the GPU)."""
+    from ddtree_jax.compilation_cache import CompileWatch
+
+    eng = Engine(*models, dataclasses.replace(SHAPE, prefill_batch=4))
+    eng.warmup()
+    with CompileWatch() as watch:
+        got = run(eng, [eng.submit(p, s, max_tokens=m) for p, s, m in
+                        zip(([7, 8, 9], [5, 6], [3]), SAMPLING[:3], (2, 4, 1), strict=True)], check=False)
+    assert [len(r.tokens) for r in got] == [2, 4, 1]
+    assert watch.compiles == 0

@@ -188,6 +188,13 @@ def activate_first(state: DecodeState, packed, logits, base_key, *, backend: Bac
                                    where=jnp.zeros((B,), bool).at[rows].set(new))
 
 
+@jax.jit
+def first_column(state: DecodeState) -> jax.Array:
+    """i32 ``[slots]``: each slot's first output token (what ``activate_first`` drew for a new
+    request). One shape whatever the number of newcomers, so reading it back compiles once."""
+    return state.out[:, 0]
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def release(state: DecodeState, rows) -> DecodeState:
     """Mark slots ``rows`` ``FREE``: they commit nothing more (a cancelled or stop-string request)."""

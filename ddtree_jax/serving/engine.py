@@ -954,7 +954,7 @@ class Engine:
                     self._first_logprobs = _device.first_token_logprobs(state, packed, rows, self._first_logprobs,
                                                                         k=self.max_logprobs)
                 if found is not None:
-                    found.set_result(state.out[jnp.asarray([r.slot for r in early], jnp.int32), 0])
+                    found.set_result(_device.first_column(state))
                 return state
             except BaseException as e:
                 if found is not None and not found.done():
@@ -982,10 +982,11 @@ class Engine:
         items = []
         while self._early and self._early[0][1].done():
             reqs, found = self._early.popleft()
-            firsts = np.asarray(self._fetch(found.result())).tolist()
-            for r, t in zip(reqs, firsts, strict=True):
+            column = np.asarray(self._fetch(found.result()))
+            for r in reqs:
                 if r.retired or r.out:  # (cancelled, or its harvest came first)
                     continue
+                t = int(column[r.slot])
                 r.out.append(t)
                 r.early = True
                 items.append(Emit(r, [t], [], None))
