@@ -23,11 +23,14 @@ host before the dispatch from the statistics of the dispatches already read back
   the plain autoregressive round (no drafter), so its rounds teach the averages nothing. That is
   the rule for a batch whose finished rows make room for new ones (the engine). A static batch
   (``generate``) ends with its slowest row, so there the rule is ``finish_budget``: the budget
-  that ends the batch soonest if every later round used it, ``cost * max over running rows of
-  (tokens the row may still commit) / (its own calibrated expected tokens per round)``, from
+  that ends the batch soonest if every later round used it, ``cost * E[max over running rows of
+  the rounds the row needs for the tokens it may still commit]`` (``batch_rounds``), from
   per-row moving averages of the expected tokens, each calibrated by the row's own factor
   (realized over expected drafted tokens), both shrunk toward the batch's by the rounds behind
-  them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's);
+  them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's). A drafted round commits a
+  random number of tokens (``round_variance``: a path accepted depth by depth with one
+  probability per depth, set by the mean), so the batch waits for its unluckiest row: at batch
+  64 a round expecting 2.5 tokens ends 128 tokens in about 65 rounds, not 51;
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
   ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
@@ -51,16 +54,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.special import log_ndtr
 
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "STALL", "WINDOW", "AutoChooser", "AutoPlan", "AutoReport",
-           "PRIOR_ROUNDS", "RunCosts", "calibrated", "choose_budget", "expected_tokens", "finish_budget"]
+           "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "choose_budget", "expected_max",
+           "expected_tokens", "finish_budget", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -128,13 +134,86 @@ def choose_budget(expected, costs) -> int:
     return int(np.argmax(np.asarray(expected, np.float64) / np.asarray(costs, np.float64)))
 
 
-def finish_budget(remaining, expected, costs) -> int:
+def finish_budget(remaining, expected, costs, variance=None) -> int:
     """Index ``k`` of the budget that ends a static batch soonest if every later round used it:
-    argmin of ``costs[k] * max_i remaining[i] / expected[i, k]`` (``remaining``: ``[R]`` tokens
-    each running row may still commit, > 0; ``expected``: ``[R, K]`` each row's expected
-    committed tokens per round at each budget, >= 1; ``costs``: ``[K]``, > 0); the first on ties."""
-    rounds = np.asarray(remaining, np.float64)[:, None] / np.asarray(expected, np.float64)
-    return int(np.argmin(rounds.max(axis=0) * np.asarray(costs, np.float64)))
+    argmin of ``costs[k] * batch_rounds(...)[k]`` (``remaining``: ``[R]`` tokens each running row
+    may still commit, > 0; ``expected``: ``[R, K]`` each row's expected committed tokens per round
+    at each budget, >= 1; ``variance``: ``[R, K]`` the variance of a round's committed tokens, None
+    for none; ``costs``: ``[K]``, > 0); the first on ties. Without variance (budget 0 commits
+    exactly one token a round) a budget's rounds are ``max_i remaining[i] / expected[i, k]``, a
+    lower bound with it: a budget whose bound is no better than a budget without variance is not
+    estimated further."""
+    costs = np.asarray(costs, np.float64)
+    bound = costs * (np.asarray(remaining, np.float64)[:, None] / np.asarray(expected, np.float64)).max(axis=0)
+    if variance is None:
+        return int(np.argmin(bound))
+    random = (np.asarray(variance) > 0).any(axis=0)
+    todo = random & (bound < bound[~random].min(initial=np.inf))
+    rounds = np.where(random, np.inf, bound)
+    if todo.any():
+        rounds[todo] = costs[todo] * batch_rounds(remaining, np.asarray(expected)[:, todo],
+                                                  np.asarray(variance)[:, todo])
+    return int(np.argmin(rounds))
+
+
+def batch_rounds(remaining, expected, variance) -> np.ndarray:
+    """f64 ``[K]``: the expected rounds until the last of ``R`` rows has committed its
+    ``remaining`` ``[R]`` tokens, each round committing a random number of tokens of mean
+    ``expected`` and variance ``variance`` (``[R, K]``; independent rounds and rows). A row's
+    rounds are taken normal with the renewal moments: mean ``(r + o) / m`` (``o = (v + m^2 - m) /
+    2m``, the last round's expected overshoot, for whole tokens) and variance ``r v / m^3``; the
+    batch's is the expected max over its rows (``expected_max``): the batch waits for the
+    unluckiest of its rows, and at the same mean a budget with more variance ends it later."""
+    r = np.asarray(remaining, np.float64)[:, None]
+    m = np.asarray(expected, np.float64)
+    v = np.maximum(np.asarray(variance, np.float64), 0.0)
+    return expected_max((r + (v + m * m - m) / (2 * m)) / m, np.sqrt(r * v / m**3))
+
+
+GRID = 65
+"""``expected_max``: points of the integration grid (its error is under a hundredth of the spread)."""
+
+
+def expected_max(mean, sd) -> np.ndarray:
+    """f64 ``[K]``: ``E[max_i X_ik]`` of independent normals ``X_ik ~ N(mean[i, k], sd[i, k]^2)``
+    (``[R, K]``, R >= 1; ``sd`` >= 0, 0: the value itself), per column: the integral of
+    ``P(max > x) = 1 - prod_i Phi((x - mean_i) / sd_i)`` over ``x`` from a point below which the
+    max is almost surely above (the largest ``mean - 8 sd``) to one above which it is almost surely
+    below (the largest ``mean + 8 sd``), by the trapezoid rule on ``GRID`` points."""
+    mean, sd = np.asarray(mean, np.float64), np.asarray(sd, np.float64)
+    lo, hi = (mean - 8 * sd).max(axis=0), (mean + 8 * sd).max(axis=0)
+    t = np.linspace(0.0, 1.0, GRID)
+    x = lo + (hi - lo) * t[:, None]  # [G, K]
+    z = (x[:, None, :] - mean) / np.where(sd > 0, sd, 1.0)  # [G, R, K]
+    below = np.where(sd > 0, log_ndtr(z), np.where(z >= 0, 0.0, -np.inf)).sum(axis=1)  # log P(max <= x)
+    return lo + (hi - lo) * np.trapezoid(-np.expm1(below), t, axis=0)
+
+
+@functools.cache
+def _chain_moments(cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """The mean and variance of ``A``, ``P(A >= d) = a^d`` for ``d = 1..cap``, over a grid of ``a``
+    in [0, 1] (both increasing from 0 at ``a = 0``; the mean to ``cap``, the variance back to 0)."""
+    a = np.linspace(0.0, 1.0, 1025)[:, None]
+    d = np.arange(1, cap + 1)
+    tail = a**d  # [G, cap]
+    mean = tail.sum(axis=1)
+    return mean, (tail * (2 * d - 1)).sum(axis=1) - mean**2  # E[A^2] = sum_d (2d - 1) P(A >= d)
+
+
+def round_variance(expected, caps) -> np.ndarray:
+    """f64, ``expected``'s shape ``[..., K]``: the variance of a round's committed tokens for
+    expected committed tokens ``expected`` (>= 1) at budgets whose rounds commit at most ``caps``
+    ``[K]`` drafted tokens: that of a path accepted depth by depth with one probability per depth,
+    ``P(A >= d) = a^d`` up to the cap, ``a`` set by the mean (the draft's acceptance falls with
+    depth about geometrically; the tree's siblings only raise each depth's probability). 0 at a
+    cap of 0 (budget 0: exactly one token)."""
+    drafted = np.asarray(expected, np.float64) - 1.0
+    out = np.zeros(drafted.shape)
+    for k, cap in enumerate(np.asarray(caps).astype(int).tolist()):
+        if cap > 0:
+            mean, var = _chain_moments(cap)
+            out[..., k] = np.interp(np.clip(drafted[..., k], 0.0, cap), mean, var)
+    return out
 
 
 def calibrated(expected, factor, caps) -> np.ndarray:
@@ -290,7 +369,8 @@ class AutoChooser:
         if prior > 0:
             factor = (n[:, 0] * drafted[:, 0] + prior * factor) / (n[:, 0] * drafted[:, 1] + prior)
             factor = factor[:, None]
-        return finish_budget(remaining, calibrated(rows, factor, self.plan.caps), costs)
+        expected = calibrated(rows, factor, self.plan.caps)
+        return finish_budget(remaining, expected, costs, round_variance(expected, self.plan.caps))
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
