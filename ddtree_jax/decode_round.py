@@ -35,7 +35,7 @@ from flax import nnx
 from ddtree_jax.accept import _accept_path
 from ddtree_jax.auto_budget import expected_tokens
 from ddtree_jax.backend import Backend
-from ddtree_jax.decode_state import ERROR, LENGTH, RUNNING, STOP, DecodeState
+from ddtree_jax.decode_state import DecodeState
 from ddtree_jax.rng import first_token_keys, round_keys
 from ddtree_jax.rows import RowMesh, on_own_rows, per_rows
 from ddtree_jax.sampling import (
@@ -204,10 +204,7 @@ def prefill(models: Models, tparams, dparams, plan: DecodePlan, prompts, lengths
                               stop_ids=stop_ids, sampling=sampling, request_ids=request_ids)
     if first_key is None:
         return state
-    keys = first_token_keys(first_key, sampling, request_ids)
-    first = per_rows(functools.partial(_sample_tree_nodes, backend=plan.backend), _rows(target), B,
-                     last[:, None], sampling, keys)[:, 0]
-    return state.with_first_tokens(first)
+    return state.with_first_tokens(first_tokens(last, sampling, request_ids, first_key, plan.backend, _rows(target)))
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan", "last"), donate_argnames=("tcache", "dcache"))
@@ -223,13 +220,16 @@ def prefill_rows(models: Models, tparams, dparams, plan: DecodePlan, tcache, dca
     return append_to_rows(target, drafter, plan, tcache, dcache, rows, prompts, starts, lengths, last=last)
 
 
-@functools.partial(jax.jit, static_argnames=("backend",))
-def first_tokens(logits, sampling: SamplingBatch, request_ids, base_key, backend: Backend) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("backend", "rows"))
+def first_tokens(logits, sampling: SamplingBatch, request_ids, base_key, backend: Backend,
+                 rows: RowMesh | None = None) -> jax.Array:
     """Each request's first new token ``[B]``, drawn from the target's logits ``[B, V]`` at its
-    prompt's last position by its own law (``rng.first_token_keys``; a round's node sampler):
-    what ``prefill`` with ``first_key`` draws, for prefills that gather the logits themselves."""
+    prompt's last position by its own law (``rng.first_token_keys``; a round's node sampler), on
+    each device's own rows of the row mesh ``rows`` (``per_rows``; None: as the compiler lays them
+    out): what ``prefill`` with ``first_key`` draws, and prefills that gather the logits themselves."""
     keys = first_token_keys(base_key, sampling, request_ids)
-    return _sample_tree_nodes(logits[:, None], sampling, keys, backend)[:, 0]
+    return per_rows(functools.partial(_sample_tree_nodes, backend=backend), rows, logits.shape[0],
+                    logits[:, None], sampling, keys)[:, 0]
 
 
 def with_row_lengths(cache, rows, lengths):
@@ -348,28 +348,10 @@ def _sample(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
 def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work):
     res = per_rows(functools.partial(_accept_path, backend=plan.backend), _rows(target), state.batch_size,
                    work["tree"], work["samples"])
-    B, A = res.committed.shape
-    idx = jnp.arange(A)[None]
     n = res.num_accepted + 1
     active = ~state.done
-    invalid = res.bonus == INVALID_TOKEN
-    # Truncate at the first stop token (kept) and at the row's max_new_tokens; nothing after a stop.
-    is_stop = jnp.any(res.committed[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (idx < n[:, None])
-    stop_at = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, A + 1)
-    count = jnp.minimum(jnp.minimum(n, stop_at), state.max_new_tokens - state.generated)
-    count = jnp.where(active & ~invalid, count, 0).astype(jnp.int32)
-
-    # Row-wise writes (a vmapped scatter keeps its rows as a batch dim, which a mesh splitting the
-    # rows partitions without gathering them)
+    committed, count = state.with_committed(res.committed, n, active, res.bonus == INVALID_TOKEN)
     set_row = jax.vmap(lambda row, at, values: row.at[at].set(values, mode="drop"))
-    pos = jnp.where(idx < count[:, None], state.generated[:, None] + idx, state.capacity)
-    out = set_row(state.out, pos, res.committed)
-    generated = state.generated + count
-    last = jnp.take_along_axis(res.committed, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
-
-    finish = jnp.where(active & invalid, ERROR, state.finish)
-    finish = jnp.where(active & ~invalid & (stop_at <= count), STOP, finish)
-    finish = jnp.where(active & (finish == RUNNING) & (generated >= state.max_new_tokens), LENGTH, finish)
     hist_pos = jnp.where(active, state.rounds, state.capacity)
     accept_lengths = set_row(state.accept_lengths, hist_pos, n)
 
@@ -381,10 +363,8 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
         else:
             draft_cache = drafter.append_context(draft_cache, path_feats, count)
     new = dict(state=dataclasses.replace(
-        state, target_cache=target.commit(work["target_cache"], res.path, count), draft_cache=draft_cache,
-        deferred=deferred,
-        root=jnp.where(count > 0, last, state.root), out=out, generated=generated, finish=finish,
-        accept_lengths=accept_lengths, rounds=state.rounds + active,
+        committed, target_cache=target.commit(work["target_cache"], res.path, count), draft_cache=draft_cache,
+        deferred=deferred, accept_lengths=accept_lengths, rounds=state.rounds + active,
     ))
     if plan.logprobs:
         rows_logits = jnp.take_along_axis(work["logits"], jnp.maximum(res.path, 0)[..., None], axis=1)

@@ -134,24 +134,36 @@ class DecodeState:
     def with_first_tokens(self, first: jax.Array, where: jax.Array | None = None) -> DecodeState:
         """The state after each running row (of those ``where [B]`` marks; default all) commits
         ``first [B]``, its first new token (drawn from the prompt's last position by the prefill;
-        ``INVALID_TOKEN``, -1: the row's law was invalid there): the token becomes the row's root
-        and its first output, with stop tokens and ``max_new_tokens`` applied as a round's commit
-        applies them. No round ran: the acceptance lengths and round counts stay empty."""
+        ``INVALID_TOKEN``, -1: the row's law was invalid there), by ``with_committed``: the token
+        becomes the row's root and its first output, with stop tokens and ``max_new_tokens``
+        applied. No round ran: the acceptance lengths and round counts stay empty."""
+        active = ~self.done if where is None else ~self.done & where
         first = first.astype(jnp.int32)
-        running = self.finish == RUNNING
-        if where is not None:
-            running = running & where
-        invalid = first < 0
-        count = (running & ~invalid).astype(jnp.int32)
+        return self.with_committed(first[:, None], jnp.ones_like(first), active, first < 0)[0]
+
+    def with_committed(self, tokens: jax.Array, n: jax.Array, active: jax.Array, invalid: jax.Array):
+        """``(state, count)``: the state after each ``active [B]`` row commits the first ``n [B]``
+        of ``tokens [B, A]``, truncated after its first stop token (kept) and at its
+        ``max_new_tokens``; a row marked ``invalid [B]`` commits nothing and finishes ``ERROR``.
+        The committed tokens go to ``out``, the last one becomes the root; ``count [B]`` is how
+        many each row committed. Finish codes: ``STOP`` at a stop token, ``LENGTH`` at the limit."""
+        A = tokens.shape[1]
+        idx = jnp.arange(A)[None]
+        is_stop = jnp.any(tokens[:, :, None] == self.stop_ids[:, None, :], axis=-1) & (idx < n[:, None])
+        stop_at = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, A + 1)
+        count = jnp.minimum(jnp.minimum(n, stop_at), self.max_new_tokens - self.generated)
+        count = jnp.where(active & ~invalid, count, 0).astype(jnp.int32)
+        # Row-wise writes (a vmapped scatter keeps its rows as a batch dim, which a mesh splitting
+        # the rows partitions without gathering them)
+        pos = jnp.where(idx < count[:, None], self.generated[:, None] + idx, self.capacity)
+        out = jax.vmap(lambda row, at, values: row.at[at].set(values, mode="drop"))(self.out, pos, tokens)
         generated = self.generated + count
-        is_stop = jnp.any(first[:, None] == self.stop_ids, axis=1)
-        finish = jnp.where(running & invalid, ERROR, self.finish)
-        finish = jnp.where(running & ~invalid & is_stop, STOP, finish)
-        finish = jnp.where((finish == RUNNING) & running & (generated >= self.max_new_tokens), LENGTH, finish)
-        at = jnp.where(count > 0, self.generated, self.capacity)
-        out = jax.vmap(lambda row, i, t: row.at[i].set(t, mode="drop"))(self.out, at, first)
+        last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        finish = jnp.where(active & invalid, ERROR, self.finish)
+        finish = jnp.where(active & ~invalid & (stop_at <= count), STOP, finish)
+        finish = jnp.where(active & (finish == RUNNING) & (generated >= self.max_new_tokens), LENGTH, finish)
         return dataclasses.replace(self, out=out, generated=generated, finish=finish,
-                                   root=jnp.where(count > 0, first, self.root))
+                                   root=jnp.where(count > 0, last, self.root)), count
 
     @property
     def batch_size(self) -> int:
