@@ -355,8 +355,6 @@ class Engine:
         if self.page_size is not None:
             self._init_pages(config, target, drafter if decode.uses_drafter else None)
         self._base_key = jax.random.key(decode.seed)
-        # (an activation with no new request: no logits to draw a first token from)
-        self._no_logits = jnp.zeros((self.slots, target.config.vocab_size), jnp.float32)
         # each slot's first token's log-probability entries (``_device.first_token_logprobs``)
         self._first_logprobs = jnp.zeros((self.slots, 1 + 2 * config.max_logprobs), jnp.int32)
         self.auto_plan = None
@@ -948,7 +946,9 @@ class Engine:
         def activate(state, packed=packed, at=at):
             try:
                 chunk = logits.get("chunk")
-                rows = self._no_logits if chunk is None else jnp.take(chunk, jnp.asarray(at), axis=0)
+                if chunk is None:  # resumed requests only (a new one's prompt ends in this step's chunk)
+                    return _device.activate(state, packed)
+                rows = jnp.take(chunk, jnp.asarray(at), axis=0)
                 state = _device.activate_first(state, packed, rows, self._base_key, backend=self.plan.backend)
                 if self.max_logprobs:  # (launched in order: the rounds after it read them)
                     self._first_logprobs = _device.first_token_logprobs(state, packed, rows, self._first_logprobs,
