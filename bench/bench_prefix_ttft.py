@@ -76,6 +76,7 @@ def main(argv=None):
         ap.error(f"--max-model-len {args.max_model_len} cannot hold a prefix of {max(args.prefix)}, a tail of "
                  f"{args.suffix} and {args.new} new tokens")
 
+    log(f"building a K2-shaped slice of {args.layers} layers ...")
     target, drafter = k2_models(args.layers, smoke=args.smoke)
     vocab = target.config.vocab_size
     engines = {}
@@ -88,7 +89,8 @@ def main(argv=None):
         suffix = "" if method == "ddtree" else f" {method}"
         engines["paged" + suffix] = Engine(*pair, dataclasses.replace(base, page_size=args.page_size))
         engines["contiguous" + suffix] = Engine(*pair, base)
-    for eng in engines.values():
+    for name, eng in engines.items():
+        log(f"warming up the {name} engine (compiles) ...")
         eng.warmup()
     report = Report(args, name="prefix_ttft", title="Time to first token: cached prefix against none",
                     sections=("ttft",))
@@ -113,8 +115,8 @@ def main(argv=None):
                     times[f"{name} miss"].append(miss)
                     times[f"{name} hit"].append(hit)
                     cached[name].append(_hit_tokens(eng) - before)
-            log(f"prefix {length}, trial {trial}: " +
-                ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items() if v and trial))
+            log(f"prefix {length}, trial {trial}: " + (", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items())
+                                                        if trial else "compiled what the warm-up left (not counted)"))
         for name in engines:
             miss, hit = (statistics.median(times[f"{name} {c}"]) for c in ("miss", "hit"))
             report.add("ttft", dict(prefix=length, engine=name, miss_ms=miss * 1e3, hit_ms=hit * 1e3,
