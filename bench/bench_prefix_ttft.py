@@ -14,7 +14,8 @@ TTFT per case and the ratio miss / hit, per prefix length. The target is a rando
 of ``--layers`` layers (bf16) with a random one-layer drafter, DDTree budget ``--budget``, prefill
 chunks of ``--prefill-chunk``. ``--methods ddtree ar`` adds autoregressive engines (rows ``... ar``):
 their first token costs a plain target step instead of a DDTree round, so the difference is what
-the first round adds to a hit's time to first token. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
+the first round adds to a hit's time to first token; ``--layouts paged`` leaves the contiguous
+engines out. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", choices=("ddtree", "ar"), default=["ddtree"],
                     help="engine methods (ar: the first token costs a plain target step, not a DDTree round: "
                          "the difference is what the first round adds to the time to first token)")
+    ap.add_argument("--layouts", nargs="+", choices=("paged", "contiguous"), default=["paged", "contiguous"],
+                    help="cache layouts (each an engine per method; contiguous engines cache no prefix: their hit "
+                         "is a second miss)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the longest prefix and tail and the new tokens, rounded up to a power of two")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -87,8 +91,10 @@ def main(argv=None):
                                prefill_chunk=args.prefill_chunk)
         pair = (target, drafter if method == "ddtree" else None)
         suffix = "" if method == "ddtree" else f" {method}"
-        engines["paged" + suffix] = Engine(*pair, dataclasses.replace(base, page_size=args.page_size))
-        engines["contiguous" + suffix] = Engine(*pair, base)
+        if "paged" in args.layouts:
+            engines["paged" + suffix] = Engine(*pair, dataclasses.replace(base, page_size=args.page_size))
+        if "contiguous" in args.layouts:
+            engines["contiguous" + suffix] = Engine(*pair, base)
     for name, eng in engines.items():
         log(f"warming up the {name} engine (compiles) ...")
         eng.warmup()
@@ -121,7 +127,10 @@ def main(argv=None):
             miss, hit = (statistics.median(times[f"{name} {c}"]) for c in ("miss", "hit"))
             report.add("ttft", dict(prefix=length, engine=name, miss_ms=miss * 1e3, hit_ms=hit * 1e3,
                                     miss_over_hit=miss / hit, cached_per_hit=statistics.median(cached[name])))
+    for eng in engines.values():
+        eng.stop()
     log(f"wrote {report.stem}.md")
+    return report
 
 
 if __name__ == "__main__":

@@ -59,3 +59,15 @@ def test_bench_launch_smoke(tmp_path):
     assert all(row[k] > 0 for k in ("call_us", "call_copy_us", "launch_us", "launch_busy_us", "pipelined_us",
                                     "noop_all_us", "noop_1_us", "synthetic_fresh_us", "synthetic_same_us",
                                     "synthetic_alternate_us"))
+
+
+def test_bench_prefix_ttft_smoke(tmp_path):
+    """The paged engine's second request finds the first's prefix: its 256 tokens, 16 full pages
+    (the tails differ from the first token on)."""
+    from bench import bench_prefix_ttft
+
+    report = bench_prefix_ttft.main(["--smoke", "--layouts", "paged", "--out", str(tmp_path)])
+    (row,) = report.sections["ttft"]
+    assert row["engine"] == "paged" and row["prefix"] == 256 and row["cached_per_hit"] == 256
+    assert row["miss_ms"] > 0 and row["hit_ms"] > 0
+    assert glob.glob(str(tmp_path / "prefix_ttft_*.md"))

@@ -1192,13 +1192,16 @@ class Engine:
 
     def stop(self) -> None:
         """Stop the background thread; requests still queued or running finish with ``"abort"``
-        (after every token already committed for them)."""
+        (after every token already committed for them). Prefill shapes not compiled yet are
+        compiled when next needed, no longer in the background (a running compilation is waited
+        for)."""
         with self._lock:
             self._stopping = True
             self._work.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._prefill.close()
         self.drain()
         with self._lock:
             pending = list(self._queue) + [r for r in self._slot if r is not None and not r.retired]
