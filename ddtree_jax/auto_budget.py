@@ -30,7 +30,9 @@ host before the dispatch from the statistics of the dispatches already read back
   them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's). A drafted round commits a
   random number of tokens (``round_variance``: a path accepted depth by depth with one
   probability per depth, set by the mean), so the batch waits for its unluckiest row: at batch
-  64 a round expecting 2.5 tokens ends 128 tokens in about 65 rounds, not 51;
+  64 a round expecting 2.5 tokens ends 128 tokens in about 65 rounds, not 51. A row's mean is
+  itself an estimate, known as well as ``n + PRIOR_ROUNDS`` rounds' mean, and that uncertainty
+  adds to the spread: a row seen in few drafted rounds may be the slow one;
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
   ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
@@ -134,11 +136,12 @@ def choose_budget(expected, costs) -> int:
     return int(np.argmax(np.asarray(expected, np.float64) / np.asarray(costs, np.float64)))
 
 
-def finish_budget(remaining, expected, costs, variance=None) -> int:
+def finish_budget(remaining, expected, costs, variance=None, uncertainty=None) -> int:
     """Index ``k`` of the budget that ends a static batch soonest if every later round used it:
     argmin of ``costs[k] * batch_rounds(...)[k]`` (``remaining``: ``[R]`` tokens each running row
     may still commit, > 0; ``expected``: ``[R, K]`` each row's expected committed tokens per round
     at each budget, >= 1; ``variance``: ``[R, K]`` the variance of a round's committed tokens, None
+    for none; ``uncertainty``: ``[R, K]`` the variance of the estimate ``expected`` itself, None
     for none; ``costs``: ``[K]``, > 0); the first on ties. Without variance (budget 0 commits
     exactly one token a round) a budget's rounds are ``max_i remaining[i] / expected[i, k]``, a
     lower bound with it: a budget whose bound is no better than a budget without variance is not
@@ -151,42 +154,55 @@ def finish_budget(remaining, expected, costs, variance=None) -> int:
     todo = random & (bound < bound[~random].min(initial=np.inf))
     rounds = np.where(random, np.inf, bound)
     if todo.any():
-        rounds[todo] = costs[todo] * batch_rounds(remaining, np.asarray(expected)[:, todo],
-                                                  np.asarray(variance)[:, todo])
+        rounds[todo] = costs[todo] * batch_rounds(
+            remaining, np.asarray(expected)[:, todo], np.asarray(variance)[:, todo],
+            None if uncertainty is None else np.asarray(uncertainty)[:, todo])
     return int(np.argmin(rounds))
 
 
-def batch_rounds(remaining, expected, variance) -> np.ndarray:
+def batch_rounds(remaining, expected, variance, uncertainty=None) -> np.ndarray:
     """f64 ``[K]``: the expected rounds until the last of ``R`` rows has committed its
     ``remaining`` ``[R]`` tokens, each round committing a random number of tokens of mean
     ``expected`` and variance ``variance`` (``[R, K]``; independent rounds and rows). A row's
     rounds are taken normal with the renewal moments: mean ``(r + o) / m`` (``o = (v + m^2 - m) /
-    2m``, the last round's expected overshoot, for whole tokens) and variance ``r v / m^3``; the
-    batch's is the expected max over its rows (``expected_max``): the batch waits for the
-    unluckiest of its rows, and at the same mean a budget with more variance ends it later."""
+    2m``, the last round's expected overshoot, for whole tokens) and variance ``r v / m^3``, plus
+    ``(r / m^2)^2 u`` where the mean itself is an estimate of variance ``uncertainty`` ``u``
+    (``[R, K]``, None: exact; to first order in ``u``); the batch's is the expected max over its
+    rows (``expected_max``): the batch waits for the unluckiest of its rows, and at the same mean
+    a budget with more variance, or whose rows' paces are known less well, ends it later. No row
+    needs more than ``r`` rounds (a round commits at least one token)."""
     r = np.asarray(remaining, np.float64)[:, None]
     m = np.asarray(expected, np.float64)
     v = np.maximum(np.asarray(variance, np.float64), 0.0)
-    return expected_max((r + (v + m * m - m) / (2 * m)) / m, np.sqrt(r * v / m**3))
+    spread = r * v / m**3
+    if uncertainty is not None:
+        spread = spread + (r / m**2) ** 2 * np.maximum(np.asarray(uncertainty, np.float64), 0.0)
+    return expected_max((r + (v + m * m - m) / (2 * m)) / m, np.sqrt(spread), cap=r[:, 0])
 
 
 GRID = 65
 """``expected_max``: points of the integration grid (its error is under a hundredth of the spread)."""
 
 
-def expected_max(mean, sd) -> np.ndarray:
-    """f64 ``[K]``: ``E[max_i X_ik]`` of independent normals ``X_ik ~ N(mean[i, k], sd[i, k]^2)``
-    (``[R, K]``, R >= 1; ``sd`` >= 0, 0: the value itself), per column: the integral of
-    ``P(max > x) = 1 - prod_i Phi((x - mean_i) / sd_i)`` over ``x`` from a point below which the
-    max is almost surely above (the largest ``mean - 8 sd``) to one above which it is almost surely
-    below (the largest ``mean + 8 sd``), by the trapezoid rule on ``GRID`` points."""
+def expected_max(mean, sd, cap=None) -> np.ndarray:
+    """f64 ``[K]``: ``E[max_i min(X_ik, cap[i])]`` of independent normals ``X_ik ~ N(mean[i, k],
+    sd[i, k]^2)`` (``[R, K]``, R >= 1; ``sd`` >= 0, 0: the value itself; ``cap`` ``[R]`` >= the
+    means, None: none), per column: the integral of ``P(max > x) = 1 - prod_i P(min(X_i, cap_i) <=
+    x)`` over ``x`` from a point below which the max is almost surely above (the largest ``mean -
+    8 sd``) to one above which it is almost surely below (the largest ``mean + 8 sd``, or cap), by
+    the trapezoid rule on ``GRID`` points."""
     mean, sd = np.asarray(mean, np.float64), np.asarray(sd, np.float64)
     lo, hi = (mean - 8 * sd).max(axis=0), (mean + 8 * sd).max(axis=0)
+    if cap is not None:
+        cap = np.asarray(cap, np.float64)[:, None]
+        lo, hi = np.minimum(lo, cap.max()), np.minimum(hi, cap.max())
     t = np.linspace(0.0, 1.0, GRID)
     x = lo + (hi - lo) * t[:, None]  # [G, K]
     z = (x[:, None, :] - mean) / np.where(sd > 0, sd, 1.0)  # [G, R, K]
-    below = np.where(sd > 0, log_ndtr(z), np.where(z >= 0, 0.0, -np.inf)).sum(axis=1)  # log P(max <= x)
-    return lo + (hi - lo) * np.trapezoid(-np.expm1(below), t, axis=0)
+    below = np.where(sd > 0, log_ndtr(z), np.where(z >= 0, 0.0, -np.inf))  # log P(X_i <= x)
+    if cap is not None:
+        below = np.where(x[:, None, :] >= cap, 0.0, below)
+    return lo + (hi - lo) * np.trapezoid(-np.expm1(below.sum(axis=1)), t, axis=0)
 
 
 @functools.cache
@@ -370,7 +386,11 @@ class AutoChooser:
             factor = (n[:, 0] * drafted[:, 0] + prior * factor) / (n[:, 0] * drafted[:, 1] + prior)
             factor = factor[:, None]
         expected = calibrated(rows, factor, self.plan.caps)
-        return finish_budget(remaining, expected, costs, round_variance(expected, self.plan.caps))
+        variance = round_variance(expected, self.plan.caps)
+        # A row's mean is its own n rounds' with PRIOR_ROUNDS rounds of the batch's: known as well
+        # as n + PRIOR_ROUNDS rounds' mean (the batch's rows may differ: a row seen in few drafted
+        # rounds may be the slow one)
+        return finish_budget(remaining, expected, costs, variance, variance / (n + PRIOR_ROUNDS))
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
