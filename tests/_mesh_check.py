@@ -12,6 +12,8 @@ sampling; one prompt long enough for chunked prefill. The pair: ``tests/_model_f
 
 from __future__ import annotations
 
+import re
+
 from ddtree_jax.config import DecodeConfig, EngineConfig
 from tests._model_fixtures import tiny_pair
 
@@ -66,8 +68,31 @@ def mesh_runs(path: str, meshes: list[str], plain: list[list[int]]) -> list[dict
                 ids = jnp.asarray([prompt + got[:j]])
                 diffs.append(float(jnp.max(jnp.abs(st(ids)[0, -1] - ref(ids)[0, -1]))))
         runs.append(dict(spec=spec, equal=tokens == plain, consistent=consistent, logit_diffs=diffs,
-                         prefill_cache_collectives=prefill_cache_collectives(eng)))
+                         prefill_cache_collectives=prefill_cache_collectives(eng),
+                         first_token_collectives=first_token_collectives(eng)))
     return runs
+
+
+_COLLECTIVE = re.compile(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+
+
+def _collectives(hlo: str, dim: int) -> list[str]:
+    """The collectives of compiled ``hlo`` text whose operand has a dimension of size ``dim``."""
+    return [f"{op}[{dims}]" for dims, op in _COLLECTIVE.findall(hlo) if str(dim) in dims.split(",")]
+
+
+def _chunk_shapes(eng):
+    """Abstract ``(tparams, dparams, state, packed)`` of ``eng``'s largest prefill chunk (4 rows
+    per device)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.serving import _device
+
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    packed = jax.ShapeDtypeStruct((4 * eng._row_blocks, _device.PREFILL_FIELDS + eng.prefill_chunk), jnp.int32)
+    return (*jax.tree.map(spec, (eng._tparams, eng._dparams, eng._state)), packed)
 
 
 def prefill_cache_collectives(eng) -> list[str]:
@@ -75,22 +100,30 @@ def prefill_cache_collectives(eng) -> list[str]:
     whose operand spans the caches' positions: on a row mesh each device prefills its own slots in
     place, so none (taking slots by global index gathered every taken slot's cache onto every
     device)."""
-    import re
+    from ddtree_jax.serving import _device
 
+    tparams, dparams, state, packed = _chunk_shapes(eng)
+    hlo = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, packed).compile().as_text()
+    return _collectives(hlo, eng.cache_len)
+
+
+def first_token_collectives(eng) -> list[str]:
+    """The collectives of ``eng``'s compiled first-token activation (``_device.activate_first`` on
+    the largest prefill chunk's logits, placed as the compiled chunk leaves them) whose operand
+    spans the vocabulary: each device draws its own slots' first tokens, so none."""
     import jax
     import jax.numpy as jnp
 
     from ddtree_jax.serving import _device
 
-    R, T = 4 * eng._row_blocks, eng.prefill_chunk
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-    tparams, dparams, state = jax.tree.map(spec, (eng._tparams, eng._dparams, eng._state))
-    hlo = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state,
-                                      i32(R, _device.PREFILL_FIELDS + T)).compile().as_text()
-    found = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                       r"(?:-start)?\(", hlo)
-    return [f"{op}[{dims}]" for dims, op in found if str(eng.cache_len) in dims.split(",")]
+    tparams, dparams, state, packed = _chunk_shapes(eng)
+    chunk = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, packed).compile()
+    V = eng._target.config.vocab_size
+    logits = jax.ShapeDtypeStruct((packed.shape[0], V), jnp.float32, sharding=chunk.output_shardings[1])
+    rows = jax.ShapeDtypeStruct((eng.slots, _device.ACTIVATION_FIELDS + eng.max_stop_ids), jnp.int32)
+    hlo = _device.activate_first.lower(state, rows, packed, logits, eng._base_key, backend=eng.plan.backend,
+                                       rows=eng._row_mesh).compile().as_text()
+    return _collectives(hlo, V)
 
 
 def check_runs(runs: list[dict], meshes: list[str]) -> None:
@@ -98,6 +131,7 @@ def check_runs(runs: list[dict], meshes: list[str]) -> None:
     for r in runs:
         assert r["consistent"], f"{r['spec']}: devices hold different committed tokens"
         assert not r["prefill_cache_collectives"], f"{r['spec']}: the prefill moves caches between devices"
+        assert not r["first_token_collectives"], f"{r['spec']}: the first-token draw moves logits between devices"
         if "tensor" not in r["spec"] or "tensor=1" in r["spec"]:
             assert r["equal"], f"{r['spec']}: expert/data parallelism changed the tokens"
         else:

@@ -28,6 +28,7 @@ from ddtree_jax.decode_round import (
 )
 from ddtree_jax.decode_state import FREE, NO_STOP, RUNNING, DecodeState
 from ddtree_jax.paged_generate import without_pages
+from ddtree_jax.rows import RowMesh
 from ddtree_jax.sampling import SamplingBatch
 from ddtree_jax.serving.shapes import ShapeCache
 
@@ -173,19 +174,35 @@ def activate(state: DecodeState, packed) -> DecodeState:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("state",))
-def activate_first(state: DecodeState, packed, logits, base_key, *, backend: Backend) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("backend", "rows", "k"), donate_argnames=("state", "first_logprobs"))
+def activate_first(state: DecodeState, packed, chunk, logits, base_key, first_logprobs=None, *, backend: Backend,
+                   rows: RowMesh | None = None, k: int = 0):
     """``activate``, where a row whose root is -1 is a new request whose caches hold its whole
-    prompt: its first token is drawn from ``logits [R, V]`` (the target's at its prompt's last
-    position, row by row with ``packed``) by its own law (``decode_round.first_tokens``) and
-    committed (``DecodeState.with_first_tokens``: root, first output, stop tokens and limits)."""
-    rows, new = packed[:, 0], packed[:, 1] < 0
+    prompt, which ends in the prefill chunk ``chunk`` (``prefill_chunk``'s ``packed [Rc,
+    PREFILL_FIELDS + T]``, whose outputs ``logits [Rc, V]`` are the target's at each chunk row's
+    last token): its first token is drawn there by its own law (``decode_round.first_tokens``),
+    on the chunk's rows, which ``prefill_layout`` laid out device by device over the row mesh
+    ``rows`` (each device draws for its own slots, from logits that never leave it), and
+    committed (``DecodeState.with_first_tokens``: root, first output, stop tokens and limits).
+
+    Returns ``(state, first_logprobs)``: with ``k > 0``, ``first_logprobs [slots, 1 + 2 k]`` with
+    the new slots' rows set to their first token's ``token_logprobs`` entries (``None`` in, ``None``
+    out, with ``k`` 0)."""
+    slots, new = packed[:, 0], packed[:, 1] < 0
     state = activate(state, packed.at[:, 1].set(jnp.maximum(packed[:, 1], 0)))
-    sampling = jax.tree.map(lambda x: x[rows], state.sampling)
-    first = first_tokens(logits, sampling, state.request_ids[rows], base_key, backend)
     B = state.batch_size
-    return state.with_first_tokens(jnp.zeros((B,), jnp.int32).at[rows].set(first),
-                                   where=jnp.zeros((B,), bool).at[rows].set(new))
+    is_new = jnp.zeros((B,), bool).at[slots].set(new)
+    at = chunk[:, 0]
+    # chunk rows that end a new request's prompt (a padding row of an empty block counts 0 tokens;
+    # one repeating a block's first row repeats its data, so its draw and writes agree)
+    to = jnp.where(is_new[at] & (chunk[:, 2] > 0), at, B)
+    sampling = jax.tree.map(lambda x: x[at], state.sampling)
+    first = first_tokens(logits, sampling, state.request_ids[at], base_key, backend, rows)
+    state = state.with_first_tokens(jnp.zeros((B,), jnp.int32).at[to].set(first, mode="drop"), where=is_new)
+    if k:
+        entries = token_logprobs(logits[:, None], first[:, None], sampling, k)[:, 0]
+        first_logprobs = first_logprobs.at[to].set(entries, mode="drop")
+    return state, first_logprobs
 
 
 @jax.jit
@@ -253,7 +270,7 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     columns). With ``plan.logprobs = K > 0``, ``tokens * (1 + 2 K)`` more columns follow: for
     each token column, ``decode_round.token_logprobs``'s ``1 + 2 K`` entries (float32 bits as
     int32; a slot with no round yet starts with its first token's, ``first_logprobs [B, 1 + 2 K]``:
-    ``first_token_logprobs``). With ``plan.expected_budgets`` at a positive budget (``budget="auto"``'s drafted
+    ``activate_first``). With ``plan.expected_budgets`` at a positive budget (``budget="auto"``'s drafted
     rounds, ``auto_round.round_plans``; no log-probabilities), ``2 + len(expected_budgets)`` more
     columns follow instead: the rounds' tally (``auto_round``, float32 bits as int32); budget 0's
     rounds are plain ones, their tally ``auto_round.plain_tally`` of the rounds column. Returns
@@ -308,7 +325,7 @@ def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, st
     """``unrolled_rounds`` that also gathers each committed token's ``token_logprobs`` entries:
     ``(state, i32 [B, tokens, 1 + 2 K])``, row ``b``'s first ``generated - generated before`` valid;
     a slot that had run no round (a new request) starts with its first token's entries,
-    ``first_logprobs [B, 1 + 2 K]`` (``first_token_logprobs``)."""
+    ``first_logprobs [B, 1 + 2 K]`` (``activate_first``)."""
     B = state.batch_size
     new = state.rounds == 0
     gen0 = jnp.where(new, 0, state.generated)
@@ -323,16 +340,6 @@ def _rounds_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, st
     if first_logprobs is not None:
         gathered = gathered.at[:, 0].set(jnp.where(new[:, None], first_logprobs, gathered[:, 0]))
     return state, gathered
-
-
-@functools.partial(jax.jit, static_argnames=("k",))
-def first_token_logprobs(state: DecodeState, packed, logits, first_logprobs, *, k: int):
-    """``first_logprobs [B, 1 + 2 k]`` with the rows of ``packed`` (``activate_first``'s, after it
-    ran) set to their first token's ``token_logprobs`` entries, from the same ``logits``."""
-    rows = packed[:, 0]
-    sampling = jax.tree.map(lambda x: x[rows], state.sampling)
-    entries = token_logprobs(logits[:, None], state.out[rows, :1], sampling, k)[:, 0]
-    return first_logprobs.at[rows].set(entries)
 
 
 def page_bytes(target, drafter, page_size: int) -> int:

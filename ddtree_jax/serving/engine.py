@@ -347,6 +347,7 @@ class Engine:
         self._shard_state = shard_state
         # Slots split over the target's row mesh in blocks, one per device: free slots are taken
         # device by device in turn (a burst of requests prefills on every device at once).
+        self._row_mesh = getattr(target, "row_mesh", None)
         self._row_blocks = _device.row_blocks(target, slots)
         self._block_slots = slots // self._row_blocks
         self._admission_order = [j * self._block_slots + i for i in range(self._block_slots)
@@ -355,7 +356,7 @@ class Engine:
         if self.page_size is not None:
             self._init_pages(config, target, drafter if decode.uses_drafter else None)
         self._base_key = jax.random.key(decode.seed)
-        # each slot's first token's log-probability entries (``_device.first_token_logprobs``)
+        # each slot's first token's log-probability entries (``_device.activate_first``)
         self._first_logprobs = jnp.zeros((self.slots, 1 + 2 * config.max_logprobs), jnp.int32)
         self.auto_plan = None
         self._defer, self._deferred_rounds = 0, 0  # budget 0's held-back context: its size, rounds since a flush
@@ -896,10 +897,10 @@ class Engine:
 
             def chunk_op(state, fn=prefill, packed=packed):
                 state, logits["chunk"] = fn(self._tparams, self._dparams, state, packed)
+                logits["packed"] = packed
                 return state
 
             self._ops.append(chunk_op)
-            logits["row"] = {id(r): int(np.flatnonzero(pick == i)[0]) for i, r in enumerate(need)}
             for r, c in zip(need, counts, strict=True):
                 r.prefilled += int(c)
         ready = [r for r in batch if r.prefilled == self._end(r)]
@@ -934,8 +935,6 @@ class Engine:
             pad(np.array([r.max_tokens - len(r.out) for r in reqs], np.int32)), pad(stop_ids), sampling,
             pad(np.array([r.handle.request_id for r in reqs], np.uint32)),
             pad(np.array([r.rounds_done for r in reqs], np.int32)))
-        # the logits of each new request's prompt's last chunk (this step's: its prompt ends in it)
-        at = pad(np.array([logits["row"][id(r)] if self._new(r) else 0 for r in reqs], np.int32))
 
         # New requests without log-probabilities get their first token as soon as it is drawn
         early = [r for r in reqs if self._new(r) and r.logprobs is None]
@@ -943,16 +942,16 @@ class Engine:
         if early:
             self._early.append((early, found))
 
-        def activate(state, packed=packed, at=at):
+        def activate(state, packed=packed):
             try:
-                chunk = logits.get("chunk")
-                if chunk is None:  # resumed requests only (a new one's prompt ends in this step's chunk)
+                if "chunk" not in logits:  # resumed requests only (a new one's prompt ends in this step's chunk)
                     return _device.activate(state, packed)
-                rows = jnp.take(chunk, jnp.asarray(at), axis=0)
-                state = _device.activate_first(state, packed, rows, self._base_key, backend=self.plan.backend)
-                if self.max_logprobs:  # (launched in order: the rounds after it read them)
-                    self._first_logprobs = _device.first_token_logprobs(state, packed, rows, self._first_logprobs,
-                                                                        k=self.max_logprobs)
+                k = self.max_logprobs  # (launched in order: the rounds after it read the entries)
+                state, entries = _device.activate_first(
+                    state, packed, logits["packed"], logits["chunk"], self._base_key,
+                    self._first_logprobs if k else None, backend=self.plan.backend, rows=self._row_mesh, k=k)
+                if k:
+                    self._first_logprobs = entries
                 if found is not None:
                     found.set_result(_device.first_column(state))
                 return state
