@@ -14,10 +14,12 @@ host before the dispatch from the statistics of the dispatches already read back
   sums (``auto_round``), whatever budget it verifies;
 * **calibration**: the draft's probabilities are not the acceptance probabilities under each
   row's own sampling law (a greedy row accepts the draft's argmax more often than its
-  probability says; a hot row less often). The realized drafted tokens over the expected ones at
-  the verified budget, both as moving averages over drafted rounds, scale the expected drafted
-  tokens (``AutoChooser.factor``, ``calibrated``); the objective only needs the batch's sum, so
-  one factor for the batch is what it needs;
+  probability says; a hot row less often; deep nodes are further off). Per budget, the realized
+  drafted tokens over the expected ones, both as moving averages over drafted rounds, scale the
+  expected drafted tokens (``AutoChooser.factor``, ``calibrated``). A round verified at one
+  budget says exactly what it would have committed at every smaller one
+  (``decode_round.realized_tokens``), so each drafted round calibrates every budget up to its
+  own; a larger budget takes the largest calibrated one's factor;
 * **the choice**: ``choose_budget``: the budget of the largest (calibrated expected tokens of the
   running rows) / (cost of a round at that budget); ties go to the smaller budget. Budget 0 runs
   the plain autoregressive round (no drafter), so its rounds teach the averages nothing. That is
@@ -67,7 +69,7 @@ from scipy.special import log_ndtr
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "STALL", "WINDOW", "AutoChooser", "AutoPlan", "AutoReport",
-           "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "choose_budget", "expected_max",
+           "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max",
            "expected_tokens", "finish_budget", "round_variance"]
 
 DECAY = 0.25
@@ -306,8 +308,10 @@ class AutoChooser:
     Attributes:
       expected_ema: f64 ``[K]`` moving average over drafted rounds of the running rows' mean
         expected tokens at each budget (uncalibrated); ones before any drafted round.
-      accepted_ema, predicted_ema: moving averages over drafted rounds of the running rows' mean
-        realized and expected drafted tokens at the verified budget (``factor``).
+      accepted_ema, predicted_ema: f64 ``[K]`` moving averages, per budget, of the running rows'
+        mean realized and expected drafted tokens at that budget, over the drafted rounds that
+        verified it or a larger one (``calibrated_by``: a round's tokens at a smaller budget are
+        known exactly, ``decode_round.realized_tokens``); ``calibrated_by``: ``[K]`` those rounds.
       skipped: rounds at budget 0 since the last drafted dispatch or probe chosen (starts at
         ``probe_every``: the first dispatch probes).
       interval: the rounds at budget 0 after which a dispatch probes.
@@ -322,9 +326,10 @@ class AutoChooser:
       row_expected: f64 ``[rows, K]``, by row id, each row's moving average over its drafted
         rounds of its expected tokens at each budget (uncalibrated; meaningless while the row's
         ``row_rounds`` is 0), for ``finish_budget`` (``record``'s ``rows``); row_rounds: f64
-        ``[rows]`` those rounds; row_drafted: f64 ``[rows, 2]``, the same rows' moving averages
-        of their accepted and of their expected drafted tokens per round at the verified budget
-        (each row's own calibration factor, shrunk toward the batch's by ``PRIOR_ROUNDS``).
+        ``[rows]`` those rounds; row_drafted: f64 ``[rows, K, 2]``, the same rows' moving averages
+        of their realized and of their expected drafted tokens per round at each budget, over
+        ``row_calibrated_by`` ``[rows, K]`` rounds (each row's own calibration factors, shrunk
+        toward the batch's by ``PRIOR_ROUNDS``).
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
     """
@@ -333,7 +338,7 @@ class AutoChooser:
         K = len(plan.budgets)
         self.plan = plan
         self.expected_ema = np.ones(K)
-        self.accepted_ema = self.predicted_ema = 0.0
+        self.accepted_ema, self.predicted_ema, self.calibrated_by = np.zeros(K), np.zeros(K), np.zeros(K)
         self.skipped = self.interval = plan.probe_every
         self.drafted = 0
         self.probing = False
@@ -343,7 +348,8 @@ class AutoChooser:
         self.run_costs: dict[int, RunCosts] = {}
         self.row_expected = np.zeros((0, K))
         self.row_rounds = np.zeros(0)
-        self.row_drafted = np.zeros((0, 2))
+        self.row_drafted = np.zeros((0, K, 2))
+        self.row_calibrated_by = np.zeros((0, K))
         self.learn_costs = learn_costs
         self._finish = None  # the last choice's `finish`
 
@@ -361,10 +367,25 @@ class AutoChooser:
         if self.learn_costs:
             self.run_costs[shape].observe(k, seconds_per_round)
 
-    def factor(self) -> float:
-        """The realized drafted tokens per expected drafted token (moving averages); 1 before any
-        drafted round committed."""
-        return self.accepted_ema / self.predicted_ema if self.predicted_ema > 0 else 1.0
+    def factor(self) -> np.ndarray:
+        """f64 ``[K]``: per budget, the realized drafted tokens per expected drafted token (moving
+        averages); a budget no drafted round verified (nor a larger one) takes the factor of the
+        largest budget below it that one did, 1 before any (``carried_up``)."""
+        seen = (self.calibrated_by > 0) & (self.predicted_ema > 0)
+        ratio = np.divide(self.accepted_ema, self.predicted_ema, out=np.ones_like(self.accepted_ema), where=seen)
+        return carried_up(ratio, seen)
+
+    def _row_factors(self, ids, known) -> np.ndarray:
+        """f64 ``[R, K]``: rows ``ids``' own calibration factors per budget (``known [R]``: rows
+        with drafted rounds), each with ``PRIOR_ROUNDS`` rounds of the batch's."""
+        K = len(self.plan.budgets)
+        n, drafted = np.zeros((len(ids), K)), np.zeros((len(ids), K, 2))
+        n[known], drafted[known] = self.row_calibrated_by[ids[known]], self.row_drafted[ids[known]]
+        batch = self.factor()
+        prior = PRIOR_ROUNDS * self.predicted_ema
+        with np.errstate(invalid="ignore", divide="ignore"):
+            own = (n * drafted[..., 0] + prior * batch) / (n * drafted[..., 1] + prior)
+        return carried_up(np.where(np.isfinite(own) & (prior > 0), own, batch), self.calibrated_by > 0)
 
     def _rule(self, active: int, costs, finish=None) -> int:
         if finish is None:
@@ -372,20 +393,13 @@ class AutoChooser:
         ids, remaining = (np.asarray(x) for x in finish)
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
-        drafted = np.zeros((len(ids), 2))
         known = ids < len(self.row_expected)
         own[known], n[known, 0] = self.row_expected[ids[known]], self.row_rounds[ids[known]]
-        drafted[known] = self.row_drafted[ids[known]]
         w = n / (n + PRIOR_ROUNDS)  # (0 for a row not drafted yet)
         rows = w * own + (1.0 - w) * self.expected_ema
         # Each row's own realized / expected drafted tokens, with PRIOR_ROUNDS rounds of the batch's
         # (the rows the batch waits for are those whose drafts are accepted least, not predicted least)
-        factor = self.factor()
-        prior = PRIOR_ROUNDS * self.predicted_ema
-        if prior > 0:
-            factor = (n[:, 0] * drafted[:, 0] + prior * factor) / (n[:, 0] * drafted[:, 1] + prior)
-            factor = factor[:, None]
-        expected = calibrated(rows, factor, self.plan.caps)
+        expected = calibrated(rows, self._row_factors(ids, known), self.plan.caps)
         variance = round_variance(expected, self.plan.caps)
         # A row's mean is its own n rounds' with PRIOR_ROUNDS rounds of the batch's: known as well
         # as n + PRIOR_ROUNDS rounds' mean (the batch's rows may differ: a row seen in few drafted
@@ -408,17 +422,18 @@ class AutoChooser:
         return k
 
     def record(self, k: int, tally, costs, rows=None) -> np.ndarray:
-        """Adds a dispatch at budget index ``k`` from its rows' ``tally`` ``[B, 2 + K]``
-        (``auto_round.tally``: rounds run, tokens accepted, expected tokens at each budget; zero
-        rows for rows that did not run); ``costs``: the costs its choice used; ``rows``: ``[B]``
-        the slots' row ids (negative: a free slot), to keep per-row averages (``row_expected``).
-        Returns the dispatch's report increments f64 ``[3, K]``: rounds, expected and realized
-        tokens per budget."""
+        """Adds a dispatch at budget index ``k`` from its rows' ``tally`` ``[B, 2 + 2K]``
+        (``auto_round.tally``: rounds run, tokens accepted, expected tokens at each budget, tokens
+        realized at each budget; zero rows for rows that did not run); ``costs``: the costs its
+        choice used; ``rows``: ``[B]`` the slots' row ids (negative: a free slot), to keep per-row
+        averages (``row_expected``). Returns the dispatch's report increments f64 ``[3, K]``:
+        rounds, expected and realized tokens per budget."""
+        K = len(self.plan.budgets)
         tally = np.asarray(tally, np.float64)
         row_rounds, accepted = tally[:, 0].sum(), tally[:, 1].sum()
-        curve = tally[:, 2:].sum(axis=0)
+        curve, realized = tally[:, 2 : 2 + K].sum(axis=0), tally[:, 2 + K : 2 + 2 * K].sum(axis=0)
         rounds = int(tally[:, 0].max(initial=0))
-        report = np.zeros((3, len(self.plan.budgets)))
+        report = np.zeros((3, K))
         if rounds == 0:
             return report
         expected = curve[k] if k > 0 else row_rounds
@@ -430,30 +445,51 @@ class AutoChooser:
             self.skipped += rounds
             return report
         weight = 1.0 if self.drafted == 0 else 1.0 - (1.0 - DECAY) ** rounds
-        mix = lambda old, new: (1.0 - weight) * old + weight * new  # noqa: E731
+        mix = lambda old, new, w=weight: (1.0 - w) * old + w * new  # noqa: E731
         self.expected_ema = mix(self.expected_ema, curve / row_rounds)
-        self.accepted_ema = mix(self.accepted_ema, (accepted - row_rounds) / row_rounds)
-        self.predicted_ema = mix(self.predicted_ema, (curve[k] - row_rounds) / row_rounds)
+        # Every budget up to the verified one: what its rounds would have committed there
+        upto = np.arange(K) <= k
+        fresh = np.where(self.calibrated_by > 0, 1.0 - (1.0 - DECAY) ** rounds, 1.0)[upto]
+        self.accepted_ema[upto] = mix(self.accepted_ema[upto], (realized[upto] - row_rounds) / row_rounds, fresh)
+        self.predicted_ema[upto] = mix(self.predicted_ema[upto], (curve[upto] - row_rounds) / row_rounds, fresh)
+        self.calibrated_by[upto] += rounds
         self.drafted += rounds
         self.skipped = 0
         if rows is not None:
-            slots = np.flatnonzero((np.asarray(rows) >= 0) & (tally[:, 0] > 0))
-            ids, n = np.asarray(rows)[slots], tally[slots, :1]
-            if ids.size and ids.max() >= len(self.row_expected):
-                more = int(ids.max()) + 1 - len(self.row_expected)
-                self.row_expected = np.concatenate([self.row_expected, np.zeros((more, len(self.plan.budgets)))])
-                self.row_rounds = np.concatenate([self.row_rounds, np.zeros(more)])
-                self.row_drafted = np.concatenate([self.row_drafted, np.zeros((more, 2))])
-            old, own = self.row_expected[ids], tally[slots, 2:] / n
-            w = np.where(self.row_rounds[ids, None] > 0, 1.0 - (1.0 - DECAY) ** n, 1.0)  # (1: its first)
-            self.row_expected[ids] = (1.0 - w) * old + w * own
-            drafted = np.stack([tally[slots, 1], tally[slots, 2 + k]], axis=1) / n - 1.0  # accepted, expected
-            self.row_drafted[ids] = (1.0 - w) * self.row_drafted[ids] + w * drafted
-            self.row_rounds[ids] += n[:, 0]
+            self._record_rows(np.asarray(rows), tally, upto)
         pays = self._rule(1, costs, self._finish) > 0
         self.interval = self.plan.probe_every if pays else min(2 * self.interval,
                                                                 MAX_BACKOFF * self.plan.probe_every)
         return report
+
+    def _record_rows(self, rows, tally, upto) -> None:
+        """``record``'s per-row averages for the slots' row ids ``rows``, budgets ``upto`` verified."""
+        K = len(self.plan.budgets)
+        slots = np.flatnonzero((rows >= 0) & (tally[:, 0] > 0))
+        ids, n = rows[slots], tally[slots, :1]
+        if ids.size and ids.max() >= len(self.row_expected):
+            more = int(ids.max()) + 1 - len(self.row_expected)
+            self.row_expected = np.concatenate([self.row_expected, np.zeros((more, K))])
+            self.row_rounds = np.concatenate([self.row_rounds, np.zeros(more)])
+            self.row_drafted = np.concatenate([self.row_drafted, np.zeros((more, K, 2))])
+            self.row_calibrated_by = np.concatenate([self.row_calibrated_by, np.zeros((more, K))])
+        fresh = 1.0 - (1.0 - DECAY) ** n
+        w = np.where(self.row_rounds[ids, None] > 0, fresh, 1.0)  # (1: its first)
+        self.row_expected[ids] = (1.0 - w) * self.row_expected[ids] + w * tally[slots, 2 : 2 + K] / n
+        self.row_rounds[ids] += n[:, 0]
+        # realized and expected drafted tokens at each budget verified
+        drafted = np.stack([tally[slots, 2 + K : 2 + 2 * K], tally[slots, 2 : 2 + K]], axis=-1) / n[..., None] - 1.0
+        w = np.where(self.row_calibrated_by[ids] > 0, fresh, 1.0)[..., None] * upto[None, :, None]
+        self.row_drafted[ids] = (1.0 - w) * self.row_drafted[ids] + w * drafted
+        self.row_calibrated_by[ids] += n * upto
+
+
+def carried_up(values, seen) -> np.ndarray:
+    """``values`` ``[..., K]`` where ``seen [K]``, and elsewhere the value of the largest seen
+    index below (1 where there is none)."""
+    values = np.asarray(values, np.float64)
+    at = np.maximum.accumulate(np.where(seen, np.arange(len(seen)), -1))
+    return np.where(at >= 0, np.take(values, np.maximum(at, 0), axis=-1), 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,11 @@ A probe (a drafted round the statistics did not choose, to refresh them) runs in
 dispatch (``run_probe_rounds``: one drafted round, then budget-0 rounds), so it neither breaks the
 caller's pipeline of dispatches nor pays a dispatch of its own.
 
-The tally of a run of rounds is f32 ``[B, 2 + K]`` per row, summed over the rounds in which the
-row was running: rounds, tokens accepted (bonus included: the acceptance lengths), then the
-expected committed tokens at each of the ``K`` budgets (ones at budget 0).
+The tally of a run of rounds is f32 ``[B, 2 + 2K]`` per row (``tally_width``), summed over the
+rounds in which the row was running: rounds, tokens accepted (bonus included: the acceptance
+lengths), the expected committed tokens at each of the ``K`` budgets (ones at budget 0), then the
+tokens the rounds would have committed at each budget (``decode_round.realized_tokens``: exact up
+to the verified budget; past it, what they committed).
 Design note: docs/auto-budget.md.
 """
 
@@ -43,7 +45,7 @@ from ddtree_jax.decode_state import DecodeState, DeferredContext
 
 __all__ = ["DEFER_ROUNDS", "HELD_DISPATCHES", "engine_deferred", "flush_deferred", "plain_tally", "round_plans",
            "run_fixed_tallied_rounds", "run_flush", "run_probe_rounds", "run_tallied_rounds", "tallied_round",
-           "unrolled_tallied_rounds", "with_deferred"]
+           "tally_width", "unrolled_tallied_rounds", "with_deferred"]
 
 
 def round_plans(plan: DecodePlan, auto: AutoPlan) -> tuple[DecodePlan, ...]:
@@ -111,15 +113,21 @@ def tallied_round(models: Models, tparams, dparams, plan: DecodePlan, state: Dec
                   tally) -> tuple[DecodeState, jax.Array]:
     """One round (inside a compiled function) and ``tally`` with its running rows added."""
     active = ~state.done
-    new, expected = round_with_expected(models, tparams, dparams, plan, state, base_key)
+    new, expected, realized = round_with_expected(models, tparams, dparams, plan, state, base_key)
     accepted = jnp.take_along_axis(new.accept_lengths, jnp.minimum(state.rounds, state.capacity - 1)[:, None],
                                    axis=1)
-    row = jnp.concatenate([jnp.ones_like(accepted, jnp.float32), accepted.astype(jnp.float32), expected], axis=1)
+    row = jnp.concatenate([jnp.ones_like(accepted, jnp.float32), accepted.astype(jnp.float32), expected, realized],
+                          axis=1)
     return new, tally + jnp.where(active[:, None], row, 0.0)
 
 
+def tally_width(budgets: int) -> int:
+    """The columns of a tally over a set of ``budgets`` budgets (module docstring)."""
+    return 2 + 2 * budgets
+
+
 def _zeros(plan: DecodePlan, state: DecodeState) -> jax.Array:
-    return jnp.zeros((state.batch_size, 2 + len(plan.expected_budgets)), jnp.float32)
+    return jnp.zeros((state.batch_size, tally_width(len(plan.expected_budgets))), jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan"), donate_argnames=("state",))
@@ -169,9 +177,10 @@ def run_probe_rounds(models: Models, tparams, dparams, probe: DecodePlan, plain:
 
 def plain_tally(rounds: np.ndarray, budgets: int) -> np.ndarray:
     """The tally of budget-0 rounds, from each row's count of them (``rounds`` ``[B]``): every such
-    round accepts one token and expects one at every budget (no drafter ran). f64 ``[B, 2 + budgets]``."""
+    round accepts one token, and expects and realizes one at every budget (no drafter ran). f64
+    ``[B, tally_width(budgets)]``."""
     d = np.asarray(rounds, np.float64)[:, None]
-    return np.repeat(d, 2 + budgets, axis=1)
+    return np.repeat(d, tally_width(budgets), axis=1)
 
 
 def unrolled_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key,

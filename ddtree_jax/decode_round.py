@@ -47,7 +47,7 @@ from ddtree_jax.sampling import (
 )
 from ddtree_jax.tree import _build_draft_tree, chain_draft_tree, root_only_tree
 
-__all__ = ["STAGES", "DecodePlan", "first_tokens", "prefill", "prefill_rows", "round_with_expected",
+__all__ = ["STAGES", "DecodePlan", "first_tokens", "prefill", "prefill_rows", "realized_tokens", "round_with_expected",
            "round_with_logprobs", "run_rounds", "run_stage", "token_logprobs"]
 
 
@@ -366,10 +366,29 @@ def _commit(target, drafter, plan: DecodePlan, state: DecodeState, base_key, wor
         committed, target_cache=target.commit(work["target_cache"], res.path, count), draft_cache=draft_cache,
         deferred=deferred, accept_lengths=accept_lengths, rounds=state.rounds + active,
     ))
+    if plan.expected_budgets:
+        new["realized"] = realized_tokens(res.path, plan.expected_budgets)
     if plan.logprobs:
         rows_logits = jnp.take_along_axis(work["logits"], jnp.maximum(res.path, 0)[..., None], axis=1)
         new["logprobs"] = token_logprobs(rows_logits, res.committed, state.sampling, plan.logprobs)
     return new
+
+
+def realized_tokens(path: jax.Array, budgets: tuple[int, ...]) -> jax.Array:
+    """f32 ``[B, K]``: the tokens each row would have committed (bonus included) had its round
+    verified the tree's prefix of ``budgets[k]`` nodes instead, for every budget up to the one it
+    verified (at larger budgets: what it committed). ``path``: the accepted path's node indices
+    ``[B, L + 1]`` (``AcceptResult.path``) in a best-first tree, whose smaller budgets' trees are
+    its prefixes (nodes numbered parents first).
+
+    Exact, not an estimate: every node carries its own draw, which does not depend on the other
+    nodes of the tree (docs/exact-sampling.md), so on a prefix of the tree the walk takes the same
+    steps until it would step to a node outside the prefix, and there it stops. Its path's nodes
+    number upwards from the root, so the prefix of ``b`` nodes keeps the path's nodes numbered at
+    most ``b``: the same round on the smaller tree accepts ``#{path nodes in 1..b}`` tokens."""
+    nodes = path[:, 1:, None]
+    within = (nodes > 0) & (nodes <= jnp.asarray(budgets, jnp.int32)[None, None])
+    return 1.0 + jnp.sum(within, axis=1, dtype=jnp.float32)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: SamplingBatch, k: int) -> jax.Array:
@@ -431,11 +450,12 @@ def round_with_logprobs(models: Models, tparams, dparams, plan: DecodePlan, stat
 
 def round_with_expected(models: Models, tparams, dparams, plan: DecodePlan, state: DecodeState, base_key):
     """One round (for use inside a compiled function) with ``plan.expected_budgets``: ``(the next
-    state, f32 [B, K] each row's expected committed tokens at each budget of the set)``."""
+    state, f32 [B, K] each row's expected committed tokens at each budget of the set, f32 [B, K]
+    the tokens it would have committed at each budget: realized_tokens)``."""
     if not plan.expected_budgets:
         raise ValueError("round_with_expected needs plan.expected_budgets")
     work = _round_work(models, tparams, dparams, plan, state, base_key)
-    return work["state"], work["expected"]
+    return work["state"], work["expected"], work["realized"]
 
 
 @functools.partial(jax.jit, static_argnames=("models", "plan", "max_rounds", "fixed"), donate_argnames=("state",))

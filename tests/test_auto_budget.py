@@ -15,6 +15,7 @@ import pytest
 
 import ddtree_jax as dt
 from ddtree_jax import _preflight, auto_costs, auto_round, generation
+from ddtree_jax.accept import accept_path
 from ddtree_jax.auto_budget import (
     DECAY,
     OWN_SAMPLES,
@@ -42,7 +43,7 @@ from ddtree_jax.auto_round import (
 )
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import ConfigError, DecodeConfig, auto_budget_set
-from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds
+from ddtree_jax.decode_round import DecodePlan, Models, prefill, realized_tokens, run_rounds
 from ddtree_jax.generation import generate
 from ddtree_jax.sampling import batch_sampling
 from ddtree_jax.serving import Engine
@@ -175,7 +176,7 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     np.testing.assert_allclose(c.row_expected[7], [1.0, 3.0, 3.5])
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
     assert (c.row_rounds[:3] == 0).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]  # (rows 0-2: none)
-    c.accepted_ema = c.predicted_ema  # (calibration factor 1)
+    c.accepted_ema = c.predicted_ema.copy()  # (calibration factor 1)
     assert c.choose(2, costs) == 1  # the batch's mean (2.1 at budget 4, for 1.5): draft
     # row 3, at 0.75 its own average (12 rounds against PRIOR_ROUNDS = 4) and 0.25 the batch's
     # (1.425 at budget 4), would set the pace: 20 / 1.425 * 1.5 > 20
@@ -191,7 +192,7 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     # after 2 rounds the same averages weigh 1/3: row 3 (1.8 at budget 4) no longer stops drafting
     c = AutoChooser(PLAN)
     c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2.4, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
-    c.accepted_ema = c.predicted_ema
+    c.accepted_ema = c.predicted_ema.copy()
     assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 1
 
 
@@ -205,8 +206,8 @@ def test_chooser_finish_rule_calibrates_each_row_by_its_own_acceptance():
     rows = np.array([0, 1])
     c = AutoChooser(PLAN)
     c.record(1, _tally([[12, 36, 12, 36, 42], [12, 13.2, 12, 36, 42]]), costs, rows=rows)
-    np.testing.assert_allclose(c.factor(), 0.525, rtol=1e-6)
-    np.testing.assert_allclose(c.row_drafted, [[2.0, 2.0], [0.1, 2.0]], rtol=1e-6)
+    np.testing.assert_allclose(c.factor()[1:], 0.525, rtol=1e-6)  # (budget 8: budget 4's, the largest verified)
+    np.testing.assert_allclose(c.row_drafted[:, 1], [[2.0, 2.0], [0.1, 2.0]], rtol=1e-6)
     assert c._rule(2, costs) == 1  # (the batch's tokens per second: 2.05 a row at budget 4 for 1.5)
     assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 0
     c = AutoChooser(PLAN)
@@ -222,7 +223,9 @@ def test_calibration_scales_the_drafted_part_and_caps_it():
 
 def _chooser(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
     c = AutoChooser(PLAN)
-    c.expected_ema, c.accepted_ema, c.predicted_ema = np.asarray(expected_ema, float), accepted, predicted
+    c.expected_ema = np.asarray(expected_ema, float)
+    c.accepted_ema, c.predicted_ema = np.full(3, float(accepted)), np.full(3, float(predicted))
+    c.calibrated_by = np.ones(3)
     c.skipped, c.interval, c.drafted = skipped, interval, 1
     return c
 
@@ -241,9 +244,14 @@ def test_choice_before_a_dispatch_from_the_recent_curve():
     assert AutoChooser(PLAN).choose(8, costs) == 1  # the first dispatch drafts, at the cheapest tree
 
 
-def _tally(rows):
-    """Rows of (rounds, accepted, expected at each budget)."""
-    return np.asarray(rows, np.float32)
+def _tally(rows, realized=None):
+    """Rows of (rounds, accepted, expected at each budget), and the realized tokens at each budget
+    appended (``realized``, one row for all; default: one a round at budget 0, what the rounds
+    accepted at the others)."""
+    rows = np.asarray(rows, np.float32)
+    if realized is None:
+        return np.concatenate([rows, rows[:, :1], rows[:, 1:2], rows[:, 1:2]], axis=1)
+    return np.concatenate([rows, np.tile(np.asarray(realized, np.float32), (len(rows), 1))], axis=1)
 
 
 def test_statistics_of_drafted_and_plain_dispatches():
@@ -252,7 +260,8 @@ def test_statistics_of_drafted_and_plain_dispatches():
     # two rows ran 2 rounds at budget 4 (index 1), one row did not run
     report = c.record(1, _tally([[2, 4, 2, 4, 5], [2, 8, 2, 6, 8], [0, 0, 0, 0, 0]]), costs)
     np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 3.25])  # the first drafted dispatch, as it is
-    assert (c.accepted_ema, c.predicted_ema) == (2.0, 1.5)  # drafted tokens per row-round: 8 / 4 vs 6 / 4
+    assert (c.accepted_ema[1], c.predicted_ema[1]) == (2.0, 1.5)  # drafted tokens per row-round: 8 / 4 vs 6 / 4
+    assert c.calibrated_by.tolist() == [2, 2, 0]  # (budget 8: not verified)
     np.testing.assert_allclose(report, [[0, 2, 0], [0, 10, 0], [0, 12, 0]])
     assert c.rounds.tolist() == [0, 2, 0] and c.expected.tolist() == [0, 10, 0] and c.realized.tolist() == [0, 12, 0]
     assert (c.skipped, c.drafted, c.interval) == (0, 2, 3)  # the tree pays: probe often
@@ -265,7 +274,7 @@ def test_statistics_of_drafted_and_plain_dispatches():
     dear = (1.0, 5.0, 5.0)
     c.record(2, _tally([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), dear)
     np.testing.assert_allclose(c.expected_ema, np.array([1.0, 2.5, 3.25]) * (1 - DECAY) + DECAY * 1.0)
-    np.testing.assert_allclose(c.predicted_ema, 1.5 * (1 - DECAY))
+    np.testing.assert_allclose(c.predicted_ema[1], 1.5 * (1 - DECAY))
     assert (c.skipped, c.interval) == (0, 6)
     c.record(2, _tally([[4, 4, 4, 4, 4]]), dear)  # 4 rounds: weight 1 - (1 - DECAY)^4
     np.testing.assert_allclose(c.expected_ema[1], 2.125 * (1 - DECAY) ** 4 + (1 - (1 - DECAY) ** 4))
@@ -329,7 +338,9 @@ def test_one_slow_dispatch_does_not_keep_the_choice_off_a_budget():
         if not c.probing:
             c.observe(64, k, paid[k] if k or stalled else 1.124)
             stalled |= k == 0
-        c.record(k, _tally([[rounds, tokens[k] * rounds, *(t * rounds for t in tokens)]] * 64), c.costs(64, table))
+        realized = [(t if j <= k else tokens[k]) * rounds for j, t in enumerate(tokens)]  # (as expected)
+        c.record(k, _tally([[rounds, tokens[k] * rounds, *(t * rounds for t in tokens)]] * 64, realized),
+                 c.costs(64, table))
         picks.append(k)
     assert picks[10:].count(0) >= 40, picks
 
@@ -369,6 +380,40 @@ def test_tree_prefix_is_the_smaller_build_and_expected_tokens_its_prefix_sums():
     want = np.stack([1 + p[:, 1 : b + 1].sum(axis=1) for b in (0, 1, 3, 6, 12)], axis=1)
     np.testing.assert_allclose(e, want, rtol=1e-5)
     assert (np.diff(e, axis=1) >= 0).all()
+
+
+def test_realized_tokens_are_the_walk_on_each_prefix():
+    """What a round would have committed at a smaller budget, read off its accepted path, is what
+    the walk on the tree's prefix commits with the same per-node draws (fresh random trees and
+    draws; 3 tokens, so that the draws often match a child)."""
+    rng = np.random.default_rng()
+    budgets = (0, 1, 3, 6, 12)
+    for _ in range(3):
+        logits = jnp.asarray(rng.standard_normal((32, 5, 3)) * 2, jnp.float32)
+        tree = build_draft_tree(logits, 12, impl="reference")
+        draws = jnp.asarray(rng.integers(0, 3, size=tree.tokens.shape), jnp.int32)
+        realized = np.asarray(realized_tokens(accept_path(tree, draws, impl="reference").path, budgets))
+        for k, b in enumerate(budgets):
+            walk = accept_path(tree.prefix(b + 1), draws[:, : b + 1], impl="reference")
+            np.testing.assert_array_equal(realized[:, k], np.asarray(walk.num_accepted) + 1, err_msg=f"budget {b}")
+        assert (realized[:, -1] > realized[:, 1]).any()  # (the draws reach past the smallest trees)
+
+
+def test_chooser_calibrates_each_budget_by_what_its_prefix_realized():
+    """Drafted rounds at budget 8 whose draft is well calibrated on its first 4 nodes (2 tokens
+    expected, 2 realized) and overconfident past them (4 expected at budget 8, 2.2 realized):
+    budget 4 pays (2 tokens for 1.5), budget 8 does not (2.2 for 2). One factor for every budget
+    (realized over expected at the verified budget, 0.4) would make budget 4 look as poor (1.4
+    for 1.5) and keep budget 0. A budget larger than any verified takes the largest verified one's
+    factor."""
+    costs = (1.0, 1.5, 2.0)
+    c = AutoChooser(PLAN)
+    c.record(2, _tally([[4, 8.8, 4, 8, 16]] * 8, realized=[4, 8, 8.8]), costs)
+    np.testing.assert_allclose(c.factor(), [1.0, 1.0, 0.4])
+    assert c.choose(8, costs) == 1
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[4, 6, 4, 8, 16]] * 8, realized=[4, 6, 6]), costs)
+    np.testing.assert_allclose(c.factor(), [1.0, 0.5, 0.5])  # (budget 8: budget 4's)
 
 
 # --- settings -----------------------------------------------------------------------------------

@@ -271,8 +271,8 @@ def rounds_and_harvest(models: Models, tparams, dparams, plan: DecodePlan, state
     each token column, ``decode_round.token_logprobs``'s ``1 + 2 K`` entries (float32 bits as
     int32; a slot with no round yet starts with its first token's, ``first_logprobs [B, 1 + 2 K]``:
     ``activate_first``). With ``plan.expected_budgets`` at a positive budget (``budget="auto"``'s drafted
-    rounds, ``auto_round.round_plans``; no log-probabilities), ``2 + len(expected_budgets)`` more
-    columns follow instead: the rounds' tally (``auto_round``, float32 bits as int32); budget 0's
+    rounds, ``auto_round.round_plans``; no log-probabilities), ``auto_round.tally_width(K)``
+    more columns follow instead: the rounds' tally (``auto_round``, float32 bits as int32); budget 0's
     rounds are plain ones, their tally ``auto_round.plain_tally`` of the rounds column. Returns
     ``(state, packed)``."""
     if _paged(state):

@@ -58,7 +58,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan
-from ddtree_jax.auto_round import engine_deferred, plain_tally, round_plans
+from ddtree_jax.auto_round import engine_deferred, plain_tally, round_plans, tally_width
 from ddtree_jax.backend import resolve_backend
 from ddtree_jax.config import AUTO, ConfigError, EngineConfig, auto_budget_set, is_int, token_id_problem
 from ddtree_jax.decode_round import DecodePlan, Models
@@ -1096,7 +1096,7 @@ class Engine:
         if auto_budget is not None:
             K = len(self.auto_plan.budgets)
             tally = (plain_tally(n_rounds, K) if auto_budget == 0 else
-                     np.ascontiguousarray(got[:, -(2 + K):]).view(np.float32))
+                     np.ascontiguousarray(got[:, -tally_width(K):]).view(np.float32))
             costs = self._auto.costs(self.slots, self.auto_costs)
             self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0), costs), costs)
         n_rounds = np.where(live, n_rounds, 0)
