@@ -387,9 +387,12 @@ class AutoChooser:
             own = (n * drafted[..., 0] + prior * batch) / (n * drafted[..., 1] + prior)
         return carried_up(np.where(np.isfinite(own) & (prior > 0), own, batch), self.calibrated_by > 0)
 
-    def _rule(self, active: int, costs, finish=None) -> int:
+    def _rule(self, active: int, costs, finish=None, drafted: bool = False) -> int:
+        """The rule's budget index (module docstring); ``drafted``: the best positive one."""
+        first = 1 if drafted else 0
         if finish is None:
-            return choose_budget(active * calibrated(self.expected_ema, self.factor(), self.plan.caps), costs)
+            tokens = active * calibrated(self.expected_ema, self.factor(), self.plan.caps)
+            return first + choose_budget(tokens[first:], costs[first:])
         ids, remaining = (np.asarray(x) for x in finish)
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
@@ -404,21 +407,24 @@ class AutoChooser:
         # A row's mean is its own n rounds' with PRIOR_ROUNDS rounds of the batch's: known as well
         # as n + PRIOR_ROUNDS rounds' mean (the batch's rows may differ: a row seen in few drafted
         # rounds may be the slow one)
-        return finish_budget(remaining, expected, costs, variance, variance / (n + PRIOR_ROUNDS))
+        uncertainty = variance / (n + PRIOR_ROUNDS)
+        return first + finish_budget(remaining, expected[:, first:], costs[first:], variance[:, first:],
+                                     uncertainty[:, first:])
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
         (a round's cost at each budget): the rule on the averages, or a probe at the best positive
-        budget once ``interval`` rounds in a row ran at budget 0. ``finish``: for a static batch,
-        ``(row ids, tokens each may still commit)`` of its running rows (``[R]`` each, R >= 1):
-        the rule is then ``finish_budget`` on the rows' own averages (module docstring)."""
+        budget by the same rule once ``interval`` rounds in a row ran at budget 0. ``finish``: for
+        a static batch, ``(row ids, tokens each may still commit)`` of its running rows (``[R]``
+        each, R >= 1): the rule is then ``finish_budget`` on the rows' own averages (module
+        docstring)."""
         costs = np.asarray(costs, np.float64)
         self._finish = finish
         k = self._rule(active, costs, finish)
         self.probing = k == 0 and self.skipped >= self.interval
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
-            k = 1 + choose_budget(calibrated(self.expected_ema, self.factor(), self.plan.caps)[1:], costs[1:])
+            k = self._rule(active, costs, finish, drafted=True)
         return k
 
     def record(self, k: int, tally, costs, rows=None) -> np.ndarray:

@@ -399,6 +399,21 @@ def test_realized_tokens_are_the_walk_on_each_prefix():
         assert (realized[:, -1] > realized[:, 1]).any()  # (the draws reach past the smallest trees)
 
 
+def test_static_batch_probes_at_the_budget_its_slowest_rows_favour():
+    """Two rows known over 40 drafted rounds: one fast (3 tokens a round at budget 4, 5 at 8),
+    one slow (1.4 and 1.45). The batch waits for the slow row, for which no tree pays (budget 4:
+    40 / 1.4 rounds at 1.5 > 40 plain ones), so a due probe runs; at budget 4, the cheaper tree
+    for that row, though the rows' mean (2.2 at 4 for 1.5, 3.2 at 8 for 2) favours budget 8."""
+    costs = (1.0, 1.5, 2.0)
+    c = AutoChooser(PLAN)
+    fast, slow = [40, 200, 40, 120, 200], [40, 58, 40, 56, 58]
+    c.record(2, np.asarray([fast + fast[2:], slow + slow[2:]], np.float32), costs, rows=np.array([0, 1]))
+    c.skipped = c.interval
+    assert c.choose(2, costs, finish=([0, 1], [40, 40])) == 1 and c.probing
+    c.skipped = c.interval
+    assert c.choose(2, costs) == 2 and not c.probing  # (the throughput rule: the mean row, drafting)
+
+
 def test_chooser_calibrates_each_budget_by_what_its_prefix_realized():
     """Drafted rounds at budget 8 whose draft is well calibrated on its first 4 nodes (2 tokens
     expected, 2 realized) and overconfident past them (4 expected at budget 8, 2.2 realized):
