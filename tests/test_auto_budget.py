@@ -206,7 +206,8 @@ def test_chooser_finish_rule_calibrates_each_row_by_its_own_acceptance():
     rows = np.array([0, 1])
     c = AutoChooser(PLAN)
     c.record(1, _tally([[12, 36, 12, 36, 42], [12, 13.2, 12, 36, 42]]), costs, rows=rows)
-    np.testing.assert_allclose(c.factor()[1:], 0.525, rtol=1e-6)  # (budget 8: budget 4's, the largest verified)
+    # 0.525, shrunk toward 1 by the 24 row-rounds behind it (PRIOR_ROUNDS); budget 8: budget 4's
+    np.testing.assert_allclose(c.factor()[1:], 24 / 28 * 0.525 + 4 / 28, rtol=1e-6)
     np.testing.assert_allclose(c.row_drafted[:, 1], [[2.0, 2.0], [0.1, 2.0]], rtol=1e-6)
     assert c._rule(2, costs) == 1  # (the batch's tokens per second: 2.05 a row at budget 4 for 1.5)
     assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 0
@@ -225,7 +226,7 @@ def _chooser(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
     c = AutoChooser(PLAN)
     c.expected_ema = np.asarray(expected_ema, float)
     c.accepted_ema, c.predicted_ema = np.full(3, float(accepted)), np.full(3, float(predicted))
-    c.calibrated_by = np.ones(3)
+    c.calibrated_by, c.row_evidence = np.ones(3), np.full(3, 1e12)  # (the ratios as they are)
     c.skipped, c.interval, c.drafted = skipped, interval, 1
     return c
 
@@ -399,6 +400,20 @@ def test_realized_tokens_are_the_walk_on_each_prefix():
         assert (realized[:, -1] > realized[:, 1]).any()  # (the draws reach past the smallest trees)
 
 
+def test_calibration_is_known_by_the_row_rounds_behind_it():
+    """One row, one drafted round that accepted nothing of the 2 tokens it expected: its factor
+    is 0, but one round of one row says little (at T=0.6 a row accepts 0 or 4 tokens a round), so
+    the batch's factor is 0 shrunk toward 1 by PRIOR_ROUNDS row-rounds: 0.8, and drafting still
+    pays at a cost ratio of 1.3 (1 + 0.8 * 2 tokens for 1.3); the same round in each of 64 rows
+    is known: 4 / 68, and it does not."""
+    costs = (1.0, 1.3, 2.0)
+    for rows, factor, k in [(1, 0.8, 1), (64, 4 / 68, 0)]:
+        c = AutoChooser(PLAN)
+        c.record(1, _tally([[1, 1, 1, 3, 3]] * rows), costs)
+        np.testing.assert_allclose(c.factor()[1], factor)
+        assert c._rule(rows, costs) == k
+
+
 def test_static_batch_probes_at_the_budget_its_slowest_rows_favour():
     """Two rows known over 40 drafted rounds: one fast (3 tokens a round at budget 4, 5 at 8),
     one slow (1.4 and 1.45). The batch waits for the slow row, for which no tree pays (budget 4:
@@ -424,11 +439,11 @@ def test_chooser_calibrates_each_budget_by_what_its_prefix_realized():
     costs = (1.0, 1.5, 2.0)
     c = AutoChooser(PLAN)
     c.record(2, _tally([[4, 8.8, 4, 8, 16]] * 8, realized=[4, 8, 8.8]), costs)
-    np.testing.assert_allclose(c.factor(), [1.0, 1.0, 0.4])
+    np.testing.assert_allclose(c.factor(), [1.0, 1.0, 32 / 36 * 0.4 + 4 / 36])  # (32 row-rounds: PRIOR_ROUNDS)
     assert c.choose(8, costs) == 1
     c = AutoChooser(PLAN)
     c.record(1, _tally([[4, 6, 4, 8, 16]] * 8, realized=[4, 6, 6]), costs)
-    np.testing.assert_allclose(c.factor(), [1.0, 0.5, 0.5])  # (budget 8: budget 4's)
+    np.testing.assert_allclose(c.factor(), [1.0, 0.5, 0.5] * np.array([1, 8 / 9, 8 / 9]) + [0, 1 / 9, 1 / 9])
 
 
 # --- settings -----------------------------------------------------------------------------------

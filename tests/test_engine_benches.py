@@ -71,3 +71,27 @@ def test_bench_prefix_ttft_smoke(tmp_path):
     assert row["engine"] == "paged" and row["prefix"] == 256 and row["cached_per_hit"] == 256
     assert row["miss_ms"] > 0 and row["hit_ms"] > 0
     assert glob.glob(str(tmp_path / "prefix_ttft_*.md"))
+
+
+def test_replay_auto_budget_prices_the_rounds_by_the_table(tmp_path):
+    import json
+
+    import pytest
+
+    from bench import replay_auto_budget
+
+    runs = {"runs": [{"label": "ar"}, {"label": "auto", "costs_ms": {"2": [1.0, 2.0, 3.0, 4.0], "64": [1.0]}}]}
+    src = tmp_path / "auto_budget.json"
+    src.write_text(json.dumps(runs))
+    budgets = (0, 4, 8, 16)
+    assert replay_auto_budget.cost_tables(str(src), ["1:0.5,1,1,2"], budgets) == {2: (1.0, 2.0, 3.0, 4.0),
+                                                                                 1: (0.5, 1.0, 1.0, 2.0)}
+    with pytest.raises(SystemExit, match="budget set"):
+        replay_auto_budget.cost_tables(None, ["1:0.5,1"], budgets)
+    out = replay_auto_budget.main(["--smoke", "--costs-from", str(src), "--batches", "2", "--settings", "T=0",
+                                   "--out", str(tmp_path)])
+    (run,) = out["runs"]
+    rounds = [run["histogram"][str(b)] for b in budgets]
+    assert run["auto_ms"] == sum(n * c for n, c in zip(rounds, (1.0, 2.0, 3.0, 4.0), strict=True)) > 0
+    assert run["ar_ms"] == out["new"] - 1 and run["over_ar"] == run["ar_ms"] / run["auto_ms"]
+    assert (tmp_path / "auto_replay_cpu-smoke_{}.md".format(out["date"].replace("-", ""))).exists()
