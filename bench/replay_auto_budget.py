@@ -106,7 +106,7 @@ def summarize(results: dict) -> str:
         lines.append(f"| {r['batch']} | {r['setting']} | {hist} | {r['tau']:.2f} | {r['auto_ms']:.1f} / "
                      f"{r['ar_ms']:.1f} | {r['over_ar']:.3f}x |{fixed}")
     lines += ["", "Cost tables (ms per round at each budget):", ""]
-    lines += [f"- batch {b}: " + ", ".join(f"{x}: {c:g}" for x, c in zip(results["budgets"], t, strict=True))
+    lines += [f"- batch {b}: " + ", ".join(f"{x}: {c:.3f}" for x, c in zip(results["budgets"], t, strict=True))
               for b, t in sorted(results["tables"].items(), key=lambda kv: int(kv[0]))]
     return "\n".join(lines) + "\n"
 
@@ -148,6 +148,7 @@ def main(argv=None):
         from ddtree_jax.default_model import SHIPPED_DIR
 
         pair = SHIPPED_DIR if args.default else args.pair
+        pair = os.path.relpath(pair) if args.default else pair
         paths = argparse.Namespace(target=os.path.join(pair, "target"), drafter=os.path.join(pair, "drafter"),
                                    tokenizer=os.path.join(pair, "tokenizer.json"), dtype=args.dtype)
         target, drafter, tokenizer = load_pair(paths)
