@@ -310,9 +310,9 @@ class AutoChooser:
         expected tokens at each budget (uncalibrated); ones before any drafted round.
       accepted_ema, predicted_ema: f64 ``[K]`` moving averages, per budget, of the running rows'
         mean realized and expected drafted tokens at that budget, over the drafted rounds that
-        verified it or a larger one (``calibrated_by``: a round's tokens at a smaller budget are
-        known exactly, ``decode_round.realized_tokens``); ``calibrated_by``: ``[K]`` those rounds;
-        ``row_evidence``: ``[K]`` their running rows' rounds (``factor``'s weight).
+        verified it or a larger one (a round's tokens at a smaller budget are known exactly,
+        ``decode_round.realized_tokens``); ``calibrated_by``: ``[K]`` those rounds' running rows'
+        rounds (``factor``'s weight; 0: the budget is not calibrated yet).
       skipped: rounds at budget 0 since the last drafted dispatch or probe chosen (starts at
         ``probe_every``: the first dispatch probes).
       interval: the rounds at budget 0 after which a dispatch probes.
@@ -340,7 +340,6 @@ class AutoChooser:
         self.plan = plan
         self.expected_ema = np.ones(K)
         self.accepted_ema, self.predicted_ema, self.calibrated_by = np.zeros(K), np.zeros(K), np.zeros(K)
-        self.row_evidence = np.zeros(K)
         self.skipped = self.interval = plan.probe_every
         self.drafted = 0
         self.probing = False
@@ -372,13 +371,13 @@ class AutoChooser:
     def factor(self) -> np.ndarray:
         """f64 ``[K]``: per budget, the realized drafted tokens per expected drafted token (moving
         averages), shrunk toward 1 (the draft's own probabilities) by the row-rounds behind it:
-        weight ``n / (n + PRIOR_ROUNDS)`` after ``n`` (``row_evidence``; one round of one row is
+        weight ``n / (n + PRIOR_ROUNDS)`` after ``n`` (``calibrated_by``; one round of one row is
         0 or a few tokens, a round of 64 rows is known); a budget no drafted round verified (nor a
         larger one) takes the factor of the largest budget below it that one did, 1 before any
         (``carried_up``)."""
         seen = (self.calibrated_by > 0) & (self.predicted_ema > 0)
         ratio = np.divide(self.accepted_ema, self.predicted_ema, out=np.ones_like(self.accepted_ema), where=seen)
-        w = self.row_evidence / (self.row_evidence + PRIOR_ROUNDS)
+        w = self.calibrated_by / (self.calibrated_by + PRIOR_ROUNDS)
         return carried_up(w * ratio + (1.0 - w), seen)
 
     def _row_factors(self, ids, known) -> np.ndarray:
@@ -464,8 +463,7 @@ class AutoChooser:
         fresh = np.where(self.calibrated_by > 0, 1.0 - (1.0 - DECAY) ** rounds, 1.0)[upto]
         self.accepted_ema[upto] = mix(self.accepted_ema[upto], (realized[upto] - row_rounds) / row_rounds, fresh)
         self.predicted_ema[upto] = mix(self.predicted_ema[upto], (curve[upto] - row_rounds) / row_rounds, fresh)
-        self.calibrated_by[upto] += rounds
-        self.row_evidence[upto] += row_rounds
+        self.calibrated_by[upto] += row_rounds
         self.drafted += rounds
         self.skipped = 0
         if rows is not None:

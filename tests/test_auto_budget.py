@@ -226,7 +226,7 @@ def _chooser(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
     c = AutoChooser(PLAN)
     c.expected_ema = np.asarray(expected_ema, float)
     c.accepted_ema, c.predicted_ema = np.full(3, float(accepted)), np.full(3, float(predicted))
-    c.calibrated_by, c.row_evidence = np.ones(3), np.full(3, 1e12)  # (the ratios as they are)
+    c.calibrated_by = np.full(3, 1e12)  # (the ratios as they are)
     c.skipped, c.interval, c.drafted = skipped, interval, 1
     return c
 
@@ -262,7 +262,7 @@ def test_statistics_of_drafted_and_plain_dispatches():
     report = c.record(1, _tally([[2, 4, 2, 4, 5], [2, 8, 2, 6, 8], [0, 0, 0, 0, 0]]), costs)
     np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 3.25])  # the first drafted dispatch, as it is
     assert (c.accepted_ema[1], c.predicted_ema[1]) == (2.0, 1.5)  # drafted tokens per row-round: 8 / 4 vs 6 / 4
-    assert c.calibrated_by.tolist() == [2, 2, 0]  # (budget 8: not verified)
+    assert c.calibrated_by.tolist() == [4, 4, 0]  # (2 rows' 2 rounds; budget 8: not verified)
     np.testing.assert_allclose(report, [[0, 2, 0], [0, 10, 0], [0, 12, 0]])
     assert c.rounds.tolist() == [0, 2, 0] and c.expected.tolist() == [0, 10, 0] and c.realized.tolist() == [0, 12, 0]
     assert (c.skipped, c.drafted, c.interval) == (0, 2, 3)  # the tree pays: probe often
