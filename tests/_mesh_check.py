@@ -67,9 +67,10 @@ def mesh_runs(path: str, meshes: list[str], plain: list[list[int]]) -> list[dict
             if j is not None:
                 ids = jnp.asarray([prompt + got[:j]])
                 diffs.append(float(jnp.max(jnp.abs(st(ids)[0, -1] - ref(ids)[0, -1]))))
+        chunk = _compiled_chunk(eng)
         runs.append(dict(spec=spec, equal=tokens == plain, consistent=consistent, logit_diffs=diffs,
-                         prefill_cache_collectives=prefill_cache_collectives(eng),
-                         first_token_collectives=first_token_collectives(eng)))
+                         prefill_cache_collectives=prefill_cache_collectives(chunk, eng),
+                         first_token_collectives=first_token_collectives(chunk, eng)))
     return runs
 
 
@@ -82,9 +83,9 @@ def _collectives(hlo: str, dim: int) -> list[str]:
     return [f"{op}[{dims}]" for dims, op in _COLLECTIVE.findall(hlo) if str(dim) in dims.split(",")]
 
 
-def _chunk_shapes(eng):
-    """Abstract ``(tparams, dparams, state, packed)`` of ``eng``'s largest prefill chunk (4 rows
-    per device)."""
+def _compiled_chunk(eng):
+    """``(state, packed, compiled)``: the abstract state and ``packed`` of ``eng``'s largest prefill
+    chunk (4 rows per device) and ``_device.prefill_chunk`` compiled for them."""
     import jax
     import jax.numpy as jnp
 
@@ -92,34 +93,30 @@ def _chunk_shapes(eng):
 
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
     packed = jax.ShapeDtypeStruct((4 * eng._row_blocks, _device.PREFILL_FIELDS + eng.prefill_chunk), jnp.int32)
-    return (*jax.tree.map(spec, (eng._tparams, eng._dparams, eng._state)), packed)
+    tparams, dparams, state = jax.tree.map(spec, (eng._tparams, eng._dparams, eng._state))
+    return state, packed, _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, packed).compile()
 
 
-def prefill_cache_collectives(eng) -> list[str]:
-    """The collectives of ``eng``'s compiled prefill chunk (4 rows per device, the largest chunk)
-    whose operand spans the caches' positions: on a row mesh each device prefills its own slots in
-    place, so none (taking slots by global index gathered every taken slot's cache onto every
-    device)."""
-    from ddtree_jax.serving import _device
-
-    tparams, dparams, state, packed = _chunk_shapes(eng)
-    hlo = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, packed).compile().as_text()
-    return _collectives(hlo, eng.cache_len)
+def prefill_cache_collectives(chunk, eng) -> list[str]:
+    """The collectives of ``eng``'s compiled prefill chunk (``_compiled_chunk``) whose operand
+    spans the caches' positions: on a row mesh each device prefills its own slots in place, so
+    none (taking slots by global index gathered every taken slot's cache onto every device)."""
+    return _collectives(chunk[2].as_text(), eng.cache_len)
 
 
-def first_token_collectives(eng) -> list[str]:
+def first_token_collectives(chunk, eng) -> list[str]:
     """The collectives of ``eng``'s compiled first-token activation (``_device.activate_first`` on
-    the largest prefill chunk's logits, placed as the compiled chunk leaves them) whose operand
-    spans the vocabulary: each device draws its own slots' first tokens, so none."""
+    the largest prefill chunk's logits, placed as the compiled chunk, ``_compiled_chunk``, leaves
+    them) whose operand spans the vocabulary: each device draws its own slots' first tokens, so
+    none."""
     import jax
     import jax.numpy as jnp
 
     from ddtree_jax.serving import _device
 
-    tparams, dparams, state, packed = _chunk_shapes(eng)
-    chunk = _device.prefill_chunk.lower(eng._models, tparams, dparams, eng.plan, state, packed).compile()
+    state, packed, compiled = chunk
     V = eng._target.config.vocab_size
-    logits = jax.ShapeDtypeStruct((packed.shape[0], V), jnp.float32, sharding=chunk.output_shardings[1])
+    logits = jax.ShapeDtypeStruct((packed.shape[0], V), jnp.float32, sharding=compiled.output_shardings[1])
     rows = jax.ShapeDtypeStruct((eng.slots, _device.ACTIVATION_FIELDS + eng.max_stop_ids), jnp.int32)
     hlo = _device.activate_first.lower(state, rows, packed, logits, eng._base_key, backend=eng.plan.backend,
                                        rows=eng._row_mesh).compile().as_text()
