@@ -38,7 +38,7 @@ import jax
 
 from bench._common import k2_models
 from bench._controlled import LEVELS
-from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair, smoke_pair
+from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
 from ddtree_jax.config import DecodeConfig
 from ddtree_jax.generation import generate
 
@@ -228,9 +228,8 @@ def main(argv=None):
         from ddtree_jax.default_model import SHIPPED_DIR
 
         pair = SHIPPED_DIR if args.default or not args.pair else args.pair
-        args.target, args.drafter = os.path.join(pair, "target"), os.path.join(pair, "drafter")
-        args.tokenizer, data_json = os.path.join(pair, "tokenizer.json"), os.path.join(pair, "data.json")
-        target, drafter, tokenizer = load_pair(args)
+        target, drafter, tokenizer = load_pair_folder(pair, args.dtype)
+        data_json = os.path.join(pair, "data.json")
     device = jax.devices()[0].device_kind
     date = datetime.date.today().isoformat()
     name = f"auto_budget_{device.replace(' ', '_').lower()}_{date.replace('-', '')}"

@@ -66,6 +66,13 @@ def load_pair(args):
     return target, drafter, Tokenizer.from_file(args.tokenizer)
 
 
+def load_pair_folder(pair: str, dtype: str):
+    """``load_pair`` of a pair folder (``target/``, ``drafter/``, ``tokenizer.json``) in ``dtype``
+    (``auto``, ``float32`` or ``bfloat16``)."""
+    return load_pair(argparse.Namespace(target=os.path.join(pair, "target"), drafter=os.path.join(pair, "drafter"),
+                                        tokenizer=os.path.join(pair, "tokenizer.json"), dtype=dtype))
+
+
 def smoke_pair():
     """An untrained tiny pair (random weights; tau ~ 1) and no tokenizer."""
     from flax import nnx

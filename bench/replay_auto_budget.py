@@ -37,7 +37,7 @@ import numpy as np
 
 from bench._common import device_tag
 from bench.bench_auto_budget import ORDER
-from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair, smoke_pair
+from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
 from ddtree_jax.config import DecodeConfig, auto_budget_set
 from ddtree_jax.generation import generate
 
@@ -149,9 +149,7 @@ def main(argv=None):
 
         pair = SHIPPED_DIR if args.default else args.pair
         pair = os.path.relpath(pair) if args.default else pair
-        paths = argparse.Namespace(target=os.path.join(pair, "target"), drafter=os.path.join(pair, "drafter"),
-                                   tokenizer=os.path.join(pair, "tokenizer.json"), dtype=args.dtype)
-        target, drafter, tokenizer = load_pair(paths)
+        target, drafter, tokenizer = load_pair_folder(pair, args.dtype)
         data = os.path.join(pair, "data.json")
     results = dict(device=device_tag(args.smoke), date=datetime.date.today().isoformat(), pair=pair,
                    dtype=args.dtype, jax=jax.__version__, command="python " + " ".join([sys.argv[0], *sys.argv[1:]]),
