@@ -40,7 +40,8 @@ _EPILOG = ("exit status: 0 done; 2 bad option, path, model folder, tokenizer or 
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    sys.stderr.write(f"{msg}\n")  # one write: lines of processes sharing stderr do not interleave
+    sys.stderr.flush()
 
 
 class _Parser(argparse.ArgumentParser):

@@ -138,8 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def _log(msg: str) -> None:
-    print(f"[ddtree_jax.serve] {msg}", file=sys.stderr, flush=True)
+def log(msg: str) -> None:
+    """One ``[ddtree_jax.serve]`` line on stderr, in one write: the engine process and the front ends
+    share stderr, and a line written in pieces (text, then newline) interleaves with theirs."""
+    sys.stderr.write(f"[ddtree_jax.serve] {msg}\n")
+    sys.stderr.flush()
 
 
 def engine_config(args) -> EngineConfig:
@@ -324,7 +327,7 @@ def build_engine(args):
                      lambda: load_drafter(args.drafter, target, mesh=mesh, execution=execution,
                                           mesh_axes=mesh_axes))
                if config.decode.uses_drafter else None)
-    _log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
+    log(f"loaded in {time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape) if mesh is not None else 'none'}")
     stop = [] if args.ignore_eos else default_stop_ids(args.target, tokenizer, tokenizer_path)
     stop += list(config.decode.stop_token_ids)
     deterministic = config.deterministic or (args.deterministic == "auto" and mesh is None
@@ -341,7 +344,7 @@ def build_engine(args):
         raise PreflightError(str(option_error(e))) from None
     pages = "" if engine.page_size is None else (f", paged: a pool of {engine.kv_pages} pages of "
                                                   f"{engine.page_size} positions")
-    _log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
+    log(f"{args.slots} slots of {engine.max_model_len} positions (+{engine.cache_len - engine.max_model_len} "
          f"scratch){pages}: decoding state {engine.state_bytes / 2**20:.1f} MiB; deterministic mode "
          f"{'on' if deterministic else 'off'}")
     return (engine, served_model_name(args), *chat_template(args))
@@ -368,9 +371,9 @@ def warm_up(engine) -> None:
     from ddtree_jax import compilation_cache as cc
 
     t1 = time.perf_counter()
-    with cc.CompileWatch(log=_log, prefix="  ") as watch:
+    with cc.CompileWatch(log=log, prefix="  ") as watch:
         engine.warmup()
-    _log(f"warm-up in {time.perf_counter() - t1:.1f}s ({watch.summary()})")
+    log(f"warm-up in {time.perf_counter() - t1:.1f}s ({watch.summary()})")
 
 
 def _launch_engine_process(args, sock):
@@ -380,7 +383,7 @@ def _launch_engine_process(args, sock):
     from ddtree_jax.serving.engine_process import EngineClient
 
     tokenizer = _front_end_tokenizer(args)
-    engine = EngineClient.launch(args, tokenizer, log=_log, front_ends=args.api_servers, sock=sock)
+    engine = EngineClient.launch(args, tokenizer, log=log, front_ends=args.api_servers, sock=sock)
     try:
         return (engine, served_model_name(args), *chat_template(args))
     except BaseException:
@@ -427,7 +430,7 @@ def serve_front_end(args, conn, sock, index: int, count: int) -> None:
         engine = EngineClient.attach(conn, tokenizer, index, count,
                                      on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM))
     except PreflightError as e:
-        _log(f"front end {index}: {e}")
+        log(f"front end {index}: {e}")
         return
     template, specials = chat_template(args)
     serve(engine, model_name=served_model_name(args), chat_template=template, specials=specials, sock=sock,
@@ -452,7 +455,7 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
         if args.engine_process:  # the engine process enables the cache, loads and warms up
             engine, name, template, specials = _launch_engine_process(args, sock)
         else:
-            _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
+            log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
             engine, name, template, specials = build_engine(args)
     except PreflightError as e:
         sock.close()
@@ -463,7 +466,7 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
         if args.engine_process:  # no process of this server outlives it
             _stop_engine_process(engine)
         raise
-    _log("stopped")
+    log("stopped")
 
 
 def _stop_engine_process(engine) -> None:
@@ -483,7 +486,7 @@ def _serve(args, engine, name, template, specials, sock, t0) -> None:
     split = f"engine in process {engine.pid}" if args.engine_process else "one process"
     if args.api_servers > 1:
         split += f", {args.api_servers} front ends"
-    _log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, {split}, chat template: "
+    log(f"serving {name!r} ({args.method}, budget {engine.budget}, {args.slots} slots, {split}, chat template: "
          f"{'yes' if template else 'no'}, API key: {'required' if options['api_key'] else 'none'}) on "
          f"http://{host}:{port} "
          f"after {time.perf_counter() - t0:.1f}s")
@@ -493,7 +496,8 @@ def _serve(args, engine, name, template, specials, sock, t0) -> None:
 
 def _fail(parser: argparse.ArgumentParser | None, message: str):
     if parser is None:
-        print(f"python -m ddtree_jax serve: error: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"python -m ddtree_jax serve: error: {message}\n")  # one write (see log)
+        sys.stderr.flush()
         raise SystemExit(2)
     parser.error(message)
 

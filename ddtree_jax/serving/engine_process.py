@@ -160,7 +160,7 @@ def _engine_main(args, conns: list) -> None:
 
     from ddtree_jax import compilation_cache as cc
     from ddtree_jax._preflight import PreflightError
-    from ddtree_jax.serving.cli import _log, build_engine, warm_up
+    from ddtree_jax.serving.cli import build_engine, log, warm_up
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -174,7 +174,7 @@ def _engine_main(args, conns: list) -> None:
                 pass
 
     try:
-        _log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
+        log(f"compilation cache: {cc.enable(cc.resolve(args.compilation_cache)) or 'off'}")
         engine = build_engine(args)[0]
         if not args.no_warmup:
             warm_up(engine)

@@ -64,7 +64,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import time
 import traceback
 import weakref
@@ -78,6 +77,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree_jax.config import is_int
 from ddtree_jax.serving import asgi
+from ddtree_jax.serving.cli import log as _log
 from ddtree_jax.serving.engine import Engine, EngineOverloaded, Inbox, RequestError, RequestResult
 from ddtree_jax.serving.openai_logprobs import CompletionOffsets, TokenTexts, chat_logprobs, completion_logprobs
 
@@ -121,10 +121,6 @@ class StreamEvents:
         "logprobs": null, "finish_reason"}``."""
         return (f'{self._head}[{{"index": {index}, "text": {_encode_str(text)}, "logprobs": null, '
                 f'"finish_reason": {"null" if reason is None else _encode_str(reason)}}}]{self._tail}')
-
-
-def _log(msg: str) -> None:
-    print(f"[ddtree_jax.serve] {msg}", file=sys.stderr, flush=True)
 
 
 class APIError(Exception):
