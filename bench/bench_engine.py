@@ -12,7 +12,9 @@ For each method and batch ``B`` (the engine's slots), ``--requests-per-slot * B`
   each value in turn, ``auto`` the engine's choice per dispatch; ``--admit-group``: its
   ``admit_group``, each value in turn; ``--freeze-gc``: its ``freeze_gc``, on by default, or off, or both in turn),
   driven by its background thread (the emitter on the engine thread; the shipped tokenizer, whose
-  text nobody reads here, so that none is decoded), every request submitted at once:
+  text nobody reads here, so that none is decoded), every request submitted at once (or, with
+  ``--streams N``, from N closed-loop clients, each submitting its next request when its last one
+  is done: the load of an HTTP benchmark with N requests in flight, without the HTTP):
   tokens/s, engine steps, and the engine thread's host time per step (its time in ``step()``
   outside the waits for the device) beside its wait time per step, and three parts of a step:
   preparing the prefill, the launch of the step's programs (on the launcher thread, beside the
@@ -45,6 +47,7 @@ untimed first (compilation). The engine's greedy tokens are checked against
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import gc
 import json
@@ -102,11 +105,18 @@ def _generate(target, drafter, prompts, B, method, budget, new, page_size=None):
     return time.perf_counter() - t0, tokens, rounds
 
 
-def _engine_run(eng: Engine, prompts, new):
+def _engine_run(eng: Engine, prompts, new, streams: int = 0):
+    """The workload through the running engine: every request submitted at once (``streams`` 0), or
+    ``streams`` closed-loop clients, each submitting its next request once its last one is done
+    (the load an HTTP benchmark with that many requests in flight puts on a server)."""
     m0 = eng.metrics.snapshot()
     t0 = time.perf_counter()
-    handles = [eng.submit(p, SamplingParams(temperature=0.0), max_tokens=new, ignore_eos=True) for p in prompts]
-    results = [h.result(timeout=3600) for h in handles]
+    submit = lambda p: eng.submit(p, SamplingParams(temperature=0.0), max_tokens=new, ignore_eos=True)
+    if streams:
+        with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+            results = list(pool.map(lambda p: submit(p).result(timeout=3600), prompts))
+    else:
+        results = [h.result(timeout=3600) for h in [submit(p) for p in prompts]]
     dt_ = time.perf_counter() - t0
     m1 = eng.metrics.snapshot()
     steps = m1["engine_steps"] - m0["engine_steps"]
@@ -163,7 +173,7 @@ class _Timeline:
 
 
 def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True,
-             launcher="thread", sync_every="auto") -> dict:
+             launcher="thread", sync_every="auto", streams: int = 0) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
@@ -191,7 +201,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
             gens.append(_generate(target, drafter, prompts, B, method, budget, args.new, page_size))
             if timeline is not None:
                 timeline.on = True
-            runs.append(_engine_run(eng, prompts, args.new))
+            runs.append(_engine_run(eng, prompts, args.new, streams))
             if timeline is not None:
                 timeline.on = False
         compiled = eng._prefill.compile_seconds - compiled
@@ -204,7 +214,8 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     total = n * args.new
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
-               admit_group=eng.admit_group, freeze_gc=freeze_gc, launcher=launcher, sync_every=sync_every,
+               admit_group=eng.admit_group, freeze_gc=freeze_gc, streams=streams, launcher=launcher,
+               sync_every=sync_every,
                switch_interval_ms=1e3 * sys.getswitchinterval(),
                timeline_ms=None if timeline is None else timeline.summary(),
                requests=n, new=args.new,
@@ -240,6 +251,7 @@ def _markdown(report: dict) -> str:
         name += ", gc not frozen" if r.get("freeze_gc") is False else ""
         name += ", launched inline" if r.get("launcher") == "inline" else ""
         name += f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms", 5) != 5 else ""
+        name += f", {r['streams']} closed-loop streams" if r.get("streams") else ""
         lines.append(f"| {name} | {r['batch']} | {r.get('admit_group', 1)} | {r['generate_tok_s']:,.0f} | "
                      f"{r['engine_tok_s']:,.0f} | {r['engine_over_generate']:.2f}x{_range(r)} | "
                      f"{r['host_ms_per_step']:.2f} | {r['wait_ms_per_step']:.2f} "
@@ -290,6 +302,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync-every", type=lambda v: v if v == "auto" else int(v), nargs="+", default=["auto"],
                     metavar="K",
                     help="the engine's rounds per dispatch (DecodeConfig.sync_every), each value in turn")
+    ap.add_argument("--streams", type=int, nargs="+", default=[0], metavar="N",
+                    help="the engine's load, each value in turn: 0 submits every request at once; N > 0 runs N "
+                         "closed-loop clients (each submits its next request when its last one is done)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--json", metavar="PATH", help="also write the report's JSON here (smoke runs too)")
     args = ap.parse_args(argv)
@@ -310,18 +325,20 @@ def main(argv=None) -> dict:
     for method in args.methods:
         for B in args.batches:
             freezes = {"on": [True], "off": [False], "both": [False, True]}[args.freeze_gc]
-            cases = [(p, g, f, la, si, k) for p in sizes for g in args.admit_group for f in freezes
-                     for la in args.launcher for si in args.switch_interval for k in args.sync_every]
-            for page_size, group, freeze, launcher, interval, k in cases:
+            cases = [(p, g, f, la, si, k, st) for p in sizes for g in args.admit_group for f in freezes
+                     for la in args.launcher for si in args.switch_interval for k in args.sync_every
+                     for st in args.streams]
+            for page_size, group, freeze, launcher, interval, k, streams in cases:
                 pages = f" pages of {page_size}" if page_size else ""
                 log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} "
-                    f"launcher {launcher} switch interval {interval or 'default'} sync_every {k} ...")
+                    f"launcher {launcher} switch interval {interval or 'default'} sync_every {k} "
+                    f"streams {streams or 'all at once'} ...")
                 before = sys.getswitchinterval()
                 if interval:
                     sys.setswitchinterval(interval / 1e3)
                 try:
                     report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size,
-                                                   group or None, freeze, launcher, k))
+                                                   group or None, freeze, launcher, k, streams))
                 finally:
                     sys.setswitchinterval(before)
                 if not args.smoke:  # after every case: a run cut short keeps what it measured

@@ -21,8 +21,9 @@ named ``<method>+engine-process``. ``--api-servers N ...`` starts a server per v
 many HTTP front-end processes (``serve --api-servers``; rows ``...+<N>fe`` for N > 1).
 ``--in-process`` (with ``--default`` or ``--smoke``) first runs
 ``bench_engine.py`` at a batch of ``--slots`` in a process of its own (``generate()`` and the
-in-process engine, greedy, its random prompts of 64 tokens) and reports the servers' tokens/s at
-``--slots`` streams beside them: each layer of the stack in one run (with ``--smoke`` only a
+in-process engine, greedy, its random prompts of 64 tokens, its requests all submitted at once and
+then from ``--slots`` closed-loop clients) and reports the servers' tokens/s at ``--slots`` streams
+beside them: each layer of the stack in one run (with ``--smoke`` only a
 check of the pipeline: the two benches' tiny models differ).
 
 Writes ``bench/results/serving_<device>_<date>.{json,md}`` (``--out`` to change the folder) with the
@@ -333,7 +334,7 @@ def _in_process(args) -> list[dict]:
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_engine.py"), "--smoke" if args.smoke else "--default",
            "--batches", str(args.slots), "--methods", *methods, "--budget", str(args.budget),
            "--new", str(args.max_tokens), "--repeats", str(args.repeats), "--sync-every", str(args.sync_every),
-           "--out", os.path.dirname(path),
+           "--streams", "0", str(args.slots), "--out", os.path.dirname(path),
            "--json", path]
     print(f"[bench_serving] in process: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -342,22 +343,25 @@ def _in_process(args) -> list[dict]:
 
 
 def _in_process_markdown(report: dict) -> list[str]:
-    """The in-process rows beside the server levels of the same shape: as many streams as slots,
-    and as many as the engine's requests (all submitted at once, as the engine gets them)."""
+    """The in-process rows beside the server levels of the same load: the engine's requests all
+    submitted at once beside the servers at as many streams as slots and as many as requests; the
+    engine's closed-loop clients beside the servers at as many streams."""
     slots = report["slots"]
     lines = ["", f"In process at a batch of {slots} (`bench_engine.py`: its own random prompts of 64 tokens, "
-             "greedy) beside the servers at as many streams as slots and, where run, as many streams as the "
-             "engine's requests (its whole workload at once, as the engine gets it):", "",
-             "| method | generate() tok/s | engine tok/s | engine / generate | server | streams | server tok/s | "
-             "server / engine |", "|---|---|---|---|---|---|---|---|"]
+             "greedy; its requests all submitted at once, or from closed-loop clients) beside the servers "
+             "at the same number of streams and, for the requests all at once, at as many streams as slots:", "",
+             "| method | in-process load | generate() tok/s | engine tok/s | engine / generate | server | streams | "
+             "server tok/s | server / engine |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["in_process"]:
-        shapes = sorted({slots, r.get("requests", slots)})
+        streams = r.get("streams", 0)
+        shapes = {streams} if streams else {slots, r.get("requests", slots)}
+        load = f"{streams} closed-loop streams" if streams else f"{r.get('requests', slots)} requests at once"
         for name, levels in report["results"].items():
             if name.split("+")[0] != r["method"]:
                 continue
             for lv in levels:
                 if lv["concurrency"] in shapes:
-                    lines.append(f"| {r['method']} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
+                    lines.append(f"| {r['method']} | {load} | {r['generate_tok_s']:,.0f} | {r['engine_tok_s']:,.0f} | "
                                  f"{r['engine_over_generate']:.2f}x | {name} | {lv['concurrency']} | "
                                  f"{lv['tokens_per_s']:,.0f} | {lv['tokens_per_s'] / r['engine_tok_s']:.2f}x |")
     return lines

@@ -35,11 +35,12 @@ def test_bench_round_kernels_smoke(tmp_path):
     assert glob.glob(str(tmp_path / "round_kernels_*.md"))
 
 
-def test_bench_engine_smoke_launched_inline_with_a_timeline():
+def test_bench_engine_smoke_launched_inline_with_a_timeline_from_closed_loop_clients():
     report = bench_engine.main(["--smoke", "--batches", "2", "--methods", "ar", "--launcher", "inline",
-                                "--timeline"])
+                                "--timeline", "--streams", "3"])
     (row,) = report["rows"]
     assert row["launcher"] == "inline" and row["greedy_equal"] == f"{row['requests']}/{row['requests']}"
+    assert row["streams"] == 3
     assert row["sync_every"] == "auto" and row["dispatches"]  # the engine's default: sizes chosen per dispatch
     spans = row["timeline_ms"]
     assert all(spans[k] > 0 for k in ("step", "launch", "read", "launch_end_to_read_end"))
