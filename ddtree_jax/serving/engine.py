@@ -762,7 +762,10 @@ class Engine:
         and meanwhile read back the PREVIOUS dispatch's tokens and hand them to the emitter: the
         host's work runs while the device computes the rounds just dispatched, and while the
         host launches them. A request's tokens therefore reach its stream one engine step after
-        the rounds that made them ran; ``drain`` reads the last dispatch back."""
+        the rounds that made them ran; ``drain`` reads the last dispatch back. A new request's
+        first token is read back as soon as its prefill has run (``_early_tokens``): in the step
+        that activates it when that step has nothing to read back, otherwise after the step's
+        read-backs."""
         t0 = time.perf_counter()
         self._waited = 0.0
         stopped = self._emitter.take_stopped()
@@ -814,6 +817,13 @@ class Engine:
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(previous):
             items += self._read_back(*self._inflight.popleft())
+        if not previous and self._early and self._inflight:
+            # Nothing was read back (the engine was idle): the new requests' first tokens need only
+            # their prefill, so the step waits for its launch and streams them, rather than leaving
+            # them to the next step, which reads them back after the rounds launched behind them.
+            t1 = time.perf_counter()
+            concurrent.futures.wait([self._inflight[-1][0]])
+            self._waited += time.perf_counter() - t1
         items += self._early_tokens()
         t1 = time.perf_counter()
         self._emitter.submit(items, t1)
@@ -976,8 +986,9 @@ class Engine:
         """The first tokens of the requests whose activation the launcher has launched, read back:
         that waits for the device to run their prefill and activation, not for the rounds after
         them, so a first token goes out a dispatch earlier than the rounds' harvest would bring
-        it. The engine thread never waits for the launcher here: a request whose activation is not
-        launched yet gets its first token with its harvest."""
+        it. It never waits for the launcher (``step`` does, when it had nothing to read back): a
+        request whose activation is not launched yet gets its first token from a later step, or
+        with its harvest."""
         items = []
         while self._early and self._early[0][1].done():
             reqs, found = self._early.popleft()
