@@ -40,8 +40,9 @@ host before the dispatch from the statistics of the dispatches already read back
   ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
   the engine's dispatches are single rounds). The
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
-  each drafted dispatch whose statistics still choose budget 0, and falls back to ``probe_every``
-  after one whose statistics choose a tree, so probing costs little where drafting does not pay.
+  each drafted dispatch whose statistics still choose budget 0 at the next choice, and falls back
+  to ``probe_every`` after one whose statistics choose a tree, so probing costs little where
+  drafting does not pay.
 
 * **costs as the run pays them**: the cost table (timed once per device, models and shapes) is
   the prior; each timed dispatch gives its budget's ratio of paid to table cost (host work
@@ -353,6 +354,7 @@ class AutoChooser:
         self.row_calibrated_by = np.zeros((0, K))
         self.learn_costs = learn_costs
         self._finish = None  # the last choice's `finish`
+        self._backoff_due = False  # a drafted dispatch recorded since the last choice
 
     def costs(self, shape: int, table) -> np.ndarray:
         """The seconds per round at each budget for the compiled batch shape ``shape`` (its rows):
@@ -426,17 +428,21 @@ class AutoChooser:
         costs = np.asarray(costs, np.float64)
         self._finish = finish
         k = self._rule(active, costs, finish)
+        if self._backoff_due:  # a drafted dispatch was recorded: do its statistics choose a tree?
+            self._backoff_due = False
+            self.interval = self.plan.probe_every if k > 0 else min(2 * self.interval,
+                                                                    MAX_BACKOFF * self.plan.probe_every)
         self.probing = k == 0 and self.skipped >= self.interval
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
             k = self._rule(active, costs, finish, drafted=True)
         return k
 
-    def record(self, k: int, tally, costs, rows=None) -> np.ndarray:
+    def record(self, k: int, tally, rows=None) -> np.ndarray:
         """Adds a dispatch at budget index ``k`` from its rows' ``tally`` ``[B, 2 + 2K]``
         (``auto_round.tally``: rounds run, tokens accepted, expected tokens at each budget, tokens
-        realized at each budget; zero rows for rows that did not run); ``costs``: the costs its
-        choice used; ``rows``: ``[B]`` the slots' row ids (negative: a free slot), to keep per-row
+        realized at each budget; zero rows for rows that did not run); ``rows``: ``[B]`` the
+        slots' row ids (negative: a free slot), to keep per-row
         averages (``row_expected``). Returns the dispatch's report increments f64 ``[3, K]``:
         rounds, expected and realized tokens per budget."""
         K = len(self.plan.budgets)
@@ -468,9 +474,7 @@ class AutoChooser:
         self.skipped = 0
         if rows is not None:
             self._record_rows(np.asarray(rows), tally, upto)
-        pays = self._rule(1, costs, self._finish) > 0
-        self.interval = self.plan.probe_every if pays else min(2 * self.interval,
-                                                                MAX_BACKOFF * self.plan.probe_every)
+        self._backoff_due = True  # (the next choice's rule says whether the updated statistics pay)
         return report
 
     def _record_rows(self, rows, tally, upto) -> None:

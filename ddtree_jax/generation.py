@@ -479,13 +479,11 @@ def generate(
             # of the last dispatch would carry a whole launch and read-back).
             if start is not None and not dispatch["probe"] and int(ran.max(initial=0)) == dispatch["n"]:
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
-            # (with the costs this dispatch's timing corrected, as the engine records)
-            paid = chooser.costs(dispatch["rows"], costs[dispatch["rows"]])
             if tally is not None:
-                chooser.record(dispatch["k"], tally, paid, rows=dispatch["requests"])
+                chooser.record(dispatch["k"], tally, rows=dispatch["requests"])
             if dispatch["k"] == 0 or dispatch["probe"]:
                 plain = plain_tally(ran if tally is None else ran - tally[:, 0], len(auto_plan.budgets))
-                chooser.record(0, plain, paid, rows=dispatch["requests"])
+                chooser.record(0, plain, rows=dispatch["requests"])
         return done, now
 
     state, cur = launch(state)  # (None: every request ended with its first token)

@@ -158,11 +158,11 @@ def test_chooser_finish_rule_waits_to_know_the_rows():
     rows = np.arange(64)
     finish = (rows, np.full(64, 40))
     c = AutoChooser(PLAN)
-    c.record(1, _tally([[1, 3, 1, 3, 3]] * 64), costs, rows=rows)
+    c.record(1, _tally([[1, 3, 1, 3, 3]] * 64), rows=rows)
     assert c._rule(64, costs, finish) == 0
     expected = calibrated(c.row_expected, 1.0, PLAN.caps)
     assert finish_budget(finish[1], expected, costs, round_variance(expected, PLAN.caps)) == 1
-    c.record(1, _tally([[39, 117, 39, 117, 117]] * 64), costs, rows=rows)
+    c.record(1, _tally([[39, 117, 39, 117, 117]] * 64), rows=rows)
     assert c._rule(64, costs, finish) == 1
 
 
@@ -172,7 +172,7 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     c = AutoChooser(PLAN)
     # rows 7 and 3 (slots 0, 1) ran 12 drafted rounds: row 7 expects 3 tokens at budget 4, row 3
     # 1.2, and each accepted what it expected; slot 2 is free. The batch's averages: 2.1 and 2.4
-    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 14.4, 12, 14.4, 15.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 14.4, 12, 14.4, 15.6], [0, 0, 0, 0, 0]]), rows=rows)
     np.testing.assert_allclose(c.row_expected[7], [1.0, 3.0, 3.5])
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
     assert (c.row_rounds[:3] == 0).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]  # (rows 0-2: none)
@@ -185,13 +185,13 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     # a row not drafted yet takes the batch's averages: 20 / 2.1 * 1.5 < 20
     assert c.choose(1, costs, finish=([11], [20])) == 1
     # a second dispatch moves row 7's average by the weight of its rounds
-    c.record(1, _tally([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]), costs, rows=rows)
+    c.record(1, _tally([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]), rows=rows)
     np.testing.assert_allclose(c.row_expected[7], (1 - DECAY) * np.array([1.0, 3.0, 3.5]) + DECAY * 1.0)
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
     assert c.row_rounds[[3, 7]].tolist() == [12, 13]
     # after 2 rounds the same averages weigh 1/3: row 3 (1.8 at budget 4) no longer stops drafting
     c = AutoChooser(PLAN)
-    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2.4, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), costs, rows=rows)
+    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2.4, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), rows=rows)
     c.accepted_ema = c.predicted_ema.copy()
     assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 1
 
@@ -205,14 +205,14 @@ def test_chooser_finish_rule_calibrates_each_row_by_its_own_acceptance():
     costs = (1.0, 1.5, 2.0)
     rows = np.array([0, 1])
     c = AutoChooser(PLAN)
-    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 13.2, 12, 36, 42]]), costs, rows=rows)
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 13.2, 12, 36, 42]]), rows=rows)
     # 0.525, shrunk toward 1 by the 24 row-rounds behind it (PRIOR_ROUNDS); budget 8: budget 4's
     np.testing.assert_allclose(c.factor()[1:], 24 / 28 * 0.525 + 4 / 28, rtol=1e-6)
     np.testing.assert_allclose(c.row_drafted[:, 1], [[2.0, 2.0], [0.1, 2.0]], rtol=1e-6)
     assert c._rule(2, costs) == 1  # (the batch's tokens per second: 2.05 a row at budget 4 for 1.5)
     assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 0
     c = AutoChooser(PLAN)
-    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 36, 12, 36, 42]]), costs, rows=rows)
+    c.record(1, _tally([[12, 36, 12, 36, 42], [12, 36, 12, 36, 42]]), rows=rows)
     assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 1
 
 
@@ -259,30 +259,33 @@ def test_statistics_of_drafted_and_plain_dispatches():
     costs = (1.0, 1.5, 2.0)
     c = AutoChooser(PLAN)
     # two rows ran 2 rounds at budget 4 (index 1), one row did not run
-    report = c.record(1, _tally([[2, 4, 2, 4, 5], [2, 8, 2, 6, 8], [0, 0, 0, 0, 0]]), costs)
+    report = c.record(1, _tally([[2, 4, 2, 4, 5], [2, 8, 2, 6, 8], [0, 0, 0, 0, 0]]))
     np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 3.25])  # the first drafted dispatch, as it is
     assert (c.accepted_ema[1], c.predicted_ema[1]) == (2.0, 1.5)  # drafted tokens per row-round: 8 / 4 vs 6 / 4
     assert c.calibrated_by.tolist() == [4, 4, 0]  # (2 rows' 2 rounds; budget 8: not verified)
     np.testing.assert_allclose(report, [[0, 2, 0], [0, 10, 0], [0, 12, 0]])
     assert c.rounds.tolist() == [0, 2, 0] and c.expected.tolist() == [0, 10, 0] and c.realized.tolist() == [0, 12, 0]
+    assert c.choose(1, costs) > 0  # (the next choice updates the probe interval)
     assert (c.skipped, c.drafted, c.interval) == (0, 2, 3)  # the tree pays: probe often
-    report = c.record(0, _tally([[3, 3, 3, 3, 3], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), costs)
+    report = c.record(0, _tally([[3, 3, 3, 3, 3], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]))
     np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 3.25])  # plain rounds teach the averages nothing
     np.testing.assert_allclose(report, [[3, 0, 0], [4, 0, 0], [4, 0, 0]])
     assert (c.skipped, c.drafted) == (3, 2)
     # a drafted dispatch of 1 round (weight DECAY) whose statistics say drafting does not pay at
     # these costs: back off
     dear = (1.0, 5.0, 5.0)
-    c.record(2, _tally([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), dear)
+    c.record(2, _tally([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]))
     np.testing.assert_allclose(c.expected_ema, np.array([1.0, 2.5, 3.25]) * (1 - DECAY) + DECAY * 1.0)
     np.testing.assert_allclose(c.predicted_ema[1], 1.5 * (1 - DECAY))
-    assert (c.skipped, c.interval) == (0, 6)
-    c.record(2, _tally([[4, 4, 4, 4, 4]]), dear)  # 4 rounds: weight 1 - (1 - DECAY)^4
+    assert c.interval == 3  # (until the next choice)
+    assert c.choose(1, dear) == 0 and (c.skipped, c.interval) == (0, 6)
+    assert c.choose(1, dear) == 0 and c.interval == 6  # no drafted dispatch since: no second back-off
+    c.record(2, _tally([[4, 4, 4, 4, 4]]))  # 4 rounds: weight 1 - (1 - DECAY)^4
     np.testing.assert_allclose(c.expected_ema[1], 2.125 * (1 - DECAY) ** 4 + (1 - (1 - DECAY) ** 4))
-    assert c.interval == 12
-    c.record(1, _tally([[1, 5, 1, 5, 5]] * 2), (1.0, 1.0, 1.0))
-    assert c.interval == 3  # a tree pays again: probe often
-    assert not c.record(1, _tally([[0, 0, 0, 0, 0]]), costs).any()  # nothing ran: nothing learned
+    assert c.choose(1, dear) == 0 and c.interval == 12
+    c.record(1, _tally([[1, 5, 1, 5, 5]] * 2))
+    assert c.choose(1, (1.0, 1.0, 1.0)) > 0 and c.interval == 3  # a tree pays again: probe often
+    assert not c.record(1, _tally([[0, 0, 0, 0, 0]])).any()  # nothing ran: nothing learned
 
 
 def test_run_costs_scale_the_table_by_the_medians_of_the_timed_ratios():
@@ -340,8 +343,7 @@ def test_one_slow_dispatch_does_not_keep_the_choice_off_a_budget():
             c.observe(64, k, paid[k] if k or stalled else 1.124)
             stalled |= k == 0
         realized = [(t if j <= k else tokens[k]) * rounds for j, t in enumerate(tokens)]  # (as expected)
-        c.record(k, _tally([[rounds, tokens[k] * rounds, *(t * rounds for t in tokens)]] * 64, realized),
-                 c.costs(64, table))
+        c.record(k, _tally([[rounds, tokens[k] * rounds, *(t * rounds for t in tokens)]] * 64, realized))
         picks.append(k)
     assert picks[10:].count(0) >= 40, picks
 
@@ -409,7 +411,7 @@ def test_calibration_is_known_by_the_row_rounds_behind_it():
     costs = (1.0, 1.3, 2.0)
     for rows, factor, k in [(1, 0.8, 1), (64, 4 / 68, 0)]:
         c = AutoChooser(PLAN)
-        c.record(1, _tally([[1, 1, 1, 3, 3]] * rows), costs)
+        c.record(1, _tally([[1, 1, 1, 3, 3]] * rows))
         np.testing.assert_allclose(c.factor()[1], factor)
         assert c._rule(rows, costs) == k
 
@@ -422,10 +424,10 @@ def test_static_batch_probes_at_the_budget_its_slowest_rows_favour():
     costs = (1.0, 1.5, 2.0)
     c = AutoChooser(PLAN)
     fast, slow = [40, 200, 40, 120, 200], [40, 58, 40, 56, 58]
-    c.record(2, np.asarray([fast + fast[2:], slow + slow[2:]], np.float32), costs, rows=np.array([0, 1]))
-    c.skipped = c.interval
+    c.record(2, np.asarray([fast + fast[2:], slow + slow[2:]], np.float32), rows=np.array([0, 1]))
+    c.skipped = 10**6  # (a probe due, whatever the interval)
     assert c.choose(2, costs, finish=([0, 1], [40, 40])) == 1 and c.probing
-    c.skipped = c.interval
+    c.skipped = 10**6
     assert c.choose(2, costs) == 2 and not c.probing  # (the throughput rule: the mean row, drafting)
 
 
@@ -438,11 +440,11 @@ def test_chooser_calibrates_each_budget_by_what_its_prefix_realized():
     factor."""
     costs = (1.0, 1.5, 2.0)
     c = AutoChooser(PLAN)
-    c.record(2, _tally([[4, 8.8, 4, 8, 16]] * 8, realized=[4, 8, 8.8]), costs)
+    c.record(2, _tally([[4, 8.8, 4, 8, 16]] * 8, realized=[4, 8, 8.8]))
     np.testing.assert_allclose(c.factor(), [1.0, 1.0, 32 / 36 * 0.4 + 4 / 36])  # (32 row-rounds: PRIOR_ROUNDS)
     assert c.choose(8, costs) == 1
     c = AutoChooser(PLAN)
-    c.record(1, _tally([[4, 6, 4, 8, 16]] * 8, realized=[4, 6, 6]), costs)
+    c.record(1, _tally([[4, 6, 4, 8, 16]] * 8, realized=[4, 6, 6]))
     np.testing.assert_allclose(c.factor(), [1.0, 0.5, 0.5] * np.array([1, 8 / 9, 8 / 9]) + [0, 1 / 9, 1 / 9])
 
 

@@ -1109,7 +1109,7 @@ class Engine:
             tally = (plain_tally(n_rounds, K) if auto_budget == 0 else
                      np.ascontiguousarray(got[:, -tally_width(K):]).view(np.float32))
             costs = self._auto.costs(self.slots, self.auto_costs)
-            self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0), costs), costs)
+            self.metrics.record_auto(self._auto.record(auto_budget, np.where(live[:, None], tally, 0.0)), costs)
         n_rounds = np.where(live, n_rounds, 0)
         self.metrics.count("rounds", n=int(n_rounds.sum()))
         accept = got[:, _device.HARVEST_FIELDS + T : _device.HARVEST_FIELDS + T + rounds]
