@@ -591,10 +591,11 @@ def test_changing_sizes_under_many_streams_lose_and_duplicate_nothing(models, re
 def test_the_first_token_goes_out_before_the_rounds_after_it(models, reference):
     """A new request's first token is drawn from its prompt's last position by its activation and
     read back as soon as that has run: on an idle engine the step that activates it streams it
-    (waiting for its own launch: there is nothing to read back), while no round of it has been read
-    back (metrics: 0 rounds); its harvest does not stream it again, and the tokens stay
-    generate()'s. On a busy engine the step does not wait for its launch: with the launcher held
-    back, a newcomer's first token comes from a later step."""
+    (waiting for its own launch: there is no round to read back; also after a long prompt's
+    earlier chunks), while no round of it has been read back (metrics: 0 rounds); its harvest
+    does not stream it again, and the tokens stay generate()'s. On a busy engine the step does
+    not wait for its launch: with the launcher held back, a newcomer's first token comes from a
+    later step."""
     eng = engine(models, slots=2)
     h = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
     eng.step()  # admits, prefills, activates, launches the first rounds and streams the first token
@@ -602,6 +603,14 @@ def test_the_first_token_goes_out_before_the_rounds_after_it(models, reference):
     assert eng.metrics.snapshot()["rounds"] == 0 and not eng._early
     assert run(eng, [h])[0].tokens == reference.tokens[0]
     assert sum(len(c.token_ids) for c in h._chunks) == MAX_TOKENS
+
+    eng = engine(models, slots=2)  # a prompt of three prefill chunks: two steps prefill, one activates
+    h = eng.submit(PROMPTS[3], max_tokens=MAX_TOKENS)
+    for _ in range(3):
+        eng.step()
+    assert [c.token_ids for c in h._chunks] == [reference.tokens[3][:1]]
+    assert eng.metrics.snapshot()["rounds"] == 0
+    assert run(eng, [h])[0].tokens == reference.tokens[3]
 
     eng = engine(models, slots=2)
     first = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)

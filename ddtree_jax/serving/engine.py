@@ -764,7 +764,7 @@ class Engine:
         host launches them. A request's tokens therefore reach its stream one engine step after
         the rounds that made them ran; ``drain`` reads the last dispatch back. A new request's
         first token is read back as soon as its prefill has run (``_early_tokens``): in the step
-        that activates it when that step has nothing to read back, otherwise after the step's
+        that activates it when that step reads no round back, otherwise after the step's
         read-backs."""
         t0 = time.perf_counter()
         self._waited = 0.0
@@ -813,14 +813,16 @@ class Engine:
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
         previous = len(self._inflight)
+        streaming = any(n for *_, n in itertools.islice(self._inflight, previous))  # rounds to read back
         self._submit_launch(self._prepare_rounds())
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(previous):
             items += self._read_back(*self._inflight.popleft())
-        if not previous and self._early and self._inflight:
-            # Nothing was read back (the engine was idle): the new requests' first tokens need only
-            # their prefill, so the step waits for its launch and streams them, rather than leaving
-            # them to the next step, which reads them back after the rounds launched behind them.
+        if not streaming and self._early and self._inflight:
+            # No round was read back (the engine was idle, or only prefilled): the new requests'
+            # first tokens need only their prefill, so the step waits for its launch and streams
+            # them, rather than leaving them to the next step, which reads them back after the
+            # rounds launched behind them.
             t1 = time.perf_counter()
             concurrent.futures.wait([self._inflight[-1][0]])
             self._waited += time.perf_counter() - t1
@@ -986,7 +988,7 @@ class Engine:
         """The first tokens of the requests whose activation the launcher has launched, read back:
         that waits for the device to run their prefill and activation, not for the rounds after
         them, so a first token goes out a dispatch earlier than the rounds' harvest would bring
-        it. It never waits for the launcher (``step`` does, when it had nothing to read back): a
+        it. It never waits for the launcher (``step`` does, when it reads no round back): a
         request whose activation is not launched yet gets its first token from a later step, or
         with its harvest."""
         items = []
