@@ -442,9 +442,9 @@ class AutoChooser:
         """Adds a dispatch at budget index ``k`` from its rows' ``tally`` ``[B, 2 + 2K]``
         (``auto_round.tally``: rounds run, tokens accepted, expected tokens at each budget, tokens
         realized at each budget; zero rows for rows that did not run); ``rows``: ``[B]`` the
-        slots' row ids (negative: a free slot), to keep per-row
-        averages (``row_expected``). Returns the dispatch's report increments f64 ``[3, K]``:
-        rounds, expected and realized tokens per budget."""
+        slots' row ids (negative: a free slot), to keep per-row averages (``row_expected``).
+        Returns the dispatch's report increments f64 ``[3, K]``: rounds, expected and realized
+        tokens per budget."""
         K = len(self.plan.budgets)
         tally = np.asarray(tally, np.float64)
         row_rounds, accepted = tally[:, 0].sum(), tally[:, 1].sum()

@@ -10,7 +10,6 @@ import collections
 import dataclasses
 import itertools
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -623,8 +622,7 @@ def test_the_first_token_goes_out_before_the_rounds_after_it(models, reference):
 
     eng._launch_rounds = held
     h = eng.submit(PROMPTS[1], max_tokens=MAX_TOKENS)
-    t0 = time.perf_counter()
     eng.step()  # reads the first request's dispatch back; does not wait for the held launch
-    assert time.perf_counter() - t0 < 20.0 and not h._chunks and len(eng._early) == 1
+    assert not h._chunks and len(eng._early) == 1  # (a step that waited would stream it once the gate timed out)
     gate.set()
     assert [r.tokens for r in run(eng, [first, h])] == reference.tokens[:2]

@@ -813,7 +813,7 @@ class Engine:
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
         previous = len(self._inflight)
-        streaming = any(n for *_, n in itertools.islice(self._inflight, previous))  # rounds to read back
+        streaming = any(n for *_, n in self._inflight)  # (all of them are read back below: any rounds?)
         self._submit_launch(self._prepare_rounds())
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(previous):
