@@ -37,8 +37,10 @@ host before the dispatch from the statistics of the dispatches already read back
   adds to the spread: a row seen in few drafted rounds may be the slow one;
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
-  ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
-  the engine's dispatches are single rounds). The
+  ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``,
+  except the run's first probe, which runs alone and is read back before the next dispatch is
+  chosen, so that no dispatch is chosen without statistics; the engine's dispatches are single
+  rounds). The
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
   each drafted dispatch whose statistics still choose budget 0 at the next choice, and falls back
   to ``probe_every`` after one whose statistics choose a tree, so probing costs little where

@@ -414,7 +414,7 @@ def generate(
         """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
         where no row can need them."""
         t = time.perf_counter()
-        dispatch = dict(t=t, tally=None, probe=False, n=sync_every)
+        dispatch = dict(t=t, tally=None, probe=False, lone=False, n=sync_every)
         if profile:
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
             dispatch["n"] = 1
@@ -440,7 +440,13 @@ def generate(
                 held[0] += n
             else:
                 state = flush(state)
-                if chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
+                if chooser.probing and chooser.drafted == 0:
+                    # The first probe: one drafted round alone, read back before the next dispatch
+                    # is chosen (no statistics yet: a pipelined second dispatch would be chosen blind)
+                    n = 1
+                    state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
+                    dispatch["lone"] = True
+                elif chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
                     state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
                                                     n, fixed)
                     held[0] = n - 1
@@ -492,7 +498,7 @@ def generate(
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while cur is not None:
         nxt = None
-        if ahead:  # (after a probe too: its statistics serve the choice after next)
+        if ahead and not cur["lone"]:  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)
         # One dispatch ahead, a dispatch costs the time between its read-back and the previous
         # one's (its launch hidden); one launched after the previous read is not timed.

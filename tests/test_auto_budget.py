@@ -806,7 +806,8 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
 def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypatch, costs, pays):
     """generate runs every dispatch as ``sync_every`` rounds: a probe (a drafted round the
     statistics did not choose: the first dispatch's, and one after ``interval`` plain rounds) as
-    the first round of a dispatch whose others are plain (``run_probe_rounds``), budget 0 as plain
+    the first round of a dispatch whose others are plain (``run_probe_rounds``; the run's first
+    probe alone, a dispatch of one round), budget 0 as plain
     rounds (``run_rounds``), a chosen budget as its tallied rounds. Where drafting never pays every
     drafted round is a probe's; where it pays, only the first. Greedy tokens stay autoregressive
     decoding's. Only full dispatches at one budget time it (a probing one mixes two): the costs
@@ -848,17 +849,19 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     assert all(0 < min(f[1]) and max(f[1]) < GREEDY_TOKENS and len(f[0]) == len(f[1]) for f in finishes)
     assert sum(finishes[-1][1]) < sum(left)
     assert out.tokens == greedy_ar.tokens
-    assert all(n == S for _, _, n, _ in calls), calls
-    assert calls[0][0] == "probe" and calls[0][1] > 0, calls  # the first dispatch probes
+    # The first dispatch probes alone (one round, read back before the next is chosen); the
+    # others are full
+    assert calls[0][0] == "tallied" and calls[0][1] > 0 and calls[0][2:] == (1, 1), calls
+    assert all(n == S for _, _, n, _ in calls[1:]), calls
     assert all((kind == "plain") == (b == 0) for kind, b, _, _ in calls), calls
     # One dispatch ahead, a call launched after every row finished runs no round: the calls that ran
     ran = [c for c in calls if c[3] > 0]
     assert len(ran) >= len(calls) - 1
-    probes = [c for c in ran if c[0] == "probe"]
-    # Timed: the full calls at one budget but the first (launched after no read).
-    assert timed == [b for kind, b, _, r in ran[1:] if kind != "probe" and r == S], (timed, calls)
+    probes = [ran[0]] + [c for c in ran if c[0] == "probe"]
+    # Timed: the full calls at one budget but the second (launched after no read: the first's).
+    assert timed == [b for kind, b, _, r in ran[2:] if kind != "probe" and r == S], (timed, calls)
     if pays:
-        assert len(probes) == 1 and any(kind == "tallied" for kind, *_ in ran), calls
+        assert len(probes) == 1 and any(kind == "tallied" for kind, *_ in ran[1:]), calls
     else:
-        assert len(probes) > 1 and all(kind != "tallied" for kind, *_ in ran), calls
+        assert len(probes) > 1 and all(kind != "tallied" for kind, *_ in ran[1:]), calls
         assert out.auto.drafted_rounds == len(probes)
