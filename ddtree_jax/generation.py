@@ -389,7 +389,7 @@ def generate(
     # (0: done or free), the rows' tokens per round so far, and the rounds launched since.
     # (each row committed its first token in the prefill, or ended there: a stop token, which the
     # first read shows)
-    need = dict(rows=checked.max_new_tokens - 1, rate=1.0, pending=0)
+    need = dict(rows=checked.max_new_tokens - 1, rate=np.ones(B), pending=0)
     limits = checked.max_new_tokens
 
     def flush(state):
@@ -401,13 +401,15 @@ def generate(
 
     def call_form(n: int) -> str | None:
         """The form of the next call of ``n`` rounds: ``"fixed"`` (a loop of known trip count)
-        where the rows are expected to need all ``n`` rounds past those in flight, ``"loop"`` (a
-        loop that ends once every row is done) where they may need some; ``None`` where no row
-        can (every running row commits at least one token a round)."""
-        left = int(need["rows"].max())
-        if left - need["pending"] <= 0:
+        where some row is expected to need all ``n`` rounds past those in flight, ``"loop"`` (a
+        loop that ends once every row is done) where none may; ``None`` where no row can (every
+        running row commits at least one token a round). A row's rounds are its tokens left over
+        its own tokens per round: the batch runs until its slowest row is done, and a loop (a
+        device-side condition each round) costs more per round than a loop of known trip count."""
+        left = need["rows"]
+        if int(left.max()) - need["pending"] <= 0:
             return None
-        expected = left / need["rate"] - need["pending"]
+        expected = float((left / need["rate"]).max()) - need["pending"]
         return "fixed" if fixed_calls and expected >= n else "loop"
 
     def launch(state):
@@ -476,8 +478,7 @@ def generate(
         in_rounds += dispatch["launch"] + now - t
         used = slot_request >= 0
         left = np.where(done | ~used, 0, limits[np.maximum(slot_request, 0)] - generated)
-        need.update(rows=left, rate=max(1.0, generated.sum() / max(1, rounds.sum())),
-                    pending=need["pending"] - dispatch["n"])
+        need.update(rows=left, rate=_row_rates(generated, rounds, used), pending=need["pending"] - dispatch["n"])
         if decode.is_auto:
             ran = rounds - last_rounds  # (a probing dispatch: its probe round, then plain rounds)
             last_rounds[:] = rounds
@@ -532,7 +533,7 @@ def generate(
             if page_size is not None:
                 state = without_pages(state, jnp.asarray(pad))
             slot_request = np.where(pad, -1, slot_request[take])
-            need["rows"] = np.where(pad, 0, need["rows"][take])
+            need["rows"], need["rate"] = np.where(pad, 0, need["rows"][take]), need["rate"][take]
             batch_sizes.append(size)
             if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
                 last_rounds = last_rounds[take]
@@ -557,6 +558,19 @@ def generate(
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
         auto=AutoReport.of(chooser, costs) if decode.is_auto else None, round_seconds=in_rounds,
     )
+
+
+RATE_PRIOR = 4.0
+"""``_row_rates``: the rounds of the batch's rate each row's own rate starts from."""
+
+
+def _row_rates(generated: np.ndarray, rounds: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """f64 ``[B]``: each slot's tokens committed per round, its own count (past the prefill's
+    first token) with ``RATE_PRIOR`` rounds of the used slots' together, at least 1 (every round
+    commits a token)."""
+    made, ran = np.maximum(generated - 1, 0).astype(np.float64), rounds.astype(np.float64)
+    batch = max(1.0, made[used].sum() / max(1.0, ran[used].sum()))
+    return np.maximum(1.0, (made + RATE_PRIOR * batch) / (ran + RATE_PRIOR))
 
 
 _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))

@@ -66,3 +66,21 @@ def test_calls_of_known_trip_count_change_no_token(models, monkeypatch):
     assert sum(n for n, f in forms if f) <= 30, forms
     assert fixed.tokens == loop.tokens
     assert [r.acceptance_lengths for r in fixed.requests] == [r.acceptance_lengths for r in loop.requests]
+
+
+def test_row_rates_follow_each_row_from_the_batch_rate():
+    """A call's form follows the slowest row: each slot's tokens per round is its own count past
+    the first token, starting from ``RATE_PRIOR`` rounds of the used slots' rate, at least 1."""
+    import numpy as np
+
+    generated = np.array([41, 11, 1, 99])  # (the first token of each came from the prefill)
+    rounds = np.array([10, 10, 0, 1])
+    used = np.array([True, True, True, False])
+    batch = (40 + 10) / 20
+    rates = generation._row_rates(generated, rounds, used)
+    prior = generation.RATE_PRIOR
+    np.testing.assert_allclose(rates[:3], [(40 + prior * batch) / (10 + prior), (10 + prior * batch) / (10 + prior),
+                                           batch])
+    assert rates[1] < batch < rates[0]
+    np.testing.assert_allclose(generation._row_rates(np.array([3, 5]), np.array([4, 4]), np.array([True, True])),
+                               [1.0, 1.0])
