@@ -178,12 +178,14 @@ def activate(state: DecodeState, packed) -> DecodeState:
 def activate_first(state: DecodeState, packed, chunk, logits, base_key, first_logprobs=None, *, backend: Backend,
                    rows: RowMesh | None = None, k: int = 0):
     """``activate``, where a row whose root is -1 is a new request whose caches hold its whole
-    prompt, which ends in the prefill chunk ``chunk`` (``prefill_chunk``'s ``packed [Rc,
-    PREFILL_FIELDS + T]``, whose outputs ``logits [Rc, V]`` are the target's at each chunk row's
-    last token): its first token is drawn there by its own law (``decode_round.first_tokens``),
-    on the chunk's rows, which ``prefill_layout`` laid out device by device over the row mesh
-    ``rows`` (each device draws for its own slots, from logits that never leave it), and
-    committed (``DecodeState.with_first_tokens``: root, first output, stop tokens and limits).
+    prompt, which ends in the prefill chunk ``chunk`` (the first ``PREFILL_FIELDS`` columns of
+    ``prefill_chunk``'s ``packed``, ``[Rc, PREFILL_FIELDS]``, or all of it: its token ids are not
+    read, so that one activation program serves every chunk width), whose outputs ``logits [Rc,
+    V]`` are the target's at each chunk row's last token): its first token is drawn there by its
+    own law (``decode_round.first_tokens``), on the chunk's rows, which ``prefill_layout`` laid
+    out device by device over the row mesh ``rows`` (each device draws for its own slots, from
+    logits that never leave it), and committed (``DecodeState.with_first_tokens``: root, first
+    output, stop tokens and limits).
 
     Returns ``(state, first_logprobs)``: with ``k > 0``, ``first_logprobs [slots, 1 + 2 k]`` with
     the new slots' rows set to their first token's ``token_logprobs`` entries (``None`` in, ``None``

@@ -839,6 +839,12 @@ class Engine:
             self._update_load()
         return True
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until no prefill shape is compiling in the background (a chunk of a shape not
+        compiled yet runs on a larger compiled one meanwhile: benchmarks of the steady state wait
+        for them); returns whether none is (False: ``timeout`` seconds passed first)."""
+        return self._prefill.wait(timeout)
+
     def drain(self) -> None:
         """Read back the dispatches in flight (if any): afterwards every committed token has
         reached its stream and no launch is running."""
@@ -909,7 +915,7 @@ class Engine:
 
             def chunk_op(state, fn=prefill, packed=packed):
                 state, logits["chunk"] = fn(self._tparams, self._dparams, state, packed)
-                logits["packed"] = packed
+                logits["packed"] = packed[:, :_device.PREFILL_FIELDS]  # (the activation compiles per rows, not tokens)
                 return state
 
             self._ops.append(chunk_op)
@@ -1223,7 +1229,9 @@ class Engine:
     def warmup(self) -> None:
         """Compile before serving: a round, the activation, the prefill of every power-of-two number
         of newcomers up to ``prefill_batch`` with the smallest prompt chunk, the largest prefill
-        shape (which covers any other until that one has compiled in the background) and, before
+        shape (which covers any other until that one has compiled in the background), the full
+        chunk of one newcomer (a long prompt on its own would otherwise run its chunks on the
+        largest shape, ``prefill_batch`` times the work, until its own compiles) and, before
         ``start``, the flush of budget 0's held-back context (``budget="auto"``), the dispatch of
         every size ``sync_every="auto"`` may choose (whose measurements then start afresh) and,
         paged, the page-table upload of every power-of-two number of slots."""
@@ -1240,6 +1248,7 @@ class Engine:
             R *= 2
         blocks = self._row_blocks  # a full prefill batch spread over the devices' blocks
         self._prefill.warm(blocks * _pow2(-(-self.prefill_batch // blocks)), self.prefill_chunk)
+        self._prefill.warm(blocks, self.prefill_chunk)  # one long prompt on its own: its full chunks
         if self._sizer is not None and self._thread is None:  # every dispatch size, on slots that do not run
             self._settle()
             for rounds in self.dispatch_rounds:
