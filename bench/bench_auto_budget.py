@@ -115,7 +115,8 @@ def _records(outs: dict) -> list[dict]:
                        costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()},
                        run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()},
                        paid_ms={str(rows): [[n, lo * 1e3, mid * 1e3, hi * 1e3] for n, lo, mid, hi in per]
-                                for rows, per in a.paid.items()})
+                                for rows, per in a.paid.items()},
+                       sequence=" ".join(f"{b}x{n}" for b, n in a.sequence))
         recs.append(rec)
     return recs
 

@@ -71,9 +71,9 @@ from scipy.special import log_ndtr
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "STALL", "WINDOW", "AutoChooser", "AutoPlan", "AutoReport",
-           "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max",
-           "expected_tokens", "finish_budget", "round_variance"]
+__all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser", "AutoPlan",
+           "AutoReport", "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up", "choose_budget",
+           "expected_max", "expected_tokens", "finish_budget", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -93,6 +93,10 @@ PAID_WINDOW = 256
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
+
+SEQUENCE = 4096
+"""``AutoChooser.sequence``: the recorded dispatches it keeps (bounded: an engine's chooser lives
+as long as the engine)."""
 
 PRIOR_ROUNDS = 4.0
 """``finish_budget``'s per-row estimates: the drafted rounds after which a row's own average weighs
@@ -336,6 +340,9 @@ class AutoChooser:
         toward the batch's by ``PRIOR_ROUNDS``).
       learn_costs: whether ``observe`` corrects the cost table (False: the table's costs are
         used as given, as with ``DecodeConfig.auto_costs``).
+      sequence: the latest ``SEQUENCE`` recorded dispatches with a running row, oldest first, as
+        ``(budget, rounds)`` (a probing dispatch of ``generate``: its drafted round, then its plain
+        ones).
     """
 
     def __init__(self, plan: AutoPlan, learn_costs: bool = True):
@@ -355,6 +362,7 @@ class AutoChooser:
         self.row_drafted = np.zeros((0, K, 2))
         self.row_calibrated_by = np.zeros((0, K))
         self.learn_costs = learn_costs
+        self.sequence: collections.deque = collections.deque(maxlen=SEQUENCE)
         self._finish = None  # the last choice's `finish`
         self._backoff_due = False  # a drafted dispatch recorded since the last choice
 
@@ -457,6 +465,7 @@ class AutoChooser:
             return report
         expected = curve[k] if k > 0 else row_rounds
         report[:, k] = rounds, expected, accepted
+        self.sequence.append((self.plan.budgets[k], rounds))
         self.rounds[k] += rounds
         self.expected[k] += expected
         self.realized[k] += accepted
@@ -525,6 +534,8 @@ class AutoReport:
         batch size.
       paid: per batch size, per budget, the timed dispatches' ``(count, min, median, max)``
         seconds per round as observed (``RunCosts.summary``).
+      sequence: the dispatches in the order they ran, ``(budget, rounds)`` each (the latest
+        ``SEQUENCE``; ``AutoChooser.sequence``).
     """
 
     budgets: tuple[int, ...]
@@ -535,6 +546,7 @@ class AutoReport:
     costs: dict[int, tuple[float, ...]]
     run_costs: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     paid: dict[int, tuple[tuple[int, float, float, float], ...]] = dataclasses.field(default_factory=dict)
+    sequence: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, chooser: AutoChooser, costs: dict[int, tuple[float, ...]]) -> AutoReport:
@@ -542,7 +554,8 @@ class AutoReport:
                    drafted_rounds=int(chooser.drafted), expected=tuple(float(x) for x in chooser.expected),
                    realized=tuple(float(x) for x in chooser.realized), costs=dict(costs),
                    run_costs={n: tuple(float(x) for x in c.current()) for n, c in chooser.run_costs.items()},
-                   paid={n: c.summary() for n, c in chooser.run_costs.items()})
+                   paid={n: c.summary() for n, c in chooser.run_costs.items()},
+                   sequence=tuple(chooser.sequence))
 
     @property
     def histogram(self) -> dict[int, int]:

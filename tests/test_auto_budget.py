@@ -597,6 +597,11 @@ def test_greedy_auto_equals_autoregressive_and_reports_its_rounds(mixed_run, gre
     assert report.budgets == (0, 4, 8) and report.costs == {len(mixed_run.requests): AUTO.auto_costs}
     assert sum(report.rounds) == mixed_run.rounds and report.rounds[0] >= 1  # plain rounds and drafted ones
     assert report.drafted_rounds == report.rounds[1] + report.rounds[2]
+    # the dispatches in order add up to the histogram
+    by_budget = dict.fromkeys(report.budgets, 0)
+    for b, n in report.sequence:
+        by_budget[b] += n
+    assert tuple(by_budget.values()) == report.rounds and all(n > 0 for _, n in report.sequence)
     assert report.realized[0] == report.expected[0]  # a plain round expects and commits one token per row
     assert sum(report.realized) == sum(sum(r.acceptance_lengths) for r in mixed_run.requests)
 
