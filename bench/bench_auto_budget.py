@@ -6,7 +6,8 @@
     python bench/bench_auto_budget.py --k2-slice 2 [--acceptance high medium low] [--smoke]
 
 For each batch size (``--batches``: that many held-out prompts of ``--prompt-len`` tokens decoded
-together, ``--new`` tokens each, stop tokens ignored) and each sampling setting (T=0, T=0.6 +
+together, ``--new`` tokens each, stop tokens ignored; batch 1: ``--b1-prompts`` prompts, each
+decoded on its own, one after the other, per timed call) and each sampling setting (T=0, T=0.6 +
 top-p 0.95, T=1): tokens/s of the decoding rounds (prefill excluded; a warm-up call with the same
 shapes compiles first, and for ``auto`` measures or loads the cost table; then ``--repeats``
 timed calls per run, interleaved across the runs of the cell, and their median) of ``ar``, DDTree at each
@@ -28,6 +29,7 @@ and command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -40,7 +42,7 @@ from bench._common import k2_models
 from bench._controlled import LEVELS
 from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
 from ddtree_jax.config import DecodeConfig
-from ddtree_jax.generation import generate
+from ddtree_jax.generation import GenerateOutput, generate
 
 ORDER = ("T=0", "T=0.6 top-p 0.95", "T=1")
 RETRIES = 4
@@ -58,13 +60,40 @@ def _config(label: str, auto_max: int, seed: int, sync_every: int | None = None)
     return DecodeConfig(budget=int(label.split("@")[1]), seed=seed, sync_every=sync_every)
 
 
+def one_by_one(outs: list[GenerateOutput]) -> GenerateOutput:
+    """Batch-1 calls of ``generate`` on several prompts, one after the other, as one output: the
+    requests in order; rounds, seconds and their parts summed; ``auto``'s rounds, tokens and
+    dispatches pooled (its cost tables the first call's, the costs it paid the last call's)."""
+    first, last = outs[0], outs[-1]
+    auto = None
+    if first.auto is not None:
+        reports = [o.auto for o in outs]
+        pooled = lambda field: tuple(map(sum, zip(*(getattr(r, field) for r in reports), strict=True)))  # noqa: E731
+        auto = dataclasses.replace(last.auto, rounds=pooled("rounds"), expected=pooled("expected"),
+                                   realized=pooled("realized"), drafted_rounds=sum(r.drafted_rounds for r in reports),
+                                   costs=first.auto.costs, sequence=tuple(d for r in reports for d in r.sequence))
+    return dataclasses.replace(first, requests=[r for o in outs for r in o.requests], auto=auto,
+                               rounds=sum(o.rounds for o in outs), seconds=sum(o.seconds for o in outs),
+                               prefill_seconds=sum(o.prefill_seconds for o in outs),
+                               round_seconds=sum(o.round_seconds for o in outs))
+
+
+def decode(models, prompts, alone: bool, **kw) -> GenerateOutput:
+    """``generate`` on ``prompts`` together, or (``alone``) each on its own, one after the other
+    (``one_by_one``)."""
+    if alone:
+        return one_by_one([generate(*models, [p], **kw) for p in prompts])
+    return generate(*models, prompts, **kw)
+
+
 def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats, deadline, publish,
-             sync_every=None):
+             sync_every=None, alone=False):
     """One cell: per label a warm-up call (compiles; auto: the cost table) and a first timed call,
     then ``repeats - 1`` more timed calls per label, interleaved across labels (a slow stretch of
     the device hits every label alike), while ``time.perf_counter() < deadline``. After every
     timed pass ``publish(records)`` gets one record per label timed so far, from its median call
-    by tokens/s, so that a run cut short keeps what it measured.
+    by tokens/s, so that a run cut short keeps what it measured. ``alone``: each call decodes the
+    prompts one after the other at batch 1 (``decode``).
 
     auto's choices follow timings, so its runs can compact to batch sizes an earlier run never
     reached, and the first run at a size times every budget there (the cost table): a call that
@@ -87,7 +116,7 @@ def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, rep
         config = _config(label, auto_max, seed, sync_every)
         kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
         models = (target, drafter if config.uses_drafter else None)
-        calls[label] = lambda models=models, kw=kw: generate(*models, prompts, **kw)
+        calls[label] = lambda models=models, kw=kw: decode(models, prompts, alone, **kw)
         first = calls[label]()
         sizes.update(first.auto.costs if first.auto is not None else ())
         outs[label] = [timed(label)]
@@ -126,7 +155,9 @@ def summarize(results: dict) -> str:
     fixed = [f"ddtree@{b}" for b in results["budgets"]]
     lines = [f"# budget=\"auto\" vs fixed budgets, {results['device']}, {results['date']}", "",
              f"Pair: `{results['pair']}`; prompts of {results['prompt_len']} tokens, {results['new']} new tokens "
-             f"each; auto's set: up to {results['auto_max']}.", "",
+             f"each; auto's set: up to {results['auto_max']}."
+             + (f" Batch 1: {results['b1_prompts']} prompts per call, each decoded on its own (rounds, histograms and "
+                "tokens summed over them)." if results.get("b1_prompts") else ""), "",
              f"Command: `{results['command']}`; jax {results['jax']}.", "",
              "Tokens/s over autoregressive decoding at the same batch and setting (auto/best: auto over the best "
              "fixed budget of the cell).", "",
@@ -196,6 +227,9 @@ def main(argv=None):
     p.add_argument("--settings", nargs="+", default=list(ORDER), choices=list(ORDER))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--b1-prompts", type=int, default=8,
+                   help="batch 1: prompts each timed call decodes one after the other (one prompt's acceptance "
+                        "is one draw of a noisy quantity; --smoke: 2)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--minutes", type=float, default=9.0, help="stop (keeping results) before this wall time")
     p.add_argument("--resume", action="store_true", help="continue the results file of the same stem")
@@ -238,7 +272,7 @@ def main(argv=None):
     results = dict(device=device, backend=jax.default_backend(), date=date, pair=pair, jax=jax.__version__,
                    command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                    batches=args.batches, budgets=args.budgets, auto_max=args.auto_max, prompt_len=args.prompt_len,
-                   new=args.new, runs=[])
+                   new=args.new, b1_prompts=2 if args.smoke else args.b1_prompts, runs=[])
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             results["runs"] = json.load(f)["runs"]
@@ -258,7 +292,8 @@ def main(argv=None):
         if level is not None:  # the same arrays; the level is the models' static setting
             target.acceptance = drafter.acceptance = LEVELS[level]
         for batch in args.batches:
-            prompts, _ = heldout_prompts(data_json, tokenizer, batch, args.prompt_len, args.new,
+            count = (2 if args.smoke else args.b1_prompts) if batch == 1 else batch
+            prompts, _ = heldout_prompts(data_json, tokenizer, count, args.prompt_len, args.new,
                                          target.config.vocab_size, args.seed)
             for setting in args.settings:
                 todo = [label for label in labels if (level, batch, setting, label) not in done]
@@ -277,7 +312,7 @@ def main(argv=None):
                     save()
 
                 run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed, args.repeats,
-                         deadline, publish, sync_every=args.sync_every)
+                         deadline, publish, sync_every=args.sync_every, alone=batch == 1)
                 for rec in results["runs"][len(kept):]:
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
                     _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "

@@ -36,10 +36,9 @@ import jax
 import numpy as np
 
 from bench._common import device_tag
-from bench.bench_auto_budget import ORDER
+from bench.bench_auto_budget import ORDER, decode
 from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
 from ddtree_jax.config import DecodeConfig, auto_budget_set
-from ddtree_jax.generation import generate
 
 
 def _log(msg: str) -> None:
@@ -66,24 +65,27 @@ def cost_tables(costs_from: str | None, costs: list[str], budgets: tuple[int, ..
 
 
 def replay(target, drafter, prompts, setting: str, new: int, auto_max: int, table, seed: int,
-           fixed: tuple[int, ...] = ()) -> dict:
+           fixed: tuple[int, ...] = (), alone: bool = False) -> dict:
     """One auto run priced by ``table`` (ms per round at each budget of the set): its budget
     histogram, table time and ratio to autoregressive decoding's; and each ``fixed`` budget's run
-    (a budget of the set) priced by the same table, its rounds at that budget's cost."""
+    (a budget of the set) priced by the same table, its rounds at that budget's cost. ``alone``:
+    each prompt decoded on its own at batch 1, one after the other (rounds summed)."""
     budgets = auto_budget_set(auto_max)
     config = DecodeConfig(budget="auto", auto_max_budget=auto_max, auto_costs=tuple(c / 1e3 for c in table),
                           seed=seed)
+    models = (target, drafter)
     t = time.perf_counter()
-    out = generate(target, drafter, prompts, config=config, max_new_tokens=new, sampling=SETTINGS[setting])
+    out = decode(models, prompts, alone, config=config, max_new_tokens=new, sampling=SETTINGS[setting])
     rounds = np.asarray(out.auto.rounds)
     auto_ms = float(rounds @ np.asarray(table))
-    ar_ms = (new - 1) * table[0]
+    ar_ms = (len(prompts) if alone else 1) * (new - 1) * table[0]
     over_fixed = {}
     for b in fixed:
-        run = generate(target, drafter, prompts, config=DecodeConfig(budget=b, seed=seed), max_new_tokens=new,
-                       sampling=SETTINGS[setting])
+        run = decode(models, prompts, alone, config=DecodeConfig(budget=b, seed=seed), max_new_tokens=new,
+                     sampling=SETTINGS[setting])
         over_fixed[str(b)] = ar_ms / (run.rounds * table[budgets.index(b)])
-    return dict(setting=setting, batch=len(prompts), histogram=dict(zip(map(str, budgets), rounds.tolist(),
+    return dict(setting=setting, batch=1 if alone else len(prompts), histogram=dict(zip(map(str, budgets),
+                                                                                         rounds.tolist(),
                                                                         strict=True)),
                 auto_ms=auto_ms, ar_ms=ar_ms, over_ar=ar_ms / auto_ms, fixed_over_ar=over_fixed, tau=out.mean_tau,
                 costs_ms=list(table), wall_s=time.perf_counter() - t)
@@ -94,7 +96,9 @@ def summarize(results: dict) -> str:
              "A simulation, not a measurement: time = rounds x the table's cost of a round at their budget "
              "(host work, compactions and spread left out; bench/replay_auto_budget.py says what it is).", "",
              f"- command: `{results['command']}`", f"- pair: {results['pair']}, dtype {results['dtype']}, "
-             f"{results['new']} new tokens, prompts of {results['prompt_len']}", "",
+             f"{results['new']} new tokens, prompts of {results['prompt_len']}"
+             + (f"; batch 1: {results['b1_prompts']} prompts, each on its own, rounds summed"
+                if results.get("b1_prompts") else ""), "",
              "Fixed budgets are priced at auto's table cost of their budget (auto's drafted round builds the "
              "largest tree, so a fixed round is somewhat cheaper than that).", "",
              "| batch | setting | rounds at each budget | tau | table time, auto / AR (ms) | auto over AR | "
@@ -127,6 +131,8 @@ def main(argv=None):
                    help="fixed budgets replayed beside auto (each a budget of auto's set)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--b1-prompts", type=int, default=8,
+                   help="batch 1: prompts decoded on their own, one after the other, their rounds summed")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default=None, help="results file stem (default auto_replay_<device>_<date>)")
@@ -154,15 +160,17 @@ def main(argv=None):
     results = dict(device=device_tag(args.smoke), date=datetime.date.today().isoformat(), pair=pair,
                    dtype=args.dtype, jax=jax.__version__, command="python " + " ".join([sys.argv[0], *sys.argv[1:]]),
                    budgets=list(budgets), fixed=list(args.budgets), new=args.new, prompt_len=args.prompt_len,
+                   b1_prompts=args.b1_prompts,
                    tables={str(b): list(tables[b]) for b in args.batches}, runs=[])
     stem = args.tag or f"auto_replay_{results['device']}_{datetime.date.today():%Y%m%d}"
     os.makedirs(args.out, exist_ok=True)
     cells = [(b, s) for b in args.batches for s in args.settings]
     for i, (batch, setting) in enumerate(cells, 1):
-        prompts, _ = heldout_prompts(data, tokenizer, batch, args.prompt_len, args.new, target.config.vocab_size,
+        count = args.b1_prompts if batch == 1 else batch
+        prompts, _ = heldout_prompts(data, tokenizer, count, args.prompt_len, args.new, target.config.vocab_size,
                                      args.seed)
         run = replay(target, drafter, prompts, setting, args.new, args.auto_max, tables[batch], args.seed,
-                     tuple(args.budgets))
+                     tuple(args.budgets), alone=batch == 1)
         results["runs"].append(run)
         fixed = ", ".join(f"@{b} {x:.3f}x" for b, x in run["fixed_over_ar"].items())
         _log(f"[{i}/{len(cells)}] batch {batch}, {setting}: rounds {run['histogram']}, "

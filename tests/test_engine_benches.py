@@ -96,3 +96,28 @@ def test_replay_auto_budget_prices_the_rounds_by_the_table(tmp_path):
     assert run["auto_ms"] == sum(n * c for n, c in zip(rounds, (1.0, 2.0, 3.0, 4.0), strict=True)) > 0
     assert run["ar_ms"] == out["new"] - 1 and run["over_ar"] == run["ar_ms"] / run["auto_ms"]
     assert (tmp_path / "auto_replay_cpu-smoke_{}.md".format(out["date"].replace("-", ""))).exists()
+
+
+def test_batch_one_benches_pool_prompts_decoded_one_after_the_other(tmp_path):
+    """bench_auto_budget's batch 1 decodes several prompts, each on its own: one output with the
+    requests in order and rounds, seconds and auto's histogram, tokens and dispatches summed; the
+    replay prices autoregressive decoding for all of them."""
+    import numpy as np
+
+    from bench import bench_auto_budget, replay_auto_budget
+    from bench.bench_e2e import smoke_pair
+    from ddtree_jax.config import DecodeConfig
+
+    target, drafter, _ = smoke_pair()
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    kw = dict(max_new_tokens=5, config=DecodeConfig(budget="auto", auto_max_budget=4, auto_costs=(1.0, 1.5)))
+    alone = [bench_auto_budget.decode((target, drafter), [p], False, **kw) for p in prompts]
+    pooled = bench_auto_budget.decode((target, drafter), prompts, True, **kw)
+    assert pooled.tokens == [t for o in alone for t in o.tokens]
+    assert pooled.rounds == sum(o.rounds for o in alone) and pooled.batch_sizes == [1]
+    assert pooled.auto.rounds == tuple(np.sum([o.auto.rounds for o in alone], axis=0))
+    assert pooled.auto.sequence == alone[0].auto.sequence + alone[1].auto.sequence
+    out = replay_auto_budget.main(["--smoke", "--costs", "1:1,2,2,3", "--batches", "1", "--b1-prompts", "2",
+                                   "--settings", "T=0", "--out", str(tmp_path)])
+    (run,) = out["runs"]
+    assert run["batch"] == 1 and run["ar_ms"] == 2 * (out["new"] - 1)
