@@ -447,6 +447,24 @@ def test_prefill_on_a_cover_gives_generates_tokens(models, reference):
     assert eng.generate([PROMPTS[1]], max_tokens=MAX_TOKENS)[0].tokens == reference.tokens[1]  # (1, 16) now
 
 
+def test_a_new_chunk_width_compiles_no_activation(models, reference):
+    """The first-token activation reads the chunk's row fields, not its token ids, so it compiles
+    per chunk rows: once warmed up, a prompt whose chunk runs on a wider compiled cover, and one
+    whose chunk runs on its own width compiled since, activate without compiling; the warm-up
+    compiles one newcomer's full chunk."""
+    from ddtree_jax.serving import _device
+
+    eng = engine(models, slots=2, prefill_chunk=64)
+    eng.warmup()
+    assert (1, 64) in eng._prefill.shapes and (1, 16) not in eng._prefill.shapes
+    programs = _device.activate_first._cache_size()
+    # PROMPTS[0] and [4]: chunks of 16 tokens, on the (1, 64) cover until (1, 16) has compiled
+    assert eng.generate([PROMPTS[0]], max_tokens=MAX_TOKENS)[0].tokens == reference.tokens[0]
+    assert eng.wait_compiled(300) and (1, 16) in eng._prefill.shapes
+    assert eng.generate([PROMPTS[4]], max_tokens=MAX_TOKENS)[0].tokens == reference.tokens[4]
+    assert _device.activate_first._cache_size() == programs
+
+
 def test_histogram_observe_many_equals_observing_one_by_one():
     """``Histogram.observe_many`` (numpy, one call per engine step) keeps the same buckets, sum and
     count as ``observe`` per value, weights included, with values on the bounds and past the last."""
