@@ -248,6 +248,8 @@ def main(argv=None):
         os.environ[compilation_cache.ENV_VAR] = args.compilation_cache  # the cost table's folder follows it
     deadline = time.perf_counter() + args.minutes * 60  # (--minutes: whatever runs by then is saved)
     levels = [None]
+    if args.smoke:
+        args.b1_prompts = 2
     if args.k2_slice is not None:
         target, drafter = k2_models(args.k2_slice, smoke=args.smoke, acceptance=LEVELS[args.acceptance[0]])
         tokenizer, data_json, levels = None, None, args.acceptance
@@ -272,7 +274,7 @@ def main(argv=None):
     results = dict(device=device, backend=jax.default_backend(), date=date, pair=pair, jax=jax.__version__,
                    command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                    batches=args.batches, budgets=args.budgets, auto_max=args.auto_max, prompt_len=args.prompt_len,
-                   new=args.new, b1_prompts=2 if args.smoke else args.b1_prompts, runs=[])
+                   new=args.new, b1_prompts=args.b1_prompts, runs=[])
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
             results["runs"] = json.load(f)["runs"]
@@ -292,7 +294,7 @@ def main(argv=None):
         if level is not None:  # the same arrays; the level is the models' static setting
             target.acceptance = drafter.acceptance = LEVELS[level]
         for batch in args.batches:
-            count = (2 if args.smoke else args.b1_prompts) if batch == 1 else batch
+            count = args.b1_prompts if batch == 1 else batch
             prompts, _ = heldout_prompts(data_json, tokenizer, count, args.prompt_len, args.new,
                                          target.config.vocab_size, args.seed)
             for setting in args.settings:
