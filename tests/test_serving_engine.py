@@ -204,34 +204,39 @@ def test_the_launch_runs_beside_the_read_back_and_the_next_step(models, referenc
     not wait for them: a launch that waits until the engine thread has read back and streamed the
     dispatch before and prepared the next one sees it happen (with the launch on the engine
     thread, or a step that waited for its own launch, it would wait in vain); the tokens stay
-    generate()'s. (The first step has nothing to read back and waits for its launch to stream the
-    first tokens: its launch goes at once.)"""
+    generate()'s. (A step that activates a new request and reads back no round of a running one,
+    the first step among them, waits for its launch to stream the first tokens: that launch goes
+    at once.)"""
     eng = engine(models, slots=2)
     progress = threading.Condition()
     prepared, rounds_of, saw = [0], collections.deque(), []
     prepare, launch = eng._prepare_rounds, eng._launch_rounds
 
     def counted_prepare():
+        streaming = any(n and any(r is not None and not r.retired for r in snapshot)
+                        for _, snapshot, *_, n in eng._inflight)  # (what the step reads back)
+        at_once = bool(eng._early) and not streaming
         got = prepare()
         with progress:
             prepared[0] += 1
             if got is not None:
-                rounds_of.append(prepared[0])
+                rounds_of.append((prepared[0], at_once))
             progress.notify_all()
         return got
 
     def launch_after_the_next_prepare(ops, plan, rounds):
         if plan is not None:
             with progress:
-                n = rounds_of.popleft()
-                ok = n == 1 or progress.wait_for(lambda: prepared[0] > n, timeout=2.0)
-            saw.append((ok, threading.current_thread().name))
+                n, at_once = rounds_of.popleft()
+                ok = at_once or progress.wait_for(lambda: prepared[0] > n, timeout=2.0)
+            saw.append((ok, threading.current_thread().name, at_once))
         return launch(ops, plan, rounds)
 
     eng._prepare_rounds, eng._launch_rounds = counted_prepare, launch_after_the_next_prepare
     results = run(eng, [eng.submit(p, max_tokens=MAX_TOKENS) for p in PROMPTS])
     assert [r.tokens for r in results] == reference.tokens
-    assert saw and all(ok and name.startswith("ddtree-launch") for ok, name in saw), saw
+    assert saw and all(ok and name.startswith("ddtree-launch") for ok, name, _ in saw), saw
+    assert sum(not at_once for *_, at_once in saw) > len(saw) // 2  # (most launches waited for the next step)
 
 
 def test_text_stream_holds_back_stop_prefixes_and_incomplete_characters():
@@ -644,3 +649,29 @@ def test_the_first_token_goes_out_before_the_rounds_after_it(models, reference):
     assert not h._chunks and len(eng._early) == 1  # (a step that waited would stream it once the gate timed out)
     gate.set()
     assert [r.tokens for r in run(eng, [first, h])] == reference.tokens[:2]
+
+
+def test_a_request_after_one_that_ended_gets_its_first_token_before_any_round(models, reference):
+    """A request that arrives while the rounds of one that has ended are still in flight (the
+    engine launches a dispatch before it reads back the one that ends a request) is streaming to
+    no one: the step that activates the newcomer reads those rounds back, waits for the launcher
+    to launch the activation and streams the first token, whatever the launcher's pace (here it
+    is held back for 0.3 s), not a dispatch later behind its first rounds."""
+    eng = engine(models, slots=2)
+    first = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
+    assert run(eng, [first])[0].tokens == reference.tokens[0]
+    assert eng._inflight  # the dispatch launched before the one that ended the request was read back
+    launch = eng._launch_rounds
+
+    def held(ops, plan, rounds):
+        threading.Event().wait(0.3)
+        return launch(ops, plan, rounds)
+
+    eng._launch_rounds = held
+    rounds = eng.metrics.snapshot()["rounds"]
+    h = eng.submit(PROMPTS[1], max_tokens=MAX_TOKENS)
+    eng.step()
+    assert [c.token_ids for c in h._chunks] == [reference.tokens[1][:1]] and not eng._early
+    assert eng.metrics.snapshot()["rounds"] == rounds  # (no round of the newcomer read back yet)
+    eng._launch_rounds = launch
+    assert run(eng, [h])[0].tokens == reference.tokens[1]

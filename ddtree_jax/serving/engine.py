@@ -813,18 +813,23 @@ class Engine:
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
         previous = len(self._inflight)
-        streaming = any(n for *_, n in self._inflight)  # (all of them are read back below: any rounds?)
+        # (all of them are read back below: rounds of a request that is still running?)
+        streaming = any(n and any(r is not None and not r.retired for r in snapshot)
+                        for _, snapshot, *_, n in self._inflight)
         self._submit_launch(self._prepare_rounds())
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(previous):
             items += self._read_back(*self._inflight.popleft())
         if not streaming and self._early and self._inflight:
-            # No round was read back (the engine was idle, or only prefilled): the new requests'
-            # first tokens need only their prefill, so the step waits for its launch and streams
-            # them, rather than leaving them to the next step, which reads them back after the
-            # rounds launched behind them.
+            # No running request's round was read back (the engine was idle, only prefilled, or
+            # read back rounds of requests that had ended): the new requests' first tokens need
+            # only their prefill, so the step waits for the launcher to launch their activation
+            # (not the rounds behind it; or the whole launch, should it fail before) and streams
+            # them, rather than leaving them to the next step, which reads them back after those
+            # rounds.
             t1 = time.perf_counter()
-            concurrent.futures.wait([self._inflight[-1][0]])
+            concurrent.futures.wait([self._early[-1][1], self._inflight[-1][0]],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
             self._waited += time.perf_counter() - t1
         items += self._early_tokens()
         t1 = time.perf_counter()
