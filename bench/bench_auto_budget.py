@@ -75,7 +75,8 @@ def one_by_one(outs: list[GenerateOutput]) -> GenerateOutput:
     return dataclasses.replace(first, requests=[r for o in outs for r in o.requests], auto=auto,
                                rounds=sum(o.rounds for o in outs), seconds=sum(o.seconds for o in outs),
                                prefill_seconds=sum(o.prefill_seconds for o in outs),
-                               round_seconds=sum(o.round_seconds for o in outs))
+                               round_seconds=sum(o.round_seconds for o in outs),
+                               dispatches=tuple(d for o in outs for d in o.dispatches))
 
 
 def decode(models, prompts, alone: bool, **kw) -> GenerateOutput:
@@ -130,13 +131,25 @@ def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, rep
         publish(_records(outs))
 
 
+def call_forms(dispatches) -> dict:
+    """Per call form (``generation.Dispatch.form``): ``[calls, rounds given, ms choosing, ms in the
+    call, ms waiting for its read-back]``, summed over ``dispatches``."""
+    forms = {}
+    for d in dispatches:
+        tot = forms.setdefault(d.form, [0, 0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1, d.rounds, d.choose * 1e3, d.launch * 1e3, d.wait * 1e3)):
+            tot[i] += v
+    return forms
+
+
 def _records(outs: dict) -> list[dict]:
     recs = []
     for label, calls in outs.items():
         out = sorted(calls, key=lambda o: o.new_tokens / o.seconds)[len(calls) // 2]
         rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
                    tokens_per_s_runs=[o.new_tokens / o.seconds for o in calls], rounds=out.rounds,
-                   tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes)
+                   tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes,
+                   calls=call_forms(out.dispatches))
         if out.auto is not None:
             a = out.auto
             rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
@@ -179,8 +192,8 @@ def summarize(results: dict) -> str:
         fixed_ratios = " | ".join(f"{ratio(lab):.2f}" for lab in fixed)
         lines.append(f"| {level or '-'} | {batch} | {setting} | {ar:.1f} | {fixed_ratios} | {ratio('auto'):.2f} | "
                      f"{ratio('auto') / best:.2f} | {hist} | {er} |")
-    lines += ["", "Where each run's time went, ms per round: in the compiled calls (dispatch, the rounds, the read "
-              "back) and on the host between calls (choice, cost lookups, harvest, compaction):", "",
+    lines += ["", "Where each run's time went, ms per round: in the compiled calls (auto's choice, the dispatch, the "
+              "rounds, the read back) and on the host between calls (cost lookups, harvest, compaction):", "",
               "| acceptance | batch | setting | run | rounds | ms / round in calls | host ms / round | batch sizes |",
               "|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -188,6 +201,14 @@ def summarize(results: dict) -> str:
             calls, host = r["round_seconds"] / r["rounds"], (r["seconds"] - r["round_seconds"]) / r["rounds"]
             lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {r['label']} | "
                          f"{r['rounds']} | {1e3 * calls:.3f} | {1e3 * host:.3f} | {r.get('batch_sizes', '')} |")
+    lines += ["", "The compiled calls by form (`generation.Dispatch`): calls, rounds given, and per call the ms "
+              "choosing (auto's choice, the form), in the call until it returned, and waiting for its read-back:", "",
+              "| acceptance | batch | setting | run | form | calls | rounds | choose ms | call ms | wait ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        for form, (n, rounds, choose, call, wait) in r.get("calls", {}).items():
+            lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {r['label']} | {form} | "
+                         f"{n} | {rounds} | {choose / n:.3f} | {call / n:.3f} | {wait / n:.3f} |")
     lines += ["", "Cost table (ms per round at each budget of the set, measured by the library):", ""]
     seen = set()
     for r in runs:

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,34 @@ class RequestOutput:
         return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
 
 
+class Dispatch(NamedTuple):
+    """One compiled call of rounds in ``generate``, as the host saw it.
+
+    Attributes:
+      budget: the tree budget its rounds verified (0: plain autoregressive rounds; DFlash: its
+        block's draft length; a probing dispatch: its probe round's).
+      rounds: the rounds it was given (a ``"loop"`` call stops early once every row is done).
+      form: ``"fixed"`` (a loop of known trip count: the call returns before its rounds have run),
+        ``"loop"`` (a loop that ends once every row is done: on a GPU the call returns when they
+        have), ``"lone"`` (``budget="auto"``'s first probe: one round, read back before the next
+        call is chosen), ``"probe"`` (one drafted round, then plain ones) or ``"profile"``.
+      start: seconds from the first call's launch to this one's.
+      choose: seconds of host work in the launch before the compiled call: the budget's choice,
+        cost lookups, the decision of the call's form.
+      launch: seconds the compiled call (and a flush of held-back context before it) took to
+        return.
+      wait: seconds the read-back of its results waited, from when the host asked for them.
+    """
+
+    budget: int
+    rounds: int
+    form: str
+    start: float
+    choose: float
+    launch: float
+    wait: float
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
     """Result of ``generate``.
@@ -93,16 +122,19 @@ class GenerateOutput:
       rounds: rounds the batch ran (the longest request's count).
       seconds: wall time of the decoding rounds (prefill excluded; compilation excluded after
         the first call with the same shapes).
-      round_seconds: the part of ``seconds`` spent in the calls of compiled rounds and the read
-        back of what the host needs after each (on a GPU a call returns once its rounds are
-        done); the rest is host work between calls: choosing budgets, cost-table lookups,
-        harvesting finished rows and compaction.
+      round_seconds: the part of ``seconds`` spent launching the calls of compiled rounds
+        (``budget="auto"``'s choice of each call included) and reading back what the host needs
+        after each; the rest is host work between calls: cost-table lookups, harvesting finished
+        rows and compaction. ``dispatches`` splits it call by call.
       prefill_seconds: wall time of the prompt prefill.
       time_split: seconds per stage (draft, tree, verify, sample, commit) with ``profile=True``,
         else ``None``.
       batch_sizes: the batch sizes the rounds ran at, in order (compaction shrinks it).
       auto: with ``budget="auto"``, the budgets the rounds chose and the expected vs realized
         tokens (``auto_budget.AutoReport``); else ``None``.
+      dispatches: the compiled calls of rounds in the order they ran, one ``Dispatch`` each: where
+        the wall time went call by call (``seconds`` is their span plus the host work between
+        them).
     """
 
     requests: list[RequestOutput]
@@ -115,6 +147,7 @@ class GenerateOutput:
     batch_sizes: list[int]
     auto: AutoReport | None = None
     round_seconds: float = 0.0
+    dispatches: tuple[Dispatch, ...] = ()
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -378,6 +411,7 @@ def generate(
 
     t0 = time.perf_counter()
     in_rounds = 0.0
+    timeline: list[Dispatch] = []
     # One dispatch ahead: the next dispatch is launched before the current one's results are read
     # back, so that its launch (host work about as long as the rounds of a small model) runs while
     # the device works (on GPUs only from a loop of known trip count: call_form). After a
@@ -416,8 +450,9 @@ def generate(
         """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
         where no row can need them."""
         t = time.perf_counter()
-        dispatch = dict(t=t, tally=None, probe=False, lone=False, n=sync_every)
+        dispatch = dict(t=t, tally=None, probe=False, lone=False, n=sync_every, budget=checked.budget)
         if profile:
+            dispatch.update(form="profile", chosen=t)
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
             dispatch["n"] = 1
         elif decode.is_auto:
@@ -435,6 +470,7 @@ def generate(
                                finish=(slot_request[running], need["rows"][running]))
             n, tally = sync_every, None
             fixed = call_form(n) == "fixed"
+            dispatch.update(form="fixed" if fixed else "loop", chosen=time.perf_counter(), budget=auto_plan.budgets[k])
             if k == 0:  # plain rounds, their context held back (flushed first if it would not fit)
                 if held[0] + n > P:
                     state = flush(state)
@@ -447,8 +483,9 @@ def generate(
                     # is chosen (no statistics yet: a pipelined second dispatch would be chosen blind)
                     n = 1
                     state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-                    dispatch["lone"] = True
+                    dispatch.update(lone=True, form="lone")
                 elif chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
+                    dispatch["form"] = "probe"
                     state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
                                                     n, fixed)
                     held[0] = n - 1
@@ -461,6 +498,7 @@ def generate(
             form = call_form(sync_every)
             if form is None:
                 return state, None
+            dispatch.update(form=form, chosen=time.perf_counter())
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every, form == "fixed")
         need["pending"] += dispatch["n"]
         dispatch["progress"] = _progress(state)  # (its own array: the next dispatch takes `state`)
@@ -476,6 +514,9 @@ def generate(
         done = done.astype(bool)
         now = time.perf_counter()
         in_rounds += dispatch["launch"] + now - t
+        chose = dispatch["chosen"] - dispatch["t"]
+        timeline.append(Dispatch(int(dispatch["budget"]), dispatch["n"], dispatch["form"], dispatch["t"] - t0, chose,
+                                 dispatch["launch"] - chose, now - t))
         used = slot_request >= 0
         left = np.where(done | ~used, 0, limits[np.maximum(slot_request, 0)] - generated)
         need.update(rows=left, rate=_row_rates(generated, rounds, used), pending=need["pending"] - dispatch["n"])
@@ -557,6 +598,7 @@ def generate(
         requests=requests, method=method, budget=checked.budget, rounds=int(host["rounds"].max()), seconds=seconds,
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
         auto=AutoReport.of(chooser, costs) if decode.is_auto else None, round_seconds=in_rounds,
+        dispatches=tuple(timeline),
     )
 
 

@@ -859,6 +859,16 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     assert calls[0][0] == "tallied" and calls[0][1] > 0 and calls[0][2:] == (1, 1), calls
     assert all(n == S for _, _, n, _ in calls[1:]), calls
     assert all((kind == "plain") == (b == 0) for kind, b, _, _ in calls), calls
+    # The output lists the calls read back (all but one launched ahead after every row finished),
+    # in order, each with its form and where its time went
+    got = out.dispatches
+    assert len(calls) - 1 <= len(got) <= len(calls), (got, calls)
+    assert [(d.budget, d.rounds) for d in got] == [(b, n) for _, b, n, _ in calls[:len(got)]]
+    forms = ["probe" if kind == "probe" else "loop" for kind, *_ in calls[1 : len(got)]]
+    assert [d.form for d in got] == ["lone", *forms]
+    assert all(min(d.start, d.choose, d.launch, d.wait) >= 0 for d in got)
+    assert all(a.start < b.start for a, b in zip(got, got[1:], strict=False))
+    assert sum(d.choose + d.launch + d.wait for d in got) == pytest.approx(out.round_seconds)
     # One dispatch ahead, a call launched after every row finished runs no round: the calls that ran
     ran = [c for c in calls if c[3] > 0]
     assert len(ran) >= len(calls) - 1
