@@ -651,6 +651,31 @@ def test_the_first_token_goes_out_before_the_rounds_after_it(models, reference):
     assert [r.tokens for r in run(eng, [first, h])] == reference.tokens[:2]
 
 
+def test_after_a_failed_launch_a_new_request_streams_its_first_token_as_before(models, reference):
+    """A launch that fails before the activation it carries fails the step's requests (the
+    engine thread's loop calls ``_fail_all`` when a step raises); the activation's first-token
+    future never resolves and must not be waited on or stay queued: the next request's first token
+    goes out from the step that activates it, and its tokens are generate()'s."""
+    eng = engine(models, slots=2)
+    launch = eng._launch_rounds
+
+    def broken(ops, plan, rounds):
+        raise RuntimeError("device lost")
+
+    eng._launch_rounds = broken
+    failed = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
+    with pytest.raises(RuntimeError, match="device lost"):
+        for _ in range(3):
+            eng.step()
+    eng._fail_all("error: engine step failed: RuntimeError: device lost")
+    assert failed.result().finish_reason.startswith("error: engine step failed")
+    eng._launch_rounds = launch
+    h = eng.submit(PROMPTS[1], max_tokens=MAX_TOKENS)
+    eng.step()
+    assert [c.token_ids for c in h._chunks] == [reference.tokens[1][:1]] and not eng._early
+    assert run(eng, [h])[0].tokens == reference.tokens[1]
+
+
 def test_a_request_after_one_that_ended_gets_its_first_token_before_any_round(models, reference):
     """A request that arrives while the rounds of one that has ended are still in flight (the
     engine launches a dispatch before it reads back the one that ends a request) is streaming to

@@ -1194,6 +1194,7 @@ class Engine:
         self._settle()
         self._inflight.clear()
         self._ops = []
+        self._early.clear()  # (a launch that failed before an activation never resolves its future)
         with self._lock:
             active = [r for r in self._slot if r is not None]
             self._slot = [None] * self.slots
