@@ -32,6 +32,7 @@ import numpy as np
 
 import ddtree_jax as dt
 from bench._common import Report, k2_models, log
+from ddtree_jax import compilation_cache
 from ddtree_jax.serving import Engine
 
 
@@ -72,7 +73,12 @@ def main(argv=None):
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the longest prefix and tail and the new tokens, rounded up to a power of two")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                    help="JAX's on-disk cache of compiled programs: a second run loads the engines' programs "
+                         "instead of compiling them (default: the process's setting)")
     args = ap.parse_args(argv)
+    if args.compilation_cache is not None:
+        compilation_cache.enable(compilation_cache.resolve(args.compilation_cache))
     if args.smoke:
         args.prefix, args.suffix, args.trials, args.prefill_chunk, args.max_model_len = [256], 16, 2, 64, 512
         args.page_size = 16
