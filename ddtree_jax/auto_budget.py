@@ -67,7 +67,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import log_ndtr
+from scipy.special import log_ndtr, ndtr
 
 from ddtree_jax.tree import DraftTree
 
@@ -199,8 +199,11 @@ def expected_max(mean, sd, cap=None) -> np.ndarray:
     means, None: none), per column: the integral of ``P(max > x) = 1 - prod_i P(min(X_i, cap_i) <=
     x)`` over ``x`` from a point below which the max is almost surely above (the largest ``mean -
     8 sd``) to one above which it is almost surely below (the largest ``mean + 8 sd``, or cap), by
-    the trapezoid rule on ``GRID`` points."""
+    the trapezoid rule on ``GRID`` points; for one row (batch 1), ``E[min(X, cap)]`` in closed
+    form."""
     mean, sd = np.asarray(mean, np.float64), np.asarray(sd, np.float64)
+    if mean.shape[0] == 1:
+        return _expected_min(mean[0], sd[0], np.inf if cap is None else float(np.asarray(cap).reshape(-1)[0]))
     lo, hi = (mean - 8 * sd).max(axis=0), (mean + 8 * sd).max(axis=0)
     if cap is not None:
         cap = np.asarray(cap, np.float64)[:, None]
@@ -212,6 +215,19 @@ def expected_max(mean, sd, cap=None) -> np.ndarray:
     if cap is not None:
         below = np.where(x[:, None, :] >= cap, 0.0, below)
     return lo + (hi - lo) * np.trapezoid(-np.expm1(below.sum(axis=1)), t, axis=0)
+
+
+def _expected_min(mean: np.ndarray, sd: np.ndarray, cap: float) -> np.ndarray:
+    """f64 ``[K]``: ``E[min(X_k, cap)]``, ``X_k ~ N(mean[k], sd[k]^2)`` (``sd`` >= 0): ``m Phi(z) -
+    s phi(z) + cap (1 - Phi(z))`` with ``z = (cap - m) / s``; ``m`` without a cap, ``min(m, cap)``
+    without spread."""
+    if not np.isfinite(cap):
+        return mean.copy()
+    spread = sd > 0
+    z = (cap - mean) / np.where(spread, sd, 1.0)
+    below = ndtr(z)
+    value = mean * below - sd * np.exp(-0.5 * z * z) / np.sqrt(2.0 * np.pi) + cap * (1.0 - below)
+    return np.where(spread, value, np.minimum(mean, cap))
 
 
 @functools.cache

@@ -124,6 +124,13 @@ def test_expected_max_against_sampling():
         capped = np.minimum(draws, cap[:, None]).max(axis=1)
         err = 4 * capped.std(axis=0) / np.sqrt(len(draws)) + 4e-3 * cap.max()
         assert (np.abs(expected_max(mean, sd, cap) - capped.mean(axis=0)) <= err).all()
+    # One row has a closed form (batch 1's host work): the integral's value, within the grid's error
+    mean, sd = rng.uniform(20.0, 60.0, size=(1, 4)), rng.uniform(0.0, 8.0, size=(1, 4)) * np.array([0, 1, 1, 1])
+    for cap in (None, mean.max() + rng.uniform(0.0, 6.0, size=1)):
+        # (a second row far below, without spread, never the max: the grid's integral of the first)
+        two = expected_max(np.concatenate([mean, mean - 1e3]), np.concatenate([sd, np.zeros_like(sd)]),
+                           None if cap is None else np.repeat(cap, 2))
+        np.testing.assert_allclose(expected_max(mean, sd, cap), two, rtol=2e-3)
 
 
 def test_finish_rule_waits_for_the_unluckiest_row():
