@@ -124,13 +124,15 @@ def test_expected_max_against_sampling():
         capped = np.minimum(draws, cap[:, None]).max(axis=1)
         err = 4 * capped.std(axis=0) / np.sqrt(len(draws)) + 4e-3 * cap.max()
         assert (np.abs(expected_max(mean, sd, cap) - capped.mean(axis=0)) <= err).all()
-    # One row has a closed form (batch 1's host work): the integral's value, within the grid's error
-    mean, sd = rng.uniform(20.0, 60.0, size=(1, 4)), rng.uniform(0.0, 8.0, size=(1, 4)) * np.array([0, 1, 1, 1])
-    for cap in (None, mean.max() + rng.uniform(0.0, 6.0, size=1)):
-        # (a second row far below, without spread, never the max: the grid's integral of the first)
-        two = expected_max(np.concatenate([mean, mean - 1e3]), np.concatenate([sd, np.zeros_like(sd)]),
-                           None if cap is None else np.repeat(cap, 2))
-        np.testing.assert_allclose(expected_max(mean, sd, cap), two, rtol=2e-3)
+    # One row has a closed form (batch 1's host work): E[min(X, cap)] against a fine numerical
+    # integral of min(x, cap) under the normal density
+    mean, sd = rng.uniform(20.0, 60.0, size=(1, 4)), rng.uniform(0.5, 8.0, size=(1, 4))
+    for cap in (None, mean.max() + rng.uniform(-6.0, 6.0)):
+        x = mean + sd * np.linspace(-12.0, 12.0, 400_001)[:, None]  # [G, 4]
+        density = np.exp(-0.5 * ((x - mean) / sd) ** 2) / (sd * np.sqrt(2 * np.pi))
+        want = np.trapezoid(np.minimum(x, np.inf if cap is None else cap) * density, x, axis=0)
+        np.testing.assert_allclose(expected_max(mean, sd, None if cap is None else np.array([cap])), want, rtol=1e-7)
+    np.testing.assert_allclose(expected_max(mean, 0 * sd, np.array([40.0])), np.minimum(mean[0], 40.0))
 
 
 def test_finish_rule_waits_for_the_unluckiest_row():
