@@ -450,7 +450,7 @@ def generate(
         """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
         where no row can need them."""
         t = time.perf_counter()
-        dispatch = dict(t=t, tally=None, probe=False, lone=False, n=sync_every, budget=checked.budget)
+        dispatch = dict(t=t, tally=None, probe=False, n=sync_every, budget=checked.budget)
         if profile:
             dispatch.update(form="profile", chosen=t)
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
@@ -483,7 +483,7 @@ def generate(
                     # is chosen (no statistics yet: a pipelined second dispatch would be chosen blind)
                     n = 1
                     state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-                    dispatch.update(lone=True, form="lone")
+                    dispatch["form"] = "lone"
                 elif chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
                     dispatch["form"] = "probe"
                     state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
@@ -540,7 +540,7 @@ def generate(
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while cur is not None:
         nxt = None
-        if ahead and not cur["lone"]:  # (after a probe too: its statistics serve the choice after next)
+        if ahead and cur["form"] != "lone":  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)
         # One dispatch ahead, a dispatch costs the time between its read-back and the previous
         # one's (its launch hidden); one launched after the previous read is not timed.
