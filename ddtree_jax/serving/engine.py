@@ -813,9 +813,7 @@ class Engine:
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
         previous = len(self._inflight)
-        # (all of them are read back below: rounds of a request that is still running?)
-        streaming = any(n and any(r is not None and not r.retired for r in snapshot)
-                        for _, snapshot, *_, n in self._inflight)
+        streaming = self._streaming()  # (all of them are read back below)
         self._submit_launch(self._prepare_rounds())
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(previous):
@@ -843,6 +841,12 @@ class Engine:
         with self._lock:
             self._update_load()
         return True
+
+    def _streaming(self) -> bool:
+        """Whether a dispatch in flight holds rounds of a request that is still running (rounds
+        of requests that have ended stream to no one)."""
+        return any(n and any(r is not None and not r.retired for r in snapshot)
+                   for _, snapshot, *_, n in self._inflight)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until no prefill shape is compiling in the background (a chunk of a shape not
