@@ -298,7 +298,10 @@ def main(argv=None):
                    new=args.new, b1_prompts=args.b1_prompts, runs=[])
     if args.resume and os.path.exists(stem + ".json"):
         with open(stem + ".json") as f:
-            results["runs"] = json.load(f)["runs"]
+            before = json.load(f)
+        # (the file covers every call's batches, and names each call)
+        results.update(runs=before["runs"], batches=sorted(set(before["batches"]) | set(args.batches)),
+                       command=f"{before['command']}`, then `{results['command']}")
     done = {(r.get("acceptance"), r["batch"], r["setting"], r["label"]) for r in results["runs"]}
     os.makedirs(args.out, exist_ok=True)
 

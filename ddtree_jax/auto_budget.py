@@ -35,12 +35,15 @@ host before the dispatch from the statistics of the dispatches already read back
   64 a round expecting 2.5 tokens ends 128 tokens in about 65 rounds, not 51. A row's mean is
   itself an estimate, known as well as ``n + PRIOR_ROUNDS`` rounds' mean, and that uncertainty
   adds to the spread: a row seen in few drafted rounds may be the slow one;
+* **the first dispatches**: before any drafted round is read back there are no statistics; the
+  prior is that a drafted round at the largest budget commits ``FIRST_DRAFT_TOKENS`` tokens.
+  Where that pays at the costs (the largest budget's cost at most that many times budget 0's),
+  every choice is the largest budget until the first drafted round is read back (a pipelined
+  caller's first two dispatches); elsewhere the first dispatch probes;
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
-  ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``,
-  except the run's first probe, which runs alone and is read back before the next dispatch is
-  chosen, so that no dispatch is chosen without statistics; the engine's dispatches are single
-  rounds). The
+  ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
+  the engine's dispatches are single rounds). The
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
   each drafted dispatch whose statistics still choose budget 0 at the next choice, and falls back
   to ``probe_every`` after one whose statistics choose a tree, so probing costs little where
@@ -71,9 +74,9 @@ from scipy.special import log_ndtr, ndtr
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["DECAY", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser", "AutoPlan",
-           "AutoReport", "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up", "choose_budget",
-           "expected_max", "expected_tokens", "finish_budget", "round_variance"]
+__all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
+           "AutoPlan", "AutoReport", "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up",
+           "choose_budget", "expected_max", "expected_tokens", "finish_budget", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -90,6 +93,12 @@ ratio, so that one stall (a compile, another process) cannot dominate the median
 
 PAID_WINDOW = 256
 """``RunCosts.summary``: the latest timed dispatches per budget its median is taken over."""
+
+FIRST_DRAFT_TOKENS = 2.0
+"""The prior: the tokens a drafted round at the largest budget is taken to commit before any
+drafted round is read back. Where that pays against a plain round at the costs given (the
+largest budget's cost at most this many times budget 0's), the choice is the largest budget
+until the first drafted round is read back; elsewhere the first dispatch probes."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
@@ -446,13 +455,19 @@ class AutoChooser:
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
-        (a round's cost at each budget): the rule on the averages, or a probe at the best positive
-        budget by the same rule once ``interval`` rounds in a row ran at budget 0. ``finish``: for
+        (a round's cost at each budget): the prior's largest budget before any drafted round is
+        recorded where it pays (``FIRST_DRAFT_TOKENS``), else the rule on the averages, or a probe
+        at the best positive budget by the same rule once ``interval`` rounds in a row ran at budget
+        0 (the first dispatch where the prior does not pay). ``finish``: for
         a static batch, ``(row ids, tokens each may still commit)`` of its running rows (``[R]``
         each, R >= 1): the rule is then ``finish_budget`` on the rows' own averages (module
         docstring)."""
         costs = np.asarray(costs, np.float64)
         self._finish = finish
+        top = len(self.plan.budgets) - 1
+        if self.drafted == 0 and costs[top] <= FIRST_DRAFT_TOKENS * costs[0]:
+            self.probing = False  # (the prior: drafting pays until a drafted round is read back)
+            return top
         k = self._rule(active, costs, finish)
         if self._backoff_due:  # a drafted dispatch was recorded: do its statistics choose a tree?
             self._backoff_due = False

@@ -92,8 +92,7 @@ class Dispatch(NamedTuple):
       rounds: the rounds it was given (a ``"loop"`` call stops early once every row is done).
       form: ``"fixed"`` (a loop of known trip count: the call returns before its rounds have run),
         ``"loop"`` (a loop that ends once every row is done: on a GPU the call returns when they
-        have), ``"lone"`` (``budget="auto"``'s first probe: one round, read back before the next
-        call is chosen), ``"probe"`` (one drafted round, then plain ones) or ``"profile"``.
+        have), ``"probe"`` (one drafted round, then plain ones) or ``"profile"``.
       start: seconds from the first call's launch to this one's.
       choose: seconds of host work in the launch before the compiled call: the budget's choice,
         cost lookups, the decision of the call's form.
@@ -478,13 +477,7 @@ def generate(
                 held[0] += n
             else:
                 state = flush(state)
-                if chooser.probing and chooser.drafted == 0:
-                    # The first probe: one drafted round alone, read back before the next dispatch
-                    # is chosen (no statistics yet: a pipelined second dispatch would be chosen blind)
-                    n = 1
-                    state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-                    dispatch["form"] = "lone"
-                elif chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
+                if chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
                     dispatch["form"] = "probe"
                     state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
                                                     n, fixed)
@@ -540,7 +533,7 @@ def generate(
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while cur is not None:
         nxt = None
-        if ahead and cur["form"] != "lone":  # (after a probe too: its statistics serve the choice after next)
+        if ahead:  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)
         # One dispatch ahead, a dispatch costs the time between its read-back and the previous
         # one's (its launch hidden); one launched after the previous read is not timed.

@@ -18,6 +18,7 @@ from ddtree_jax import _preflight, auto_costs, auto_round, generation
 from ddtree_jax.accept import accept_path
 from ddtree_jax.auto_budget import (
     DECAY,
+    FIRST_DRAFT_TOKENS,
     OWN_SAMPLES,
     STALL,
     WINDOW,
@@ -251,7 +252,23 @@ def test_choice_before_a_dispatch_from_the_recent_curve():
     assert _chooser([1.0, 1.2, 1.3], skipped=3).choose(8, costs) == 1
     assert _chooser([1.0, 1.2, 1.6], skipped=3).choose(8, costs) == 2  # 0.6 / 2 beats 0.2 / 1.5
     assert _chooser([1.0, 1.2, 1.3], skipped=3, interval=6).choose(8, costs) == 0
-    assert AutoChooser(PLAN).choose(8, costs) == 1  # the first dispatch drafts, at the cheapest tree
+
+def test_first_choices_follow_the_prior_until_a_drafted_round_is_recorded():
+    """Before any drafted round is recorded, a drafted round at the largest budget is taken to
+    commit FIRST_DRAFT_TOKENS tokens: where that pays at the costs every choice is the largest
+    budget (not a probe); where it does not, the first choice probes (at the cheapest tree: the
+    rule knows nothing yet) and the next (a pipelined caller's, before the probe is read back) runs
+    budget 0."""
+    top = len(PLAN.budgets) - 1
+    pays = (1.0, 1.5, FIRST_DRAFT_TOKENS)  # (the largest budget's cost just at the prior's break-even)
+    c = AutoChooser(PLAN)
+    assert [c.choose(8, pays, finish=([0], [30])) for _ in range(3)] == [top] * 3 and not c.probing
+    c.record(top, _tally([[2, 4, 2, 4.0, 4.8]] * 8))  # (2 tokens a round expected at budget 4, 2.4 at 8; 2 accepted)
+    assert c.choose(8, pays) == 1 and not c.probing
+    loses = (1.0, 1.5, FIRST_DRAFT_TOKENS * 1.01)
+    c = AutoChooser(PLAN)
+    assert c.choose(8, loses) == 1 and c.probing
+    assert c.choose(8, loses) == 0 and not c.probing
 
 
 def _tally(rows, realized=None):
@@ -819,13 +836,14 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
 @pytest.mark.parametrize("costs, pays", [((1.0, 50.0, 50.0), False), ((1.0, 1.0, 1.0), True)])
 def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypatch, costs, pays):
     """generate runs every dispatch as ``sync_every`` rounds: a probe (a drafted round the
-    statistics did not choose: the first dispatch's, and one after ``interval`` plain rounds) as
-    the first round of a dispatch whose others are plain (``run_probe_rounds``; the run's first
-    probe alone, a dispatch of one round), budget 0 as plain
-    rounds (``run_rounds``), a chosen budget as its tallied rounds. Where drafting never pays every
-    drafted round is a probe's; where it pays, only the first. Greedy tokens stay autoregressive
-    decoding's. Only full dispatches at one budget time it (a probing one mixes two): the costs
-    come from the table (patched, and the timings only recorded, so no timing changes a choice)."""
+    statistics did not choose: the first dispatch's where the prior does not pay, and one after
+    ``interval`` plain rounds) as the first round of a dispatch whose others are plain
+    (``run_probe_rounds``), budget 0 as plain rounds (``run_rounds``), a chosen budget as its
+    tallied rounds. Where drafting never pays every drafted round is a probe's; where it pays, none
+    is: the first two dispatches (the second launched before
+    the first is read back) run the largest budget. Greedy tokens stay autoregressive decoding's.
+    Only full dispatches at one budget time it (a probing one mixes two): the costs come from the
+    table (patched, and the timings only recorded, so no timing changes a choice)."""
     calls, timed = [], []
     S = 2  # (rounds per dispatch, and probes every round: a second comes before the rows' GREEDY_TOKENS are done)
 
@@ -863,29 +881,32 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     assert all(0 < min(f[1]) and max(f[1]) < GREEDY_TOKENS and len(f[0]) == len(f[1]) for f in finishes)
     assert sum(finishes[-1][1]) < sum(left)
     assert out.tokens == greedy_ar.tokens
-    # The first dispatch probes alone (one round, read back before the next is chosen); the
-    # others are full
-    assert calls[0][0] == "tallied" and calls[0][1] > 0 and calls[0][2:] == (1, 1), calls
-    assert all(n == S for _, _, n, _ in calls[1:]), calls
+    # The first dispatch: the largest budget where the prior pays, else a probe at the cheapest tree
+    assert calls[0] == (("tallied", 8) if pays else ("probe", 4)) + (S, S), calls
+    if pays:
+        assert calls[1][:2] == ("tallied", 8), calls
+    else:
+        assert calls[1][:2] == ("plain", 0), calls
+    assert all(n == S for _, _, n, _ in calls), calls
     assert all((kind == "plain") == (b == 0) for kind, b, _, _ in calls), calls
     # The output lists the calls read back (all but one launched ahead after every row finished),
     # in order, each with its form and where its time went
     got = out.dispatches
     assert len(calls) - 1 <= len(got) <= len(calls), (got, calls)
     assert [(d.budget, d.rounds) for d in got] == [(b, n) for _, b, n, _ in calls[:len(got)]]
-    forms = ["probe" if kind == "probe" else "loop" for kind, *_ in calls[1 : len(got)]]
-    assert [d.form for d in got] == ["lone", *forms]
+    forms = ["probe" if kind == "probe" else "loop" for kind, *_ in calls[: len(got)]]
+    assert [d.form for d in got] == forms
     assert all(min(d.start, d.choose, d.launch, d.wait) >= 0 for d in got)
     assert all(a.start < b.start for a, b in zip(got, got[1:], strict=False))
     assert sum(d.choose + d.launch + d.wait for d in got) == pytest.approx(out.round_seconds)
     # One dispatch ahead, a call launched after every row finished runs no round: the calls that ran
     ran = [c for c in calls if c[3] > 0]
     assert len(ran) >= len(calls) - 1
-    probes = [ran[0]] + [c for c in ran if c[0] == "probe"]
-    # Timed: the full calls at one budget but the second (launched after no read: the first's).
-    assert timed == [b for kind, b, _, r in ran[2:] if kind != "probe" and r == S], (timed, calls)
+    probes = [c for c in ran if c[0] == "probe"]
+    # Timed: the full calls at one budget but the first (launched after no read).
+    assert timed == [b for kind, b, _, r in ran[1:] if kind != "probe" and r == S], (timed, calls)
     if pays:
-        assert len(probes) == 1 and any(kind == "tallied" for kind, *_ in ran[1:]), calls
+        assert not probes and any(kind == "tallied" for kind, *_ in ran[1:]), calls
     else:
         assert len(probes) > 1 and all(kind != "tallied" for kind, *_ in ran[1:]), calls
         assert out.auto.drafted_rounds == len(probes)

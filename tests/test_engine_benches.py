@@ -121,3 +121,20 @@ def test_batch_one_benches_pool_prompts_decoded_one_after_the_other(tmp_path):
                                    "--settings", "T=0", "--out", str(tmp_path)])
     (run,) = out["runs"]
     assert run["batch"] == 1 and run["ar_ms"] == 2 * (out["new"] - 1)
+
+
+def test_bench_auto_budget_resumed_with_other_batches_reports_every_batch(tmp_path):
+    """A results file resumed by a call for other batches reports the cells of both calls in its
+    main table, and names both commands."""
+    import json
+
+    from bench import bench_auto_budget
+
+    runs = [dict(label=label, batch=64, setting="T=0", acceptance=None, tokens_per_s=tps, rounds=0)
+            for label, tps in (("ar", 100.0), ("ddtree@2", 90.0), ("ddtree@4", 80.0))]
+    (tmp_path / "x.json").write_text(json.dumps(dict(batches=[64], command="python first --batches 64", runs=runs)))
+    out = bench_auto_budget.main(["--smoke", "--resume", "--minutes", "0", "--tag", "x", "--out", str(tmp_path)])
+    assert out["batches"] == [1, 4, 64] and out["runs"] == runs
+    md = (tmp_path / "x.md").read_text()
+    assert "| - | 64 | T=0 | 100.0 | 0.90 | 0.80 |" in md, md
+    assert "python first --batches 64`, then `python" in md
