@@ -15,9 +15,8 @@ shapes have compiled (the engine runs a chunk of a shape still compiling on a la
 the steady state is timed, not the first minutes of a fresh engine). The target is a random K2-shaped slice
 of ``--layers`` layers (bf16) with a random one-layer drafter, DDTree budget ``--budget``, prefill
 chunks of ``--prefill-chunk``. ``--methods ddtree ar`` adds autoregressive engines (rows ``... ar``):
-their first token costs a plain target step instead of a DDTree round, so the difference is what
-the first round adds to a hit's time to first token; ``--layouts paged`` leaves the contiguous
-engines out. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
+both draw the first token in the prefill, so the difference is the drafter's share of the prefill
+(its context) and of the engine's host work; ``--layouts paged`` leaves the contiguous engines out. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -37,7 +36,11 @@ from ddtree_jax.serving import Engine
 
 
 def ttft(eng: Engine, prompt: list[int], new: int) -> float:
-    """Seconds from submitting ``prompt`` to its first streamed token (the request then finishes)."""
+    """Seconds from submitting ``prompt`` to its first streamed token (the request then finishes),
+    on an idle engine: the dispatch the engine launched ahead for the request before (rounds of
+    rows that turned out to have ended, up to a round of device time) is read back first, so that
+    a miss and a hit start alike."""
+    eng.drain()
     t0 = time.perf_counter()
     handle = eng.submit(prompt, max_tokens=new, ignore_eos=True)
     first = None
