@@ -16,7 +16,8 @@ the steady state is timed, not the first minutes of a fresh engine). The target 
 of ``--layers`` layers (bf16) with a random one-layer drafter, DDTree budget ``--budget``, prefill
 chunks of ``--prefill-chunk``. ``--methods ddtree ar`` adds autoregressive engines (rows ``... ar``):
 both draw the first token in the prefill, so the difference is the drafter's share of the prefill
-(its context) and of the engine's host work; ``--layouts paged`` leaves the contiguous engines out. Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
+(its context) and of the engine's host work; ``--layouts paged`` leaves the contiguous engines out.
+Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations

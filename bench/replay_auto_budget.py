@@ -1,7 +1,7 @@
 """``budget="auto"``'s choices on the CPU, priced by a GPU's cost table: a simulation, not a measurement.
 
     PYTHONUNBUFFERED=1 python bench/replay_auto_budget.py --default \\
-        --costs-from bench/results/auto_budget_nvidia_h200_20261204.json [--costs 16:0.46,0.74,0.76,0.80] \\
+        --costs-from bench/results/auto_budget_nvidia_h100_80gb_hbm3_20261206.json [--costs 16:0.46,0.70,0.73,0.77] \\
         [--batches 1 16 64] [--settings T=0 T=1]
     python bench/replay_auto_budget.py --smoke --costs 2:1,2,3
 
