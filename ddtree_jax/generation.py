@@ -449,7 +449,7 @@ def generate(
         """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
         where no row can need them."""
         t = time.perf_counter()
-        dispatch = dict(t=t, tally=None, probe=False, n=sync_every, budget=checked.budget)
+        dispatch = dict(t=t, tally=None, n=sync_every, budget=checked.budget)
         if profile:
             dispatch.update(form="profile", chosen=t)
             state = _profiled_round(models, tparams, dparams, plan, state, base_key, split)
@@ -486,7 +486,7 @@ def generate(
                     state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
                 else:
                     state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
-            dispatch.update(k=k, n=n, rows=rows, probe=chooser.probing, tally=tally, requests=slot_request)
+            dispatch.update(k=k, n=n, rows=rows, tally=tally, requests=slot_request)
         else:
             form = call_form(sync_every)
             if form is None:
@@ -518,11 +518,11 @@ def generate(
             last_rounds[:] = rounds
             # Only full dispatches at one budget time it (a probing one mixes two; the few rounds
             # of the last dispatch would carry a whole launch and read-back).
-            if start is not None and not dispatch["probe"] and int(ran.max(initial=0)) == dispatch["n"]:
+            if start is not None and dispatch["form"] != "probe" and int(ran.max(initial=0)) == dispatch["n"]:
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             if tally is not None:
                 chooser.record(dispatch["k"], tally, rows=dispatch["requests"])
-            if dispatch["k"] == 0 or dispatch["probe"]:
+            if dispatch["k"] == 0 or dispatch["form"] == "probe":
                 plain = plain_tally(ran if tally is None else ran - tally[:, 0], len(auto_plan.budgets))
                 chooser.record(0, plain, rows=dispatch["requests"])
         return done, now

@@ -253,6 +253,7 @@ def test_choice_before_a_dispatch_from_the_recent_curve():
     assert _chooser([1.0, 1.2, 1.6], skipped=3).choose(8, costs) == 2  # 0.6 / 2 beats 0.2 / 1.5
     assert _chooser([1.0, 1.2, 1.3], skipped=3, interval=6).choose(8, costs) == 0
 
+
 def test_first_choices_follow_the_prior_until_a_drafted_round_is_recorded():
     """Before any drafted round is recorded, a drafted round at the largest budget is taken to
     commit FIRST_DRAFT_TOKENS tokens: where that pays at the costs every choice is the largest
@@ -840,8 +841,8 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     ``interval`` plain rounds) as the first round of a dispatch whose others are plain
     (``run_probe_rounds``), budget 0 as plain rounds (``run_rounds``), a chosen budget as its
     tallied rounds. Where drafting never pays every drafted round is a probe's; where it pays, none
-    is: the first two dispatches (the second launched before
-    the first is read back) run the largest budget. Greedy tokens stay autoregressive decoding's.
+    is: the first two dispatches (the second launched before the first is read back) run the
+    largest budget. Greedy tokens stay autoregressive decoding's.
     Only full dispatches at one budget time it (a probing one mixes two): the costs come from the
     table (patched, and the timings only recorded, so no timing changes a choice)."""
     calls, timed = [], []
