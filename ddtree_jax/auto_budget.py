@@ -76,7 +76,7 @@ from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
            "AutoPlan", "AutoReport", "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up",
-           "choose_budget", "expected_max", "expected_tokens", "finish_budget", "round_variance"]
+           "choose_budget", "expected_max", "expected_tokens", "finish_budget", "finish_times", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -156,26 +156,33 @@ def choose_budget(expected, costs) -> int:
 
 def finish_budget(remaining, expected, costs, variance=None, uncertainty=None) -> int:
     """Index ``k`` of the budget that ends a static batch soonest if every later round used it:
-    argmin of ``costs[k] * batch_rounds(...)[k]`` (``remaining``: ``[R]`` tokens each running row
-    may still commit, > 0; ``expected``: ``[R, K]`` each row's expected committed tokens per round
-    at each budget, >= 1; ``variance``: ``[R, K]`` the variance of a round's committed tokens, None
-    for none; ``uncertainty``: ``[R, K]`` the variance of the estimate ``expected`` itself, None
-    for none; ``costs``: ``[K]``, > 0); the first on ties. Without variance (budget 0 commits
-    exactly one token a round) a budget's rounds are ``max_i remaining[i] / expected[i, k]``, a
-    lower bound with it: a budget whose bound is no better than a budget without variance is not
-    estimated further."""
+    argmin of ``finish_times`` (same arguments); the first on ties."""
+    return int(np.argmin(finish_times(remaining, expected, costs, variance, uncertainty)))
+
+
+def finish_times(remaining, expected, costs, variance=None, uncertainty=None, every: bool = False) -> np.ndarray:
+    """f64 ``[K]``: the time until a static batch ends if every later round used each budget,
+    ``costs[k] * batch_rounds(...)[k]`` (``remaining``: ``[R]`` tokens each running row may still
+    commit, > 0; ``expected``: ``[R, K]`` each row's expected committed tokens per round at each
+    budget, >= 1; ``variance``: ``[R, K]`` the variance of a round's committed tokens, None for
+    none; ``uncertainty``: ``[R, K]`` the variance of the estimate ``expected`` itself, None for
+    none; ``costs``: ``[K]``, > 0). Without variance (budget 0 commits exactly one token a round)
+    a budget's rounds are ``max_i remaining[i] / expected[i, k]``, a lower bound with it (Wald: a
+    row's expected rounds times its mean tokens is at least what it commits), and no estimate is
+    taken below it. A budget whose bound is no better than a budget without variance cannot win
+    and is not estimated further (``inf``) unless ``every``."""
     costs = np.asarray(costs, np.float64)
     bound = costs * (np.asarray(remaining, np.float64)[:, None] / np.asarray(expected, np.float64)).max(axis=0)
     if variance is None:
-        return int(np.argmin(bound))
+        return bound
     random = (np.asarray(variance) > 0).any(axis=0)
-    todo = random & (bound < bound[~random].min(initial=np.inf))
-    rounds = np.where(random, np.inf, bound)
+    todo = random & ((bound < bound[~random].min(initial=np.inf)) | every)
+    times = np.where(random, np.inf, bound)
     if todo.any():
-        rounds[todo] = costs[todo] * batch_rounds(
+        times[todo] = np.maximum(bound[todo], costs[todo] * batch_rounds(
             remaining, np.asarray(expected)[:, todo], np.asarray(variance)[:, todo],
-            None if uncertainty is None else np.asarray(uncertainty)[:, todo])
-    return int(np.argmin(rounds))
+            None if uncertainty is None else np.asarray(uncertainty)[:, todo]))
+    return times
 
 
 def batch_rounds(remaining, expected, variance, uncertainty=None) -> np.ndarray:
@@ -217,6 +224,11 @@ def expected_max(mean, sd, cap=None) -> np.ndarray:
     if cap is not None:
         cap = np.asarray(cap, np.float64)[:, None]
         lo, hi = np.minimum(lo, cap.max()), np.minimum(hi, cap.max())
+    # A row almost surely below every column's range (P(X <= lo) >= Phi(8)) changes no product
+    near = ((mean + 8 * sd) >= lo).any(axis=1)
+    mean, sd = mean[near], sd[near]
+    if cap is not None:
+        cap = cap[near]
     t = np.linspace(0.0, 1.0, GRID)
     x = lo + (hi - lo) * t[:, None]  # [G, K]
     z = (x[:, None, :] - mean) / np.where(sd > 0, sd, 1.0)  # [G, R, K]
@@ -429,12 +441,13 @@ class AutoChooser:
             own = (n * drafted[..., 0] + prior * batch) / (n * drafted[..., 1] + prior)
         return carried_up(np.where(np.isfinite(own) & (prior > 0), own, batch), self.calibrated_by > 0)
 
-    def _rule(self, active: int, costs, finish=None, drafted: bool = False) -> int:
-        """The rule's budget index (module docstring); ``drafted``: the best positive one."""
-        first = 1 if drafted else 0
+    def _scores(self, active: int, costs, finish=None, every: bool = False) -> np.ndarray:
+        """f64 ``[K]``, lower is better: the rule's score of each budget (module docstring): minus
+        the batch's calibrated expected tokens per second, or with ``finish`` the time until the
+        static batch ends (``finish_times``; ``every``: every budget estimated, for a probe's
+        choice among the positive ones; else those that cannot beat budget 0 are ``inf``)."""
         if finish is None:
-            tokens = active * calibrated(self.expected_ema, self.factor(), self.plan.caps)
-            return first + choose_budget(tokens[first:], costs[first:])
+            return -(active * calibrated(self.expected_ema, self.factor(), self.plan.caps)) / costs
         ids, remaining = (np.asarray(x) for x in finish)
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
@@ -449,9 +462,12 @@ class AutoChooser:
         # A row's mean is its own n rounds' with PRIOR_ROUNDS rounds of the batch's: known as well
         # as n + PRIOR_ROUNDS rounds' mean (the batch's rows may differ: a row seen in few drafted
         # rounds may be the slow one)
-        uncertainty = variance / (n + PRIOR_ROUNDS)
-        return first + finish_budget(remaining, expected[:, first:], costs[first:], variance[:, first:],
-                                     uncertainty[:, first:])
+        return finish_times(remaining, expected, costs, variance, variance / (n + PRIOR_ROUNDS), every)
+
+    def _rule(self, active: int, costs, finish=None, drafted: bool = False) -> int:
+        """The rule's budget index (module docstring); ``drafted``: the best positive one."""
+        scores = self._scores(active, np.asarray(costs, np.float64), finish, every=drafted)
+        return 1 + int(np.argmin(scores[1:])) if drafted else int(np.argmin(scores))
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
@@ -461,14 +477,17 @@ class AutoChooser:
         0 (the first dispatch where the prior does not pay). ``finish``: for
         a static batch, ``(row ids, tokens each may still commit)`` of its running rows (``[R]``
         each, R >= 1): the rule is then ``finish_budget`` on the rows' own averages (module
-        docstring)."""
+        docstring). The rule's scores are computed once: where a probe may be due, for every
+        budget (the probe's choice among the positive ones)."""
         costs = np.asarray(costs, np.float64)
         self._finish = finish
         top = len(self.plan.budgets) - 1
         if self.drafted == 0 and costs[top] <= FIRST_DRAFT_TOKENS * costs[0]:
             self.probing = False  # (the prior: drafting pays until a drafted round is read back)
             return top
-        k = self._rule(active, costs, finish)
+        # (the back-off below only lengthens the interval where the choice is budget 0)
+        scores = self._scores(active, costs, finish, every=self.skipped >= self.interval)
+        k = int(np.argmin(scores))
         if self._backoff_due:  # a drafted dispatch was recorded: do its statistics choose a tree?
             self._backoff_due = False
             self.interval = self.plan.probe_every if k > 0 else min(2 * self.interval,
@@ -476,7 +495,7 @@ class AutoChooser:
         self.probing = k == 0 and self.skipped >= self.interval
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
-            k = self._rule(active, costs, finish, drafted=True)
+            k = 1 + int(np.argmin(scores[1:]))
         return k
 
     def record(self, k: int, tally, rows=None) -> np.ndarray:
