@@ -3,6 +3,9 @@ internals, so an engine change that breaks them shows here, not on the GPU)."""
 
 import glob
 
+import jax
+import jax.numpy as jnp
+
 from bench import bench_engine, bench_engine_host
 
 
@@ -138,3 +141,26 @@ def test_bench_auto_budget_resumed_with_other_batches_reports_every_batch(tmp_pa
     md = (tmp_path / "x.md").read_text()
     assert "| - | 64 | T=0 | 100.0 | 0.90 | 0.80 |" in md, md
     assert "python first --batches 64`, then `python" in md
+
+
+def test_bench_auto_budget_runs_again_a_timed_call_that_compiled(monkeypatch):
+    """A timed call that compiles a program (a budget the warm-up never chose) is not kept: the
+    bench runs it again, and keeps a call that compiled nothing."""
+    import types
+
+    from bench import bench_auto_budget
+
+    made = []
+
+    def decode(models, prompts, alone, **kw):
+        n = len(made)
+        if n == 1:  # the first timed call compiles a program no call compiled before
+            jax.jit(lambda x: x * 3 + 1)(jnp.float32(n)).block_until_ready()
+        made.append(types.SimpleNamespace(auto=None, call=n))
+        return made[-1]
+
+    kept = []
+    monkeypatch.setattr(bench_auto_budget, "decode", decode)
+    monkeypatch.setattr(bench_auto_budget, "_records", lambda outs: {k: [o.call for o in v] for k, v in outs.items()})
+    bench_auto_budget.run_cell(None, None, [], ["ar"], "T=0", 4, 4, 0, 2, float("inf"), kept.append)
+    assert kept[-1] == {"ar": [2, 3]}, kept  # call 0: the warm-up; call 1 compiled: timed again
