@@ -21,7 +21,8 @@ call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` th
 ``auto_round.HELD_DISPATCHES`` calls; above it the rounds and their tally), so the auto programs'
 extra work shows against the fixed ones. Two candidate forms of that call, for the same rounds:
 ``method:budget:fixed`` (a loop of known trip count, ``generate``'s form on GPUs: no predicate
-read back each iteration, no early end) and ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
+read back each iteration, no early end; ``auto:budget:fixed``: ``run_fixed_tallied_rounds``) and
+``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
 ``--ahead`` the timed calls are read back one call late, the way ``generate`` overlaps a call's
 launch with the previous call's rounds (a call that makes the host wait for its rounds gains
 nothing from it). On
@@ -46,6 +47,7 @@ from ddtree_jax.auto_round import (
     DEFER_ROUNDS,
     HELD_DISPATCHES,
     round_plans,
+    run_fixed_tallied_rounds,
     run_flush,
     run_tallied_rounds,
     with_deferred,
@@ -136,7 +138,8 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
             box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed")
             return box[0].done, box[0].rounds  # generate reads both back after each call
         if auto:
-            box[0], tally = run_tallied_rounds(models, tp, dp, plan, box[0], key, chunk)
+            tallied = run_fixed_tallied_rounds if form == "fixed" else run_tallied_rounds
+            box[0], tally = tallied(models, tp, dp, plan, box[0], key, chunk)
             return tally, box[0].done
         if chunk:
             box[0] = (_unrolled(models, tp, dp, plan, box[0], key, chunk) if form == "unrolled" else
@@ -219,7 +222,8 @@ def main(argv=None):
                                                       chunk=args.chunk if chunked else 0, auto_max=args.auto_max,
                                                       form=variant if variant in ("fixed", "unrolled") else "loop",
                                                       ahead=args.ahead and chunked)
-        ar = (chunked and rows.get(("ar", 0, "chunk"))) or rows.get(("ar", 0, "")) or r  # x ar: the same kind of call
+        same = "fixed" if variant == "fixed" else "chunk"  # x ar: the same kind of call
+        ar = (chunked and (rows.get(("ar", 0, same)) or rows.get(("ar", 0, "chunk")))) or rows.get(("ar", 0, "")) or r
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
                    wall_x_ar=r["wall_us"] / ar["wall_us"], first_call_s=r["first_call_s"])

@@ -28,12 +28,13 @@ def test_bench_engine_smoke_with_repeats_and_admission_groups():
 def test_bench_round_kernels_smoke(tmp_path):
     from bench import bench_round_kernels
 
-    report = bench_round_kernels.main(["--smoke", "--plans", "ddtree:4", "ar:0:ctx", "ar:0:held", "--out",
-                                       str(tmp_path)])
+    report = bench_round_kernels.main(["--smoke", "--plans", "ddtree:4", "ar:0:ctx", "ar:0:held", "auto:4:fixed",
+                                       "--auto-max", "4", "--out", str(tmp_path)])
     rows = report.sections["rounds"]
     # the autoregressive reference comes first
     assert [r["plan"] for r in rows] == ["ar", "ddtree@4", "ar extending the drafter's context",
-                                         "ar holding the drafter's context back"]
+                                         "ar holding the drafter's context back",
+                                         "auto@4 (a loop of known trip count) (8 rounds a call)"]
     assert rows[0]["wall_x_ar"] == 1 and all(r["wall_us"] > 0 for r in rows)
     assert glob.glob(str(tmp_path / "round_kernels_*.md"))
 
