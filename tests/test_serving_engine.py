@@ -676,13 +676,16 @@ def test_after_a_failed_launch_a_new_request_streams_its_first_token_as_before(m
 
 def test_a_request_after_one_that_ended_gets_its_first_token_before_any_round(models, reference):
     """A request that arrives while the rounds of one that has ended are still in flight (the
-    engine launches a dispatch before it reads back the one that ends a request) is streaming to
-    no one: the step that activates the newcomer reads those rounds back, waits for the launcher
-    to launch the activation and streams the first token, whatever the launcher's pace (here it
-    is held back for 0.3 s), not a dispatch later behind its first rounds."""
+    engine launches a dispatch before it reads back the one that ends a request on a stop token,
+    which it cannot foresee) is streaming to no one: the step that activates the newcomer reads
+    those rounds back, waits for the launcher to launch the activation and streams the first
+    token, whatever the launcher's pace (here it is held back for 0.3 s), not a dispatch later
+    behind its first rounds."""
     eng = engine(models, slots=2)
-    first = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
-    assert run(eng, [first])[0].tokens == reference.tokens[0]
+    full = reference.tokens[0]
+    k = next(i for i in range(2, MAX_TOKENS - 4) if full.index(full[i]) == i)  # a token's first occurrence
+    first = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS, stop_token_ids=[full[k]])
+    assert run(eng, [first])[0].tokens == full[: k + 1]
     assert eng._inflight  # the dispatch launched before the one that ended the request was read back
     launch = eng._launch_rounds
 
@@ -698,3 +701,15 @@ def test_a_request_after_one_that_ended_gets_its_first_token_before_any_round(mo
     assert eng.metrics.snapshot()["rounds"] == rounds  # (no round of the newcomer read back yet)
     eng._launch_rounds = launch
     assert run(eng, [h])[0].tokens == reference.tokens[1]
+
+
+def test_no_dispatch_for_rows_that_end_within_the_rounds_in_flight(models):
+    """A request whose rounds in flight already commit its last allowed token gets no dispatch
+    after them (a running row commits at least one token a round): with 2 tokens, the first from
+    the prefill and the second from the one round after it, one dispatch, not a second launched
+    ahead for rounds no one reads; the tokens are generate()'s."""
+    eng = engine(models, slots=2)
+    want = dt.generate(*models, [PROMPTS[0]], method="ddtree", budget=6, max_new_tokens=2, max_len=80).tokens
+    assert [r.tokens for r in eng.generate([PROMPTS[0]], max_tokens=2)] == want
+    m = eng.metrics.snapshot()
+    assert m["generated_tokens"] == 2 and sum(m["dispatches"].values()) == 1, m["dispatches"]

@@ -1031,6 +1031,8 @@ class Engine:
             self._sync_tables()
         if not any(snapshot):
             return None
+        if all(r is None or self._ends_in_flight(i, r) for i, r in enumerate(snapshot)):
+            return None  # (another dispatch would run rounds no one reads, ahead of the next prefill)
         rounds = self.dispatch_rounds[0]
         if self._sizer is not None:
             rounds = self._sizer.choose(sum(r is not None for r in snapshot))
@@ -1045,6 +1047,14 @@ class Engine:
                     self._deferred_rounds += rounds
             return snapshot, k, rounds
         return snapshot, None, rounds
+
+    def _ends_in_flight(self, slot: int, r: _Request) -> bool:
+        """Whether the dispatches in flight commit request ``r``'s last allowed token (in slot
+        ``slot``) for sure: a running row commits at least one token a round, so a request with no
+        more tokens left than its rounds in flight ends within them (a stop token cannot be
+        foreseen; a first token not read back yet counts as left)."""
+        flight = sum(n for _, snap, *_, n in self._inflight if snap is not None and snap[slot] is r)
+        return r.max_tokens - len(r.out) <= flight
 
     def _run_ops(self) -> None:
         """Launch the queued programs on the state (``_ops``) on this thread, in order, once no
