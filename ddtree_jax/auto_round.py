@@ -166,11 +166,13 @@ def run_fixed_tallied_rounds(models: Models, tparams, dparams, plan: DecodePlan,
                    donate_argnames=("state",))
 def run_probe_rounds(models: Models, tparams, dparams, probe: DecodePlan, plain: DecodePlan, state: DecodeState,
                      base_key, rounds: int, fixed: bool) -> tuple[DecodeState, jax.Array]:
-    """A probing dispatch: one round at the drafted plan ``probe`` (nothing held back: ``run_flush``
-    first), then up to ``rounds - 1`` at ``plain`` (``round_plans(...)[0]``, holding their context
-    back); ``fixed``: exactly that many, else stopping once every row is done. Returns ``(state,
-    the probe round's tally)``; the plain rounds' tally is ``plain_tally`` of the rows' rounds past
-    the probe's."""
+    """A probing dispatch: the held-back context added (``flush_deferred``: a probe follows plain
+    rounds, so its flush is part of its program rather than a launch of its own), one round at the
+    drafted plan ``probe``, then up to ``rounds - 1`` at ``plain`` (``round_plans(...)[0]``,
+    holding their context back); ``fixed``: exactly that many, else stopping once every row is
+    done. Returns ``(state, the probe round's tally)``; the plain rounds' tally is ``plain_tally``
+    of the rows' rounds past the probe's."""
+    state = _flushed(models, tparams, dparams, state)
     state, tally = tallied_round(models, tparams, dparams, probe, state, base_key, _zeros(probe, state))
     return run_rounds(models, tparams, dparams, plain, state, base_key, rounds - 1, fixed), tally
 

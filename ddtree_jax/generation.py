@@ -475,14 +475,14 @@ def generate(
                     state = flush(state)
                 state = run_rounds(models, tparams, dparams, plans[0], state, base_key, n, fixed)
                 held[0] += n
+            elif chooser.probing:  # the held context added, one drafted round, then plain ones: one call
+                dispatch["form"] = "probe"
+                state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
+                                                   n, fixed)
+                held[0] = n - 1
             else:
                 state = flush(state)
-                if chooser.probing:  # one drafted round, then plain ones: the pipeline goes on
-                    dispatch["form"] = "probe"
-                    state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
-                                                    n, fixed)
-                    held[0] = n - 1
-                elif fixed:
+                if fixed:
                     state, tally = run_fixed_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
                 else:
                     state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, n)
