@@ -713,3 +713,42 @@ def test_no_dispatch_for_rows_that_end_within_the_rounds_in_flight(models):
     assert [r.tokens for r in eng.generate([PROMPTS[0]], max_tokens=2)] == want
     m = eng.metrics.snapshot()
     assert m["generated_tokens"] == 2 and sum(m["dispatches"].values()) == 1, m["dispatches"]
+
+
+def test_a_thread_blocked_on_a_result_wakes_once_not_at_every_chunk():
+    """``result()`` waits for the last chunk only: a thread per request blocked on its result (a
+    closed-loop client) is not woken by every engine step's chunk, while a ``stream()`` reader is."""
+    from ddtree_jax.serving.emitter import StreamChunk
+    from ddtree_jax.serving.engine import RequestHandle
+
+    h = RequestHandle(None, 1)
+    wakes = []
+
+    class Counting(threading.Condition):
+        def notify_all(self):
+            wakes.append((h._blocked, h._blocked_results))  # (stream readers, result waiters) waiting
+            super().notify_all()
+
+    h._cond = Counting(h._mutex)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(h.result(timeout=30)))
+    waiter.start()
+    while not h._blocked_results:
+        threading.Event().wait(0.001)
+    for t in range(5):
+        h._push(StreamChunk([t], "x"))
+    assert wakes == [] and not got
+    final = StreamChunk([9], "y", "length", result="the result")
+    h._push(final)
+    waiter.join(timeout=30)
+    assert got == ["the result"] and wakes == [(0, 1)]
+    # A stream reader is woken by each chunk.
+    h2 = RequestHandle(None, 2)
+    reader = threading.Thread(target=lambda: got.extend(c.token_ids[0] for c in h2.stream(timeout=30)))
+    reader.start()
+    for t in range(3):
+        while not h2._blocked:
+            threading.Event().wait(0.001)
+        h2._push(StreamChunk([t], "x", "length" if t == 2 else None, result="r" if t == 2 else None))
+    reader.join(timeout=30)
+    assert got == ["the result", 0, 1, 2]

@@ -106,7 +106,10 @@ class RequestHandle:
         self._chunks: list[StreamChunk] = []
         # Replaced, never changed in place (copy on write): ``_push`` reads it without a copy.
         self._listeners: list[tuple[asyncio.AbstractEventLoop, Inbox]] = []
-        self._blocked = 0  # threads waiting in ``result`` or ``stream``: only they need a notify
+        # Threads waiting in ``stream`` (woken by every chunk) and in ``result`` (by the last one
+        # only: a thread per request blocked on its result must not wake at every engine step)
+        self._blocked = 0
+        self._blocked_results = 0
         self._result: RequestResult | None = None
         self.cancel_requested = False
         # The finish reason a cancellation gives: "stop" when the two-process server's front end
@@ -122,7 +125,7 @@ class RequestHandle:
             if chunk.finished:
                 self._result = chunk.result
             listeners = self._listeners
-            if self._blocked:
+            if self._blocked or (self._blocked_results and chunk.finished):
                 self._cond.notify_all()
         if not listeners:
             return
@@ -143,12 +146,16 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestResult:
         """Block until the request finishes (``TimeoutError`` after ``timeout`` seconds)."""
         with self._cond:
-            if not self._wait(lambda: self._result is not None, timeout):
-                raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
+            self._blocked_results += 1
+            try:
+                if not self._cond.wait_for(lambda: self._result is not None, timeout):
+                    raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
+            finally:
+                self._blocked_results -= 1
             return self._result
 
     def _wait(self, predicate, timeout: float | None) -> bool:
-        """``Condition.wait_for`` counted in ``_blocked`` (holds the lock)."""
+        """``Condition.wait_for`` counted in ``_blocked`` (holds the lock): woken by every chunk."""
         self._blocked += 1
         try:
             return self._cond.wait_for(predicate, timeout)
