@@ -118,7 +118,7 @@ class Server:
             cmd += ["--api-servers", str(api_servers)]
         if paged:
             cmd += ["--page-size", str(args.page_size)]
-        for flag in ("max_model_len", "mesh", "dtype"):
+        for flag in ("max_model_len", "mesh", "dtype", "switch_interval"):
             if getattr(args, flag):
                 cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         self.log_path = os.path.join(log_dir, f"server_{method}{'_two_process' if engine_process else ''}"
@@ -421,6 +421,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--in-process", action="store_true",
                     help="also generate() and the in-process engine at --slots (bench_engine.py, first)")
+    ap.add_argument("--switch-interval", type=float, metavar="MS",
+                    help="the servers' serve --switch-interval (rows named ...+si<MS>ms)")
     ap.add_argument("--startup-timeout", type=float, default=1800)
     ap.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="client processes a level's streams are spread over (default: half the CPUs, at most 8)")
@@ -459,7 +461,7 @@ def main(argv=None) -> dict:
     for method, two, paged, fe in dict.fromkeys(variants):
         server = Server(paths, method, args, workdir, engine_process=two, paged=paged, api_servers=fe)
         name = method + ("+engine-process" if two else "") + (f"+paged{args.page_size}" if paged else "") + \
-            (f"+{fe}fe" if fe > 1 else "")
+            (f"+{fe}fe" if fe > 1 else "") + (f"+si{args.switch_interval:g}ms" if args.switch_interval else "")
         try:
             t0 = time.perf_counter()
             health = server.wait(args.startup_timeout)

@@ -137,6 +137,13 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:

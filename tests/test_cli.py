@@ -170,7 +170,8 @@ def test_demo_bad_input_is_one_line_before_anything_loads(argv, expected, folder
     (["--max-model-len", "1"], ["--max-model-len:", ">= 2, got 1"]),
     (["--stop-token-id", "-1"], ["--stop-token-id", "-1"]),
     (["--drafter", ""], ["--method", "ddtree", "needs", "drafter"]),
-], ids=["slots 0", "budget 0", "max-model-len 1", "negative stop token", "no drafter"])
+    (["--switch-interval", "0"], ["--switch-interval", "must be a number > 0, got 0"]),
+], ids=["slots 0", "budget 0", "max-model-len 1", "negative stop token", "no drafter", "switch interval 0"])
 def test_serve_bad_settings_are_one_line_before_anything_loads(argv, expected, folders):
     """The serve command builds its EngineConfig from the options first (the checks of the
     Engine's own config)."""
@@ -293,3 +294,22 @@ def test_compilation_cache_serves_a_second_process(tmp_path):
         assert r.returncode == 0, r.stderr
     (c1, h1), (c2, h2) = (map(int, r.stdout.split()) for r in runs)
     assert c1 >= 1 and h1 == 0 and c2 == c1 and h2 == c2, (c1, h1, c2, h2)
+
+
+def test_serve_switch_interval_sets_the_processes_interval():
+    """``serve --switch-interval MS`` sets the thread switch interval (in each of the server's
+    processes: the first front end, the engine process and further front ends call this); without
+    it the interpreter's own stays."""
+    import argparse
+    import sys
+
+    from ddtree_jax.serving.cli import set_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(argparse.Namespace(switch_interval=None))
+        assert sys.getswitchinterval() == before
+        set_switch_interval(argparse.Namespace(switch_interval=0.5))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)

@@ -789,14 +789,15 @@ def _gone(pid: int) -> bool:
 
 
 def test_two_process_server(paths, cache_dir, server):
-    """A ``--engine-process`` server like ``server`` (started after it: its shapes are cached):
+    """A ``--engine-process`` server like ``server`` (started after it: its shapes are cached; with
+    ``--switch-interval``, which changes no output):
     greedy outputs (completions and chat, with log-probabilities) equal the one-process server's; a
     stream's chunks join up to the same text; refusals from the engine process (the context, stop
     ids) and from the front end are the same 400s naming the field, counted in the engine's
     metrics; a client that hangs up frees its slot. Then the engine process is killed with streams
     running and queued: each stream ends (an error event, then [DONE]) instead of hanging,
     /health is 503, new requests get 503."""
-    s = Server(paths, _env(cache_dir), "--engine-process", log_name="two_process.log")
+    s = Server(paths, _env(cache_dir), "--engine-process", "--switch-interval", "1", log_name="two_process.log")
     try:
         s.wait_ready()
         _same_as_one_process(server, s.base)

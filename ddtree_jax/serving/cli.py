@@ -42,7 +42,7 @@ from ddtree_jax._preflight import PreflightError, option_error
 from ddtree_jax.config import METHODS, ConfigError, DecodeConfig, EngineConfig, ExecutionConfig
 
 __all__ = ["add_arguments", "add_serve_parser", "build_engine", "chat_template", "main", "preflight", "run_serve",
-           "served_model_name", "warm_up"]
+           "served_model_name", "set_switch_interval", "warm_up"]
 
 # ddtree_jax.serving.server's constants, restated so that argument parsing does not import the
 # server (tests/test_serve_cli.py checks that they agree).
@@ -131,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HTTP front-end processes sharing the port (N > 1 implies --engine-process): parsing, "
                         "detokenising and server-sent events spread over N interpreters (docs/serving.md, "
                         "'Several front ends')")
+    p.add_argument("--switch-interval", type=pf.positive_float, default=None, metavar="MS",
+                   help="the interpreter's thread switch interval in every process of the server (default: "
+                        "Python's, 5 ms): how long a thread that needs the interpreter lock (a new request's "
+                        "intake, the engine process's message loop) may wait for the busy one holding it")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help=f"folder of JAX's persistent compilation cache, or 'off' (default: ${cc.ENV_VAR}, else "
                         f"{cc.default_dir()})")
@@ -413,6 +417,12 @@ REPEAT_WINDOW = 1.0
 cut the drain short."""
 
 
+def set_switch_interval(args) -> None:
+    """``--switch-interval``: this process's thread switch interval (nothing without it)."""
+    if getattr(args, "switch_interval", None) is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
+
+
 def serve_front_end(args, conn, sock, index: int, count: int) -> None:
     """A further front-end process of ``serve --api-servers`` (spawned by the first front end,
     ``EngineClient.launch``): the HTTP server on the shared listening socket ``sock``, through its
@@ -422,6 +432,7 @@ def serve_front_end(args, conn, sock, index: int, count: int) -> None:
     import signal
 
     os.setsid()
+    set_switch_interval(args)
     tokenizer = _front_end_tokenizer(args)
     from ddtree_jax.serving.engine_process import EngineClient
     from ddtree_jax.serving.server import serve
@@ -444,6 +455,7 @@ def run_serve(args, parser: argparse.ArgumentParser | None = None) -> None:
     from ddtree_jax import compilation_cache as cc
 
     t0 = time.perf_counter()
+    set_switch_interval(args)
     try:
         preflight(args)
         sock = pf.bind_port(args.host, args.port)

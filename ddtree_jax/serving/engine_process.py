@@ -160,8 +160,9 @@ def _engine_main(args, conns: list) -> None:
 
     from ddtree_jax import compilation_cache as cc
     from ddtree_jax._preflight import PreflightError
-    from ddtree_jax.serving.cli import build_engine, log, warm_up
+    from ddtree_jax.serving.cli import build_engine, log, set_switch_interval, warm_up
 
+    set_switch_interval(args)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     senders = {conn: _Sender(conn) for conn in conns}
