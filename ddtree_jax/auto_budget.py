@@ -464,10 +464,10 @@ class AutoChooser:
         # rounds may be the slow one)
         return finish_times(remaining, expected, costs, variance, variance / (n + PRIOR_ROUNDS), every)
 
-    def _rule(self, active: int, costs, finish=None, drafted: bool = False) -> int:
-        """The rule's budget index (module docstring); ``drafted``: the best positive one."""
-        scores = self._scores(active, np.asarray(costs, np.float64), finish, every=drafted)
-        return 1 + int(np.argmin(scores[1:])) if drafted else int(np.argmin(scores))
+    def _rule(self, active: int, costs, finish=None) -> int:
+        """The rule's budget index (module docstring): the argmin of ``_scores``, as ``choose``
+        takes it."""
+        return int(np.argmin(self._scores(active, np.asarray(costs, np.float64), finish)))
 
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
