@@ -25,7 +25,7 @@ read back each iteration, no early end; ``auto:budget:fixed``: ``run_fixed_talli
 ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
 ``--ahead`` the timed calls are read back one call late, the way ``generate`` overlaps a call's
 launch with the previous call's rounds (a call that makes the host wait for its rounds gains
-nothing from it). On
+nothing from it), and ``launch_us`` is the host time spent launching them, per round. On
 a CPU there is no device trace: wall time only. Results: ``round_kernels_<device>_<date>.{json,md}`` under ``--out``.
 """
 
@@ -159,10 +159,12 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
     for _ in range(max(2, calls_timed - 1)):  # as many untimed calls as timed (the first plan ran slow)
         read_each()
     t0 = time.perf_counter()
-    last = None
+    last, launching = None, 0.0
     for _ in range(calls_timed):
         if ahead:  # launch this call, then read the previous one back
+            t = time.perf_counter()
             out = one_round()
+            launching += time.perf_counter() - t
             if last is not None:
                 jax.device_get(last)
             last = out
@@ -170,6 +172,8 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
             last = read_each()
     jax.block_until_ready(last)
     row = dict(wall_us=(time.perf_counter() - t0) / (calls_timed * per_call) * 1e6, first_call_s=first_call_s)
+    if ahead:
+        row["launch_us"] = launching / (calls_timed * per_call) * 1e6
     if trace:
         kernels, launched = device_trace(read_each, (), calls_timed)
         row.update(device_us=sum(kernels.values()) / 1e3 / per_call, kernels=launched / per_call,
@@ -227,6 +231,8 @@ def main(argv=None):
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
                    wall_x_ar=r["wall_us"] / ar["wall_us"], first_call_s=r["first_call_s"])
+        if "launch_us" in r:
+            out["launch_us"] = r["launch_us"]
         if trace:
             out.update(device_us=r["device_us"], device_x_ar=r["device_us"] / ar["device_us"], kernels=r["kernels"])
             for name, ns in r["top"][: args.top]:

@@ -396,7 +396,8 @@ def generate(
         auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
                              draft_len=drafter.config.block_size - 1)
         chooser, costs, plans = AutoChooser(auto_plan, decode.auto_costs is None), {}, round_plans(plan, auto_plan)
-        digest = auto_costs.models_digest(target, drafter) if decode.auto_costs is None else None
+        digest = (auto_costs.models_digest(target, drafter, (tparams, dparams)) if decode.auto_costs is None
+                  else None)
         active = B
         # The budget-0 rounds whose drafter context is held back (at most: rows that finished hold
         # fewer), and each slot's rounds as of the last read (the tally of budget-0 rounds is theirs).
@@ -613,8 +614,14 @@ _take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
 
 @jax.jit
 def _progress(state: DecodeState) -> jax.Array:
-    """i32 ``[3, B]``: the rows' done flags, tokens generated and rounds run (one read-back)."""
-    return jnp.stack([state.done.astype(jnp.int32), state.generated, state.rounds])
+    """i32 ``[3, B]``: the rows' done flags, tokens generated and rounds run (one read-back, one
+    compiled call: eager ops would cost a dispatch each, host time in every dispatch's launch)."""
+    return _stacked(state.done, state.generated, state.rounds)
+
+
+@jax.jit
+def _stacked(done, generated, rounds) -> jax.Array:
+    return jnp.stack([done.astype(jnp.int32), generated, rounds])
 
 
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,

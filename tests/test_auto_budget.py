@@ -517,6 +517,9 @@ def test_cost_key_names_device_models_shapes_and_versions():
     other = tiny_kimi(0, num_hidden_layers=2)
     assert auto_costs.models_digest(target, drafter) == auto_costs.models_digest(tiny_kimi(5), drafter)  # weights: no
     assert auto_costs.models_digest(other, drafter) != key["models"]  # shapes: yes
+    _, tparams, dparams = Models.split(target, drafter)  # (generate's form: from the split parameters)
+    assert auto_costs.models_digest(target, drafter, (tparams, dparams)) == key["models"]
+    assert auto_costs.models_digest(other, drafter, Models.split(other, drafter)[1:]) != key["models"]
     json.dumps(key)
 
 
