@@ -22,8 +22,9 @@ hand (``bench._controlled``: the real passes, steered logits), once per ``--acce
 on random prompts.
 
 Results go to ``bench/results/auto_budget_<device>_<date>.json`` after every run (``--resume``
-continues a run stopped by ``--minutes``) and a markdown table beside it, with the device, date
-and command.
+continues a run stopped by ``--minutes``: it skips the cells whose every label has its
+``--repeats`` runs and runs a cell cut short again whole) and a markdown table beside it, with the
+device, date and command.
 """
 
 from __future__ import annotations
@@ -310,7 +311,10 @@ def main(argv=None):
         # (the file covers every call's batches, and names each call)
         results.update(runs=before["runs"], batches=sorted(set(before["batches"]) | set(args.batches)),
                        command=f"{before['command']}`, then `{results['command']}")
-    done = {(r.get("acceptance"), r["batch"], r["setting"], r["label"]) for r in results["runs"]}
+    # (a cell counts as done when every label has its --repeats runs; a cell cut short runs again
+    # whole, so that its columns come from the same interleaved runs)
+    done = {(r.get("acceptance"), r["batch"], r["setting"], r["label"]) for r in results["runs"]
+            if len(r.get("tokens_per_s_runs", ())) >= args.repeats}
     os.makedirs(args.out, exist_ok=True)
 
     def save():
@@ -330,14 +334,14 @@ def main(argv=None):
             prompts, _ = heldout_prompts(data_json, tokenizer, count, args.prompt_len, args.new,
                                          target.config.vocab_size, args.seed)
             for setting in args.settings:
-                todo = [label for label in labels if (level, batch, setting, label) not in done]
-                if not todo:
+                if all((level, batch, setting, label) in done for label in labels):
                     continue
                 if time.perf_counter() > deadline:
                     stopped = True
                     break
                 t0 = time.perf_counter()
-                kept = list(results["runs"])
+                kept = [r for r in results["runs"] if (r.get("acceptance"), r["batch"], r["setting"]) !=
+                        (level, batch, setting)]
 
                 def publish(recs, kept=kept, level=level, batch=batch, setting=setting):
                     for rec in recs:
@@ -345,7 +349,7 @@ def main(argv=None):
                     results["runs"] = kept + recs
                     save()
 
-                run_cell(target, drafter, prompts, todo, setting, args.new, args.auto_max, args.seed, args.repeats,
+                run_cell(target, drafter, prompts, labels, setting, args.new, args.auto_max, args.seed, args.repeats,
                          deadline, publish, sync_every=args.sync_every, alone=batch == 1)
                 for rec in results["runs"][len(kept):]:
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""

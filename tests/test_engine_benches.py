@@ -144,6 +144,40 @@ def test_bench_auto_budget_resumed_with_other_batches_reports_every_batch(tmp_pa
     assert "python first --batches 64`, then `python" in md
 
 
+def test_bench_auto_budget_resume_runs_a_cell_cut_short_again_whole(tmp_path, monkeypatch):
+    """--resume skips a cell whose every label has its --repeats runs, and runs a cell cut short
+    (a label missing, or with fewer runs) again with every label, replacing its records."""
+    import json
+
+    from bench import bench_auto_budget
+
+    labels = ["ar", "ddtree@2", "ddtree@4", "auto"]
+    def rec(label, setting, runs):
+        r = dict(label=label, batch=4, setting=setting, acceptance=None, tokens_per_s=100.0,
+                 tokens_per_s_runs=[100.0] * runs, rounds=0, tau=1.0)
+        return r | (dict(histogram={"0": 1}, expected=1.0, realized=1.0) if label == "auto" else {})
+
+    full = [rec(label, "T=0", 2) for label in labels]
+    cut = [rec("ar", "T=1", 1), rec("ddtree@2", "T=1", 2)]
+    (tmp_path / "x.json").write_text(json.dumps(dict(batches=[4], command="python first", runs=full + cut)))
+    cells = []
+
+    def run_cell(target, drafter, prompts, todo, setting, new, auto_max, seed, repeats, deadline, publish, **kw):
+        cells.append((len(prompts), setting, list(todo)))
+        publish([rec(label, setting, repeats) | {"tokens_per_s": 50.0} for label in todo])
+
+    monkeypatch.setattr(bench_auto_budget, "run_cell", run_cell)
+    out = bench_auto_budget.main(["--smoke", "--resume", "--batches", "4", "--settings", "T=0", "T=1",
+                                  "--repeats", "2", "--tag", "x", "--out", str(tmp_path)])
+    # (--smoke runs batches 1, with 2 prompts, and 4) batch 4: T=0 complete, skipped; T=1 cut
+    # short, every label again
+    assert cells == [(2, "T=0", labels), (2, "T=1", labels), (4, "T=1", labels)]
+    by_setting = {s: [r for r in out["runs"] if r["setting"] == s and r["batch"] == 4] for s in ("T=0", "T=1")}
+    assert by_setting["T=0"] == full
+    assert [r["label"] for r in by_setting["T=1"]] == labels and all(r["tokens_per_s"] == 50.0
+                                                                      for r in by_setting["T=1"])
+
+
 def test_bench_auto_budget_runs_again_a_timed_call_that_compiled(monkeypatch):
     """A timed call that compiles a program (a budget the warm-up never chose) is not kept: the
     bench runs it again, and keeps a call that compiled nothing."""
