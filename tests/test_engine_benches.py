@@ -178,6 +178,28 @@ def test_bench_auto_budget_resume_runs_a_cell_cut_short_again_whole(tmp_path, mo
                                                                       for r in by_setting["T=1"])
 
 
+def test_bench_e2e_runs_again_a_timed_call_that_compiled(monkeypatch):
+    """bench_e2e.measure does not keep a call that compiled a program as a timing: the group runs
+    again, and the call that compiled nothing is the one counted."""
+    import types
+
+    from bench import bench_e2e
+
+    made = []
+
+    def run(target, drafter, prompts, *args, **kw):
+        n = len(made)
+        if n == 0:  # the first call compiles a program no call compiled before
+            jax.jit(lambda x: x * 5 + 2)(jnp.float32(n)).block_until_ready()
+        made.append(n)
+        return types.SimpleNamespace(seconds=1.0 + n, new_tokens=10, requests=[], tokens=[[n]])
+
+    monkeypatch.setattr(bench_e2e, "_run", run)
+    rec, tokens = bench_e2e.measure(None, None, [[1], [2]], "ar", 0, None, 4, 8, 0)
+    assert made == [0, 1, 2] and tokens == [[1], [2]]  # group 1: call 0 compiled, call 1 kept
+    assert rec["seconds"] == 2.0 + 3.0 and rec["new_tokens"] == 20
+
+
 def test_bench_auto_budget_runs_again_a_timed_call_that_compiled(monkeypatch):
     """A timed call that compiles a program (a budget the warm-up never chose) is not kept: the
     bench runs it again, and keeps a call that compiled nothing."""
