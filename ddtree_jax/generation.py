@@ -561,12 +561,7 @@ def generate(
             size = 1 << int(len(running) - 1).bit_length()
             take = np.concatenate([running, np.full(size - len(running), running[0])])
             pad = np.arange(size) >= len(running)
-            state = _on_rows(_take_rows(state, jnp.asarray(take)), target)
-            # Padding slots repeat a running request's rows but are free: they commit nothing
-            # (and, paged, hold no pages: they would write the pages of the row they repeat).
-            state = dataclasses.replace(state, finish=jnp.where(jnp.asarray(pad), FREE, state.finish))
-            if page_size is not None:
-                state = without_pages(state, jnp.asarray(pad))
+            state = _on_rows(_compacted(state, jnp.asarray(take), jnp.asarray(pad), page_size is not None), target)
             slot_request = np.where(pad, -1, slot_request[take])
             need["rows"], need["rate"] = np.where(pad, 0, need["rows"][take]), need["rate"][take]
             batch_sizes.append(size)
@@ -609,19 +604,20 @@ def _row_rates(generated: np.ndarray, rounds: np.ndarray, used: np.ndarray) -> n
     return np.maximum(1.0, (made + RATE_PRIOR * batch) / (ran + RATE_PRIOR))
 
 
-_take_rows = jax.jit(lambda state, rows: state.take_rows(rows))
+@functools.partial(jax.jit, static_argnames=("paged",))
+def _compacted(state: DecodeState, take: jax.Array, pad: jax.Array, paged: bool) -> DecodeState:
+    """A compaction in one compiled call: ``state``'s rows ``take [B']``, where the padding rows
+    ``pad [B']`` (bool: they repeat a running request's rows) are free, so they commit nothing,
+    and, ``paged``, hold no pages (they would write the pages of the row they repeat)."""
+    state = state.take_rows(take)
+    state = dataclasses.replace(state, finish=jnp.where(pad, FREE, state.finish))
+    return without_pages(state, pad) if paged else state
 
 
 @jax.jit
 def _progress(state: DecodeState) -> jax.Array:
-    """i32 ``[3, B]``: the rows' done flags, tokens generated and rounds run (one read-back, one
-    compiled call: eager ops would cost a dispatch each, host time in every dispatch's launch)."""
-    return _stacked(state.done, state.generated, state.rounds)
-
-
-@jax.jit
-def _stacked(done, generated, rounds) -> jax.Array:
-    return jnp.stack([done.astype(jnp.int32), generated, rounds])
+    """i32 ``[3, B]``: the rows' done flags, tokens generated and rounds run (one read-back)."""
+    return jnp.stack([state.done.astype(jnp.int32), state.generated, state.rounds])
 
 
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
