@@ -404,7 +404,7 @@ def generate(
         held, last_rounds, P = [0], np.zeros((B,), np.int32), _held(decode)
 
     def harvest(state):
-        got = jax.device_get({k: getattr(state, k) for k in host})
+        got = _host_fields(np.asarray(jax.device_get(_harvested(state))), capacity)
         used = slot_request >= 0
         for k, v in got.items():
             host[k][slot_request[used]] = v[used]
@@ -495,7 +495,8 @@ def generate(
             dispatch.update(form=form, chosen=time.perf_counter())
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every, form == "fixed")
         need["pending"] += dispatch["n"]
-        dispatch["progress"] = _progress(state)  # (its own array: the next dispatch takes `state`)
+        # (its own array: the next dispatch takes `state`; with the tally, one read-back for both)
+        dispatch["progress"] = _progress(state, dispatch["tally"])
         dispatch["launch"] = time.perf_counter() - t
         return state, dispatch
 
@@ -504,7 +505,7 @@ def generate(
         records its tally, timing it from ``start`` (``None``: untimed); ``(done, when read)``."""
         nonlocal in_rounds
         t = time.perf_counter()
-        tally, (done, generated, rounds) = jax.device_get((dispatch["tally"], dispatch["progress"]))
+        tally, (done, generated, rounds) = _read_progress(jax.device_get(dispatch["progress"]))
         done = done.astype(bool)
         now = time.perf_counter()
         in_rounds += dispatch["launch"] + now - t
@@ -615,9 +616,36 @@ def _compacted(state: DecodeState, take: jax.Array, pad: jax.Array, paged: bool)
 
 
 @jax.jit
-def _progress(state: DecodeState) -> jax.Array:
-    """i32 ``[3, B]``: the rows' done flags, tokens generated and rounds run (one read-back)."""
-    return jnp.stack([state.done.astype(jnp.int32), state.generated, state.rounds])
+def _harvested(state: DecodeState) -> jax.Array:
+    """i32 ``[B, 2C + 3]``: the rows' outputs, acceptance lengths, tokens generated, finish codes
+    and rounds run side by side, read back in one transfer (``_host_fields`` splits them)."""
+    return jnp.concatenate([state.out, state.accept_lengths,
+                            jnp.stack([state.generated, state.finish, state.rounds], axis=1)], axis=1)
+
+
+def _host_fields(packed: np.ndarray, capacity: int) -> dict[str, np.ndarray]:
+    """``_harvested``'s columns by field (views of ``packed``)."""
+    C = capacity
+    return dict(out=packed[:, :C], accept_lengths=packed[:, C : 2 * C], generated=packed[:, 2 * C],
+                finish=packed[:, 2 * C + 1], rounds=packed[:, 2 * C + 2])
+
+
+@jax.jit
+def _progress(state: DecodeState, tally: jax.Array | None = None) -> jax.Array:
+    """i32 ``[3 + W, B]``: the rows' done flags, tokens generated and rounds run, then the bits of
+    a dispatch's ``tally`` (f32 ``[B, W]``, ``auto_round``) if given: one read-back for both
+    (``_read_progress`` splits them)."""
+    parts = [state.done.astype(jnp.int32)[None], state.generated[None], state.rounds[None]]
+    if tally is not None:
+        parts.append(jax.lax.bitcast_convert_type(tally.astype(jnp.float32), jnp.int32).T)
+    return jnp.concatenate(parts, axis=0)
+
+
+def _read_progress(got) -> tuple[np.ndarray | None, np.ndarray]:
+    """``(tally f32 [B, W] or None, [done, generated, rounds] i32 [3, B])`` of a read-back of
+    ``_progress``."""
+    got = np.asarray(got)
+    return (got[3:].T.view(np.float32) if got.shape[0] > 3 else None), got[:3]
 
 
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
