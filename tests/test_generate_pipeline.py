@@ -84,3 +84,29 @@ def test_row_rates_follow_each_row_from_the_batch_rate():
     assert rates[1] < batch < rates[0]
     np.testing.assert_allclose(generation._row_rates(np.array([3, 5]), np.array([4, 4]), np.array([True, True])),
                                [1.0, 1.0])
+
+
+def test_read_backs_pack_and_split_the_state_fields_and_the_tally():
+    """The packed read-backs (``_harvested``, ``_progress`` with an auto dispatch's tally) give back
+    each field exactly: the tally's float32 bits through int32, the state's int32 fields (their
+    functions run on a stand-in with the state's fields, uncompiled)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    B, C, W = 3, 5, 7
+    ints = lambda *shape: jax.numpy.asarray(rng.integers(-9, 99, shape), jax.numpy.int32)  # noqa: E731
+    state = type("S", (), {})()
+    state.out, state.accept_lengths = ints(B, C), ints(B, C)
+    state.generated, state.finish, state.rounds = ints(B), ints(B), ints(B)
+    state.done = state.finish > 50
+    tally = rng.standard_normal((B, W)).astype(np.float32)
+    fields = generation._host_fields(np.asarray(generation._harvested.__wrapped__(state)), C)
+    for name, got in fields.items():
+        np.testing.assert_array_equal(got, np.asarray(getattr(state, name)))
+    got_tally, (done, generated, rounds) = generation._read_progress(
+        generation._progress.__wrapped__(state, jax.numpy.asarray(tally)))
+    np.testing.assert_array_equal(got_tally, tally)  # bit for bit
+    np.testing.assert_array_equal(done, np.asarray(state.done).astype(np.int32))
+    np.testing.assert_array_equal(generated, np.asarray(state.generated))
+    np.testing.assert_array_equal(rounds, np.asarray(state.rounds))
+    assert generation._read_progress(generation._progress.__wrapped__(state))[0] is None
