@@ -21,10 +21,10 @@ round at each budget of the set, as measured by the library at that batch).
 hand (``bench._controlled``: the real passes, steered logits), once per ``--acceptance`` level,
 on random prompts.
 
-Results go to ``bench/results/auto_budget_<device>_<date>.json`` after every run (``--resume``
-continues a run stopped by ``--minutes``: it skips the cells whose every label has its
-``--repeats`` runs and runs a cell cut short again whole) and a markdown table beside it, with the
-device, date and command.
+Results go to ``bench/results/auto_budget_<device>_<date>.json`` after every run, with a markdown
+table beside it, the device, date and command. ``--minutes`` starts a cell only if the longest
+cell so far would end in time; ``--resume`` continues a run so stopped: it skips the cells whose
+every label has its ``--repeats`` runs and runs a cell cut short again whole.
 """
 
 from __future__ import annotations
@@ -261,7 +261,9 @@ def main(argv=None):
                    help="batch 1: prompts each timed call decodes one after the other (one prompt's acceptance "
                         "is one draw of a noisy quantity; --smoke: 2)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
-    p.add_argument("--minutes", type=float, default=9.0, help="stop (keeping results) before this wall time")
+    p.add_argument("--minutes", type=float, default=9.0,
+                   help="stop (keeping results) before this wall time: a cell starts only if the longest cell so "
+                        "far would end by then")
     p.add_argument("--resume", action="store_true", help="continue the results file of the same stem")
     p.add_argument("--tag", default=None, help="results file stem (default auto_budget_<device>_<date>)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -325,7 +327,7 @@ def main(argv=None):
 
     labels = ["ar", *(f"ddtree@{b}" for b in args.budgets), "auto"]
     _log(f"{pair} on {device}: batches {args.batches}, settings {args.settings}, {labels}")
-    stopped = False
+    stopped, longest = False, 0.0  # (the longest cell so far: a cell is started only if that long fits)
     for level in levels:
         if level is not None:  # the same arrays; the level is the models' static setting
             target.acceptance = drafter.acceptance = LEVELS[level]
@@ -336,7 +338,7 @@ def main(argv=None):
             for setting in args.settings:
                 if all((level, batch, setting, label) in done for label in labels):
                     continue
-                if time.perf_counter() > deadline:
+                if time.perf_counter() + longest > deadline:  # (a cell cut short runs again whole)
                     stopped = True
                     break
                 t0 = time.perf_counter()
@@ -356,6 +358,7 @@ def main(argv=None):
                     _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "
                          f"{rec['tokens_per_s']:.1f} tok/s (median of {len(rec['tokens_per_s_runs'])}), "
                          f"tau {rec['tau']:.2f}{extra}")
+                longest = max(longest, time.perf_counter() - t0)
                 _log(f"cell done in {time.perf_counter() - t0:.0f}s incl. compile")
                 stopped = stopped or time.perf_counter() > deadline
     save()

@@ -178,6 +178,30 @@ def test_bench_auto_budget_resume_runs_a_cell_cut_short_again_whole(tmp_path, mo
                                                                       for r in by_setting["T=1"])
 
 
+def test_bench_auto_budget_starts_no_cell_the_longest_so_far_would_not_finish(tmp_path, monkeypatch):
+    """--minutes: a cell starts only if the longest cell so far would end by the deadline (cells
+    of 100 s against 4 minutes: two run, the third would end at 300 s and does not start)."""
+    import types
+
+    from bench import bench_auto_budget
+
+    clock = [0.0]
+    monkeypatch.setattr(bench_auto_budget, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    cells = []
+
+    def run_cell(target, drafter, prompts, todo, setting, new, auto_max, seed, repeats, deadline, publish, **kw):
+        cells.append(setting)
+        clock[0] += 100.0
+        publish([dict(label=label, tokens_per_s=1.0, tokens_per_s_runs=[1.0] * repeats, rounds=0, tau=1.0)
+                 | (dict(histogram={"0": 1}, expected=1.0, realized=1.0) if label == "auto" else {})
+                 for label in todo])
+
+    monkeypatch.setattr(bench_auto_budget, "run_cell", run_cell)
+    out = bench_auto_budget.main(["--smoke", "--settings", "T=0", "T=1", "--minutes", "4", "--out", str(tmp_path)])
+    assert cells == ["T=0", "T=1"], cells  # (--smoke: batch 1's two settings; batch 4's first would end late)
+    assert {r["batch"] for r in out["runs"]} == {1}
+
+
 def test_bench_e2e_runs_again_a_timed_call_that_compiled(monkeypatch):
     """bench_e2e.measure does not keep a call that compiled a program as a timing: the group runs
     again, and the call that compiled nothing is the one counted."""
