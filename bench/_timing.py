@@ -5,6 +5,8 @@ import time
 import jax
 import numpy as np
 
+from ddtree_jax.compilation_cache import CompileWatch
+
 
 def time_it(fn, args_list, iters=20, repeats=5):
     """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls (inputs rotated),
@@ -32,3 +34,18 @@ def host_call_median(fn, ready, n: int) -> float:
         times.append(time.perf_counter() - t0)
     jax.block_until_ready(ready())
     return float(np.median(times))
+
+
+def uncompiled_call(call, retries: int, log, again=None):
+    """``call()``'s result from a call that compiled no program (nor loaded one from the persistent
+    cache: its time would be the compile's), calling it again up to ``retries`` calls in all (the
+    last call's result whatever it compiled). ``again(out)``: a further reason not to keep a call,
+    as the line ``log`` gets, or ``None``."""
+    for _ in range(retries):
+        with CompileWatch() as watch:
+            out = call()
+        reason = again(out) if again is not None else None
+        if reason is None and not watch.compiles:
+            return out
+        log(reason or f"a timed call compiled {watch.compiles} programs ({watch.seconds:.1f}s): run again")
+    return out

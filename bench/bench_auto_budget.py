@@ -41,8 +41,8 @@ import jax
 
 from bench._common import k2_models
 from bench._controlled import LEVELS
+from bench._timing import uncompiled_call
 from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
-from ddtree_jax.compilation_cache import CompileWatch
 from ddtree_jax.config import DecodeConfig
 from ddtree_jax.generation import GenerateOutput, generate
 
@@ -107,18 +107,12 @@ def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, rep
     calls, outs, sizes = {}, {}, set()
 
     def timed(label):
-        for _ in range(RETRIES):
-            with CompileWatch() as watch:
-                out = calls[label]()
-            new_sizes = set(out.auto.costs) - sizes if out.auto is not None else set()
-            if not new_sizes and not watch.compiles:
-                return out
-            sizes.update(new_sizes)
-            if new_sizes:
-                _log(f"  {label}: reached batch sizes {sorted(new_sizes)} first (their costs timed): run again")
-            else:
-                _log(f"  {label}: compiled {watch.compiles} programs in a timed call ({watch.seconds:.1f}s): run again")
-        return out
+        def new_sizes(out):
+            fresh = set(out.auto.costs) - sizes if out.auto is not None else set()
+            sizes.update(fresh)
+            return f"reached batch sizes {sorted(fresh)} first (their costs timed): run again" if fresh else None
+
+        return uncompiled_call(calls[label], RETRIES, lambda msg: _log(f"  {label}: {msg}"), again=new_sizes)
 
     for label in labels:
         if time.perf_counter() > deadline:

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.compilation_cache import CompileWatch
+from bench._timing import uncompiled_call
 from ddtree_jax.generation import generate
 from ddtree_jax.sampling import SamplingParams
 
@@ -168,14 +168,9 @@ def measure(target, drafter, groups, method, budget, sampling, new, max_len, see
     ``RETRIES`` calls."""
     secs, toks, lengths, tokens, pubs = 0.0, 0, [], [], []
     for prompts in groups:
-        for _ in range(RETRIES):
-            with CompileWatch() as watch:
-                out = _run(target, drafter, prompts, method, budget, sampling, new, max_len, seed,
-                           sync_every=sync_every)
-            if not watch.compiles:
-                break
-            print(f"[bench] a timed call compiled {watch.compiles} programs ({watch.seconds:.1f}s): run again",
-                  flush=True)
+        out = uncompiled_call(lambda prompts=prompts: _run(target, drafter, prompts, method, budget, sampling, new,
+                                                           max_len, seed, sync_every=sync_every),
+                              RETRIES, lambda msg: print(f"[bench] {msg}", flush=True))
         secs += out.seconds
         toks += out.new_tokens
         lengths += [a for r in out.requests for a in r.acceptance_lengths]
