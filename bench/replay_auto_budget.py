@@ -4,6 +4,7 @@
         --costs-from bench/results/auto_budget_nvidia_h100_80gb_hbm3_20261206.json [--costs 16:0.46,0.70,0.73,0.77] \\
         [--batches 1 16 64] [--settings T=0 T=1]
     python bench/replay_auto_budget.py --smoke --costs 2:1,2,3
+    python bench/replay_auto_budget.py --k2-slice 2 --costs 1:1.615,3.756,4.479,5.691 --batches 1 --settings T=0
 
 The chooser's rule is tuned against runs on a GPU, which are scarce and noisy; this replays it
 where it is cheap. For each batch size and sampling setting it runs ``generate`` with
@@ -19,7 +20,10 @@ can reach, and the GPU's table (``bench_auto_budget.py``) is what it does.
 
 Costs (ms per round at each budget of the set ``auto_budget_set(--auto-max)``, budget 0 first):
 ``--costs-from`` takes each batch's table from a ``bench_auto_budget.py`` results file (its auto
-runs' ``costs_ms``); ``--costs BATCH:C0,C1,...`` gives or overrides one batch's. Results go to
+runs' ``costs_ms``); ``--costs BATCH:C0,C1,...`` gives or overrides one batch's. ``--k2-slice
+LAYERS``: the K2-shaped slice with a controlled-acceptance pair at the tiny CPU shapes
+(``bench._common.k2_models``), once per ``--acceptance`` level, on random prompts: the GPU's K2
+slice decides at the same acceptance, so its table prices these rounds. Results go to
 ``bench/results/auto_replay_<device>_<date>.json`` and a markdown table beside it.
 """
 
@@ -35,7 +39,8 @@ import time
 import jax
 import numpy as np
 
-from bench._common import device_tag
+from bench._common import device_tag, k2_models
+from bench._controlled import LEVELS
 from bench.bench_auto_budget import ORDER, decode
 from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
 from ddtree_jax.config import DecodeConfig, auto_budget_set
@@ -101,14 +106,16 @@ def summarize(results: dict) -> str:
                 if results.get("b1_prompts") else ""), "",
              "Fixed budgets are priced at auto's table cost of their budget (auto's drafted round builds the "
              "largest tree, so a fixed round is somewhat cheaper than that).", "",
-             "| batch | setting | rounds at each budget | tau | table time, auto / AR (ms) | auto over AR | "
-             + " | ".join(f"@{b} over AR" for b in results["fixed"]) + " |",
-             "|---|---|---|---|---|---|" + "---|" * len(results["fixed"])]
+             "| acceptance | batch | setting | rounds at each budget | tau | table time, auto / AR (ms) | "
+             "auto over AR | " + " | ".join(f"@{b} over AR" for b in results["fixed"]) + " | auto over the best |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(results["fixed"]) + "---|"]
     for r in results["runs"]:
         hist = " / ".join(f"{b}: {n}" for b, n in r["histogram"].items())
         fixed = "".join(f" {r['fixed_over_ar'][str(b)]:.3f}x |" for b in results["fixed"])
-        lines.append(f"| {r['batch']} | {r['setting']} | {hist} | {r['tau']:.2f} | {r['auto_ms']:.1f} / "
-                     f"{r['ar_ms']:.1f} | {r['over_ar']:.3f}x |{fixed}")
+        best = max([1.0, *r["fixed_over_ar"].values()])
+        lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {hist} | {r['tau']:.2f} | "
+                     f"{r['auto_ms']:.1f} / {r['ar_ms']:.1f} | {r['over_ar']:.3f}x |{fixed} "
+                     f"{r['over_ar'] / best:.3f}x |")
     lines += ["", "Cost tables (ms per round at each budget):", ""]
     lines += [f"- batch {b}: " + ", ".join(f"{x}: {c:.3f}" for x, c in zip(results["budgets"], t, strict=True))
               for b, t in sorted(results["tables"].items(), key=lambda kv: int(kv[0]))]
@@ -121,6 +128,10 @@ def main(argv=None):
     src.add_argument("--default", action="store_true", help="the shipped pair (ddtree_jax/default_pair)")
     src.add_argument("--pair", help="folder with target/, drafter/, tokenizer.json, data.json")
     src.add_argument("--smoke", action="store_true", help="tiny random pair, tiny sizes")
+    src.add_argument("--k2-slice", type=int, metavar="LAYERS", default=None,
+                     help="a K2-shaped slice of LAYERS layers (tiny CPU shapes) with a controlled-acceptance pair")
+    p.add_argument("--acceptance", nargs="+", default=["high", "medium", "low"], choices=list(LEVELS),
+                   help="--k2-slice: the acceptance levels (bench/_controlled.py)")
     p.add_argument("--costs-from", help="a bench_auto_budget.py results json (its auto runs' cost tables)")
     p.add_argument("--costs", nargs="*", default=[], metavar="BATCH:C0,C1,...",
                    help="one batch's ms per round at each budget of the set")
@@ -146,7 +157,13 @@ def main(argv=None):
     missing = [b for b in args.batches if b not in tables]
     if missing:
         raise SystemExit(f"no cost table for batch {missing}: give --costs-from or --costs BATCH:...")
-    if args.smoke:
+    levels = [None]
+    if args.k2_slice is not None:
+        target, drafter = k2_models(args.k2_slice, smoke=True, acceptance=LEVELS[args.acceptance[0]])
+        tokenizer, data, levels = None, None, args.acceptance
+        pair = f"K2-shaped slice of {args.k2_slice} layers (tiny CPU shapes), controlled acceptance"
+        args.dtype = "bfloat16"
+    elif args.smoke:
         target, drafter, tokenizer = smoke_pair()
         args.prompt_len, args.new = min(args.prompt_len, 8), min(args.new, 8)
         pair, data = "smoke (random tiny pair)", None
@@ -164,16 +181,19 @@ def main(argv=None):
                    tables={str(b): list(tables[b]) for b in args.batches}, runs=[])
     stem = args.tag or f"auto_replay_{results['device']}_{datetime.date.today():%Y%m%d}"
     os.makedirs(args.out, exist_ok=True)
-    cells = [(b, s) for b in args.batches for s in args.settings]
-    for i, (batch, setting) in enumerate(cells, 1):
+    cells = [(level, b, s) for level in levels for b in args.batches for s in args.settings]
+    for i, (level, batch, setting) in enumerate(cells, 1):
+        if level is not None:  # the same arrays; the level is the models' static setting
+            target.acceptance = drafter.acceptance = LEVELS[level]
         count = args.b1_prompts if batch == 1 else batch
         prompts, _ = heldout_prompts(data, tokenizer, count, args.prompt_len, args.new, target.config.vocab_size,
                                      args.seed)
         run = replay(target, drafter, prompts, setting, args.new, args.auto_max, tables[batch], args.seed,
                      tuple(args.budgets), alone=batch == 1)
+        run["acceptance"] = level
         results["runs"].append(run)
         fixed = ", ".join(f"@{b} {x:.3f}x" for b, x in run["fixed_over_ar"].items())
-        _log(f"[{i}/{len(cells)}] batch {batch}, {setting}: rounds {run['histogram']}, "
+        _log(f"[{i}/{len(cells)}] {level + ', ' if level else ''}batch {batch}, {setting}: rounds {run['histogram']}, "
              f"{run['over_ar']:.3f}x autoregressive decoding by the table ({fixed}; {run['wall_s']:.0f} s)")
         with open(os.path.join(args.out, stem + ".json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -102,6 +102,21 @@ def test_replay_auto_budget_prices_the_rounds_by_the_table(tmp_path):
     assert (tmp_path / "auto_replay_cpu-smoke_{}.md".format(out["date"].replace("-", ""))).exists()
 
 
+def test_replay_auto_budget_on_the_k2_slice_runs_each_acceptance_level(tmp_path):
+    """``--k2-slice``: the controlled-acceptance pair at the tiny shapes, once per level, each run
+    named by its level; the levels set the acceptance (greedy: the high level's drafts are
+    accepted, the low level's hardly)."""
+    from bench import replay_auto_budget
+
+    out = replay_auto_budget.main(["--k2-slice", "1", "--acceptance", "high", "low", "--costs", "1:1,2,2,3",
+                                   "--batches", "1", "--b1-prompts", "1", "--settings", "T=0", "--budgets", "16",
+                                   "--prompt-len", "8", "--new", "12", "--out", str(tmp_path)])
+    high, low = out["runs"]
+    assert (high["acceptance"], low["acceptance"]) == ("high", "low")
+    assert high["fixed_over_ar"]["16"] > 2.0 * low["fixed_over_ar"]["16"]
+    assert "| high | 1 | T=0 |" in (tmp_path / "auto_replay_cpu_{}.md".format(out["date"].replace("-", ""))).read_text()
+
+
 def test_batch_one_benches_pool_prompts_decoded_one_after_the_other(tmp_path):
     """bench_auto_budget's batch 1 decodes several prompts, each on its own: one output with the
     requests in order and rounds, seconds and auto's histogram, tokens and dispatches summed; the
