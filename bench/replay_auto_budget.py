@@ -70,19 +70,21 @@ def cost_tables(costs_from: str | None, costs: list[str], budgets: tuple[int, ..
 
 
 def replay(target, drafter, prompts, setting: str, new: int, auto_max: int, table, seed: int,
-           fixed: tuple[int, ...] = (), alone: bool = False) -> dict:
+           fixed: tuple[int, ...] = (), alone: bool = False, restart: float | None = None) -> dict:
     """One auto run priced by ``table`` (ms per round at each budget of the set): its budget
     histogram, table time and ratio to autoregressive decoding's; and each ``fixed`` budget's run
     (a budget of the set) priced by the same table, its rounds at that budget's cost. ``alone``:
-    each prompt decoded on its own at batch 1, one after the other (rounds summed)."""
+    each prompt decoded on its own at batch 1, one after the other (rounds summed). ``restart``:
+    a pipeline restart's price in ms (``DecodeConfig.auto_restart``), added per probe run alone."""
     budgets = auto_budget_set(auto_max)
     config = DecodeConfig(budget="auto", auto_max_budget=auto_max, auto_costs=tuple(c / 1e3 for c in table),
-                          seed=seed)
+                          auto_restart=None if restart is None else restart / 1e3, seed=seed)
     models = (target, drafter)
     t = time.perf_counter()
     out = decode(models, prompts, alone, config=config, max_new_tokens=new, sampling=SETTINGS[setting])
     rounds = np.asarray(out.auto.rounds)
-    auto_ms = float(rounds @ np.asarray(table))
+    restarts = sum(d.form == "alone" for d in out.dispatches)
+    auto_ms = float(rounds @ np.asarray(table)) + restarts * (restart or 0.0)
     ar_ms = (len(prompts) if alone else 1) * (new - 1) * table[0]
     over_fixed = {}
     for b in fixed:
@@ -92,8 +94,8 @@ def replay(target, drafter, prompts, setting: str, new: int, auto_max: int, tabl
     return dict(setting=setting, batch=1 if alone else len(prompts), histogram=dict(zip(map(str, budgets),
                                                                                          rounds.tolist(),
                                                                         strict=True)),
-                auto_ms=auto_ms, ar_ms=ar_ms, over_ar=ar_ms / auto_ms, fixed_over_ar=over_fixed, tau=out.mean_tau,
-                costs_ms=list(table), wall_s=time.perf_counter() - t)
+                restarts=restarts, auto_ms=auto_ms, ar_ms=ar_ms, over_ar=ar_ms / auto_ms, fixed_over_ar=over_fixed,
+                tau=out.mean_tau, costs_ms=list(table), wall_s=time.perf_counter() - t)
 
 
 def summarize(results: dict) -> str:
@@ -135,6 +137,9 @@ def main(argv=None):
     p.add_argument("--costs-from", help="a bench_auto_budget.py results json (its auto runs' cost tables)")
     p.add_argument("--costs", nargs="*", default=[], metavar="BATCH:C0,C1,...",
                    help="one batch's ms per round at each budget of the set")
+    p.add_argument("--restart-ms", type=float, default=None,
+                   help="a pipeline restart's price (DecodeConfig.auto_restart; default: unknown, no probe runs "
+                        "alone), added to auto's time per probe run alone")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--settings", nargs="+", default=list(ORDER), choices=list(ORDER))
     p.add_argument("--auto-max", type=int, default=16, help="auto's largest budget (DecodeConfig.auto_max_budget)")
@@ -189,7 +194,7 @@ def main(argv=None):
         prompts, _ = heldout_prompts(data, tokenizer, count, args.prompt_len, args.new, target.config.vocab_size,
                                      args.seed)
         run = replay(target, drafter, prompts, setting, args.new, args.auto_max, tables[batch], args.seed,
-                     tuple(args.budgets), alone=batch == 1)
+                     tuple(args.budgets), alone=batch == 1, restart=args.restart_ms)
         run["acceptance"] = level
         results["runs"].append(run)
         fixed = ", ".join(f"@{b} {x:.3f}x" for b, x in run["fixed_over_ar"].items())

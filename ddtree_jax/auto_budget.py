@@ -39,7 +39,11 @@ host before the dispatch from the statistics of the dispatches already read back
   prior is that a drafted round at the largest budget commits ``FIRST_DRAFT_TOKENS`` tokens.
   Where that pays at the costs (the largest budget's cost at most that many times budget 0's),
   every choice is the largest budget until the first drafted round is read back (a pipelined
-  caller's first two dispatches); elsewhere the first dispatch probes;
+  caller's first two dispatches); elsewhere the first dispatch probes. A pipelined caller
+  chooses its second dispatch before that probe is read back, knowing nothing, so the rounds
+  of both may be plain where drafting pays; ``probe_alone`` says when the probe should rather
+  run as a dispatch of its one round at the largest budget, read back before the next choice (a
+  pipeline restart: worth it where rounds are dear against the restart);
 * **probes**: after ``AutoChooser.interval`` rounds in a row at budget 0 one dispatch drafts
   anyway, at the best positive budget (without it the averages would never change again;
   ``generate`` runs it as the first round of a full dispatch, ``auto_round.run_probe_rounds``;
@@ -75,8 +79,9 @@ from scipy.special import log_ndtr, ndtr
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
-           "AutoPlan", "AutoReport", "PRIOR_ROUNDS", "RunCosts", "batch_rounds", "calibrated", "carried_up",
-           "choose_budget", "expected_max", "expected_tokens", "finish_budget", "finish_times", "round_variance"]
+           "AutoPlan", "AutoReport", "PRIOR_ROUNDS", "RESTART_SHARE", "RunCosts", "batch_rounds", "calibrated",
+           "carried_up", "choose_budget", "expected_max", "expected_tokens", "finish_budget", "finish_times",
+           "probe_alone", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -99,6 +104,10 @@ FIRST_DRAFT_TOKENS = 2.0
 drafted round is read back. Where that pays against a plain round at the costs given (the
 largest budget's cost at most this many times budget 0's), the choice is the largest budget
 until the first drafted round is read back; elsewhere the first dispatch probes."""
+
+RESTART_SHARE = 0.5
+"""``probe_alone``: the share of a dispatch's plain rounds a pipeline restart may cost at most
+for the first probe to run alone."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
@@ -145,6 +154,20 @@ def expected_tokens(tree: DraftTree, budgets: tuple[int, ...]) -> jax.Array:
     mass = jnp.where(tree.valid[:, 1:], jnp.exp(tree.score[:, 1:]), 0.0)
     prefix = jnp.concatenate([jnp.zeros_like(mass[:, :1]), jnp.cumsum(mass, axis=1)], axis=1)
     return 1.0 + prefix[:, jnp.asarray(budgets)]
+
+
+def probe_alone(restart: float | None, plain: float, rounds: int) -> bool:
+    """Whether a pipelined caller runs its first probe (no drafted round read back yet) as a
+    dispatch of its one round, read back before the next choice, rather than as the first round
+    of a full dispatch of ``rounds`` followed by one chosen before it is read (alone, the probe
+    verifies the largest budget: its round says what every smaller budget would have committed,
+    so the choice after it knows every budget's tokens, where a probe at a smaller budget leaves
+    the larger ones that budget's calibration): where the restart
+    (``restart``: what a dispatch costs launched and waited for alone beyond its rounds,
+    ``auto_costs.measure_restart``; ``None``: unknown, never) costs at most ``RESTART_SHARE`` of
+    the dispatch's rounds at budget 0 (``plain`` each). Alone, the probe saves up to ``2 rounds -
+    1`` plain rounds where drafting pays and costs the restart where it does not."""
+    return restart is not None and restart <= RESTART_SHARE * rounds * plain
 
 
 def choose_budget(expected, costs) -> int:

@@ -9,12 +9,14 @@ budgets; the median), each repetition a burst of ``BURST`` calls launched back t
 for at the end, as the runs launch them (a call ahead of the one read back), so that a call whose
 launch overlaps the device is priced at the device's pace and one that holds the host pays for
 it; the callers time them on running rows (a round's cost includes what committing costs) and put
-the rows back before every call. ``CostTable`` keeps measured costs in memory and, with a
-folder, one JSON file per key (``{"key": ..., "costs": [...]}``), so a later process with the same
-key loads them instead of timing again. ``default_table()`` keeps its files under the compilation
-cache folder (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that
-cache is off). Nothing here is specific to a device: every number comes from a measurement.
-Design note: docs/auto-budget.md.
+the rows back before every call. ``measure_restart`` prices a pipeline restart: what a call of
+budget 0 costs launched and waited for alone beyond its rounds in a burst (its launch and
+read-back, which a call ahead hides). ``CostTable`` keeps measured costs and the restart in
+memory and, with a folder, one JSON file per key (``{"key": ..., "costs": [...], "restart":
+s}``), so a later process with the same key loads them instead of timing again.
+``default_table()`` keeps its files under the compilation cache folder
+(``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that cache is off).
+Nothing here is specific to a device: every number comes from a measurement. Design note: docs/auto-budget.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import jax
 
 from ddtree_jax import compilation_cache
 
-__all__ = ["BURST", "FOLDER", "TIMING", "CostTable", "cost_key", "default_table", "measure", "models_digest"]
+__all__ = ["BURST", "FOLDER", "TIMING", "CostTable", "cost_key", "default_table", "measure", "measure_restart",
+           "models_digest"]
 
 FOLDER = "auto_budget_costs"
 
@@ -97,12 +100,30 @@ def measure(run: Callable[[int], object], count: int, reps: int = 3, per_call: i
     return tuple(statistics.median(t) / (BURST * per_call) for t in times)
 
 
+def measure_restart(run: Callable[[int], object], cost: float, reps: int = 3, per_call: int = 1,
+                    before: Callable[[], object] | None = None) -> float:
+    """Seconds a call of ``run(0)`` (``per_call`` rounds of budget 0) costs launched and waited
+    for alone beyond its rounds at ``cost`` seconds each (``measure``'s price, launched in a
+    burst): after one untimed call (compilation, warm-up), the median over ``reps`` calls, at
+    least 0. ``before`` as in ``measure`` (waited for before each call)."""
+    times = []
+    for i in range(reps + 1):
+        if before is not None:
+            jax.block_until_ready(before())
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(0))
+        if i:
+            times.append(time.perf_counter() - t0)
+    return max(0.0, statistics.median(times) - per_call * cost)
+
+
 class CostTable:
     """Round costs by key, in memory and (with ``folder``) on disk (module docstring)."""
 
     def __init__(self, folder: str | None = None):
         self.folder = folder
         self._memory: dict[str, tuple[float, ...]] = {}
+        self._restart: dict[str, float] = {}
 
     @staticmethod
     def digest(key: dict) -> str:
@@ -131,29 +152,43 @@ class CostTable:
                 not all(c > 0 for c in costs):
             return None
         self._memory[digest] = costs
+        restart = got.get("restart")
+        if isinstance(restart, (int, float)) and restart >= 0:
+            self._restart[digest] = float(restart)
         return costs
 
-    def put(self, key: dict, costs) -> None:
-        """Stores ``costs`` (one per budget of the key) in memory and, with a folder, on disk."""
-        costs = tuple(float(c) for c in costs)
-        self._memory[self.digest(key)] = costs
+    def restart(self, key: dict) -> float | None:
+        """The restart price stored for ``key`` (``measure_restart``), or ``None``."""
+        return self._restart.get(self.digest(key)) if self.get(key) is not None else None
+
+    def put(self, key: dict, costs, restart: float | None = None) -> None:
+        """Stores ``costs`` (one per budget of the key) and the ``restart`` price (if given) in
+        memory and, with a folder, on disk."""
+        costs, digest = tuple(float(c) for c in costs), self.digest(key)
+        self._memory[digest] = costs
+        entry = dict(key=key, costs=list(costs))
+        if restart is not None:
+            self._restart[digest] = entry["restart"] = float(restart)
         path = self.path(key)
         if path is None:
             return
         os.makedirs(self.folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(dict(key=key, costs=list(costs)), f, indent=1)
+            json.dump(entry, f, indent=1)
         os.replace(tmp, path)
 
     def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3, per_call: int = 1,
                        before: Callable[[], object] | None = None) -> tuple[float, ...]:
-        """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call, before)``,
-        stored."""
+        """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call, before)``;
+        and the restart price, else ``measure_restart`` (a table stored without one gets it);
+        what was measured is stored."""
         costs = self.get(key)
+        if costs is not None and self.restart(key) is not None:
+            return costs
         if costs is None:
             costs = measure(run, len(key["budgets"]), reps, per_call, before)
-            self.put(key, costs)
+        self.put(key, costs, measure_restart(run, costs[0], reps, per_call, before))
         return costs
 
 

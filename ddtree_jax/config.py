@@ -126,6 +126,13 @@ class DecodeConfig:
     instead of timing the compiled rounds; stored as a tuple of floats. ``None``: measured
     (``ddtree_jax.auto_costs``)."""
 
+    auto_restart: float | None = None
+    """With ``budget="auto"`` and ``auto_costs``: what a call of rounds costs launched and waited
+    for alone beyond its rounds (a pipeline restart, in ``auto_costs``' unit), >= 0; ``generate``
+    runs its first probe alone, read back before the next choice, where this is at most
+    ``auto_budget.RESTART_SHARE`` of a call's plain rounds. ``None``: measured with the cost
+    table, or with ``auto_costs`` unknown (the first probe runs inside a full call)."""
+
     auto_probe_every: int = 8
     """With ``budget="auto"``: after this many rounds in a row without the drafter, one round
     drafts again to re-measure the acceptance, >= 1."""
@@ -172,6 +179,13 @@ class DecodeConfig:
                      f"must be None or {n} positive finite numbers (one per budget of "
                      f"{auto_budget_set(self.auto_max_budget)}), got {self.auto_costs!r}")
             object.__setattr__(self, "auto_costs", tuple(float(c) for c in costs))
+        if self.auto_restart is not None:
+            r = self.auto_restart
+            _require(self.auto_costs is not None and isinstance(r, numbers.Real) and not isinstance(r, bool)
+                     and 0 <= r < float("inf"), owner, "auto_restart",
+                     f"must be None or a finite number >= 0 beside auto_costs (the cost table's own is measured), "
+                     f"got {r!r}" + ("" if self.auto_costs is not None else " without auto_costs"))
+            object.__setattr__(self, "auto_restart", float(r))
         if not (isinstance(self.sync_every, str) and self.sync_every == AUTO):
             _require(self.sync_every is None or (is_int(self.sync_every) and self.sync_every >= 1), owner,
                      "sync_every", f"must be None, 'auto' or an integer >= 1, got {self.sync_every!r}")

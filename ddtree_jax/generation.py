@@ -38,7 +38,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax import auto_round as ar
-from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport
+from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport, probe_alone
 from ddtree_jax.auto_round import plain_tally, round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import AUTO, METHODS, DecodeConfig, auto_budget_set, is_int
@@ -92,7 +92,9 @@ class Dispatch(NamedTuple):
       rounds: the rounds it was given (a ``"loop"`` call stops early once every row is done).
       form: ``"fixed"`` (a loop of known trip count: the call returns before its rounds have run),
         ``"loop"`` (a loop that ends once every row is done: on a GPU the call returns when they
-        have), ``"probe"`` (one drafted round, then plain ones) or ``"profile"``.
+        have), ``"probe"`` (one drafted round, then plain ones), ``"alone"`` (``budget="auto"``'s
+        first probe as a call of its one round, read back before the next call is launched:
+        ``auto_budget.probe_alone``) or ``"profile"``.
       start: seconds from the first call's launch to this one's.
       choose: seconds of host work in the launch before the compiled call: the budget's choice,
         cost lookups, the decision of the call's form.
@@ -396,6 +398,7 @@ def generate(
         auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
                              draft_len=drafter.config.block_size - 1)
         chooser, costs, plans = AutoChooser(auto_plan, decode.auto_costs is None), {}, round_plans(plan, auto_plan)
+        restarts = {}  # (per batch size: a pipeline restart's price, None where unknown)
         digest = (auto_costs.models_digest(target, drafter, (tparams, dparams)) if decode.auto_costs is None
                   else None)
         active = B
@@ -460,14 +463,15 @@ def generate(
             if rows not in costs:  # (only where the pipeline starts: a new batch size)
                 state = flush(state)
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
-                state, costs[rows] = _round_costs(decode, digest, models, tparams, dparams, plans, state, base_key,
-                                                  checked.max_len, scratch, sync_every, fixed_calls)
+                state, costs[rows], restarts[rows] = _round_costs(decode, digest, models, tparams, dparams, plans,
+                                                                  state, base_key, checked.max_len, scratch,
+                                                                  sync_every, fixed_calls)
                 dispatch["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
             if call_form(1) is None:  # (before the choice, which counts the dispatches)
                 return state, None
             running = need["rows"] > 0  # (a static batch: the choice that ends it soonest)
-            k = chooser.choose(active, chooser.costs(rows, costs[rows]),
-                               finish=(slot_request[running], need["rows"][running]))
+            paid = chooser.costs(rows, costs[rows])
+            k = chooser.choose(active, paid, finish=(slot_request[running], need["rows"][running]))
             n, tally = sync_every, None
             fixed = call_form(n) == "fixed"
             dispatch.update(form="fixed" if fixed else "loop", chosen=time.perf_counter(), budget=auto_plan.budgets[k])
@@ -476,6 +480,14 @@ def generate(
                     state = flush(state)
                 state = run_rounds(models, tparams, dparams, plans[0], state, base_key, n, fixed)
                 held[0] += n
+            elif chooser.probing and chooser.drafted == 0 and probe_alone(restarts[rows], paid[0], n):
+                # The first probe alone: its statistics choose the next call (not launched ahead),
+                # so it verifies the largest budget (its round tells every budget's tokens)
+                k = len(auto_plan.budgets) - 1
+                state = flush(state)
+                state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, 1)
+                n = 1
+                dispatch.update(form="alone", budget=auto_plan.budgets[k])
             elif chooser.probing:  # the held context added, one drafted round, then plain ones: one call
                 dispatch["form"] = "probe"
                 state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
@@ -520,7 +532,8 @@ def generate(
             last_rounds[:] = rounds
             # Only full dispatches at one budget time it (a probing one mixes two; the few rounds
             # of the last dispatch would carry a whole launch and read-back).
-            if start is not None and dispatch["form"] != "probe" and int(ran.max(initial=0)) == dispatch["n"]:
+            if start is not None and dispatch["form"] not in ("probe", "alone") and \
+                    int(ran.max(initial=0)) == dispatch["n"]:
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             if tally is not None:
                 chooser.record(dispatch["k"], tally, rows=dispatch["requests"])
@@ -535,7 +548,7 @@ def generate(
     last_read = None  # when the previous dispatch of the running pipeline was read back
     while cur is not None:
         nxt = None
-        if ahead:  # (after a probe too: its statistics serve the choice after next)
+        if ahead and cur["form"] != "alone":  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)
         # One dispatch ahead, a dispatch costs the time between its read-back and the previous
         # one's (its launch hidden); one launched after the previous read is not timed.
@@ -650,8 +663,9 @@ def _read_progress(got) -> tuple[np.ndarray | None, np.ndarray]:
 
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
                  base_key, max_len: int, scratch: int, sync_every: int, fixed: bool):
-    """``(state, costs)``: seconds per round at each budget at ``state``'s batch size,
-    ``decode.auto_costs`` if given, else from the cost table (``auto_costs.default_table``;
+    """``(state, costs, restart)``: seconds per round at each budget at ``state``'s batch size and
+    a pipeline restart's price (``auto_costs.measure_restart``), ``decode.auto_costs`` and
+    ``decode.auto_restart`` if given, else from the cost table (``auto_costs.default_table``;
     ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
     compiled rounds of each of ``plans`` (``sync_every`` per call, in a loop of known trip count
     with ``fixed``: the calls ``generate`` runs, budget 0's without a tally) on ``state``'s own rows,
@@ -660,13 +674,13 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     call and after (a round writes the caches only past each row's length, so restoring the rows'
     small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
-        return state, decode.auto_costs
+        return state, decode.auto_costs, decode.auto_restart
     key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
                               per_call=sync_every, budgets=plans[-1].expected_budgets)
     table = auto_costs.default_table()
-    known = table.get(key)
-    if known is not None:  # (no copies of the rows' fields: a lookup costs nothing on the device)
-        return state, known
+    known, restart = table.get(key), table.restart(key)
+    if known is not None and restart is not None:  # (no copies of the rows' fields: a lookup costs nothing)
+        return state, known, restart
     if state.deferred is not None:  # the timed rounds reuse the held-back buffer: empty it first
         state = run_flush(models, tparams, dparams, state)
     saved = _row_fields(state)
@@ -688,7 +702,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
         return work[0]
 
     costs = table.get_or_measure(key, run, per_call=sync_every, before=before)
-    return _put_row_fields(work[0], saved), costs
+    return _put_row_fields(work[0], saved), costs, table.restart(key)
 
 
 _ROW_FIELDS = ("root", "out", "generated", "finish", "accept_lengths", "rounds", "max_new_tokens", "stop_ids")

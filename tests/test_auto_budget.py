@@ -7,6 +7,7 @@ report. Costs are injected (``DecodeConfig.auto_costs``): no test depends on a t
 import argparse
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -487,6 +488,8 @@ def test_chooser_calibrates_each_budget_by_what_its_prefix_realized():
     (dict(budget="auto", auto_costs=(1.0, 2.0)), "auto_costs"),
     (dict(budget="auto", auto_max_budget=8, auto_costs=(1.0, 0.0, 2.0)), "auto_costs"),
     (dict(budget="auto", auto_costs="fast"), "auto_costs"),
+    (dict(budget="auto", auto_max_budget=8, auto_costs=(1.0, 2.0, 3.0), auto_restart=-1.0), "auto_restart"),
+    (dict(budget="auto", auto_restart=1.0), "auto_restart"),  # (without auto_costs: measured)
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as e:
@@ -496,7 +499,8 @@ def test_config_errors_name_the_field(kwargs, field):
 
 def test_auto_settings_and_the_option():
     d = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=[1, 2, 3])
-    assert d.is_auto and d.max_budget == 8 and d.auto_costs == (1.0, 2.0, 3.0)
+    assert d.is_auto and d.max_budget == 8 and d.auto_costs == (1.0, 2.0, 3.0) and d.auto_restart is None
+    assert DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=[1, 2, 3], auto_restart=2).auto_restart == 2.0
     assert not DecodeConfig(budget=5).is_auto and DecodeConfig(budget=5).max_budget == 5
     assert _preflight.budget("auto") == "auto" and _preflight.budget("12") == 12
     with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
@@ -527,7 +531,7 @@ def test_cost_table_saves_loads_and_refuses_what_does_not_match(tmp_path):
     key = dict(device="d", models="m", rows=4, budgets=[0, 4, 8], jax="x")
     table = auto_costs.CostTable(str(tmp_path))
     assert table.get(key) is None
-    table.put(key, [1.0, 2.0, 3.5])
+    table.put(key, [1.0, 2.0, 3.5], restart=0.002)
     fresh = auto_costs.CostTable(str(tmp_path))  # another process: from the file
     assert fresh.get(key) == (1.0, 2.0, 3.5)
     assert fresh.get({**key, "rows": 8}) is None
@@ -545,8 +549,31 @@ def test_cost_table_saves_loads_and_refuses_what_does_not_match(tmp_path):
                                                          before=lambda: calls.append("before"))
     # one warm-up call each, then two repetitions of a burst of BURST calls each
     bursts = [x for k in range(3) for x in ["before", k] * auto_costs.BURST]
-    assert calls == ["before", 0, "before", 1, "before", 2] + bursts * 2
+    # then the restart's price: one untimed call of budget 0 and two timed, each alone
+    assert calls == ["before", 0, "before", 1, "before", 2] + bursts * 2 + ["before", 0] * 3
     assert len(measured) == 3 and all(c > 0 for c in measured)
+
+
+def test_cost_table_keeps_the_restart_price_and_measures_it_where_a_table_has_none(tmp_path):
+    key = dict(device="d", models="m", rows=4, budgets=[0, 4], jax="x")
+    old = auto_costs.CostTable(str(tmp_path))
+    old.put(key, [1.0, 2.0])  # (a table stored before restarts were priced)
+    calls = []
+    table = auto_costs.CostTable(str(tmp_path))
+    assert table.get(key) == (1.0, 2.0) and table.restart(key) is None
+    assert table.get_or_measure(key, calls.append, reps=3) == (1.0, 2.0)  # the costs kept
+    assert calls == [0] * 4 and table.restart(key) == 0.0  # (these calls cost nothing: below a round)
+    fresh = auto_costs.CostTable(str(tmp_path))
+    assert fresh.restart(key) == 0.0 and fresh.get_or_measure(key, calls.append) == (1.0, 2.0)
+    assert calls == [0] * 4  # both stored: nothing timed again
+    fresh.put(key, [1.0, 2.0], restart=0.003)
+    assert auto_costs.CostTable(str(tmp_path)).restart(key) == 0.003
+    assert auto_costs.CostTable(str(tmp_path)).restart({**key, "rows": 8}) is None
+
+    def slow(k):
+        time.sleep(0.02)
+
+    assert 0.015 < auto_costs.measure_restart(slow, cost=0.001, reps=3, per_call=4) < 0.2
 
 
 def test_default_table_lives_under_the_compilation_cache(tmp_path, monkeypatch):
@@ -824,9 +851,9 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
     state, _ = run_tallied_rounds(models, tparams, dparams, plans[0], _auto_state(law_models, plan, 2), key, 2)
     assert np.asarray(state.deferred.count).min() == 2
     before = run_flush(models, tparams, dparams, jax.tree.map(jnp.copy, state))
-    after, costs = generation._round_costs(DecodeConfig(budget="auto", auto_max_budget=4), "digest", models, tparams,
-                                           dparams, plans, state, key, 64, 5, 2, fixed)
-    assert len(costs) == 2 and all(c > 0 for c in costs)
+    after, costs, restart = generation._round_costs(DecodeConfig(budget="auto", auto_max_budget=4), "digest", models,
+                                                    tparams, dparams, plans, state, key, 64, 5, 2, fixed)
+    assert len(costs) == 2 and all(c > 0 for c in costs) and restart >= 0
     after = run_flush(models, tparams, dparams, after)
     for f in ("out", "generated", "accept_lengths", "finish", "root", "rounds"):
         np.testing.assert_array_equal(getattr(after, f), getattr(before, f), err_msg=f)
@@ -837,6 +864,27 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
     for a, b in zip(kv(after), kv(before), strict=True):
         for row, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(a[row, :n]), np.asarray(b[row, :n]), atol=1e-6)
+
+
+@pytest.mark.parametrize("restart, alone", [(0.0, True), (2.0, True), (2.01, False), (None, False)])
+def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models, greedy_ar, restart, alone):
+    """Where the prior does not pay, generate's first dispatch probes. Where a pipeline restart
+    costs at most RESTART_SHARE of a dispatch's plain rounds (here 0.5 x 4 rounds x 1.0 = 2.0),
+    the probe is a call of its one round, read back before the next call is launched (so the
+    next is chosen on its statistics); else (an unknown restart too) it is the first round of a
+    full dispatch. Alone it verifies the largest budget (its round calibrates every budget for the
+    choice right after it); inside a dispatch the rule's cheapest tree, as before. Greedy tokens
+    stay autoregressive decoding's."""
+    S = 4
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 50.0, 50.0), auto_restart=restart,
+                          sync_every=S)
+    out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert out.tokens == greedy_ar.tokens
+    first, second = out.dispatches[:2]
+    assert (first.form, first.budget, first.rounds) == (("alone", 8, 1) if alone else ("probe", 4, S))
+    assert second.form != "probe" and second.rounds == S
+    if alone:  # (launched once the probe was read back; else launched ahead of that read)
+        assert second.start >= first.start + first.choose + first.launch + first.wait
 
 
 @pytest.mark.parametrize("costs, pays", [((1.0, 50.0, 50.0), False), ((1.0, 1.0, 1.0), True)])
@@ -869,7 +917,7 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     monkeypatch.setattr(generation.ar, "run_probe_rounds", recorded("probe", generation.ar.run_probe_rounds,
                                                                     lambda a: a[0].budget))
     monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
-                        *rest: (state, costs))
+                        *rest: (state, costs, None))
     monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(self.plan.budgets[k]))
     finishes, choose = [], AutoChooser.choose
 

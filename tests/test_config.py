@@ -37,6 +37,7 @@ BAD = [
     (DecodeConfig, "impl", "triton"),
     (DecodeConfig, "auto_max_budget", 0),
     (DecodeConfig, "auto_costs", (1.0,)),
+    (DecodeConfig, "auto_restart", -1.0),
     (DecodeConfig, "auto_probe_every", 0),
     (EngineConfig, "decode", {"method": "ar"}),
     (EngineConfig, "slots", 0),
