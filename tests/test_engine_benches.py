@@ -105,14 +105,21 @@ def test_replay_auto_budget_prices_the_rounds_by_the_table(tmp_path):
 def test_replay_auto_budget_on_the_k2_slice_runs_each_acceptance_level(tmp_path):
     """``--k2-slice``: the controlled-acceptance pair at the tiny shapes, once per level, each run
     named by its level; the levels set the acceptance (greedy: the high level's drafts are
-    accepted, the low level's hardly)."""
+    accepted, the low level's hardly); ``--restart-ms`` prices each probe run alone."""
+    import pytest
+
     from bench import replay_auto_budget
 
     out = replay_auto_budget.main(["--k2-slice", "1", "--acceptance", "high", "low", "--costs", "1:1,2,2,3",
-                                   "--batches", "1", "--b1-prompts", "1", "--settings", "T=0", "--budgets", "16",
-                                   "--prompt-len", "8", "--new", "12", "--out", str(tmp_path)])
+                                   "--restart-ms", "0.5", "--batches", "1", "--b1-prompts", "1", "--settings", "T=0",
+                                   "--budgets", "16", "--prompt-len", "8", "--new", "12", "--out", str(tmp_path)])
     high, low = out["runs"]
     assert (high["acceptance"], low["acceptance"]) == ("high", "low")
+    # the prior does not pay (3 > 2 x 1) and a restart (0.5 ms) is cheap: the first probe ran alone, priced
+    for run in (high, low):
+        rounds = [run["histogram"][str(b)] for b in out["budgets"]]
+        assert run["restarts"] == 1 and run["auto_ms"] == pytest.approx(
+            sum(n * c for n, c in zip(rounds, (1.0, 2.0, 2.0, 3.0), strict=True)) + 0.5)
     assert high["fixed_over_ar"]["16"] > 2.0 * low["fixed_over_ar"]["16"]
     assert "| high | 1 | T=0 |" in (tmp_path / "auto_replay_cpu_{}.md".format(out["date"].replace("-", ""))).read_text()
 
