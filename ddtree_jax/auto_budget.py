@@ -105,9 +105,11 @@ drafted round is read back. Where that pays against a plain round at the costs g
 largest budget's cost at most this many times budget 0's), the choice is the largest budget
 until the first drafted round is read back; elsewhere the first dispatch probes."""
 
-RESTART_SHARE = 0.5
+RESTART_SHARE = 0.25
 """``probe_alone``: the share of a dispatch's plain rounds a pipeline restart may cost at most
-for the first probe to run alone."""
+for the first probe to run alone. Low: the measured restart (``auto_costs.measure_restart``: a
+launch and a read-back) leaves out the host's own work between the read and the next launch (the
+choice: up to about 1 ms at batch 64 on the H100's host)."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""

@@ -866,10 +866,10 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
             np.testing.assert_allclose(np.asarray(a[row, :n]), np.asarray(b[row, :n]), atol=1e-6)
 
 
-@pytest.mark.parametrize("restart, alone", [(0.0, True), (2.0, True), (2.01, False), (None, False)])
+@pytest.mark.parametrize("restart, alone", [(0.0, True), (1.0, True), (1.01, False), (None, False)])
 def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models, greedy_ar, restart, alone):
     """Where the prior does not pay, generate's first dispatch probes. Where a pipeline restart
-    costs at most RESTART_SHARE of a dispatch's plain rounds (here 0.5 x 4 rounds x 1.0 = 2.0),
+    costs at most RESTART_SHARE of a dispatch's plain rounds (here 0.25 x 4 rounds x 1.0 = 1.0),
     the probe is a call of its one round, read back before the next call is launched (so the
     next is chosen on its statistics); else (an unknown restart too) it is the first round of a
     full dispatch. Alone it verifies the largest budget (its round calibrates every budget for the
