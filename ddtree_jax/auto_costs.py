@@ -179,16 +179,16 @@ class CostTable:
         os.replace(tmp, path)
 
     def get_or_measure(self, key: dict, run: Callable[[int], object], reps: int = 3, per_call: int = 1,
-                       before: Callable[[], object] | None = None) -> tuple[float, ...]:
+                       before: Callable[[], object] | None = None, restart: bool = False) -> tuple[float, ...]:
         """The stored costs of ``key``, else ``measure(run, len(budgets), reps, per_call, before)``;
-        and the restart price, else ``measure_restart`` (a table stored without one gets it);
-        what was measured is stored."""
+        with ``restart`` also the restart price, else ``measure_restart`` (a table stored without
+        one gets it); what was measured is stored."""
         costs = self.get(key)
-        if costs is not None and self.restart(key) is not None:
+        if costs is not None and (not restart or self.restart(key) is not None):
             return costs
         if costs is None:
             costs = measure(run, len(key["budgets"]), reps, per_call, before)
-        self.put(key, costs, measure_restart(run, costs[0], reps, per_call, before))
+        self.put(key, costs, measure_restart(run, costs[0], reps, per_call, before) if restart else None)
         return costs
 
 

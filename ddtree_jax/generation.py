@@ -474,21 +474,19 @@ def generate(
             k = chooser.choose(active, paid, finish=(slot_request[running], need["rows"][running]))
             n, tally = sync_every, None
             fixed = call_form(n) == "fixed"
-            dispatch.update(form="fixed" if fixed else "loop", chosen=time.perf_counter(), budget=auto_plan.budgets[k])
+            # The first probe alone: its statistics choose the next call (not launched ahead), so it
+            # verifies the largest budget (its round tells every budget's tokens): one tallied round
+            alone = chooser.probing and chooser.drafted == 0 and probe_alone(restarts[rows], paid[0], n)
+            if alone:
+                k, n, fixed = len(auto_plan.budgets) - 1, 1, False
+            dispatch.update(form="alone" if alone else "fixed" if fixed else "loop", chosen=time.perf_counter(),
+                            budget=auto_plan.budgets[k])
             if k == 0:  # plain rounds, their context held back (flushed first if it would not fit)
                 if held[0] + n > P:
                     state = flush(state)
                 state = run_rounds(models, tparams, dparams, plans[0], state, base_key, n, fixed)
                 held[0] += n
-            elif chooser.probing and chooser.drafted == 0 and probe_alone(restarts[rows], paid[0], n):
-                # The first probe alone: its statistics choose the next call (not launched ahead),
-                # so it verifies the largest budget (its round tells every budget's tokens)
-                k = len(auto_plan.budgets) - 1
-                state = flush(state)
-                state, tally = run_tallied_rounds(models, tparams, dparams, plans[k], state, base_key, 1)
-                n = 1
-                dispatch.update(form="alone", budget=auto_plan.budgets[k])
-            elif chooser.probing:  # the held context added, one drafted round, then plain ones: one call
+            elif chooser.probing and not alone:  # the held context added, one drafted round, then plain ones
                 dispatch["form"] = "probe"
                 state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
                                                    n, fixed)
@@ -701,7 +699,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
         work[0] = _put_row_fields(work[0], timing)
         return work[0]
 
-    costs = table.get_or_measure(key, run, per_call=sync_every, before=before)
+    costs = table.get_or_measure(key, run, per_call=sync_every, before=before, restart=True)
     return _put_row_fields(work[0], saved), costs, table.restart(key)
 
 

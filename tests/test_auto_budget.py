@@ -546,7 +546,7 @@ def test_cost_table_saves_loads_and_refuses_what_does_not_match(tmp_path):
         f.write("{not json")
     assert auto_costs.CostTable(str(tmp_path)).get(key) is None
     measured = auto_costs.CostTable(None).get_or_measure(key, calls.append, reps=2, per_call=4,
-                                                         before=lambda: calls.append("before"))
+                                                         before=lambda: calls.append("before"), restart=True)
     # one warm-up call each, then two repetitions of a burst of BURST calls each
     bursts = [x for k in range(3) for x in ["before", k] * auto_costs.BURST]
     # then the restart's price: one untimed call of budget 0 and two timed, each alone
@@ -561,10 +561,11 @@ def test_cost_table_keeps_the_restart_price_and_measures_it_where_a_table_has_no
     calls = []
     table = auto_costs.CostTable(str(tmp_path))
     assert table.get(key) == (1.0, 2.0) and table.restart(key) is None
-    assert table.get_or_measure(key, calls.append, reps=3) == (1.0, 2.0)  # the costs kept
+    assert table.get_or_measure(key, calls.append, reps=3) == (1.0, 2.0) and not calls  # (no restart asked)
+    assert table.get_or_measure(key, calls.append, reps=3, restart=True) == (1.0, 2.0)  # the costs kept
     assert calls == [0] * 4 and table.restart(key) == 0.0  # (these calls cost nothing: below a round)
     fresh = auto_costs.CostTable(str(tmp_path))
-    assert fresh.restart(key) == 0.0 and fresh.get_or_measure(key, calls.append) == (1.0, 2.0)
+    assert fresh.restart(key) == 0.0 and fresh.get_or_measure(key, calls.append, restart=True) == (1.0, 2.0)
     assert calls == [0] * 4  # both stored: nothing timed again
     fresh.put(key, [1.0, 2.0], restart=0.003)
     assert auto_costs.CostTable(str(tmp_path)).restart(key) == 0.003
