@@ -449,6 +449,12 @@ def generate(
         expected = float((left / need["rate"]).max()) - need["pending"]
         return "fixed" if fixed_calls and expected >= n else "loop"
 
+    def synchronous(dispatch) -> bool:
+        """Whether ``dispatch``'s launch returned only once its rounds (and those before them) ran:
+        a loop whose end the device decides, on GPUs (the backends where ``call_form`` gives
+        ``"fixed"``: there such a loop's condition goes to the host each round)."""
+        return fixed_calls and dispatch["form"] == "loop"
+
     def launch(state):
         """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
         where no row can need them."""
@@ -528,9 +534,9 @@ def generate(
         if decode.is_auto:
             ran = rounds - last_rounds  # (a probing dispatch: its probe round, then plain rounds)
             last_rounds[:] = rounds
-            # Only full dispatches at one budget time it (a probing one mixes two; the few rounds
-            # of the last dispatch would carry a whole launch and read-back).
-            if start is not None and dispatch["form"] not in ("probe", "alone") and \
+            # Only full dispatches at one budget, launched ahead, time it (a probing one mixes two;
+            # the few rounds of the last dispatch would carry a whole launch and read-back).
+            if start is not None and dispatch["form"] not in ("probe", "alone") and not synchronous(dispatch) and \
                     int(ran.max(initial=0)) == dispatch["n"]:
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             if tally is not None:
@@ -549,8 +555,11 @@ def generate(
         if ahead and cur["form"] != "alone":  # (after a probe too: its statistics serve the choice after next)
             state, nxt = launch(state)
         # One dispatch ahead, a dispatch costs the time between its read-back and the previous
-        # one's (its launch hidden); one launched after the previous read is not timed.
-        done, now = retire(cur, last_read if ahead else cur["t"])
+        # one's (its launch hidden); one launched after the previous read is not timed, nor one
+        # whose read-backs hold a synchronous launch (its own ran before the first read, the next's
+        # rounds before the second).
+        start = last_read if ahead else cur["t"]
+        done, now = retire(cur, None if nxt is not None and synchronous(nxt) else start)
         last_read = None if nxt is None else now
         active = int((~done).sum())
         if on_progress is not None or done.all():

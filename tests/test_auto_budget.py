@@ -965,3 +965,21 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     else:
         assert len(probes) > 1 and all(kind != "tallied" for kind, *_ in ran[1:]), calls
         assert out.auto.drafted_rounds == len(probes)
+
+
+def test_generate_times_no_dispatch_beside_a_synchronous_launch(law_models, monkeypatch):
+    """On GPUs a loop whose end the device decides returns to the host only once it ran (and the
+    rounds before it): one dispatch ahead, the time between two read-backs that hold such a launch
+    is not one dispatch's, so neither the loop nor the dispatch read back just before it is timed
+    (the GPU's forms here: ``FIXED_CALLS``). A 64-row K2-shaped run once priced every budget at a
+    fiftieth of its cost that way."""
+    monkeypatch.setattr(generation, "FIXED_CALLS", True)
+    made, timed = [], []
+    made_as = generation.Dispatch
+    monkeypatch.setattr(generation, "Dispatch", lambda *a, **k: made.append(made_as(*a, **k)) or made[-1])
+    monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(len(made) - 1))
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.0, 1.0), sync_every=2)
+    out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=25, compact=False, config=config)
+    forms = [d.form for d in out.dispatches]
+    assert "loop" in forms and timed, forms  # (the rows' last rounds: a loop)
+    assert all(forms[i] == "fixed" and forms[i + 1:i + 2] != ["loop"] for i in timed), (forms, timed)
