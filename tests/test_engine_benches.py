@@ -71,9 +71,10 @@ def test_bench_prefix_ttft_smoke(tmp_path):
     (the tails differ from the first token on)."""
     from bench import bench_prefix_ttft
 
-    report = bench_prefix_ttft.main(["--smoke", "--layouts", "paged", "--out", str(tmp_path)])
+    report = bench_prefix_ttft.main(["--smoke", "--layouts", "paged", "--methods", "ar", "--trials", "1",
+                                      "--out", str(tmp_path)])
     (row,) = report.sections["ttft"]
-    assert row["engine"] == "paged" and row["prefix"] == 256 and row["cached_per_hit"] == 256
+    assert row["engine"] == "paged ar" and row["prefix"] == 256 and row["cached_per_hit"] == 256
     assert row["miss_ms"] > 0 and row["hit_ms"] > 0
     assert glob.glob(str(tmp_path / "prefix_ttft_*.md"))
 
@@ -94,7 +95,7 @@ def test_replay_auto_budget_prices_the_rounds_by_the_table(tmp_path):
     with pytest.raises(SystemExit, match="budget set"):
         replay_auto_budget.cost_tables(None, ["1:0.5,1"], budgets)
     out = replay_auto_budget.main(["--smoke", "--costs-from", str(src), "--batches", "2", "--settings", "T=0",
-                                   "--out", str(tmp_path)])
+                                   "--budgets", "--out", str(tmp_path)])
     (run,) = out["runs"]
     rounds = [run["histogram"][str(b)] for b in budgets]
     assert run["auto_ms"] == sum(n * c for n, c in zip(rounds, (1.0, 2.0, 3.0, 4.0), strict=True)) > 0
@@ -144,7 +145,7 @@ def test_batch_one_benches_pool_prompts_decoded_one_after_the_other(tmp_path):
     assert pooled.auto.rounds == tuple(np.sum([o.auto.rounds for o in alone], axis=0))
     assert pooled.auto.sequence == alone[0].auto.sequence + alone[1].auto.sequence
     out = replay_auto_budget.main(["--smoke", "--costs", "1:1,2,2,3", "--batches", "1", "--b1-prompts", "2",
-                                   "--settings", "T=0", "--out", str(tmp_path)])
+                                   "--settings", "T=0", "--budgets", "--new", "6", "--out", str(tmp_path)])
     (run,) = out["runs"]
     assert run["batch"] == 1 and run["ar_ms"] == 2 * (out["new"] - 1)
 
