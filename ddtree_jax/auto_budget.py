@@ -29,12 +29,15 @@ host before the dispatch from the statistics of the dispatches already read back
   the rounds the row needs for the tokens it may still commit]`` (``batch_rounds``), from
   per-row moving averages of the expected tokens, each calibrated by the row's own factor
   (realized over expected drafted tokens), both shrunk toward the batch's by the rounds behind
-  them (``PRIOR_ROUNDS``; rows not drafted yet take the batch's). A drafted round commits a
+  them against the rounds of the batch's average that the rows' measured spread is worth
+  (``AutoChooser.prior_rounds``: an empirical-Bayes weight, ``PRIOR_ROUNDS`` before it is
+  measured; rows not drafted yet take the batch's). A drafted round commits a
   random number of tokens (``round_variance``: a path accepted depth by depth with one
   probability per depth, set by the mean), so the batch waits for its unluckiest row: at batch
   64 a round expecting 2.5 tokens ends 128 tokens in about 65 rounds, not 51. A row's mean is
-  itself an estimate, known as well as ``n + PRIOR_ROUNDS`` rounds' mean, and that uncertainty
-  adds to the spread: a row seen in few drafted rounds may be the slow one;
+  itself an estimate, known as well as the mean of its ``n`` rounds and the prior's, and that
+  uncertainty adds to the spread: where the rows' paces differ, a row seen in few drafted rounds
+  may be the slow one; where they do not (their spread is the rounds' own), it may not;
 * **the first dispatches**: before any drafted round is read back there are no statistics; the
   prior is that a drafted round at the largest budget commits ``FIRST_DRAFT_TOKENS`` tokens.
   Where that pays at the costs (the largest budget's cost at most that many times budget 0's),
@@ -79,9 +82,9 @@ from scipy.special import log_ndtr, ndtr
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
-           "AutoPlan", "AutoReport", "PRIOR_ROUNDS", "RESTART_SHARE", "RunCosts", "batch_rounds", "calibrated",
-           "carried_up", "choose_budget", "expected_max", "expected_tokens", "finish_budget", "finish_times",
-           "probe_alone", "round_variance"]
+           "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "PRIOR_ROUNDS", "RESTART_SHARE", "RunCosts", "SPREAD_ROWS",
+           "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max", "expected_tokens",
+           "finish_budget", "finish_times", "probe_alone", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -121,7 +124,16 @@ as long as the engine)."""
 PRIOR_ROUNDS = 4.0
 """``finish_budget``'s per-row estimates: the drafted rounds after which a row's own average weighs
 as much as the batch's (a row's average over ``n`` drafted rounds gets weight
-``n / (n + PRIOR_ROUNDS)``), so that one round's noise in one row does not set the batch's pace."""
+``n / (n + PRIOR_ROUNDS)``), so that one round's noise in one row does not set the batch's pace;
+where the rows' spread is measured (``AutoChooser.prior_rounds``), that measure instead."""
+
+SPREAD_ROWS = 32
+"""``AutoChooser.prior_rounds``: the rows with drafted rounds at a budget (and the degrees of
+freedom within rows) it takes to measure how much the rows' paces differ (16 rows' two dispatches
+measured it anywhere from 1.5 to 30 rounds in one run)."""
+
+MAX_PRIOR_ROUNDS = 256.0
+"""``AutoChooser.prior_rounds``'s bound where the rows' paces look alike."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,6 +435,7 @@ class AutoChooser:
         self.row_rounds = np.zeros(0)
         self.row_drafted = np.zeros((0, K, 2))
         self.row_calibrated_by = np.zeros((0, K))
+        self.row_sums = np.zeros((0, K, 3))
         self.learn_costs = learn_costs
         self.sequence: collections.deque = collections.deque(maxlen=SEQUENCE)
         self._finish = None  # the last choice's `finish`
@@ -454,14 +467,14 @@ class AutoChooser:
         w = self.calibrated_by / (self.calibrated_by + PRIOR_ROUNDS)
         return carried_up(w * ratio + (1.0 - w), seen)
 
-    def _row_factors(self, ids, known) -> np.ndarray:
+    def _row_factors(self, ids, known, prior=PRIOR_ROUNDS) -> np.ndarray:
         """f64 ``[R, K]``: rows ``ids``' own calibration factors per budget (``known [R]``: rows
-        with drafted rounds), each with ``PRIOR_ROUNDS`` rounds of the batch's."""
+        with drafted rounds), each with ``prior`` rounds (a scalar or ``[K]``) of the batch's."""
         K = len(self.plan.budgets)
         n, drafted = np.zeros((len(ids), K)), np.zeros((len(ids), K, 2))
         n[known], drafted[known] = self.row_calibrated_by[ids[known]], self.row_drafted[ids[known]]
         batch = self.factor()
-        prior = PRIOR_ROUNDS * self.predicted_ema
+        prior = prior * self.predicted_ema
         with np.errstate(invalid="ignore", divide="ignore"):
             own = (n * drafted[..., 0] + prior * batch) / (n * drafted[..., 1] + prior)
         return carried_up(np.where(np.isfinite(own) & (prior > 0), own, batch), self.calibrated_by > 0)
@@ -478,16 +491,48 @@ class AutoChooser:
         n = np.zeros((len(ids), 1))
         known = ids < len(self.row_expected)
         own[known], n[known, 0] = self.row_expected[ids[known]], self.row_rounds[ids[known]]
-        w = n / (n + PRIOR_ROUNDS)  # (0 for a row not drafted yet)
+        prior = self.prior_rounds(ids)
+        w = n / (n + prior)  # (0 for a row not drafted yet)
         rows = w * own + (1.0 - w) * self.expected_ema
-        # Each row's own realized / expected drafted tokens, with PRIOR_ROUNDS rounds of the batch's
+        # Each row's own realized / expected drafted tokens, with `prior` rounds of the batch's
         # (the rows the batch waits for are those whose drafts are accepted least, not predicted least)
-        expected = calibrated(rows, self._row_factors(ids, known), self.plan.caps)
+        expected = calibrated(rows, self._row_factors(ids, known, prior), self.plan.caps)
         variance = round_variance(expected, self.plan.caps)
-        # A row's mean is its own n rounds' with PRIOR_ROUNDS rounds of the batch's: known as well
-        # as n + PRIOR_ROUNDS rounds' mean (the batch's rows may differ: a row seen in few drafted
-        # rounds may be the slow one)
-        return finish_times(remaining, expected, costs, variance, variance / (n + PRIOR_ROUNDS), every)
+        # A row's mean is its own n rounds' with `prior` rounds of the batch's: known as well as
+        # n + prior rounds' mean (the batch's rows may differ: a row seen in few drafted rounds may
+        # be the slow one)
+        return finish_times(remaining, expected, costs, variance, variance / (n + prior), every)
+
+    def prior_rounds(self, ids) -> np.ndarray:
+        """f64 ``[K]``: per budget, the rounds of the batch's average a row's own average is mixed
+        with (``_scores``): the spread of the paces of the running rows ``ids``, measured, as the
+        empirical-Bayes prior's weight ``v / tau^2`` (``v``: the variance of a round's committed
+        tokens within a row, pooled over the rows' drafted dispatches at that budget; ``tau^2``:
+        the variance of the rows' true paces, their observed paces' variance less what ``v``
+        explains; bounded to [1, ``MAX_PRIOR_ROUNDS``]) once ``SPREAD_ROWS`` rows have drafted
+        rounds there, else ``PRIOR_ROUNDS``. Until their dispatches there give ``SPREAD_ROWS``
+        degrees of freedom within rows (a second dispatch per row), ``v`` is the law the rule takes
+        for a round's tokens (``round_variance`` at each row's pace), so the first probe's round
+        already tells rows that differ from rows that only drew differently."""
+        K = len(self.plan.budgets)
+        out = np.full(K, PRIOR_ROUNDS)
+        ids = np.asarray(ids)
+        ids = ids[(ids >= 0) & (ids < len(self.row_sums))]
+        n, sums = self.row_calibrated_by[ids], self.row_sums[ids]
+        paces = np.divide(sums[..., 0], n, out=np.ones_like(n), where=n > 0)
+        law = round_variance(paces, self.plan.caps)  # [R, K]
+        for k in range(1, K):
+            seen = n[:, k] > 0
+            if seen.sum() < SPREAD_ROWS:
+                continue
+            m, (y, q, d) = n[seen, k], sums[seen, k].T
+            df = float((d - 1).sum())
+            # (before a second dispatch per row: the law round_variance takes for the rows' paces)
+            within = float((q - y * y / m).sum()) / df if df >= SPREAD_ROWS else law[seen, k]
+            v = max(float(np.mean(within)), 0.0)  # (0: rounds without luck, a row's own average is its pace)
+            between = float(np.var(y / m, ddof=1) - np.mean(within / m))
+            out[k] = np.clip(v / max(between, v / MAX_PRIOR_ROUNDS, 1e-12), 1.0, MAX_PRIOR_ROUNDS)
+        return out
 
     def _rule(self, active: int, costs, finish=None) -> int:
         """The rule's budget index (module docstring): the argmin of ``_scores``, as ``choose``
@@ -574,6 +619,7 @@ class AutoChooser:
             self.row_rounds = np.concatenate([self.row_rounds, np.zeros(more)])
             self.row_drafted = np.concatenate([self.row_drafted, np.zeros((more, K, 2))])
             self.row_calibrated_by = np.concatenate([self.row_calibrated_by, np.zeros((more, K))])
+            self.row_sums = np.concatenate([self.row_sums, np.zeros((more, K, 3))])
         fresh = 1.0 - (1.0 - DECAY) ** n
         w = np.where(self.row_rounds[ids, None] > 0, fresh, 1.0)  # (1: its first)
         self.row_expected[ids] = (1.0 - w) * self.row_expected[ids] + w * tally[slots, 2 : 2 + K] / n
@@ -583,6 +629,9 @@ class AutoChooser:
         w = np.where(self.row_calibrated_by[ids] > 0, fresh, 1.0)[..., None] * upto[None, :, None]
         self.row_drafted[ids] = (1.0 - w) * self.row_drafted[ids] + w * drafted
         self.row_calibrated_by[ids] += n * upto
+        realized = tally[slots, 2 + K : 2 + 2 * K]
+        sums = np.stack([realized, realized**2 / n, np.ones_like(realized)], axis=-1)
+        self.row_sums[ids] += sums * upto[None, :, None]
 
 
 def carried_up(values, seen) -> np.ndarray:

@@ -20,7 +20,9 @@ from ddtree_jax.accept import accept_path
 from ddtree_jax.auto_budget import (
     DECAY,
     FIRST_DRAFT_TOKENS,
+    MAX_PRIOR_ROUNDS,
     OWN_SAMPLES,
+    PRIOR_ROUNDS,
     STALL,
     WINDOW,
     AutoChooser,
@@ -159,22 +161,49 @@ def test_finish_rule_waits_for_the_unluckiest_row():
     assert finish_budget([128], expected[None], costs, var) == 1
 
 
-def test_chooser_finish_rule_waits_to_know_the_rows():
-    """64 rows that each expect and accept 3 tokens a round at budget 4 (cap 4), 40 tokens left,
-    a drafted round 1.9 times a plain one. After one drafted round each row's pace is known as
-    well as 5 rounds' mean (PRIOR_ROUNDS): one of 64 may well be slow, and the batch would wait
-    for it (22.5 rounds at 1.9 > 40); after 40 rounds each, drafting ends the batch sooner
-    (19.0 rounds at 1.9 < 40). Without the uncertainty the rule drafts at once."""
+def test_chooser_finish_rule_weighs_the_rows_by_their_measured_spread():
+    """64 rows that each expect 3 tokens a round at budget 4 (cap 4), 40 tokens left, a drafted
+    round 1.9 times a plain one; by the means drafting ends the batch sooner (40 / 3 rounds at 1.9).
+    After one drafted round: where the rows' tokens spread no more than a round's own luck does
+    (half accepted 2, half 4: variance 1.0, the law's about 2), they are taken alike and the rule
+    drafts; where they spread more (half 1, half 5: variance 4.1), the rows differ, the slow half
+    may be slow, and the batch would wait for them: budget 0. With fewer than SPREAD_ROWS rows,
+    the fixed prior (PRIOR_ROUNDS)."""
     costs = (1.0, 1.9, 2.0)
     rows = np.arange(64)
     finish = (rows, np.full(64, 40))
-    c = AutoChooser(PLAN)
-    c.record(1, _tally([[1, 3, 1, 3, 3]] * 64), rows=rows)
-    assert c._rule(64, costs, finish) == 0
-    expected = calibrated(c.row_expected, 1.0, PLAN.caps)
+    expected = calibrated(np.tile([1.0, 3.0, 3.0], (64, 1)), 1.0, PLAN.caps)
     assert finish_budget(finish[1], expected, costs, round_variance(expected, PLAN.caps)) == 1
-    c.record(1, _tally([[39, 117, 39, 117, 117]] * 64), rows=rows)
-    assert c._rule(64, costs, finish) == 1
+    for low, high, choice in [(2, 4, 1), (1, 5, 0)]:
+        c = AutoChooser(PLAN)
+        c.record(1, _tally([[1, low if r % 2 else high, 1, 3, 3] for r in rows]), rows=rows)
+        prior = c.prior_rounds(rows)
+        assert prior[1] == (MAX_PRIOR_ROUNDS if choice else 1.0), prior
+        assert c._rule(64, costs, finish) == choice, (low, high)
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[1, 3, 1, 3, 3]] * 4), rows=np.arange(4))
+    assert c.prior_rounds(np.arange(4))[1] == PRIOR_ROUNDS
+
+
+def test_prior_rounds_measure_the_spread_of_the_rows_paces():
+    """Rows whose true paces spread with variance tau^2 = 0.25 around 3 tokens a round, each
+    round's tokens with variance v = 1 around its row's pace, four dispatches of 4 rounds per
+    row: prior_rounds estimates v / tau^2 = 4 from the within-row and between-row variances (2,000
+    rows: within 10%). Rows of one pace: the bound, MAX_PRIOR_ROUNDS. The budgets a dispatch did
+    not verify keep PRIOR_ROUNDS."""
+    rng = np.random.default_rng(0)
+    R, n = 2000, 4
+    rows = np.arange(R)
+    for tau2, want in [(0.25, 4.0), (0.0, MAX_PRIOR_ROUNDS)]:
+        pace = 3.0 + np.sqrt(tau2) * rng.standard_normal(R)
+        c = AutoChooser(PLAN)
+        for _ in range(4):
+            tokens = n * pace + np.sqrt(n * 1.0) * rng.standard_normal(R)
+            c.record(1, _tally(np.stack([np.full(R, n), tokens, np.full(R, n), np.full(R, 3.0 * n),
+                                         np.full(R, 3.0 * n)], axis=1)), rows=rows)
+        prior = c.prior_rounds(rows)
+        assert abs(prior[1] / want - 1) < 0.1, (tau2, prior)
+        assert prior[2] == PRIOR_ROUNDS, prior
 
 
 def test_chooser_finish_rule_uses_each_rows_own_averages():
