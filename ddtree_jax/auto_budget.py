@@ -518,9 +518,9 @@ class AutoChooser:
         out = np.full(K, PRIOR_ROUNDS)
         ids = np.asarray(ids)
         ids = ids[(ids >= 0) & (ids < len(self.row_sums))]
+        if len(ids) < SPREAD_ROWS:  # (every choice runs this: nothing to measure, nothing computed)
+            return out
         n, sums = self.row_calibrated_by[ids], self.row_sums[ids]
-        paces = np.divide(sums[..., 0], n, out=np.ones_like(n), where=n > 0)
-        law = round_variance(paces, self.plan.caps)  # [R, K]
         for k in range(1, K):
             seen = n[:, k] > 0
             if seen.sum() < SPREAD_ROWS:
@@ -528,7 +528,8 @@ class AutoChooser:
             m, (y, q, d) = n[seen, k], sums[seen, k].T
             df = float((d - 1).sum())
             # (before a second dispatch per row: the law round_variance takes for the rows' paces)
-            within = float((q - y * y / m).sum()) / df if df >= SPREAD_ROWS else law[seen, k]
+            within = (float((q - y * y / m).sum()) / df if df >= SPREAD_ROWS
+                      else round_variance((y / m)[:, None], self.plan.caps[k : k + 1])[:, 0])
             v = max(float(np.mean(within)), 0.0)  # (0: rounds without luck, a row's own average is its pace)
             between = float(np.var(y / m, ddof=1) - np.mean(within / m))
             out[k] = np.clip(v / max(between, v / MAX_PRIOR_ROUNDS, 1e-12), 1.0, MAX_PRIOR_ROUNDS)
