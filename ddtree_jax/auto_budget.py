@@ -54,7 +54,11 @@ host before the dispatch from the statistics of the dispatches already read back
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
   each drafted dispatch whose statistics still choose budget 0 at the next choice, and falls back
   to ``probe_every`` after one whose statistics choose a tree, so probing costs little where
-  drafting does not pay.
+  drafting does not pay;
+* **drafting to learn**: where the rule chooses budget 0 on an estimate that few drafted rounds
+  stand behind (batch 1), a dispatch of drafted rounds runs instead where what it would teach is
+  worth more than it costs (``AutoChooser.explore_value``: the expected saving of the better
+  choice after it, over the rounds left, against its rounds' loss to plain ones).
 
 * **costs as the run pays them**: the cost table (timed once per device, models and shapes) is
   the prior; each timed dispatch gives its budget's ratio of paid to table cost (host work
@@ -134,7 +138,6 @@ measured it anywhere from 1.5 to 30 rounds in one run)."""
 
 MAX_PRIOR_ROUNDS = 256.0
 """``AutoChooser.prior_rounds``'s bound where the rows' paces look alike."""
-
 
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
@@ -479,13 +482,64 @@ class AutoChooser:
             own = (n * drafted[..., 0] + prior * batch) / (n * drafted[..., 1] + prior)
         return carried_up(np.where(np.isfinite(own) & (prior > 0), own, batch), self.calibrated_by > 0)
 
-    def _scores(self, active: int, costs, finish=None, every: bool = False) -> np.ndarray:
+    def pace_error(self) -> np.ndarray:
+        """f64 ``[K]``: the standard error of a round's calibrated tokens at each budget as the
+        batch's drafted rounds know them, ``sqrt(v / n)``: ``v`` the variance of a round's tokens
+        at the batch's calibrated pace (``round_variance``), ``n`` the row-rounds behind the
+        budget's factor (``calibrated_by``, carried up to budgets no round verified) and
+        ``PRIOR_ROUNDS``; 0 at budget 0."""
+        caps = self.plan.caps
+        pace = calibrated(self.expected_ema, self.factor(), caps)
+        return np.sqrt(round_variance(pace, caps) / (self._known_by() + PRIOR_ROUNDS))
+
+    def _known_by(self) -> np.ndarray:
+        """f64 ``[K]``: the row-rounds behind each budget's factor, carried up (0 before any)."""
+        return carried_up(self.calibrated_by, self.calibrated_by > 0) * (self.calibrated_by.max() > 0)
+
+    def explore_value(self, active: int, costs, finish=None, scores=None) -> np.ndarray:
+        """f64 ``[K]``: per budget, what a dispatch of drafted rounds there is worth now, in plain
+        rounds, where the rule would run plain ones: the expected saving what its rounds teach
+        buys (the knowledge gradient), less what they lose to plain rounds.
+
+        The rule's time ratio ``r`` of budget ``b`` to budget 0 (the time to the batch's end, or
+        per token without ``finish``; ``scores``: ``_scores(..., every=True)``, computed if None)
+        is known to about ``s``, its change when the rows' paces rise by one ``pace_error``. The
+        dispatch's ``R = min(probe_every, H)`` rounds add ``m = active * R`` row-rounds to the
+        ``n`` behind the estimate, which moves the ratio by about ``s_m = s sqrt(m / (n + m))``;
+        the better choice after it saves ``max(0, 1 - ratio)`` of the ``H`` plain rounds left
+        (``finish``: the most tokens a row may still commit; else the rounds until the next probe
+        after a back-off, ``2 * interval``), in expectation ``H (s_m phi(d) - (r - 1) Q(d))``, ``d =
+        (r - 1) / s_m``. Its rounds cost ``R (costs[b] / costs[0]) (1 - 1 / r)`` plain rounds (a
+        round at ``b`` does the work of ``costs[b] / (r costs[0])`` plain ones: without
+        ``finish``, its calibrated tokens). ``-inf`` at budget 0."""
+        costs = np.asarray(costs, np.float64)
+        if scores is None:
+            scores = self._scores(active, costs, finish, every=True)
+        lifted = self._scores(active, costs, finish, every=True, bonus=self.pace_error())
+        if finish is None:  # (minus tokens per second: the time per token instead)
+            scores, lifted = -1.0 / scores, -1.0 / lifted
+        ratio, s = scores / scores[0], np.maximum((scores - lifted) / scores[0], 1e-12)
+        horizon = float(np.max(finish[1])) if finish is not None else 2.0 * self.interval
+        rounds = min(float(self.plan.probe_every), horizon)
+        m = active * rounds
+        sm = s * np.sqrt(m / (self._known_by() + PRIOR_ROUNDS + m))
+        d = (ratio - 1.0) / sm
+        saved = sm * np.exp(-0.5 * d * d) / np.sqrt(2.0 * np.pi) - (ratio - 1.0) * ndtr(-d)
+        loss = costs / costs[0] * (1.0 - 1.0 / ratio)  # (a round's share of the batch's work: ratio / costs[b])
+        value = horizon * saved - rounds * np.maximum(loss, 0.0)
+        value[0] = -np.inf
+        return value
+
+    def _scores(self, active: int, costs, finish=None, every: bool = False, bonus=None) -> np.ndarray:
         """f64 ``[K]``, lower is better: the rule's score of each budget (module docstring): minus
         the batch's calibrated expected tokens per second, or with ``finish`` the time until the
         static batch ends (``finish_times``; ``every``: every budget estimated, for a probe's
-        choice among the positive ones; else those that cannot beat budget 0 are ``inf``)."""
+        choice among the positive ones; else those that cannot beat budget 0 are ``inf``).
+        ``bonus`` ``[K]``: tokens added to every row's calibrated pace (at most the cap)."""
+        caps = self.plan.caps
+        lift = (lambda e: e) if bonus is None else (lambda e: np.minimum(e + bonus, 1.0 + caps))
         if finish is None:
-            return -(active * calibrated(self.expected_ema, self.factor(), self.plan.caps)) / costs
+            return -(active * lift(calibrated(self.expected_ema, self.factor(), caps))) / costs
         ids, remaining = (np.asarray(x) for x in finish)
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
@@ -496,8 +550,8 @@ class AutoChooser:
         rows = w * own + (1.0 - w) * self.expected_ema
         # Each row's own realized / expected drafted tokens, with `prior` rounds of the batch's
         # (the rows the batch waits for are those whose drafts are accepted least, not predicted least)
-        expected = calibrated(rows, self._row_factors(ids, known, prior), self.plan.caps)
-        variance = round_variance(expected, self.plan.caps)
+        expected = lift(calibrated(rows, self._row_factors(ids, known, prior), caps))
+        variance = round_variance(expected, caps)
         # A row's mean is its own n rounds' with `prior` rounds of the batch's: known as well as
         # n + prior rounds' mean (the batch's rows may differ: a row seen in few drafted rounds may
         # be the slow one)
@@ -543,9 +597,11 @@ class AutoChooser:
     def choose(self, active: int, costs, finish=None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
         (a round's cost at each budget): the prior's largest budget before any drafted round is
-        recorded where it pays (``FIRST_DRAFT_TOKENS``), else the rule on the averages, or a probe
-        at the best positive budget by the same rule once ``interval`` rounds in a row ran at budget
-        0 (the first dispatch where the prior does not pay). ``finish``: for
+        recorded where it pays (``FIRST_DRAFT_TOKENS``), else the rule on the averages; where the
+        rule chooses budget 0, a drafted dispatch where its rounds would teach more than they cost
+        (``explore_value``), else a probe at the best positive budget by the same rule once
+        ``interval`` rounds in a row ran at budget 0 (the first dispatch where the prior does not
+        pay). ``finish``: for
         a static batch, ``(row ids, tokens each may still commit)`` of its running rows (``[R]``
         each, R >= 1): the rule is then ``finish_budget`` on the rows' own averages (module
         docstring). The rule's scores are computed once: where a probe may be due, for every
@@ -557,8 +613,13 @@ class AutoChooser:
             self.probing = False  # (the prior: drafting pays until a drafted round is read back)
             return top
         # (the back-off below only lengthens the interval where the choice is budget 0)
-        scores = self._scores(active, costs, finish, every=self.skipped >= self.interval)
+        every = self.skipped >= self.interval
+        scores = self._scores(active, costs, finish, every=every)
         k = int(np.argmin(scores))
+        if k == 0 and self.drafted > 0:  # would drafted rounds teach enough to pay for themselves?
+            value = self.explore_value(active, costs, finish, scores if every else None)
+            if value.max() > 0:
+                k = int(np.argmax(value))
         if self._backoff_due:  # a drafted dispatch was recorded: do its statistics choose a tree?
             self._backoff_due = False
             self.interval = self.plan.probe_every if k > 0 else min(2 * self.interval,

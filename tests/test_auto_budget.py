@@ -219,8 +219,9 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     c.accepted_ema = c.predicted_ema.copy()  # (calibration factor 1)
     assert c.choose(2, costs) == 1  # the batch's mean (2.1 at budget 4, for 1.5): draft
     # row 3, at 0.75 its own average (12 rounds against PRIOR_ROUNDS = 4) and 0.25 the batch's
-    # (1.425 at budget 4), would set the pace: 20 / 1.425 * 1.5 > 20
-    assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 0
+    # (1.425 at budget 4), would set the pace: 20 / 1.425 * 1.5 > 20 (the rule; `choose` probes:
+    # a tree is within the error of 24 row-rounds)
+    assert c._rule(2, costs, finish=([7, 3], [20, 20])) == 0
     assert c.choose(2, costs, finish=([7, 3], [20, 2])) == 1  # row 3 nearly done: row 7 decides
     # a row not drafted yet takes the batch's averages: 20 / 2.1 * 1.5 < 20
     assert c.choose(1, costs, finish=([11], [20])) == 1
@@ -250,7 +251,7 @@ def test_chooser_finish_rule_calibrates_each_row_by_its_own_acceptance():
     np.testing.assert_allclose(c.factor()[1:], 24 / 28 * 0.525 + 4 / 28, rtol=1e-6)
     np.testing.assert_allclose(c.row_drafted[:, 1], [[2.0, 2.0], [0.1, 2.0]], rtol=1e-6)
     assert c._rule(2, costs) == 1  # (the batch's tokens per second: 2.05 a row at budget 4 for 1.5)
-    assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 0
+    assert c._rule(2, costs, finish=([0, 1], [20, 20])) == 0
     c = AutoChooser(PLAN)
     c.record(1, _tally([[12, 36, 12, 36, 42], [12, 36, 12, 36, 42]]), rows=rows)
     assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 1
@@ -471,6 +472,33 @@ def test_calibration_is_known_by_the_row_rounds_behind_it():
         c.record(1, _tally([[1, 1, 1, 3, 3]] * rows))
         np.testing.assert_allclose(c.factor()[1], factor)
         assert c._rule(rows, costs) == k
+
+
+def test_chooser_drafts_where_what_drafted_rounds_teach_pays_for_them():
+    """One drafted round at budget 4 that committed 2 tokens where 2.5 were expected: at a cost of
+    2.4 plain rounds drafting does not pay on that estimate (2.4 tokens, calibrated), but one
+    round of one row knows the pace to about +-0.6 tokens (``pace_error``), and a dispatch of
+    drafted rounds would tell whether the 40 tokens left are better drafted: the next dispatch
+    drafts at budget 4 (not a probe) and the interval stays. The same round in each of 64 rows
+    knows the pace to +-0.15 tokens: budget 0, backed off. Where the tree loses by more than the
+    error (a cost of 5), or too few tokens are left to gain what the lesson costs, budget 0."""
+    costs = (1.0, 2.4, 3.0)
+    errors = {}
+    for rows, k, interval in [(1, 1, 3), (64, 0, 6)]:
+        for finish in (None, (np.arange(rows), np.full(rows, 40))):
+            c = AutoChooser(PLAN)
+            c.record(1, _tally([[1, 2, 1, 2.5, 2.8]] * rows), rows=np.arange(rows))
+            assert c._rule(rows, costs, finish) == 0
+            assert (c.choose(rows, costs, finish), c.probing, c.interval) == (k, False, interval)
+        errors[rows] = c.pace_error()
+    assert errors[1][0] == errors[64][0] == 0.0  # (budget 0 commits one token: nothing to know)
+    np.testing.assert_allclose(errors[1][1], 0.644, atol=0.01)
+    np.testing.assert_allclose(errors[64][1], 0.152, atol=0.01)
+    for costs, left in [((1.0, 5.0, 6.0), 40), ((1.0, 2.5, 3.0), 3)]:
+        c = AutoChooser(PLAN)
+        c.record(1, _tally([[1, 2, 1, 2.5, 2.8]]), rows=np.arange(1))
+        assert (c.explore_value(1, costs, ([0], [left])) < 0).all()
+        assert (c.choose(1, costs, ([0], [left])), c.interval) == (0, 6)
 
 
 def test_static_batch_probes_at_the_budget_its_slowest_rows_favour():
