@@ -158,6 +158,7 @@ def _records(outs: dict) -> list[dict]:
             rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
                        expected=sum(a.expected), realized=sum(a.realized),
                        costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()},
+                       restart_ms={str(rows): None if x is None else x * 1e3 for rows, x in a.restarts.items()},
                        run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()},
                        paid_ms={str(rows): [[n, lo * 1e3, mid * 1e3, hi * 1e3] for n, lo, mid, hi in per]
                                 for rows, per in a.paid.items()},
@@ -212,14 +213,18 @@ def summarize(results: dict) -> str:
         for form, (n, rounds, choose, call, wait) in r.get("calls", {}).items():
             lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {r['label']} | {form} | "
                          f"{n} | {rounds} | {choose / n:.3f} | {call / n:.3f} | {wait / n:.3f} |")
-    lines += ["", "Cost table (ms per round at each budget of the set, measured by the library):", ""]
+    lines += ["", "Cost table (ms per round at each budget of the set, measured by the library) and a pipeline "
+              "restart's price (`auto_costs.measure_restart`; the first probe runs alone where it is at most "
+              "`RESTART_SHARE` of a dispatch's plain rounds):", ""]
     seen = set()
     for r in runs:
         for rows, costs in r.get("costs_ms", {}).items():
             if rows not in seen:
                 seen.add(rows)
+                restart = r.get("restart_ms", {}).get(rows)
                 lines.append(f"- batch {rows}: " + ", ".join(f"{b}: {c:.3f}" for b, c in
-                                                             zip(r["histogram"], costs, strict=True)))
+                                                             zip(r["histogram"], costs, strict=True))
+                             + (f"; restart {restart:.3f}" if restart is not None else "; restart unknown"))
     lines += ["", "The costs auto chose with at the end of each run (the table corrected by the run's timed "
               "dispatches, host work included), ms per round:", ""]
     for r in runs:

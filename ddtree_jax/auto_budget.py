@@ -716,6 +716,9 @@ class AutoReport:
       realized: the tokens the running rows accepted in those rounds (bonus included).
       drafted_rounds: rounds that ran the drafter (the rounds at positive budgets).
       costs: the cost table's round costs, one per budget, per batch size the rounds ran at.
+      restarts: per batch size, the pipeline restart's price in seconds the run took
+        (``auto_costs.measure_restart``, ``DecodeConfig.auto_restart``; None: unknown); empty
+        for the engine (its dispatches are read back one by one).
       run_costs: the costs the run paid and chose with at the end (``RunCosts.current``), per
         batch size.
       paid: per batch size, per budget, the timed dispatches' ``(count, min, median, max)``
@@ -733,15 +736,17 @@ class AutoReport:
     run_costs: dict[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     paid: dict[int, tuple[tuple[int, float, float, float], ...]] = dataclasses.field(default_factory=dict)
     sequence: tuple[tuple[int, int], ...] = ()
+    restarts: dict[int, float | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, chooser: AutoChooser, costs: dict[int, tuple[float, ...]]) -> AutoReport:
+    def of(cls, chooser: AutoChooser, costs: dict[int, tuple[float, ...]],
+           restarts: dict[int, float | None] | None = None) -> AutoReport:
         return cls(budgets=chooser.plan.budgets, rounds=tuple(int(x) for x in chooser.rounds),
                    drafted_rounds=int(chooser.drafted), expected=tuple(float(x) for x in chooser.expected),
                    realized=tuple(float(x) for x in chooser.realized), costs=dict(costs),
                    run_costs={n: tuple(float(x) for x in c.current()) for n, c in chooser.run_costs.items()},
                    paid={n: c.summary() for n, c in chooser.run_costs.items()},
-                   sequence=tuple(chooser.sequence))
+                   sequence=tuple(chooser.sequence), restarts=dict(restarts or {}))
 
     @property
     def histogram(self) -> dict[int, int]:

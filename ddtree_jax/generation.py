@@ -607,7 +607,7 @@ def generate(
     return GenerateOutput(
         requests=requests, method=method, budget=checked.budget, rounds=int(host["rounds"].max()), seconds=seconds,
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
-        auto=AutoReport.of(chooser, costs) if decode.is_auto else None, round_seconds=in_rounds,
+        auto=AutoReport.of(chooser, costs, restarts) if decode.is_auto else None, round_seconds=in_rounds,
         dispatches=tuple(timeline),
     )
 

@@ -938,6 +938,7 @@ def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models
                           sync_every=S)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
+    assert out.auto.restarts == {len(GREEDY_PROMPTS): restart}  # (reported: the price the choice took)
     first, second = out.dispatches[:2]
     assert (first.form, first.budget, first.rounds) == (("alone", 8, 1) if alone else ("probe", 4, S))
     assert second.form != "probe" and second.rounds == S
