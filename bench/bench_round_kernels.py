@@ -56,6 +56,7 @@ from ddtree_jax.backend import REFERENCE, resolve_backend
 from ddtree_jax.config import auto_budget_set
 from ddtree_jax.decode_round import DecodePlan, Models, prefill, run_rounds, unrolled_rounds
 from ddtree_jax.decode_state import NO_STOP
+from ddtree_jax.generation import _progress
 from ddtree_jax.sampling import SamplingParams, batch_sampling
 from ddtree_jax.serving import _device
 
@@ -134,17 +135,18 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
         if auto and budget == 0 and calls[0] % HELD_DISPATCHES == 0:  # (generate's flushes)
             box[0] = run_flush(models, tp, dp, box[0])
         calls[0] += 1
+        # (chunked calls: what generate reads back after each, its own array: the next call takes the state)
         if auto and budget == 0:  # plain rounds holding the drafter's context back
             box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed")
-            return box[0].done, box[0].rounds  # generate reads both back after each call
+            return _progress(box[0])
         if auto:
             tallied = run_fixed_tallied_rounds if form == "fixed" else run_tallied_rounds
             box[0], tally = tallied(models, tp, dp, plan, box[0], key, chunk)
-            return tally, box[0].done
+            return _progress(box[0], tally)
         if chunk:
             box[0] = (_unrolled(models, tp, dp, plan, box[0], key, chunk) if form == "unrolled" else
                       run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed"))
-            return box[0].done
+            return _progress(box[0])
         box[0], packed = _device.rounds_and_harvest(models, tp, dp, plan, box[0], key, rounds=1, tokens=16)
         return packed
 
