@@ -496,14 +496,16 @@ class AutoChooser:
         """f64 ``[K]``: the row-rounds behind each budget's factor, carried up (0 before any)."""
         return carried_up(self.calibrated_by, self.calibrated_by > 0) * (self.calibrated_by.max() > 0)
 
-    def explore_value(self, active: int, costs, finish=None, scores=None) -> np.ndarray:
+    def explore_value(self, active: int, costs, finish=None, scores=None, paces=None) -> np.ndarray:
         """f64 ``[K]``: per budget, what a dispatch of drafted rounds there is worth now, in plain
         rounds, where the rule would run plain ones: the expected saving what its rounds teach
         buys (the knowledge gradient), less what they lose to plain rounds.
 
         The rule's time ratio ``r`` of budget ``b`` to budget 0 (the time to the batch's end, or
-        per token without ``finish``; ``scores``: ``_scores(..., every=True)``, computed if None)
-        is known to about ``s``, its change when the rows' paces rise by one ``pace_error``. The
+        per token without ``finish``; ``scores``: ``_scores``' for these arguments, ``paces``:
+        ``_paces(finish)``, computed if None) is known to about ``s``, its change when the rows'
+        paces rise by one ``pace_error`` (with ``finish``: the relative change of the rows'
+        rounds-by-means bound, ``finish_times``, which scales as the estimate does). The
         dispatch's ``R = min(probe_every, H)`` rounds add ``m = active * R`` row-rounds to the
         ``n`` behind the estimate, which moves the ratio by about ``s_m = s sqrt(m / (n + m))``;
         the better choice after it saves ``max(0, 1 - ratio)`` of the ``H`` plain rounds left
@@ -511,15 +513,26 @@ class AutoChooser:
         after a back-off, ``2 * interval``), in expectation ``H (s_m phi(d) - (r - 1) Q(d))``, ``d =
         (r - 1) / s_m``. Its rounds cost ``R (costs[b] / costs[0]) (1 - 1 / r)`` plain rounds (a
         round at ``b`` does the work of ``costs[b] / (r costs[0])`` plain ones: without
-        ``finish``, its calibrated tokens). ``-inf`` at budget 0."""
+        ``finish``, its calibrated tokens). A budget the rule did not estimate (``inf``: its bound
+        cannot beat budget 0) is valued at its bound first, the most it can be worth, and
+        estimated only where that is positive. ``-inf`` at budget 0."""
         costs = np.asarray(costs, np.float64)
-        if scores is None:
-            scores = self._scores(active, costs, finish, every=True)
-        lifted = self._scores(active, costs, finish, every=True, bonus=self.pace_error())
-        if finish is None:  # (minus tokens per second: the time per token instead)
-            scores, lifted = -1.0 / scores, -1.0 / lifted
-        ratio, s = scores / scores[0], np.maximum((scores - lifted) / scores[0], 1e-12)
-        horizon = float(np.max(finish[1])) if finish is not None else 2.0 * self.interval
+        caps, error = self.plan.caps, self.pace_error()
+        if finish is None:
+            pace = calibrated(self.expected_ema, self.factor(), caps)
+            times, lifted = costs / pace, costs / np.minimum(pace + error, 1.0 + caps)  # (per token)
+            horizon = 2.0 * self.interval
+        else:
+            paces = self._paces(finish) if paces is None else paces
+            if scores is None:
+                scores = self._scores(active, costs, finish, every=True, paces=paces)
+            remaining, expected, _ = paces
+            r = np.asarray(remaining, np.float64)[:, None]
+            slowest = (r / expected).max(axis=0)  # (the rounds-by-means bound, over the costs)
+            times = np.where(np.isfinite(scores), scores, costs * slowest)
+            lifted = times * (r / np.minimum(expected + error, 1.0 + caps)).max(axis=0) / slowest
+            horizon = float(r.max())
+        ratio, s = times / times[0], np.maximum((times - lifted) / times[0], 1e-12)
         rounds = min(float(self.plan.probe_every), horizon)
         m = active * rounds
         sm = s * np.sqrt(m / (self._known_by() + PRIOR_ROUNDS + m))
@@ -528,18 +541,15 @@ class AutoChooser:
         loss = costs / costs[0] * (1.0 - 1.0 / ratio)  # (a round's share of the batch's work: ratio / costs[b])
         value = horizon * saved - rounds * np.maximum(loss, 0.0)
         value[0] = -np.inf
+        if finish is not None and (~np.isfinite(scores[1:]) & (value[1:] > 0)).any():
+            return self.explore_value(active, costs, finish, self._scores(active, costs, finish, True, paces), paces)
         return value
 
-    def _scores(self, active: int, costs, finish=None, every: bool = False, bonus=None) -> np.ndarray:
-        """f64 ``[K]``, lower is better: the rule's score of each budget (module docstring): minus
-        the batch's calibrated expected tokens per second, or with ``finish`` the time until the
-        static batch ends (``finish_times``; ``every``: every budget estimated, for a probe's
-        choice among the positive ones; else those that cannot beat budget 0 are ``inf``).
-        ``bonus`` ``[K]``: tokens added to every row's calibrated pace (at most the cap)."""
-        caps = self.plan.caps
-        lift = (lambda e: e) if bonus is None else (lambda e: np.minimum(e + bonus, 1.0 + caps))
-        if finish is None:
-            return -(active * lift(calibrated(self.expected_ema, self.factor(), caps))) / costs
+    def _paces(self, finish) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a static batch's running rows ``finish`` (``choose``): ``(remaining [R], expected
+        [R, K], behind [R, 1])``, the tokens each may still commit, its calibrated expected tokens
+        per round at each budget and the rounds its estimate is known as well as (module
+        docstring)."""
         ids, remaining = (np.asarray(x) for x in finish)
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
@@ -550,12 +560,24 @@ class AutoChooser:
         rows = w * own + (1.0 - w) * self.expected_ema
         # Each row's own realized / expected drafted tokens, with `prior` rounds of the batch's
         # (the rows the batch waits for are those whose drafts are accepted least, not predicted least)
-        expected = lift(calibrated(rows, self._row_factors(ids, known, prior), caps))
-        variance = round_variance(expected, caps)
+        expected = calibrated(rows, self._row_factors(ids, known, prior), self.plan.caps)
         # A row's mean is its own n rounds' with `prior` rounds of the batch's: known as well as
         # n + prior rounds' mean (the batch's rows may differ: a row seen in few drafted rounds may
         # be the slow one)
-        return finish_times(remaining, expected, costs, variance, variance / (n + prior), every)
+        return remaining, expected, n + prior
+
+    def _scores(self, active: int, costs, finish=None, every: bool = False, paces=None) -> np.ndarray:
+        """f64 ``[K]``, lower is better: the rule's score of each budget (module docstring): minus
+        the batch's calibrated expected tokens per second, or with ``finish`` the time until the
+        static batch ends (``finish_times``; ``every``: every budget estimated, for a probe's
+        choice among the positive ones; else those that cannot beat budget 0 are ``inf``;
+        ``paces``: ``_paces(finish)``, computed if None)."""
+        caps = self.plan.caps
+        if finish is None:
+            return -(active * calibrated(self.expected_ema, self.factor(), caps)) / costs
+        remaining, expected, behind = self._paces(finish) if paces is None else paces
+        variance = round_variance(expected, caps)
+        return finish_times(remaining, expected, costs, variance, variance / behind, every)
 
     def prior_rounds(self, ids) -> np.ndarray:
         """f64 ``[K]``: per budget, the rounds of the batch's average a row's own average is mixed
@@ -613,11 +635,11 @@ class AutoChooser:
             self.probing = False  # (the prior: drafting pays until a drafted round is read back)
             return top
         # (the back-off below only lengthens the interval where the choice is budget 0)
-        every = self.skipped >= self.interval
-        scores = self._scores(active, costs, finish, every=every)
+        paces = None if finish is None else self._paces(finish)
+        scores = self._scores(active, costs, finish, every=self.skipped >= self.interval, paces=paces)
         k = int(np.argmin(scores))
         if k == 0 and self.drafted > 0:  # would drafted rounds teach enough to pay for themselves?
-            value = self.explore_value(active, costs, finish, scores if every else None)
+            value = self.explore_value(active, costs, finish, scores, paces)
             if value.max() > 0:
                 k = int(np.argmax(value))
         if self._backoff_due:  # a drafted dispatch was recorded: do its statistics choose a tree?
