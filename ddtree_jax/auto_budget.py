@@ -139,6 +139,7 @@ measured it anywhere from 1.5 to 30 rounds in one run)."""
 MAX_PRIOR_ROUNDS = 256.0
 """``AutoChooser.prior_rounds``'s bound where the rows' paces look alike."""
 
+
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
     """Static settings of ``budget="auto"`` (hashable).
@@ -482,14 +483,15 @@ class AutoChooser:
             own = (n * drafted[..., 0] + prior * batch) / (n * drafted[..., 1] + prior)
         return carried_up(np.where(np.isfinite(own) & (prior > 0), own, batch), self.calibrated_by > 0)
 
-    def pace_error(self) -> np.ndarray:
+    def pace_error(self, pace=None) -> np.ndarray:
         """f64 ``[K]``: the standard error of a round's calibrated tokens at each budget as the
         batch's drafted rounds know them, ``sqrt(v / n)``: ``v`` the variance of a round's tokens
         at the batch's calibrated pace (``round_variance``), ``n`` the row-rounds behind the
         budget's factor (``calibrated_by``, carried up to budgets no round verified) and
-        ``PRIOR_ROUNDS``; 0 at budget 0."""
+        ``PRIOR_ROUNDS``; 0 at budget 0. ``pace``: that pace, computed if None."""
         caps = self.plan.caps
-        pace = calibrated(self.expected_ema, self.factor(), caps)
+        if pace is None:
+            pace = calibrated(self.expected_ema, self.factor(), caps)
         return np.sqrt(round_variance(pace, caps) / (self._known_by() + PRIOR_ROUNDS))
 
     def _known_by(self) -> np.ndarray:
@@ -517,9 +519,10 @@ class AutoChooser:
         cannot beat budget 0) is valued at its bound first, the most it can be worth, and
         estimated only where that is positive. ``-inf`` at budget 0."""
         costs = np.asarray(costs, np.float64)
-        caps, error = self.plan.caps, self.pace_error()
+        caps = self.plan.caps
+        pace = calibrated(self.expected_ema, self.factor(), caps)
+        error = self.pace_error(pace)
         if finish is None:
-            pace = calibrated(self.expected_ema, self.factor(), caps)
             times, lifted = costs / pace, costs / np.minimum(pace + error, 1.0 + caps)  # (per token)
             horizon = 2.0 * self.interval
         else:
