@@ -19,7 +19,10 @@ call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` th
 ``budget="auto"`` runs at that budget (``auto_round.run_tallied_rounds`` of the set up to
 ``--auto-max``: at budget 0 plain rounds holding the drafter's context back, flushed every
 ``auto_round.HELD_DISPATCHES`` calls; above it the rounds and their tally), so the auto programs'
-extra work shows against the fixed ones. Two candidate forms of that call, for the same rounds:
+extra work shows against the fixed ones; ``probe:budget`` the probing call ``budget="auto"``
+runs (``auto_round.run_probe_rounds``: the held-back context added, one drafted round at that
+budget, then plain rounds holding their context back), timed per round of the call. Two
+candidate forms of that call, for the same rounds:
 ``method:budget:fixed`` (a loop of known trip count, ``generate``'s form on GPUs: no predicate
 read back each iteration, no early end; ``auto:budget:fixed``: ``run_fixed_tallied_rounds``) and
 ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
@@ -49,6 +52,7 @@ from ddtree_jax.auto_round import (
     round_plans,
     run_fixed_tallied_rounds,
     run_flush,
+    run_probe_rounds,
     run_tallied_rounds,
     with_deferred,
 )
@@ -114,7 +118,8 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
     form (``"loop"``: ``run_rounds``; ``"fixed"``: ``run_rounds``' loop of known trip count, as
     ``generate`` runs on GPUs; ``"unrolled"``: ``decode_round.unrolled_rounds``);
     ``ahead``: time the calls read back one call late."""
-    auto = method == "auto"
+    probe = method == "probe"
+    auto = method == "auto" or probe
     uses = method != "ar" or bool(context)
     plan = DecodePlan(method="ddtree" if auto else method, budget=auto_max if auto else budget,
                       backend=resolve_backend("auto"),
@@ -123,6 +128,7 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
         budgets = auto_budget_set(auto_max)
         plans = round_plans(plan, AutoPlan(budgets=budgets, draft_len=drafter.config.block_size - 1, probe_every=8))
         plan = plans[budgets.index(budget)]
+        plain = plans[0]
     models, tp, dp = Models.split(target, drafter if uses else None)
     key = jax.random.key(0)
     box, calls = [start_state(models, tp, dp, plan, prompts)], [0]
@@ -136,6 +142,9 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
             box[0] = run_flush(models, tp, dp, box[0])
         calls[0] += 1
         # (chunked calls: what generate reads back after each, its own array: the next call takes the state)
+        if probe:  # the probing call (it adds the held-back context itself)
+            box[0], tally = run_probe_rounds(models, tp, dp, plan, plain, box[0], key, chunk, form == "fixed")
+            return _progress(box[0], tally)
         if auto and budget == 0:  # plain rounds holding the drafter's context back
             box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed")
             return _progress(box[0])
@@ -216,7 +225,7 @@ def main(argv=None):
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
     for method, budget, variant in plans:
-        chunked = variant in ("chunk", "fixed", "unrolled") or method == "auto"
+        chunked = variant in ("chunk", "fixed", "unrolled") or method in ("auto", "probe")
         note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context",
                 "held": " holding the drafter's context back", "fixed": " (a loop of known trip count)",
                 "unrolled": " (unrolled)"}.get(variant, "")
