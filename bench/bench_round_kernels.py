@@ -21,8 +21,10 @@ call instead, ``--chunk`` rounds in its device-side loop, and ``auto:budget`` th
 ``auto_round.HELD_DISPATCHES`` calls; above it the rounds and their tally), so the auto programs'
 extra work shows against the fixed ones; ``probe:budget`` the probing call ``budget="auto"``
 runs (``auto_round.run_probe_rounds``: the held-back context added, one drafted round at that
-budget, then plain rounds holding their context back), timed per round of the call. Two
-candidate forms of that call, for the same rounds:
+budget, then plain rounds holding their context back), timed per round of the call;
+``probe:budget:mixed`` the same probing call as one call in ``MIXED`` among plain ``auto:0``
+calls of known trip count (as ``generate`` runs it), all of them timed. Two candidate forms of
+that call, for the same rounds:
 ``method:budget:fixed`` (a loop of known trip count, ``generate``'s form on GPUs: no predicate
 read back each iteration, no early end; ``auto:budget:fixed``: ``run_fixed_tallied_rounds``) and
 ``method:budget:unrolled`` (``decode_round.unrolled_rounds``: no loop). With
@@ -65,6 +67,8 @@ from ddtree_jax.sampling import SamplingParams, batch_sampling
 from ddtree_jax.serving import _device
 
 CAPACITY = 1024  # new tokens a row may hold: the rounds never finish a row
+MIXED = 4  # probe:budget:mixed: one probing call in this many
+FORMS = ("fixed", "unrolled", "mixed")  # the chunked calls' forms besides the plain loop
 
 
 def shipped_pair():
@@ -142,8 +146,12 @@ def measure(target, drafter, prompts, method: str, budget: int, rounds: int, tra
             box[0] = run_flush(models, tp, dp, box[0])
         calls[0] += 1
         # (chunked calls: what generate reads back after each, its own array: the next call takes the state)
+        if probe and form == "mixed" and (calls[0] - 1) % MIXED:  # a plain call between probes
+            box[0] = run_rounds(models, tp, dp, plain, box[0], key, chunk, True)
+            return _progress(box[0])
         if probe:  # the probing call (it adds the held-back context itself)
-            box[0], tally = run_probe_rounds(models, tp, dp, plan, plain, box[0], key, chunk, form == "fixed")
+            box[0], tally = run_probe_rounds(models, tp, dp, plan, plain, box[0], key, chunk,
+                                             form in ("fixed", "mixed"))
             return _progress(box[0], tally)
         if auto and budget == 0:  # plain rounds holding the drafter's context back
             box[0] = run_rounds(models, tp, dp, plan, box[0], key, chunk, form == "fixed")
@@ -225,9 +233,10 @@ def main(argv=None):
                         "x ar: over the autoregressive step of the same run.")
     rows = {}
     for method, budget, variant in plans:
-        chunked = variant in ("chunk", "fixed", "unrolled") or method in ("auto", "probe")
+        chunked = variant in ("chunk", "fixed", "unrolled", "mixed") or method in ("auto", "probe")
         note = {"ref": " (reference drafter attention)", "ctx": " extending the drafter's context",
                 "held": " holding the drafter's context back", "fixed": " (a loop of known trip count)",
+                "mixed": f" (one call in {MIXED}, the others plain)",
                 "unrolled": " (unrolled)"}.get(variant, "")
         note += f" ({args.chunk} rounds a call{', read one call late' if args.ahead else ''})" if chunked else ""
         log(f"{method}:{budget}{note} at batch {args.batch}")
@@ -235,9 +244,9 @@ def main(argv=None):
         rows[(method, budget, variant)] = r = measure(target, d, prompts, method, budget, args.rounds, trace,
                                                       context=variant if variant in ("ctx", "held") else "",
                                                       chunk=args.chunk if chunked else 0, auto_max=args.auto_max,
-                                                      form=variant if variant in ("fixed", "unrolled") else "loop",
+                                                      form=variant if variant in FORMS else "loop",
                                                       ahead=args.ahead and chunked)
-        same = "fixed" if variant == "fixed" else "chunk"  # x ar: the same kind of call
+        same = "fixed" if variant in ("fixed", "mixed") else "chunk"  # x ar: the same kind of call
         ar = (chunked and (rows.get(("ar", 0, same)) or rows.get(("ar", 0, "chunk")))) or rows.get(("ar", 0, "")) or r
         name = ("ar" if method == "ar" else f"{method}@{budget}") + note
         out = dict(plan=name, wall_us=r["wall_us"],
