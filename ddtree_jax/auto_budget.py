@@ -54,7 +54,11 @@ host before the dispatch from the statistics of the dispatches already read back
   interval starts at ``AutoPlan.probe_every``, doubles (up to ``MAX_BACKOFF`` times that) after
   each drafted dispatch whose statistics still choose budget 0 at the next choice, and falls back
   to ``probe_every`` after one whose statistics choose a tree, so probing costs little where
-  drafting does not pay;
+  drafting does not pay. ``generate`` also times its probing dispatches (``RunCosts.probe_price``:
+  what one costs beyond as many plain rounds, the host's work for it included); once one is
+  timed, a probe is due only once the plain rounds since the last drafted dispatch cost
+  ``1 / PROBE_SHARE`` times that price, so probes take at most about ``PROBE_SHARE`` of the time
+  whatever they cost;
 * **drafting to learn**: where the rule chooses budget 0 on an estimate that few drafted rounds
   stand behind (batch 1), a dispatch of drafted rounds runs instead where what it would teach is
   worth more than it costs (``AutoChooser.explore_value``: the expected saving of the better
@@ -86,9 +90,9 @@ from scipy.special import log_ndtr, ndtr
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
-           "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "PRIOR_ROUNDS", "RESTART_SHARE", "RunCosts", "SPREAD_ROWS",
-           "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max", "expected_tokens",
-           "finish_budget", "finish_times", "probe_alone", "round_variance"]
+           "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "PRIOR_ROUNDS", "PROBE_SHARE", "RESTART_SHARE", "RunCosts",
+           "SPREAD_ROWS", "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max",
+           "expected_tokens", "finish_budget", "finish_times", "probe_alone", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -120,6 +124,11 @@ choice: up to about 1 ms at batch 64 on the H100's host)."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
+
+PROBE_SHARE = 0.05
+"""The share of the time probes may take at most where their price is measured: a probe is then
+due only once the plain rounds since the last drafted dispatch cost ``1 / PROBE_SHARE`` times it
+(``AutoChooser.choose``'s ``probe_price``)."""
 
 SEQUENCE = 4096
 """``AutoChooser.sequence``: the recorded dispatches it keeps (bounded: an engine's chooser lives
@@ -352,6 +361,7 @@ class RunCosts:
         self.low = np.full(self.table.shape, np.inf)
         self.high = np.zeros(self.table.shape)
         self.paid = [collections.deque(maxlen=PAID_WINDOW) for _ in self.table]
+        self.probes: collections.deque = collections.deque(maxlen=WINDOW)  # (observe_probe's prices)
         self._current: np.ndarray | None = None  # (current(), until the next observe)
 
     def ratio(self, k: int) -> float:
@@ -373,6 +383,20 @@ class RunCosts:
         self.low[k], self.high[k] = min(self.low[k], s), max(self.high[k], s)
         self.paid[k].append(s)
         self._current = None
+
+    def observe_probe(self, rounds: int, seconds: float) -> None:
+        """Adds a timed probing dispatch of ``rounds`` rounds (one drafted, the rest at budget 0;
+        its wall time as ``observe``'s) as its price: the seconds beyond as many rounds at budget
+        0's current cost, at most ``STALL`` times those (one stall must not stop probing for
+        good); non-positive or non-finite times are ignored."""
+        s, plain = float(seconds), rounds * float(self.current()[0])
+        if np.isfinite(s) and s > 0:
+            self.probes.append(min(s - plain, STALL * plain))
+
+    def probe_price(self) -> float | None:
+        """Seconds a probing dispatch costs beyond as many plain rounds: the median of the latest
+        ``WINDOW`` timed ones' prices (``observe_probe``; at least 0); None before one is timed."""
+        return max(statistics.median(self.probes), 0.0) if self.probes else None
 
     def current(self) -> np.ndarray:
         """f64 ``[K]``: the seconds per round the choice uses now (a copy)."""
@@ -458,6 +482,17 @@ class AutoChooser:
         ``shape`` (after ``costs`` gave that shape's costs); nothing without ``learn_costs``."""
         if self.learn_costs:
             self.run_costs[shape].observe(k, seconds_per_round)
+
+    def observe_probe(self, shape: int, rounds: int, seconds: float) -> None:
+        """Adds the wall time of a probing dispatch of ``rounds`` rounds at batch shape ``shape``
+        (``RunCosts.observe_probe``); nothing without ``learn_costs``."""
+        if self.learn_costs:
+            self.run_costs[shape].observe_probe(rounds, seconds)
+
+    def probe_price(self, shape: int) -> float | None:
+        """The seconds a probing dispatch at batch shape ``shape`` costs beyond as many plain rounds
+        (``RunCosts.probe_price``; None: not timed yet), for ``choose``."""
+        return self.run_costs[shape].probe_price()
 
     def factor(self) -> np.ndarray:
         """f64 ``[K]``: per budget, the realized drafted tokens per expected drafted token (moving
@@ -619,14 +654,16 @@ class AutoChooser:
         takes it."""
         return int(np.argmin(self._scores(active, np.asarray(costs, np.float64), finish)))
 
-    def choose(self, active: int, costs, finish=None) -> int:
+    def choose(self, active: int, costs, finish=None, probe_price: float | None = None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
         (a round's cost at each budget): the prior's largest budget before any drafted round is
         recorded where it pays (``FIRST_DRAFT_TOKENS``), else the rule on the averages; where the
         rule chooses budget 0, a drafted dispatch where its rounds would teach more than they cost
         (``explore_value``), else a probe at the best positive budget by the same rule once
         ``interval`` rounds in a row ran at budget 0 (the first dispatch where the prior does not
-        pay). ``finish``: for
+        pay) and, where ``probe_price`` is given (seconds a probing dispatch costs beyond as many
+        plain rounds, as measured), once the plain rounds since the last drafted dispatch cost
+        ``1 / PROBE_SHARE`` times it. ``finish``: for
         a static batch, ``(row ids, tokens each may still commit)`` of its running rows (``[R]``
         each, R >= 1): the rule is then ``finish_budget`` on the rows' own averages (module
         docstring). The rule's scores are computed once: where a probe may be due, for every
@@ -649,7 +686,8 @@ class AutoChooser:
             self._backoff_due = False
             self.interval = self.plan.probe_every if k > 0 else min(2 * self.interval,
                                                                     MAX_BACKOFF * self.plan.probe_every)
-        self.probing = k == 0 and self.skipped >= self.interval
+        self.probing = k == 0 and self.skipped >= self.interval and (
+            probe_price is None or PROBE_SHARE * self.skipped * costs[0] >= probe_price)
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
             k = 1 + int(np.argmin(scores[1:]))

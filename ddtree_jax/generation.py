@@ -451,9 +451,9 @@ def generate(
 
     def synchronous(dispatch) -> bool:
         """Whether ``dispatch``'s launch returned only once its rounds (and those before them) ran:
-        a loop whose end the device decides, on GPUs (the backends where ``call_form`` gives
-        ``"fixed"``: there such a loop's condition goes to the host each round)."""
-        return fixed_calls and dispatch["form"] == "loop"
+        a loop whose end the device decides (a probing one too), on GPUs (the backends where
+        ``call_form`` gives ``"fixed"``: there such a loop's condition goes to the host each round)."""
+        return fixed_calls and (dispatch["form"] == "loop" or dispatch.get("looped", False))
 
     def launch(state):
         """``(state, the dispatch)``: the next rounds dispatched (not waited for); ``(state, None)``
@@ -477,7 +477,8 @@ def generate(
                 return state, None
             running = need["rows"] > 0  # (a static batch: the choice that ends it soonest)
             paid = chooser.costs(rows, costs[rows])
-            k = chooser.choose(active, paid, finish=(slot_request[running], need["rows"][running]))
+            k = chooser.choose(active, paid, finish=(slot_request[running], need["rows"][running]),
+                               probe_price=chooser.probe_price(rows))
             n, tally = sync_every, None
             fixed = call_form(n) == "fixed"
             # The first probe alone: its statistics choose the next call (not launched ahead), so it
@@ -493,7 +494,7 @@ def generate(
                 state = run_rounds(models, tparams, dparams, plans[0], state, base_key, n, fixed)
                 held[0] += n
             elif chooser.probing and not alone:  # the held context added, one drafted round, then plain ones
-                dispatch["form"] = "probe"
+                dispatch.update(form="probe", looped=not fixed)
                 state, tally = ar.run_probe_rounds(models, tparams, dparams, plans[k], plans[0], state, base_key,
                                                    n, fixed)
                 held[0] = n - 1
@@ -534,11 +535,15 @@ def generate(
         if decode.is_auto:
             ran = rounds - last_rounds  # (a probing dispatch: its probe round, then plain rounds)
             last_rounds[:] = rounds
-            # Only full dispatches at one budget, launched ahead, time it (a probing one mixes two;
-            # the few rounds of the last dispatch would carry a whole launch and read-back).
-            if start is not None and dispatch["form"] not in ("probe", "alone") and not synchronous(dispatch) and \
+            # Full dispatches launched ahead time their budget, a probing one (one drafted round,
+            # then plain ones) the probes' price; not the few rounds of the last dispatch (they
+            # would carry a whole launch and read-back).
+            if start is not None and dispatch["form"] != "alone" and not synchronous(dispatch) and \
                     int(ran.max(initial=0)) == dispatch["n"]:
-                chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
+                if dispatch["form"] == "probe":
+                    chooser.observe_probe(dispatch["rows"], dispatch["n"], now - start)
+                else:
+                    chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             if tally is not None:
                 chooser.record(dispatch["k"], tally, rows=dispatch["requests"])
             if dispatch["k"] == 0 or dispatch["form"] == "probe":

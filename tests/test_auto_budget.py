@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import ddtree_jax as dt
-from ddtree_jax import _preflight, auto_costs, auto_round, generation
+from ddtree_jax import _preflight, auto_budget, auto_costs, auto_round, generation
 from ddtree_jax.accept import accept_path
 from ddtree_jax.auto_budget import (
     DECAY,
@@ -23,6 +23,7 @@ from ddtree_jax.auto_budget import (
     MAX_PRIOR_ROUNDS,
     OWN_SAMPLES,
     PRIOR_ROUNDS,
+    PROBE_SHARE,
     STALL,
     WINDOW,
     AutoChooser,
@@ -283,6 +284,35 @@ def test_choice_before_a_dispatch_from_the_recent_curve():
     assert _chooser([1.0, 1.2, 1.3], skipped=3).choose(8, costs) == 1
     assert _chooser([1.0, 1.2, 1.6], skipped=3).choose(8, costs) == 2  # 0.6 / 2 beats 0.2 / 1.5
     assert _chooser([1.0, 1.2, 1.3], skipped=3, interval=6).choose(8, costs) == 0
+
+
+def test_probes_take_at_most_their_share_of_the_time():
+    """Where a probe's price is measured (4 plain rounds here), a probe is due only once the plain
+    rounds since the last drafted dispatch cost 1 / PROBE_SHARE times it (80 rounds), however
+    short the interval (3); unmeasured, the interval alone decides."""
+    costs = (1.0, 1.5, 2.0)
+    due = lambda skipped, **kw: _chooser([1.0, 1.2, 1.3], skipped=skipped).choose(8, costs, **kw)  # noqa: E731
+    assert due(2) == 0 and due(3) == 1
+    floor = 4.0 / PROBE_SHARE
+    assert due(3, probe_price=4.0) == 0 and due(floor - 1, probe_price=4.0) == 0
+    assert due(floor, probe_price=4.0) == 1
+    assert due(3, probe_price=0.0) == 1
+
+
+def test_run_costs_price_probes_from_their_timed_dispatches():
+    """A timed probing dispatch's price is its time beyond as many rounds at budget 0's current
+    cost (the median of the latest, at least 0, at most STALL times those rounds); None before
+    one is timed."""
+    rc = RunCosts((1.0, 1.5, 2.0))
+    assert rc.probe_price() is None
+    rc.observe(0, 2.0)  # (budget 0 now paid at twice its table cost)
+    rc.observe_probe(8, 20.0)
+    assert rc.probe_price() == 4.0
+    rc.observe_probe(8, 1e9)  # (a stall: capped)
+    rc.observe_probe(8, 10.0)  # (cheaper than 8 plain rounds: the median, not below 0)
+    assert rc.probe_price() == 4.0
+    rc.observe_probe(8, 1e9)
+    assert rc.probe_price() == (4.0 + STALL * 16) / 2 and max(rc.probes) == STALL * 16
 
 
 def test_first_choices_follow_the_prior_until_a_drafted_round_is_recorded():
@@ -955,9 +985,11 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     tallied rounds. Where drafting never pays every drafted round is a probe's; where it pays, none
     is: the first two dispatches (the second launched before the first is read back) run the
     largest budget. Greedy tokens stay autoregressive decoding's.
-    Only full dispatches at one budget time it (a probing one mixes two): the costs come from the
-    table (patched, and the timings only recorded, so no timing changes a choice)."""
-    calls, timed = [], []
+    Full dispatches at one budget time their budget, probing ones the probes' price: the costs come
+    from the table (patched, and the timings only recorded, so no timing changes a choice; the
+    probes' share of the time lifted, so the interval alone decides when they run), and each
+    choice is given the probes' price (here none: no probe's time was recorded)."""
+    calls, timed, priced = [], [], []
     S = 2  # (rounds per dispatch, and probes every round: a second comes before the rows' GREEDY_TOKENS are done)
 
     def recorded(kind, run, budget_of):
@@ -978,11 +1010,14 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
                         *rest: (state, costs, None))
     monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(self.plan.budgets[k]))
-    finishes, choose = [], AutoChooser.choose
+    monkeypatch.setattr(AutoChooser, "observe_probe", lambda self, shape, n, seconds: priced.append(n))
+    monkeypatch.setattr(auto_budget, "PROBE_SHARE", 1e9)
+    finishes, prices, choose = [], [], AutoChooser.choose
 
-    def choosing(self, active, costs, finish=None):
+    def choosing(self, active, costs, finish=None, probe_price=None):
         finishes.append(finish)
-        return choose(self, active, costs, finish)
+        prices.append(probe_price)
+        return choose(self, active, costs, finish, probe_price)
 
     monkeypatch.setattr(AutoChooser, "choose", choosing)
     config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=1, sync_every=S)
@@ -1018,6 +1053,8 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     probes = [c for c in ran if c[0] == "probe"]
     # Timed: the full calls at one budget but the first (launched after no read).
     assert timed == [b for kind, b, _, r in ran[1:] if kind != "probe" and r == S], (timed, calls)
+    assert priced == [S for kind, _, _, r in ran[1:] if kind == "probe" and r == S], (priced, calls)
+    assert prices == [None] * len(finishes)
     if pays:
         assert not probes and any(kind == "tallied" for kind, *_ in ran[1:]), calls
     else:
