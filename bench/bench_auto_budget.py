@@ -159,6 +159,7 @@ def _records(outs: dict) -> list[dict]:
                        expected=sum(a.expected), realized=sum(a.realized),
                        costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.costs.items()},
                        restart_ms={str(rows): None if x is None else x * 1e3 for rows, x in a.restarts.items()},
+                       probe_ms={str(rows): None if x is None else x * 1e3 for rows, x in a.probe_prices.items()},
                        run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()},
                        paid_ms={str(rows): [[n, lo * 1e3, mid * 1e3, hi * 1e3] for n, lo, mid, hi in per]
                                 for rows, per in a.paid.items()},

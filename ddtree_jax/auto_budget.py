@@ -788,6 +788,8 @@ class AutoReport:
         seconds per round as observed (``RunCosts.summary``).
       sequence: the dispatches in the order they ran, ``(budget, rounds)`` each (the latest
         ``SEQUENCE``; ``AutoChooser.sequence``).
+      probe_prices: per batch size, the seconds a probing dispatch cost beyond as many plain
+        rounds as the run measured them (``RunCosts.probe_price``; None: none timed).
     """
 
     budgets: tuple[int, ...]
@@ -800,6 +802,7 @@ class AutoReport:
     paid: dict[int, tuple[tuple[int, float, float, float], ...]] = dataclasses.field(default_factory=dict)
     sequence: tuple[tuple[int, int], ...] = ()
     restarts: dict[int, float | None] = dataclasses.field(default_factory=dict)
+    probe_prices: dict[int, float | None] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, chooser: AutoChooser, costs: dict[int, tuple[float, ...]],
@@ -809,7 +812,8 @@ class AutoReport:
                    realized=tuple(float(x) for x in chooser.realized), costs=dict(costs),
                    run_costs={n: tuple(float(x) for x in c.current()) for n, c in chooser.run_costs.items()},
                    paid={n: c.summary() for n, c in chooser.run_costs.items()},
-                   sequence=tuple(chooser.sequence), restarts=dict(restarts or {}))
+                   sequence=tuple(chooser.sequence), restarts=dict(restarts or {}),
+                   probe_prices={n: c.probe_price() for n, c in chooser.run_costs.items()})
 
     @property
     def histogram(self) -> dict[int, int]:

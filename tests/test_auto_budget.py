@@ -313,6 +313,16 @@ def test_run_costs_price_probes_from_their_timed_dispatches():
     assert rc.probe_price() == 4.0
     rc.observe_probe(8, 1e9)
     assert rc.probe_price() == (4.0 + STALL * 16) / 2 and max(rc.probes) == STALL * 16
+    c = AutoChooser(PLAN)  # (the chooser's: per batch shape, reported)
+    c.costs(8, (1.0, 1.5, 2.0))
+    c.costs(2, (1.0, 1.5, 2.0))
+    c.observe_probe(8, 4, 6.0)
+    assert c.probe_price(8) == 2.0 and c.probe_price(2) is None
+    assert AutoReport.of(c, {}).probe_prices == {8: 2.0, 2: None}
+    frozen = AutoChooser(PLAN, learn_costs=False)  # (costs given: no probe is priced)
+    frozen.costs(8, (1.0, 1.5, 2.0))
+    frozen.observe_probe(8, 4, 6.0)
+    assert frozen.probe_price(8) is None
 
 
 def test_first_choices_follow_the_prior_until_a_drafted_round_is_recorded():
@@ -969,6 +979,7 @@ def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
     assert out.auto.restarts == {len(GREEDY_PROMPTS): restart}  # (reported: the price the choice took)
+    assert out.auto.probe_prices == {len(GREEDY_PROMPTS): None}  # (costs given: nothing timed)
     first, second = out.dispatches[:2]
     assert (first.form, first.budget, first.rounds) == (("alone", 8, 1) if alone else ("probe", 4, S))
     assert second.form != "probe" and second.rounds == S
