@@ -535,15 +535,20 @@ def generate(
         if decode.is_auto:
             ran = rounds - last_rounds  # (a probing dispatch: its probe round, then plain rounds)
             last_rounds[:] = rounds
-            # Full dispatches launched ahead time their budget, a probing one (one drafted round,
-            # then plain ones) the probes' price; not the few rounds of the last dispatch (they
-            # would carry a whole launch and read-back).
-            if start is not None and dispatch["form"] != "alone" and not synchronous(dispatch) and \
-                    int(ran.max(initial=0)) == dispatch["n"]:
-                if dispatch["form"] == "probe":
-                    chooser.observe_probe(dispatch["rows"], dispatch["n"], now - start)
-                else:
-                    chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
+            # Full dispatches launched ahead time their budget; not the few rounds of the last
+            # dispatch (they would carry a whole launch and read-back). A probing one (one drafted
+            # round, then plain ones) is launched while the dispatch before it runs, so its host
+            # work falls in that one's time: the two together price the probes.
+            full = int(ran.max(initial=0)) == dispatch["n"]
+            dispatch["timed"] = start is not None and full and not synchronous(dispatch)
+            before = dispatch.get("before")
+            if dispatch["form"] == "probe" and dispatch["timed"] and (before or {}).get("timed", not ahead) and \
+                    (before or {}).get("form") != "probe":  # (two probes' rounds would price one twice)
+                # (not ahead: launched after the previous read, its own time holds its launch)
+                first = dict(n=0, start=start) if before is None else before
+                chooser.observe_probe(dispatch["rows"], first["n"] + dispatch["n"], now - first["start"])
+            elif dispatch["timed"] and dispatch["form"] not in ("probe", "alone") and not dispatch.get("probed"):
+                chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             if tally is not None:
                 chooser.record(dispatch["k"], tally, rows=dispatch["requests"])
             if dispatch["k"] == 0 or dispatch["form"] == "probe":
@@ -564,6 +569,9 @@ def generate(
         # whose read-backs hold a synchronous launch (its own ran before the first read, the next's
         # rounds before the second).
         start = last_read if ahead else cur["t"]
+        if nxt is not None and nxt["form"] == "probe":  # (cur's time holds the probe's launch: span)
+            cur.update(start=start, probed=True)
+            nxt["before"] = cur
         done, now = retire(cur, None if nxt is not None and synchronous(nxt) else start)
         last_read = None if nxt is None else now
         active = int((~done).sum())

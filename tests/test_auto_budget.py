@@ -964,6 +964,37 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
             np.testing.assert_allclose(np.asarray(a[row, :n]), np.asarray(b[row, :n]), atol=1e-6)
 
 
+
+def test_generate_prices_each_probe_with_the_dispatch_launched_before_it(law_models, monkeypatch):
+    """One dispatch ahead, a probing dispatch is launched (its choice and launch: host work) while
+    the dispatch before it runs, so that one's time holds it: generate prices the probes from the
+    two together (their rounds and the time from the read-back before the first to the probe's),
+    and times the one before a probe at no budget. Costs from the table (drafting never pays,
+    probes every round, their share lifted), timings recorded only."""
+    S, calls, timed, priced = 2, [], [], []
+    plain, probe = generation.run_rounds, generation.ar.run_probe_rounds
+    monkeypatch.setattr(generation, "run_rounds", lambda *a, **k: calls.append("plain") or plain(*a, **k))
+    monkeypatch.setattr(generation.ar, "run_probe_rounds", lambda *a, **k: calls.append("probe") or probe(*a, **k))
+    monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
+                        *rest: (state, (1.0, 50.0, 50.0), None))
+    monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(k))
+    monkeypatch.setattr(AutoChooser, "observe_probe", lambda self, shape, n, seconds: priced.append((n, seconds)))
+    monkeypatch.setattr(auto_budget, "PROBE_SHARE", 1e9)
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_probe_every=1, sync_every=S)
+    out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=24, compact=False, config=config)
+    assert [d.form for d in out.dispatches][:2] == ["probe", "loop"] and calls[0] == "probe"
+    got = out.dispatches
+    probes = {i for i, d in enumerate(got) if d.form == "probe"}
+    # priced: the probes after the first whose dispatch and the one before it (not a probe: two
+    # probes' rounds would count one twice) ran all their rounds
+    spans = [i for i in probes if i > 1 and got[i - 1].form != "probe" and got[i].rounds == got[i - 1].rounds == S]
+    assert spans and len(priced) == len(spans), (priced, got)
+    assert all(n == 2 * S and seconds > 0 for n, seconds in priced)
+    # timed: every dispatch but the first, the probes and the ones launched just before a probe
+    # (and the last, if it ran fewer rounds)
+    excluded = {0} | probes | {i - 1 for i in probes if i > 0}
+    assert len(got) - len(excluded) - 1 <= len(timed) <= len(got) - len(excluded), (timed, got)
+
 @pytest.mark.parametrize("restart, alone", [(0.0, True), (1.0, True), (1.01, False), (None, False)])
 def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models, greedy_ar, restart, alone):
     """Where the prior does not pay, generate's first dispatch probes. Where a pipeline restart
@@ -996,7 +1027,8 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     tallied rounds. Where drafting never pays every drafted round is a probe's; where it pays, none
     is: the first two dispatches (the second launched before the first is read back) run the
     largest budget. Greedy tokens stay autoregressive decoding's.
-    Full dispatches at one budget time their budget, probing ones the probes' price: the costs come
+    Full dispatches at one budget time their budget, a probing one and the one before it (launched
+    ahead, it holds the probe's launch) the probes' price: the costs come
     from the table (patched, and the timings only recorded, so no timing changes a choice; the
     probes' share of the time lifted, so the interval alone decides when they run), and each
     choice is given the probes' price (here none: no probe's time was recorded)."""
@@ -1062,9 +1094,13 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     ran = [c for c in calls if c[3] > 0]
     assert len(ran) >= len(calls) - 1
     probes = [c for c in ran if c[0] == "probe"]
-    # Timed: the full calls at one budget but the first (launched after no read).
-    assert timed == [b for kind, b, _, r in ran[1:] if kind != "probe" and r == S], (timed, calls)
-    assert priced == [S for kind, _, _, r in ran[1:] if kind == "probe" and r == S], (priced, calls)
+    # Timed: the full calls at one budget but the first (launched after no read) and those a probe
+    # was launched behind (their time holds its launch); such a call and the probe together price
+    # the probes (their rounds and time).
+    full = [i > 0 and r == S for i, (_, _, _, r) in enumerate(calls)]
+    behind = [i + 1 < len(calls) and calls[i + 1][0] == "probe" for i in range(len(calls))]
+    assert timed == [b for i, (kind, b, _, _) in enumerate(calls) if kind != "probe" and full[i] and not behind[i]]
+    assert priced == [2 * S for i, (kind, *_) in enumerate(calls) if kind == "probe" and full[i] and full[i - 1]]
     assert prices == [None] * len(finishes)
     if pays:
         assert not probes and any(kind == "tallied" for kind, *_ in ran[1:]), calls
