@@ -676,7 +676,7 @@ class AutoChooser:
             return top
         # (the back-off below only lengthens the interval where the choice is budget 0)
         paces = None if finish is None else self._paces(finish)
-        scores = self._scores(active, costs, finish, every=self.skipped >= self.interval, paces=paces)
+        scores = self._scores(active, costs, finish, every=self._probe_due(costs, probe_price), paces=paces)
         k = int(np.argmin(scores))
         if k == 0 and self.drafted > 0:  # would drafted rounds teach enough to pay for themselves?
             value = self.explore_value(active, costs, finish, scores, paces)
@@ -686,12 +686,17 @@ class AutoChooser:
             self._backoff_due = False
             self.interval = self.plan.probe_every if k > 0 else min(2 * self.interval,
                                                                     MAX_BACKOFF * self.plan.probe_every)
-        self.probing = k == 0 and self.skipped >= self.interval and (
-            probe_price is None or PROBE_SHARE * self.skipped * costs[0] >= probe_price)
+        self.probing = k == 0 and self._probe_due(costs, probe_price)
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
             k = 1 + int(np.argmin(scores[1:]))
         return k
+
+    def _probe_due(self, costs, probe_price) -> bool:
+        """Whether a probe is due (``choose``): ``interval`` rounds at budget 0 and, with a measured
+        ``probe_price``, plain rounds that cost ``1 / PROBE_SHARE`` times it."""
+        return self.skipped >= self.interval and (
+            probe_price is None or PROBE_SHARE * self.skipped * costs[0] >= probe_price)
 
     def record(self, k: int, tally, rows=None) -> np.ndarray:
         """Adds a dispatch at budget index ``k`` from its rows' ``tally`` ``[B, 2 + 2K]``

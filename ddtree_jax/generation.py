@@ -541,13 +541,13 @@ def generate(
             # work falls in that one's time: the two together price the probes.
             full = int(ran.max(initial=0)) == dispatch["n"]
             dispatch["timed"] = start is not None and full and not synchronous(dispatch)
-            before = dispatch.get("before")
-            if dispatch["form"] == "probe" and dispatch["timed"] and (before or {}).get("timed", not ahead) and \
-                    (before or {}).get("form") != "probe":  # (two probes' rounds would price one twice)
+            if dispatch["form"] == "probe":
                 # (not ahead: launched after the previous read, its own time holds its launch)
-                first = dict(n=0, start=start) if before is None else before
-                chooser.observe_probe(dispatch["rows"], first["n"] + dispatch["n"], now - first["start"])
-            elif dispatch["timed"] and dispatch["form"] not in ("probe", "alone") and not dispatch.get("probed"):
+                before = dispatch.get("before") if ahead else dict(n=0, start=start, timed=True, form="")
+                # (two probes' rounds would price one twice)
+                if dispatch["timed"] and before is not None and before["timed"] and before["form"] != "probe":
+                    chooser.observe_probe(dispatch["rows"], before["n"] + dispatch["n"], now - before["start"])
+            elif dispatch["timed"] and dispatch["form"] != "alone" and not dispatch.get("probed"):
                 chooser.observe(dispatch["rows"], dispatch["k"], (now - start) / dispatch["n"])
             if tally is not None:
                 chooser.record(dispatch["k"], tally, rows=dispatch["requests"])
@@ -569,7 +569,7 @@ def generate(
         # whose read-backs hold a synchronous launch (its own ran before the first read, the next's
         # rounds before the second).
         start = last_read if ahead else cur["t"]
-        if nxt is not None and nxt["form"] == "probe":  # (cur's time holds the probe's launch: span)
+        if nxt is not None and nxt["form"] == "probe":  # (cur's time holds the probe's launch)
             cur.update(start=start, probed=True)
             nxt["before"] = cur
         done, now = retire(cur, None if nxt is not None and synchronous(nxt) else start)
