@@ -468,6 +468,7 @@ class AutoChooser:
         self.sequence: collections.deque = collections.deque(maxlen=SEQUENCE)
         self._finish = None  # the last choice's `finish`
         self._backoff_due = False  # a drafted dispatch recorded since the last choice
+        self._rows_cache = None  # `_paces`' rows' part: ((drafted, row ids), expected, behind)
 
     def costs(self, shape: int, table) -> np.ndarray:
         """The seconds per round at each budget for the compiled batch shape ``shape`` (its rows):
@@ -589,6 +590,15 @@ class AutoChooser:
         per round at each budget and the rounds its estimate is known as well as (module
         docstring)."""
         ids, remaining = (np.asarray(x) for x in finish)
+        # (the rows' part changes only with a drafted dispatch's record: a choice between plain
+        # dispatches reuses it)
+        key = (self.drafted, ids.tobytes())
+        if self._rows_cache is None or self._rows_cache[0] != key:
+            self._rows_cache = (key, *self._row_paces(ids))
+        return remaining, self._rows_cache[1], self._rows_cache[2]
+
+    def _row_paces(self, ids) -> tuple[np.ndarray, np.ndarray]:
+        """``_paces``' ``(expected [R, K], behind [R, 1])`` for the rows ``ids``."""
         own = np.zeros((len(ids), len(self.plan.budgets)))
         n = np.zeros((len(ids), 1))
         known = ids < len(self.row_expected)
@@ -602,7 +612,7 @@ class AutoChooser:
         # A row's mean is its own n rounds' with `prior` rounds of the batch's: known as well as
         # n + prior rounds' mean (the batch's rows may differ: a row seen in few drafted rounds may
         # be the slow one)
-        return remaining, expected, n + prior
+        return expected, n + prior
 
     def _scores(self, active: int, costs, finish=None, every: bool = False, paces=None) -> np.ndarray:
         """f64 ``[K]``, lower is better: the rule's score of each budget (module docstring): minus
