@@ -210,7 +210,8 @@ def finish_budget(remaining, expected, costs, variance=None, uncertainty=None) -
     return int(np.argmin(finish_times(remaining, expected, costs, variance, uncertainty)))
 
 
-def finish_times(remaining, expected, costs, variance=None, uncertainty=None, every: bool = False) -> np.ndarray:
+def finish_times(remaining, expected, costs, variance=None, uncertainty=None, every: bool = False,
+                 known=None) -> np.ndarray:
     """f64 ``[K]``: the time until a static batch ends if every later round used each budget,
     ``costs[k] * batch_rounds(...)[k]`` (``remaining``: ``[R]`` tokens each running row may still
     commit, > 0; ``expected``: ``[R, K]`` each row's expected committed tokens per round at each
@@ -220,7 +221,9 @@ def finish_times(remaining, expected, costs, variance=None, uncertainty=None, ev
     a budget's rounds are ``max_i remaining[i] / expected[i, k]``, a lower bound with it (Wald: a
     row's expected rounds times its mean tokens is at least what it commits), and no estimate is
     taken below it. A budget whose bound is no better than a budget without variance cannot win
-    and is not estimated further (``inf``) unless ``every``."""
+    and is not estimated further (``inf``) unless ``every``. ``known``: ``[K]`` this function's
+    result for the same arguments without ``every``, whose finite entries are kept (only the
+    others are estimated)."""
     costs = np.asarray(costs, np.float64)
     bound = costs * (np.asarray(remaining, np.float64)[:, None] / np.asarray(expected, np.float64)).max(axis=0)
     if variance is None:
@@ -228,6 +231,10 @@ def finish_times(remaining, expected, costs, variance=None, uncertainty=None, ev
     random = (np.asarray(variance) > 0).any(axis=0)
     todo = random & ((bound < bound[~random].min(initial=np.inf)) | every)
     times = np.where(random, np.inf, bound)
+    if known is not None:
+        done = np.isfinite(known)
+        todo &= ~done
+        times[done] = np.asarray(known)[done]
     if todo.any():
         times[todo] = np.maximum(bound[todo], costs[todo] * batch_rounds(
             remaining, np.asarray(expected)[:, todo], np.asarray(variance)[:, todo],
@@ -581,7 +588,8 @@ class AutoChooser:
         value = horizon * saved - rounds * np.maximum(loss, 0.0)
         value[0] = -np.inf
         if finish is not None and (~np.isfinite(scores[1:]) & (value[1:] > 0)).any():
-            return self.explore_value(active, costs, finish, self._scores(active, costs, finish, True, paces), paces)
+            every = self._scores(active, costs, finish, True, paces, known=scores)
+            return self.explore_value(active, costs, finish, every, paces)
         return value
 
     def _paces(self, finish) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -614,18 +622,19 @@ class AutoChooser:
         # be the slow one)
         return expected, n + prior
 
-    def _scores(self, active: int, costs, finish=None, every: bool = False, paces=None) -> np.ndarray:
+    def _scores(self, active: int, costs, finish=None, every: bool = False, paces=None, known=None) -> np.ndarray:
         """f64 ``[K]``, lower is better: the rule's score of each budget (module docstring): minus
         the batch's calibrated expected tokens per second, or with ``finish`` the time until the
         static batch ends (``finish_times``; ``every``: every budget estimated, for a probe's
         choice among the positive ones; else those that cannot beat budget 0 are ``inf``;
-        ``paces``: ``_paces(finish)``, computed if None)."""
+        ``paces``: ``_paces(finish)``, computed if None; ``known``: the scores without ``every``,
+        whose finite entries are kept)."""
         caps = self.plan.caps
         if finish is None:
             return -(active * calibrated(self.expected_ema, self.factor(), caps)) / costs
         remaining, expected, behind = self._paces(finish) if paces is None else paces
         variance = round_variance(expected, caps)
-        return finish_times(remaining, expected, costs, variance, variance / behind, every)
+        return finish_times(remaining, expected, costs, variance, variance / behind, every, known)
 
     def prior_rounds(self, ids) -> np.ndarray:
         """f64 ``[K]``: per budget, the rounds of the batch's average a row's own average is mixed
