@@ -36,6 +36,7 @@ from ddtree_jax.auto_budget import (
     expected_max,
     expected_tokens,
     finish_budget,
+    finish_times,
     round_variance,
 )
 from ddtree_jax.auto_round import (
@@ -160,6 +161,53 @@ def test_finish_rule_waits_for_the_unluckiest_row():
     assert finish_budget(np.full(64, 128), np.tile(expected, (64, 1)), costs) == 1  # (by the means)
     assert finish_budget(np.full(64, 128), np.tile(expected, (64, 1)), costs, np.tile(var, (64, 1))) == 0
     assert finish_budget([128], expected[None], costs, var) == 1
+
+
+def test_finish_times_keeps_the_known_estimates_and_estimates_only_the_rest():
+    """``finish_times(..., every=True, known=without every)`` equals estimating every budget, on
+    fresh random batches, up to rounding (a column estimated among other columns or alone differs
+    in the last bits)."""
+    rng = np.random.default_rng()
+    caps = np.array([0, 4, 8, 16])
+    for _ in range(20):
+        R = int(rng.integers(2, 65))
+        remaining = rng.integers(1, 200, R)
+        expected = np.concatenate([np.ones((R, 1)), 1.0 + rng.uniform(0.0, 1.0, (R, 3)) * caps[1:]], axis=1)
+        var = round_variance(expected, caps)
+        u = var * rng.uniform(0.0, 0.5, (R, 1))
+        costs = np.array([1.0, *np.sort(rng.uniform(1.0, 3.0, 3))])
+        partial = finish_times(remaining, expected, costs, var, u)
+        full = finish_times(remaining, expected, costs, var, u, every=True)
+        np.testing.assert_allclose(finish_times(remaining, expected, costs, var, u, every=True, known=partial),
+                                   full, rtol=1e-12)
+        assert np.isfinite(full).all()
+
+
+def test_chooser_keeps_the_rows_paces_until_a_drafted_record():
+    """Between drafted dispatches the rows' paces are reused; a drafted dispatch's record (or
+    other rows) recomputes them: the same values as a chooser that never kept any."""
+    rows = np.arange(4)
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2, 2, 5, 6], [2, 4, 2, 6, 8], [2, 5, 2, 4, 5]]), rows=rows)
+    finish = (rows, np.array([30, 20, 25, 10]))
+
+    def fresh():
+        f = AutoChooser(PLAN)
+        f.__dict__.update({k: v for k, v in c.__dict__.items() if k != "_rows_cache"})
+        f._rows_cache = None
+        return f._paces(finish)
+
+    first = c._paces(finish)
+    assert c._paces(finish)[1] is first[1]  # (kept)
+    c.record(0, plain_tally(np.full(4, 8), 3), rows=rows)
+    assert c._paces(finish)[1] is first[1]  # (plain rounds change no pace)
+    c.record(2, _tally([[1, 1, 1, 3, 4], [1, 5, 1, 3, 5], [1, 0, 1, 2, 2], [1, 3, 1, 3, 4]]), rows=rows)
+    again = c._paces(finish)
+    assert again[1] is not first[1]
+    for got, want in zip(again, fresh(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    other = (rows[:3], np.array([30, 20, 25]))
+    np.testing.assert_array_equal(c._paces(other)[1], again[1][:3])
 
 
 def test_chooser_finish_rule_weighs_the_rows_by_their_measured_spread():
