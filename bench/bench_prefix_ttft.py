@@ -17,17 +17,25 @@ of ``--layers`` layers (bf16) with a random one-layer drafter, DDTree budget ``-
 chunks of ``--prefill-chunk``. ``--methods ddtree ar`` adds autoregressive engines (rows ``... ar``):
 both draw the first token in the prefill, so the difference is the drafter's share of the prefill
 (its context) and of the engine's host work; ``--layouts paged`` leaves the contiguous engines out.
+``--profile`` then traces one more miss and hit per engine (JAX's profiler) and reports, for
+each, where its time to first token went: before the device's first kernel (the engine's host
+work: admission, prefix match, page table, launch), the device's busy time and span, and after
+the last kernel (the read-back and the stream), with the kernels that took the most time.
 Results: ``prefix_ttft_<device>_<date>.{json,md}`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import glob
 import os
 import statistics
+import tempfile
 import time
 
+import jax
 import numpy as np
 
 import ddtree_jax as dt
@@ -42,14 +50,64 @@ def ttft(eng: Engine, prompt: list[int], new: int) -> float:
     rows that turned out to have ended, up to a round of device time) is read back first, so that
     a miss and a hit start alike."""
     eng.drain()
-    t0 = time.perf_counter()
+    return ttft_from(eng, prompt, new, time.perf_counter_ns()) / 1e9
+
+
+MARK = "prefix_ttft_submit"
+
+
+def traced_ttft(eng: Engine, prompt: list[int], new: int, top: int = 10) -> dict:
+    """``ttft`` under JAX's profiler: the wall time to the first token split into the host's lead
+    (submit to the device's first kernel), the device's span (first kernel start to last kernel
+    end) and busy time (the kernels' union), and the tail (last kernel end to the first token),
+    in milliseconds, with the ``top`` kernels by total time. Without GPU streams in the trace (the
+    CPU) only the wall time is reported."""
+    eng.drain()
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        with jax.profiler.TraceAnnotation(MARK):  # the trace's clock at submit
+            t0 = time.perf_counter_ns()
+        first = ttft_from(eng, prompt, new, t0)
+        jax.profiler.stop_trace()
+        data = jax.profiler.ProfileData.from_file(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+    spans, per_kernel, start = [], collections.defaultdict(float), None
+    for plane in data.planes:
+        for line in plane.lines:
+            if plane.name.startswith("/host") and start is None:
+                start = next((ev.start_ns for ev in line.events if ev.name == MARK), None)
+            if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
+                for ev in line.events:
+                    spans.append((ev.start_ns, ev.end_ns))
+                    per_kernel[ev.name] += ev.duration_ns
+    row = dict(ttft_ms=first / 1e6)
+    end = (start or 0) + first
+    spans = sorted(s for s in spans if s[0] < end)  # the kernels before the first token
+    if spans and start is not None:
+        busy, cur = 0, spans[0]
+        for a, b in spans[1:]:
+            if a > cur[1]:
+                busy, cur = busy + cur[1] - cur[0], (a, b)
+            else:
+                cur = (cur[0], max(cur[1], b))
+        busy += cur[1] - cur[0]
+        last = max(b for _, b in spans)
+        row.update(host_lead_ms=(spans[0][0] - start) / 1e6, device_span_ms=(last - spans[0][0]) / 1e6,
+                   device_busy_ms=busy / 1e6, tail_ms=(end - last) / 1e6, kernels=len(spans),
+                   top=", ".join(f"{k} {v / 1e6:.2f}" for k, v in
+                                 sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]))
+    return row
+
+
+def ttft_from(eng: Engine, prompt: list[int], new: int, t0: int) -> int:
+    """Nanoseconds from ``t0`` (``perf_counter_ns``) to ``prompt``'s first streamed token; steps
+    the engine until the request finishes."""
     handle = eng.submit(prompt, max_tokens=new, ignore_eos=True)
     first = None
     while not handle.done:
         eng.step()
         if first is None and any(c.token_ids for c in handle._chunks):
-            first = time.perf_counter() - t0
-    return first if first is not None else time.perf_counter() - t0
+            first = time.perf_counter_ns() - t0
+    return first if first is not None else time.perf_counter_ns() - t0
 
 
 def _hit_tokens(eng: Engine) -> int:
@@ -76,6 +134,9 @@ def main(argv=None):
                          "is a second miss)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the longest prefix and tail and the new tokens, rounded up to a power of two")
+    ap.add_argument("--profile", action="store_true",
+                    help="then trace a miss and a hit per engine: host lead, device busy time and span, tail, "
+                         "top kernels")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                     help="JAX's on-disk cache of compiled programs: a second run loads the engines' programs "
@@ -111,7 +172,7 @@ def main(argv=None):
         log(f"warming up the {name} engine (compiles) ...")
         eng.warmup()
     report = Report(args, name="prefix_ttft", title="Time to first token: cached prefix against none",
-                    sections=("ttft",))
+                    sections=("ttft", "profile"))
     report.notes.append(f"Prefixes of {', '.join(map(str, args.prefix))} tokens + tail {args.suffix}, {args.new} new "
                         f"tokens, {args.trials} trials (medians), pages of {args.page_size}, prefill chunks of "
                         f"{args.prefill_chunk}, max_model_len {args.max_model_len}, DDTree budget {args.budget} "
@@ -145,6 +206,15 @@ def main(argv=None):
             miss, hit = (statistics.median(times[f"{name} {c}"]) for c in ("miss", "hit"))
             report.add("ttft", dict(prefix=length, engine=name, miss_ms=miss * 1e3, hit_ms=hit * 1e3,
                                     miss_over_hit=miss / hit, cached_per_hit=statistics.median(cached[name])))
+        if args.profile:
+            prefix = rng.integers(1, vocab, length).tolist()
+            tails = [rng.integers(1, vocab, args.suffix).tolist() for _ in range(2)]
+            for name, eng in engines.items():
+                for case, tail in zip(("miss", "hit"), tails, strict=True):
+                    row = traced_ttft(eng, prefix + tail, args.new)
+                    log(f"prefix {length}, {name} {case} traced: " +
+                        ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k != "top"))
+                    report.add("profile", dict(prefix=length, engine=name, case=case, **row))
     for eng in engines.values():
         eng.stop()
     log(f"wrote {report.stem}.md")
