@@ -218,18 +218,21 @@ def summarize(results: dict) -> str:
         for form, (n, rounds, choose, call, wait) in r.get("calls", {}).items():
             lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {r['label']} | {form} | "
                          f"{n} | {rounds} | {choose / n:.3f} | {call / n:.3f} | {wait / n:.3f} |")
-    lines += ["", "Cost table (ms per round at each budget of the set, measured by the library) and a pipeline "
-              "restart's price (`auto_costs.measure_restart`; the first probe runs alone where it is at most "
-              "`RESTART_SHARE` of a dispatch's plain rounds):", ""]
+    lines += ["", "Cost table (ms per round at each budget of the set, measured by the library) and the pipeline "
+              "restart's price each cell's kept auto run decided with, in the cells' order "
+              "(`auto_budget.restart_price`: twice the measured restart until an earlier run's first probe alone "
+              "observed one; the first probe runs alone where it is at most `RESTART_SHARE` of a dispatch's "
+              "plain rounds):", ""]
     seen = set()
     for r in runs:
         for rows, costs in r.get("costs_ms", {}).items():
             if rows not in seen:
                 seen.add(rows)
-                restart = r.get("restart_ms", {}).get(rows)
+                prices = [x.get("restart_ms", {}).get(rows, "-") for x in runs if rows in x.get("costs_ms", {})]
                 lines.append(f"- batch {rows}: " + ", ".join(f"{b}: {c:.3f}" for b, c in
                                                              zip(r["histogram"], costs, strict=True))
-                             + (f"; restart {restart:.3f}" if restart is not None else "; restart unknown"))
+                             + "; restart " + ", ".join("unknown" if p is None else p if isinstance(p, str)
+                                                         else f"{p:.3f}" for p in prices))
     lines += ["", "The costs auto chose with at the end of each run (the table corrected by the run's timed "
               "dispatches, host work included), ms per round:", ""]
     for r in runs:

@@ -90,9 +90,10 @@ from scipy.special import log_ndtr, ndtr
 from ddtree_jax.tree import DraftTree
 
 __all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
-           "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "PRIOR_ROUNDS", "PROBE_SHARE", "RESTART_SHARE", "RunCosts",
+           "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "MEASURED_RESTART", "PRIOR_ROUNDS", "PROBE_SHARE",
+           "RESTART_SHARE", "RunCosts",
            "SPREAD_ROWS", "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max",
-           "expected_tokens", "finish_budget", "finish_times", "probe_alone", "round_variance"]
+           "expected_tokens", "finish_budget", "finish_times", "probe_alone", "restart_price", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -116,11 +117,16 @@ drafted round is read back. Where that pays against a plain round at the costs g
 largest budget's cost at most this many times budget 0's), the choice is the largest budget
 until the first drafted round is read back; elsewhere the first dispatch probes."""
 
-RESTART_SHARE = 0.25
-"""``probe_alone``: the share of a dispatch's plain rounds a pipeline restart may cost at most
-for the first probe to run alone. Low: the measured restart (``auto_costs.measure_restart``: a
-launch and a read-back) leaves out the host's own work between the read and the next launch (the
-choice: up to about 1 ms at batch 64 on the H100's host)."""
+RESTART_SHARE = 0.5
+"""``probe_alone``: the share of a dispatch's plain rounds a pipeline restart's price
+(``restart_price``) may be at most for the first probe to run alone."""
+
+MEASURED_RESTART = 2.0
+"""``restart_price``: what a measured restart counts for until one is observed. The measurement
+(``auto_costs.measure_restart``: a call's launch and read-back) leaves out the host's choice and
+launch of the dispatch after the probe, which the device waits for too (the shipped pair at batch
+64 on an H100: 0.70 ms measured, 2.9-3.9 ms from a probe's launch to the next dispatch's launch
+end beyond its round)."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
@@ -183,17 +189,27 @@ def expected_tokens(tree: DraftTree, budgets: tuple[int, ...]) -> jax.Array:
     return 1.0 + prefix[:, jnp.asarray(budgets)]
 
 
+def restart_price(measured: float | None, observed: float | None) -> float | None:
+    """The price of a pipeline restart that ``probe_alone`` compares: ``observed`` (seconds from
+    an earlier first probe alone's launch to the launch end of the dispatch after it, less the
+    probe round's table cost: what running alone cost, the host's choice and launch of the next
+    dispatch included) where known, else ``MEASURED_RESTART`` times ``measured``
+    (``auto_costs.measure_restart``); ``None`` where neither is known."""
+    if observed is not None:
+        return observed
+    return None if measured is None else MEASURED_RESTART * measured
+
+
 def probe_alone(restart: float | None, plain: float, rounds: int) -> bool:
     """Whether a pipelined caller runs its first probe (no drafted round read back yet) as a
     dispatch of its one round, read back before the next choice, rather than as the first round
     of a full dispatch of ``rounds`` followed by one chosen before it is read (alone, the probe
     verifies the largest budget: its round says what every smaller budget would have committed,
     so the choice after it knows every budget's tokens, where a probe at a smaller budget leaves
-    the larger ones that budget's calibration): where the restart
-    (``restart``: what a dispatch costs launched and waited for alone beyond its rounds,
-    ``auto_costs.measure_restart``; ``None``: unknown, never) costs at most ``RESTART_SHARE`` of
-    the dispatch's rounds at budget 0 (``plain`` each). Alone, the probe saves up to ``2 rounds -
-    1`` plain rounds where drafting pays and costs the restart where it does not."""
+    the larger ones that budget's calibration): where the restart's price (``restart``:
+    ``restart_price``; ``None``: unknown, never) is at most ``RESTART_SHARE`` of the dispatch's
+    rounds at budget 0 (``plain`` each). Alone, the probe saves up to ``2 rounds - 1`` plain
+    rounds where drafting pays and costs the restart where it does not."""
     return restart is not None and restart <= RESTART_SHARE * rounds * plain
 
 
@@ -803,9 +819,10 @@ class AutoReport:
       realized: the tokens the running rows accepted in those rounds (bonus included).
       drafted_rounds: rounds that ran the drafter (the rounds at positive budgets).
       costs: the cost table's round costs, one per budget, per batch size the rounds ran at.
-      restarts: per batch size, the pipeline restart's price in seconds the run took
-        (``auto_costs.measure_restart``, ``DecodeConfig.auto_restart``; None: unknown); empty
-        for the engine (its dispatches are read back one by one).
+      restarts: per batch size, the pipeline restart's price in seconds the run decided with
+        (``restart_price``: observed by an earlier run, else from ``auto_costs.measure_restart``
+        or ``DecodeConfig.auto_restart``; None: unknown); empty for the engine (its dispatches
+        are read back one by one).
       run_costs: the costs the run paid and chose with at the end (``RunCosts.current``), per
         batch size.
       paid: per batch size, per budget, the timed dispatches' ``(count, min, median, max)``

@@ -11,9 +11,12 @@ launch overlaps the device is priced at the device's pace and one that holds the
 it; the callers time them on running rows (a round's cost includes what committing costs) and put
 the rows back before every call. ``measure_restart`` prices a pipeline restart: what a call of
 budget 0 costs launched and waited for alone beyond its rounds in a burst (its launch and
-read-back, which a call ahead hides). ``CostTable`` keeps measured costs and the restart in
-memory and, with a folder, one JSON file per key (``{"key": ..., "costs": [...], "restart":
-s}``), so a later process with the same key loads them instead of timing again.
+read-back, which a call ahead hides); a run that then pays a restart (``generate``'s first probe
+alone) stores what it observed (``CostTable.observe_restart``), which later runs decide with
+(``auto_budget.restart_price``). ``CostTable`` keeps measured costs and both restarts in memory
+and, with a folder, one JSON file per key (``{"key": ..., "costs": [...], "restart": s,
+"observed_restart": s}``), so a later process with the same key loads them instead of timing
+again.
 ``default_table()`` keeps its files under the compilation cache folder
 (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that cache is off).
 Nothing here is specific to a device: every number comes from a measurement. Design note: docs/auto-budget.md.
@@ -124,6 +127,7 @@ class CostTable:
         self.folder = folder
         self._memory: dict[str, tuple[float, ...]] = {}
         self._restart: dict[str, float] = {}
+        self._observed: dict[str, float] = {}
 
     @staticmethod
     def digest(key: dict) -> str:
@@ -152,23 +156,39 @@ class CostTable:
                 not all(c > 0 for c in costs):
             return None
         self._memory[digest] = costs
-        restart = got.get("restart")
-        if isinstance(restart, (int, float)) and restart >= 0:
-            self._restart[digest] = float(restart)
+        for name, kept in (("restart", self._restart), ("observed_restart", self._observed)):
+            value = got.get(name)
+            if isinstance(value, (int, float)) and 0 <= value < float("inf"):
+                kept[digest] = float(value)
         return costs
 
     def restart(self, key: dict) -> float | None:
         """The restart price stored for ``key`` (``measure_restart``), or ``None``."""
         return self._restart.get(self.digest(key)) if self.get(key) is not None else None
 
+    def observed_restart(self, key: dict) -> float | None:
+        """The restart a run observed for ``key`` (``observe_restart``), or ``None``."""
+        return self._observed.get(self.digest(key)) if self.get(key) is not None else None
+
+    def observe_restart(self, key: dict, seconds: float) -> None:
+        """Stores what a pipeline restart cost a run with ``key``'s stored costs (seconds, >= 0;
+        the latest observation replaces the one before), in memory and, with a folder, on disk.
+        Nothing is stored for a key without costs."""
+        costs = self.get(key)
+        if costs is not None:
+            self._observed[self.digest(key)] = max(0.0, float(seconds))
+            self.put(key, costs, self._restart.get(self.digest(key)))
+
     def put(self, key: dict, costs, restart: float | None = None) -> None:
         """Stores ``costs`` (one per budget of the key) and the ``restart`` price (if given) in
-        memory and, with a folder, on disk."""
+        memory and, with a folder, on disk (with the restart observed for the key, if any)."""
         costs, digest = tuple(float(c) for c in costs), self.digest(key)
         self._memory[digest] = costs
         entry = dict(key=key, costs=list(costs))
         if restart is not None:
             self._restart[digest] = entry["restart"] = float(restart)
+        if digest in self._observed:
+            entry["observed_restart"] = self._observed[digest]
         path = self.path(key)
         if path is None:
             return

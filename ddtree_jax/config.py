@@ -129,7 +129,8 @@ class DecodeConfig:
     auto_restart: float | None = None
     """With ``budget="auto"`` and ``auto_costs``: what a call of rounds costs launched and waited
     for alone beyond its rounds (a pipeline restart, in ``auto_costs``' unit), >= 0; ``generate``
-    runs its first probe alone, read back before the next choice, where this is at most
+    runs its first probe alone, read back before the next choice, where its price
+    (``auto_budget.restart_price``: ``MEASURED_RESTART`` times this) is at most
     ``auto_budget.RESTART_SHARE`` of a call's plain rounds. ``None``: measured with the cost
     table, or with ``auto_costs`` unknown (the first probe runs inside a full call)."""
 

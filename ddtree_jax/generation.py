@@ -38,7 +38,7 @@ import numpy as np
 
 from ddtree_jax import auto_costs
 from ddtree_jax import auto_round as ar
-from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport, probe_alone
+from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport, probe_alone, restart_price
 from ddtree_jax.auto_round import plain_tally, round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds
 from ddtree_jax.backend import Backend, resolve_backend
 from ddtree_jax.config import AUTO, METHODS, DecodeConfig, auto_budget_set, is_int
@@ -399,6 +399,7 @@ def generate(
                              draft_len=drafter.config.block_size - 1)
         chooser, costs, plans = AutoChooser(auto_plan, decode.auto_costs is None), {}, round_plans(plan, auto_plan)
         restarts = {}  # (per batch size: a pipeline restart's price, None where unknown)
+        observers = {}  # (per batch size: where a restart observed is stored, None where nowhere)
         digest = (auto_costs.models_digest(target, drafter, (tparams, dparams)) if decode.auto_costs is None
                   else None)
         active = B
@@ -469,9 +470,9 @@ def generate(
             if rows not in costs:  # (only where the pipeline starts: a new batch size)
                 state = flush(state)
                 scratch = max(auto_plan.budgets[-1], auto_plan.draft_len) + 1
-                state, costs[rows], restarts[rows] = _round_costs(decode, digest, models, tparams, dparams, plans,
-                                                                  state, base_key, checked.max_len, scratch,
-                                                                  sync_every, fixed_calls)
+                state, costs[rows], restarts[rows], observers[rows] = _round_costs(
+                    decode, digest, models, tparams, dparams, plans, state, base_key, checked.max_len, scratch,
+                    sync_every, fixed_calls)
                 dispatch["t"] = t = time.perf_counter()  # (a new batch size's costs are host work)
             if call_form(1) is None:  # (before the choice, which counts the dispatches)
                 return state, None
@@ -605,6 +606,11 @@ def generate(
             last_read = None
         if nxt is None:
             state, nxt = launch(state)
+            if cur["form"] == "alone" and nxt is not None and nxt["rows"] == cur["rows"] and \
+                    observers[cur["rows"]] is not None:
+                # What running alone cost: from the probe's launch to the end of the next launch
+                # (its choice included), less the probe round's table cost.
+                observers[cur["rows"]](nxt["t"] + nxt["launch"] - cur["chosen"] - costs[cur["rows"]][cur["k"]])
         cur = nxt
     seconds = time.perf_counter() - t0
 
@@ -683,9 +689,11 @@ def _read_progress(got) -> tuple[np.ndarray | None, np.ndarray]:
 
 def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dparams, plans, state: DecodeState,
                  base_key, max_len: int, scratch: int, sync_every: int, fixed: bool):
-    """``(state, costs, restart)``: seconds per round at each budget at ``state``'s batch size and
-    a pipeline restart's price (``auto_costs.measure_restart``), ``decode.auto_costs`` and
-    ``decode.auto_restart`` if given, else from the cost table (``auto_costs.default_table``;
+    """``(state, costs, restart, observe)``: seconds per round at each budget at ``state``'s batch
+    size, a pipeline restart's price (``auto_budget.restart_price``) and where to store a restart
+    the run observes (``CostTable.observe_restart`` for the key; ``None``: nowhere), from
+    ``decode.auto_costs`` and ``decode.auto_restart`` (a measured restart) if given, else from
+    the cost table (``auto_costs.default_table``;
     ``digest``: the models' ``auto_costs.models_digest``), timed there if it has none: the
     compiled rounds of each of ``plans`` (``sync_every`` per call, in a loop of known trip count
     with ``fixed``: the calls ``generate`` runs, budget 0's without a tally) on ``state``'s own rows,
@@ -694,13 +702,17 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     call and after (a round writes the caches only past each row's length, so restoring the rows'
     small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
-        return state, decode.auto_costs, decode.auto_restart
+        return state, decode.auto_costs, restart_price(decode.auto_restart, None), None
     key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
                               per_call=sync_every, budgets=plans[-1].expected_budgets)
     table = auto_costs.default_table()
     known, restart = table.get(key), table.restart(key)
+
+    def observe(seconds):
+        table.observe_restart(key, seconds)
+
     if known is not None and restart is not None:  # (no copies of the rows' fields: a lookup costs nothing)
-        return state, known, restart
+        return state, known, restart_price(restart, table.observed_restart(key)), observe
     if state.deferred is not None:  # the timed rounds reuse the held-back buffer: empty it first
         state = run_flush(models, tparams, dparams, state)
     saved = _row_fields(state)
@@ -722,7 +734,8 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
         return work[0]
 
     costs = table.get_or_measure(key, run, per_call=sync_every, before=before, restart=True)
-    return _put_row_fields(work[0], saved), costs, table.restart(key)
+    price = restart_price(table.restart(key), table.observed_restart(key))
+    return _put_row_fields(work[0], saved), costs, price, observe
 
 
 _ROW_FIELDS = ("root", "out", "generated", "finish", "accept_lengths", "rounds", "max_new_tokens", "stop_ids")

@@ -997,9 +997,10 @@ def test_timing_the_costs_keeps_the_held_back_context(law_models, tmp_path, monk
     state, _ = run_tallied_rounds(models, tparams, dparams, plans[0], _auto_state(law_models, plan, 2), key, 2)
     assert np.asarray(state.deferred.count).min() == 2
     before = run_flush(models, tparams, dparams, jax.tree.map(jnp.copy, state))
-    after, costs, restart = generation._round_costs(DecodeConfig(budget="auto", auto_max_budget=4), "digest", models,
-                                                    tparams, dparams, plans, state, key, 64, 5, 2, fixed)
-    assert len(costs) == 2 and all(c > 0 for c in costs) and restart >= 0
+    after, costs, restart, observe = generation._round_costs(DecodeConfig(budget="auto", auto_max_budget=4), "digest",
+                                                             models, tparams, dparams, plans, state, key, 64, 5, 2,
+                                                             fixed)
+    assert len(costs) == 2 and all(c > 0 for c in costs) and restart >= 0 and callable(observe)
     after = run_flush(models, tparams, dparams, after)
     for f in ("out", "generated", "accept_lengths", "finish", "root", "rounds"):
         np.testing.assert_array_equal(getattr(after, f), getattr(before, f), err_msg=f)
@@ -1024,7 +1025,7 @@ def test_generate_prices_each_probe_with_the_dispatch_launched_before_it(law_mod
     monkeypatch.setattr(generation, "run_rounds", lambda *a, **k: calls.append("plain") or plain(*a, **k))
     monkeypatch.setattr(generation.ar, "run_probe_rounds", lambda *a, **k: calls.append("probe") or probe(*a, **k))
     monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
-                        *rest: (state, (1.0, 50.0, 50.0), None))
+                        *rest: (state, (1.0, 50.0, 50.0), None, None))
     monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(k))
     monkeypatch.setattr(AutoChooser, "observe_probe", lambda self, shape, n, seconds: priced.append((n, seconds)))
     monkeypatch.setattr(auto_budget, "PROBE_SHARE", 1e9)
@@ -1045,8 +1046,9 @@ def test_generate_prices_each_probe_with_the_dispatch_launched_before_it(law_mod
 
 @pytest.mark.parametrize("restart, alone", [(0.0, True), (1.0, True), (1.01, False), (None, False)])
 def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models, greedy_ar, restart, alone):
-    """Where the prior does not pay, generate's first dispatch probes. Where a pipeline restart
-    costs at most RESTART_SHARE of a dispatch's plain rounds (here 0.25 x 4 rounds x 1.0 = 1.0),
+    """Where the prior does not pay, generate's first dispatch probes. Where a pipeline restart's
+    price (a measured restart counts MEASURED_RESTART times) is at most RESTART_SHARE of a
+    dispatch's plain rounds (here 2 x restart against 0.5 x 4 rounds x 1.0 = 2.0),
     the probe is a call of its one round, read back before the next call is launched (so the
     next is chosen on its statistics); else (an unknown restart too) it is the first round of a
     full dispatch. Alone it verifies the largest budget (its round calibrates every budget for the
@@ -1057,13 +1059,110 @@ def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models
                           sync_every=S)
     out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
     assert out.tokens == greedy_ar.tokens
-    assert out.auto.restarts == {len(GREEDY_PROMPTS): restart}  # (reported: the price the choice took)
+    price = None if restart is None else auto_budget.MEASURED_RESTART * restart
+    assert out.auto.restarts == {len(GREEDY_PROMPTS): price}  # (reported: the price the choice took)
     assert out.auto.probe_prices == {len(GREEDY_PROMPTS): None}  # (costs given: nothing timed)
     first, second = out.dispatches[:2]
     assert (first.form, first.budget, first.rounds) == (("alone", 8, 1) if alone else ("probe", 4, S))
     assert second.form != "probe" and second.rounds == S
     if alone:  # (launched once the probe was read back; else launched ahead of that read)
         assert second.start >= first.start + first.choose + first.launch + first.wait
+
+
+def test_restart_price_takes_an_observed_restart_over_the_measured_one():
+    """The price probe_alone compares: what a run observed where known; else the measured restart
+    (a launch and read-back alone) MEASURED_RESTART times (it leaves out the host's next choice
+    and launch); unknown where neither is."""
+    assert auto_budget.restart_price(None, None) is None
+    assert auto_budget.restart_price(0.5, None) == auto_budget.MEASURED_RESTART * 0.5
+    assert auto_budget.restart_price(0.5, 3.0) == auto_budget.restart_price(None, 3.0) == 3.0
+    assert auto_budget.restart_price(0.5, 0.0) == 0.0
+    share = auto_budget.RESTART_SHARE * 8 * 0.5  # 8 plain rounds of 0.5
+    assert auto_budget.probe_alone(share, 0.5, 8) and not auto_budget.probe_alone(share * 1.01, 0.5, 8)
+    assert not auto_budget.probe_alone(None, 0.5, 8)
+
+
+def test_cost_table_keeps_an_observed_restart(tmp_path):
+    """``observe_restart`` stores a run's observed restart beside the measured one (in memory and
+    on disk; the latest replaces the one before; negative observations count as 0); a key
+    without costs stores none; storing the costs again keeps it."""
+    key = dict(device="d", models="m", rows=4, budgets=[0, 4], jax="x")
+    table = auto_costs.CostTable(str(tmp_path))
+    table.observe_restart(key, 1.0)
+    assert table.observed_restart(key) is None and not os.listdir(tmp_path)  # (no costs: nothing stored)
+    table.put(key, [1.0, 2.0], restart=0.002)
+    assert table.observed_restart(key) is None
+    table.observe_restart(key, 0.004)
+    fresh = auto_costs.CostTable(str(tmp_path))  # another process: from the file
+    assert fresh.observed_restart(key) == 0.004 and fresh.restart(key) == 0.002 and fresh.get(key) == (1.0, 2.0)
+    fresh.observe_restart(key, 0.003)
+    fresh.put(key, [1.5, 2.5], restart=0.001)
+    again = auto_costs.CostTable(str(tmp_path))
+    assert (again.get(key), again.restart(key), again.observed_restart(key)) == ((1.5, 2.5), 0.001, 0.003)
+    again.observe_restart(key, -0.5)
+    assert auto_costs.CostTable(str(tmp_path)).observed_restart(key) == 0.0
+    assert again.observed_restart({**key, "rows": 8}) is None
+
+
+def test_generate_observes_what_its_first_probe_alone_cost(law_models, greedy_ar, monkeypatch):
+    """After a first probe alone, generate hands what it cost to the cost table's key: from the
+    probe's launch (after its choice) to the end of the next dispatch's launch (its choice
+    included), less the probe round's table cost; nothing where the probe ran inside a
+    dispatch."""
+    S, costs = 4, (1.0, 50.0, 50.0)
+    for price, alone in ((0.0, True), (None, False)):
+        seen = []
+
+        def round_costs(decode, digest, models, tparams, dparams, plans, state, *args, price=price, seen=seen):
+            return state, costs, price, seen.append
+
+        monkeypatch.setattr(generation, "_round_costs", round_costs)
+        config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=costs, sync_every=S)
+        out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+        assert out.tokens == greedy_ar.tokens
+        first, second = out.dispatches[:2]
+        assert (first.form == "alone") == alone
+        if alone:
+            (observed,) = seen
+            expected = (second.start + second.choose + second.launch) - (first.start + first.choose) - costs[2]
+            assert observed == pytest.approx(expected, abs=1e-6)
+        else:
+            assert seen == []
+
+
+def test_generate_decides_its_first_probe_with_the_restart_a_run_observed(law_models, greedy_ar, tmp_path,
+                                                                          monkeypatch):
+    """With the cost table's costs (no injected costs), a restart observed by an earlier run
+    decides whether the first probe runs alone: an observed restart above RESTART_SHARE of a
+    dispatch's plain rounds keeps it inside its dispatch, whatever the measured restart; one of 0
+    lets it run alone. The table's costs are set so that the prior does not pay."""
+    table = auto_costs.CostTable(str(tmp_path))
+    monkeypatch.setattr(auto_costs, "_default", table)
+    config = DecodeConfig(budget="auto", auto_max_budget=4, sync_every=4)
+    out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert out.tokens == greedy_ar.tokens
+    key = _stored(table)["key"]
+    table.put(key, [1.0, 50.0], restart=0.0)  # (a drafted round dear: the first dispatch probes)
+    round_costs = generation._round_costs
+    for observed, alone in ((0.0, True), (auto_budget.RESTART_SHARE * 4 * 1.0 * 1.01, False)):
+        table.observe_restart(key, observed)
+        monkeypatch.setattr(generation, "_round_costs", _keeping(round_costs, table, key, observed))
+        out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+        assert out.tokens == greedy_ar.tokens
+        assert out.auto.restarts == {len(GREEDY_PROMPTS): observed}
+        assert (out.dispatches[0].form == "alone") == alone
+
+
+def _keeping(round_costs, table, key, observed):
+    """``round_costs`` whose observer leaves ``table``'s observed restart for ``key`` as it is (a
+    run on this CPU would replace it with what the CPU's rounds cost)."""
+
+    def wrapped(*args):
+        state, costs, price, _ = round_costs(*args)
+        assert table.observed_restart(key) == observed
+        return state, costs, price, lambda seconds: None
+
+    return wrapped
 
 
 @pytest.mark.parametrize("costs, pays", [((1.0, 50.0, 50.0), False), ((1.0, 1.0, 1.0), True)])
@@ -1099,7 +1198,7 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     monkeypatch.setattr(generation.ar, "run_probe_rounds", recorded("probe", generation.ar.run_probe_rounds,
                                                                     lambda a: a[0].budget))
     monkeypatch.setattr(generation, "_round_costs", lambda decode, digest, models, tparams, dparams, plans, state,
-                        *rest: (state, costs, None))
+                        *rest: (state, costs, None, None))
     monkeypatch.setattr(AutoChooser, "observe", lambda self, shape, k, seconds: timed.append(self.plan.budgets[k]))
     monkeypatch.setattr(AutoChooser, "observe_probe", lambda self, shape, n, seconds: priced.append(n))
     monkeypatch.setattr(auto_budget, "PROBE_SHARE", 1e9)
