@@ -26,6 +26,7 @@ pages (``ddtree_jax.paged_generate``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -41,6 +42,7 @@ from ddtree_jax import auto_round as ar
 from ddtree_jax.auto_budget import AutoChooser, AutoPlan, AutoReport, probe_alone, restart_price
 from ddtree_jax.auto_round import plain_tally, round_plans, run_fixed_tallied_rounds, run_flush, run_tallied_rounds
 from ddtree_jax.backend import Backend, resolve_backend
+from ddtree_jax.compilation_cache import CompileWatch
 from ddtree_jax.config import AUTO, METHODS, DecodeConfig, auto_budget_set, is_int
 from ddtree_jax.decode_round import STAGES, DecodePlan, Models, prefill, run_rounds, run_stage
 from ddtree_jax.decode_state import FINISH_REASONS, FREE, NO_STOP, DecodeState
@@ -416,6 +418,7 @@ def generate(
     t0 = time.perf_counter()
     in_rounds = 0.0
     timeline: list[Dispatch] = []
+    watches = contextlib.ExitStack()
     # One dispatch ahead: the next dispatch is launched before the current one's results are read
     # back, so that its launch (host work about as long as the rounds of a small model) runs while
     # the device works (on GPUs only from a loop of known trip count: call_form). After a
@@ -487,6 +490,8 @@ def generate(
             alone = chooser.probing and chooser.drafted == 0 and probe_alone(restarts[rows], paid[0], n)
             if alone:
                 k, n, fixed = len(auto_plan.budgets) - 1, 1, False
+                # (what it costs is observed through the next launch: not where a program compiles)
+                dispatch["watch"] = watches.enter_context(CompileWatch())
             dispatch.update(form="alone" if alone else "fixed" if fixed else "loop", chosen=time.perf_counter(),
                             budget=auto_plan.budgets[k])
             if k == 0:  # plain rounds, their context held back (flushed first if it would not fit)
@@ -557,61 +562,67 @@ def generate(
                 chooser.record(0, plain, rows=dispatch["requests"])
         return done, now
 
-    state, cur = launch(state)  # (None: every request ended with its first token)
-    if cur is None:
-        harvest(state)
-    last_read = None  # when the previous dispatch of the running pipeline was read back
-    while cur is not None:
-        nxt = None
-        if ahead and cur["form"] != "alone":  # (after a probe too: its statistics serve the choice after next)
-            state, nxt = launch(state)
-        # One dispatch ahead, a dispatch costs the time between its read-back and the previous
-        # one's (its launch hidden); one launched after the previous read is not timed, nor one
-        # whose read-backs hold a synchronous launch (its own ran before the first read, the next's
-        # rounds before the second).
-        start = last_read if ahead else cur["t"]
-        if nxt is not None and nxt["form"] == "probe":  # (cur's time holds the probe's launch)
-            cur.update(start=start, probed=True)
-            nxt["before"] = cur
-        done, now = retire(cur, None if nxt is not None and synchronous(nxt) else start)
-        last_read = None if nxt is None else now
-        active = int((~done).sum())
-        if on_progress is not None or done.all():
-            harvest(state)  # (one dispatch ahead, the rounds ahead changed no finished row)
-            if on_progress is not None:
-                on_progress(host["out"].copy(), host["generated"].copy())
-        if done.all():
-            break
-        running = np.flatnonzero(~done)
-        if compact and len(running) <= len(slot_request) // 2:
-            if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
-                done, _ = retire(nxt, None)
-                nxt, active = None, int((~done).sum())
-                if done.all():
+    # (the compile watch of a first probe alone is closed here whatever happens: launch() opens it)
+    try:
+        state, cur = launch(state)  # (None: every request ended with its first token)
+        if cur is None:
+            harvest(state)
+        last_read = None  # when the previous dispatch of the running pipeline was read back
+        while cur is not None:
+            nxt = None
+            if ahead and cur["form"] != "alone":  # (after a probe too: its statistics serve the choice after next)
+                state, nxt = launch(state)
+            # One dispatch ahead, a dispatch costs the time between its read-back and the previous
+            # one's (its launch hidden); one launched after the previous read is not timed, nor one
+            # whose read-backs hold a synchronous launch (its own ran before the first read, the next's
+            # rounds before the second).
+            start = last_read if ahead else cur["t"]
+            if nxt is not None and nxt["form"] == "probe":  # (cur's time holds the probe's launch)
+                cur.update(start=start, probed=True)
+                nxt["before"] = cur
+            done, now = retire(cur, None if nxt is not None and synchronous(nxt) else start)
+            last_read = None if nxt is None else now
+            active = int((~done).sum())
+            if on_progress is not None or done.all():
+                harvest(state)  # (one dispatch ahead, the rounds ahead changed no finished row)
+                if on_progress is not None:
+                    on_progress(host["out"].copy(), host["generated"].copy())
+            if done.all():
+                break
+            running = np.flatnonzero(~done)
+            if compact and len(running) <= len(slot_request) // 2:
+                if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
+                    done, _ = retire(nxt, None)
+                    nxt, active = None, int((~done).sum())
+                    if done.all():
+                        harvest(state)
+                        break
+                    running = np.flatnonzero(~done)
+                if on_progress is None:
                     harvest(state)
-                    break
-                running = np.flatnonzero(~done)
-            if on_progress is None:
-                harvest(state)
-            size = 1 << int(len(running) - 1).bit_length()
-            take = np.concatenate([running, np.full(size - len(running), running[0])])
-            pad = np.arange(size) >= len(running)
-            state = _on_rows(_compacted(state, jnp.asarray(take), jnp.asarray(pad), page_size is not None), target)
-            slot_request = np.where(pad, -1, slot_request[take])
-            need["rows"], need["rate"] = np.where(pad, 0, need["rows"][take]), need["rate"][take]
-            batch_sizes.append(size)
-            if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
-                last_rounds = last_rounds[take]
-                jax.block_until_ready(state)
-            last_read = None
-        if nxt is None:
-            state, nxt = launch(state)
-            if cur["form"] == "alone" and nxt is not None and nxt["rows"] == cur["rows"] and \
-                    observers[cur["rows"]] is not None:
-                # What running alone cost: from the probe's launch to the end of the next launch
-                # (its choice included), less the probe round's table cost.
-                observers[cur["rows"]](nxt["t"] + nxt["launch"] - cur["chosen"] - costs[cur["rows"]][cur["k"]])
-        cur = nxt
+                size = 1 << int(len(running) - 1).bit_length()
+                take = np.concatenate([running, np.full(size - len(running), running[0])])
+                pad = np.arange(size) >= len(running)
+                state = _on_rows(_compacted(state, jnp.asarray(take), jnp.asarray(pad), page_size is not None), target)
+                slot_request = np.where(pad, -1, slot_request[take])
+                need["rows"], need["rate"] = np.where(pad, 0, need["rows"][take]), need["rate"][take]
+                batch_sizes.append(size)
+                if decode.is_auto:  # the compaction is host time, not the next dispatch's (whose time prices a budget)
+                    last_rounds = last_rounds[take]
+                    jax.block_until_ready(state)
+                last_read = None
+            if nxt is None:
+                state, nxt = launch(state)
+                watch = cur.get("watch")
+                if watch is not None and not watch.seconds and nxt is not None and nxt["rows"] == cur["rows"] \
+                        and observers[cur["rows"]] is not None:
+                    # What running alone cost: from the probe's launch to the end of the next launch
+                    # (its choice included), less the probe round's table cost; not where a program
+                    # was traced or compiled meanwhile.
+                    observers[cur["rows"]](nxt["t"] + nxt["launch"] - cur["chosen"] - costs[cur["rows"]][cur["k"]])
+            cur = nxt
+    finally:
+        watches.close()
     seconds = time.perf_counter() - t0
 
     requests = [

@@ -1107,27 +1107,59 @@ def test_cost_table_keeps_an_observed_restart(tmp_path):
 def test_generate_observes_what_its_first_probe_alone_cost(law_models, greedy_ar, monkeypatch):
     """After a first probe alone, generate hands what it cost to the cost table's key: from the
     probe's launch (after its choice) to the end of the next dispatch's launch (its choice
-    included), less the probe round's table cost; nothing where the probe ran inside a
-    dispatch."""
+    included), less the probe round's table cost; nothing where the probe ran inside a dispatch,
+    nor where a program was traced or compiled in that time (the first call of a process would
+    store a compilation as the restart's price)."""
     S, costs = 4, (1.0, 50.0, 50.0)
-    for price, alone in ((0.0, True), (None, False)):
+    for price, alone, compiled in ((0.0, True, False), (0.0, True, True), (None, False, False)):
         seen = []
 
         def round_costs(decode, digest, models, tparams, dparams, plans, state, *args, price=price, seen=seen):
             return state, costs, price, seen.append
 
         monkeypatch.setattr(generation, "_round_costs", round_costs)
+        monkeypatch.setattr(generation.CompileWatch, "seconds", property(lambda self, c=compiled: 0.5 if c else 0.0))
         config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=costs, sync_every=S)
         out = generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
         assert out.tokens == greedy_ar.tokens
         first, second = out.dispatches[:2]
         assert (first.form == "alone") == alone
-        if alone:
+        if alone and not compiled:
             (observed,) = seen
             expected = (second.start + second.choose + second.launch) - (first.start + first.choose) - costs[2]
             assert observed == pytest.approx(expected, abs=1e-6)
         else:
             assert seen == []
+
+
+def test_generate_watches_compilations_only_through_its_first_probe_alone(law_models, monkeypatch):
+    """The compile watch a first probe alone opens is closed when generate returns, and when it
+    raises."""
+    opened = []
+
+    class Watch(generation.CompileWatch):
+        def __enter__(self):
+            opened.append(self)
+            self.open = True
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            self.open = False
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(generation, "CompileWatch", Watch)
+    config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 50.0, 50.0), auto_restart=0.0,
+                          sync_every=4)
+    generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert len(opened) == 1 and not opened[0].open
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a read-back failed")
+
+    monkeypatch.setattr(generation, "_read_progress", fails)
+    with pytest.raises(RuntimeError, match="read-back failed"):
+        generate(*law_models, GREEDY_PROMPTS, max_new_tokens=GREEDY_TOKENS, compact=False, config=config)
+    assert len(opened) == 2 and not opened[1].open
 
 
 def test_generate_decides_its_first_probe_with_the_restart_a_run_observed(law_models, greedy_ar, tmp_path,
