@@ -60,8 +60,9 @@ def traced_ttft(eng: Engine, prompt: list[int], new: int, top: int = 10) -> dict
     """``ttft`` under JAX's profiler: the wall time to the first token split into the host's lead
     (submit to the device's first kernel), the device's span (first kernel start to last kernel
     end) and busy time (the kernels' union), and the tail (last kernel end to the first token),
-    in milliseconds, with the ``top`` kernels by total time. Without GPU streams in the trace (the
-    CPU) only the wall time is reported."""
+    in milliseconds, with the ``top`` kernels by total time: kernels that started before the first
+    token, cut there (the rounds launched behind the first token's programs run on). Without GPU
+    streams in the trace (the CPU) only the wall time is reported."""
     eng.drain()
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
@@ -70,19 +71,24 @@ def traced_ttft(eng: Engine, prompt: list[int], new: int, top: int = 10) -> dict
         first = ttft_from(eng, prompt, new, t0)
         jax.profiler.stop_trace()
         data = jax.profiler.ProfileData.from_file(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
-    spans, per_kernel, start = [], collections.defaultdict(float), None
+    events, start = [], None
     for plane in data.planes:
         for line in plane.lines:
             if plane.name.startswith("/host") and start is None:
                 start = next((ev.start_ns for ev in line.events if ev.name == MARK), None)
             if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
-                for ev in line.events:
-                    spans.append((ev.start_ns, ev.end_ns))
-                    per_kernel[ev.name] += ev.duration_ns
+                events += [(ev.start_ns, ev.end_ns, ev.name) for ev in line.events]
     row = dict(ttft_ms=first / 1e6)
-    end = (start or 0) + first
-    spans = sorted(s for s in spans if s[0] < end)  # the kernels before the first token
-    if spans and start is not None:
+    if start is None:
+        return row
+    end = start + first
+    # the kernels before the first token, cut there (the rounds launched behind it run on)
+    spans, per_kernel = [], collections.defaultdict(float)
+    for a, b, name in sorted(events):
+        if a < end:
+            spans.append((a, min(b, end)))
+            per_kernel[name] += min(b, end) - a
+    if spans:
         busy, cur = 0, spans[0]
         for a, b in spans[1:]:
             if a > cur[1]:
