@@ -85,7 +85,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import log_ndtr, ndtr
+from scipy.special import ndtr
 
 from ddtree_jax.tree import DraftTree
 
@@ -305,10 +305,11 @@ def expected_max(mean, sd, cap=None) -> np.ndarray:
     t = np.linspace(0.0, 1.0, GRID)
     x = lo + (hi - lo) * t[:, None]  # [G, K]
     z = (x[:, None, :] - mean) / np.where(sd > 0, sd, 1.0)  # [G, R, K]
-    below = np.where(sd > 0, log_ndtr(z), np.where(z >= 0, 0.0, -np.inf))  # log P(X_i <= x)
+    # P(X_i <= x), multiplied over the rows (a product that underflows is a max almost surely above x)
+    below = np.where(sd > 0, ndtr(z), np.where(z >= 0, 1.0, 0.0))
     if cap is not None:
-        below = np.where(x[:, None, :] >= cap, 0.0, below)
-    return lo + (hi - lo) * np.trapezoid(-np.expm1(below.sum(axis=1)), t, axis=0)
+        below = np.where(x[:, None, :] >= cap, 1.0, below)
+    return lo + (hi - lo) * np.trapezoid(1.0 - below.prod(axis=1), t, axis=0)
 
 
 def _expected_min(mean: np.ndarray, sd: np.ndarray, cap: float) -> np.ndarray:
