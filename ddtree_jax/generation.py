@@ -718,10 +718,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
                               per_call=sync_every, budgets=plans[-1].expected_budgets)
     table = auto_costs.default_table()
     known, restart = table.get(key), table.restart(key)
-
-    def observe(seconds):
-        table.observe_restart(key, seconds)
-
+    observe = functools.partial(table.observe_restart, key)
     if known is not None and restart is not None:  # (no copies of the rows' fields: a lookup costs nothing)
         return state, known, restart_price(restart, table.observed_restart(key)), observe
     if state.deferred is not None:  # the timed rounds reuse the held-back buffer: empty it first
