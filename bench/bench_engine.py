@@ -173,7 +173,7 @@ class _Timeline:
 
 
 def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_group=None, freeze_gc=True,
-             launcher="thread", sync_every="auto", streams: int = 0) -> dict:
+             launcher="thread", sync_every="auto", streams: int = 0, read_lag=None) -> dict:
     budget = args.budget if method == "ddtree" else 1  # (only DDTree reads it)
     n = max(args.requests_per_slot * B, 2)
     prompts = _prompts(n, args.prompt_len, target.config.vocab_size, seed=B)
@@ -182,7 +182,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     config = EngineConfig(decode=DecodeConfig(method=method, budget=budget, sync_every=sync_every), slots=B,
                           max_model_len=args.prompt_len + args.new + 1,
                           prefill_chunk=max(16, 1 << (args.prompt_len - 1).bit_length()), page_size=page_size,
-                          admit_group=admit_group, freeze_gc=freeze_gc)
+                          admit_group=admit_group, freeze_gc=freeze_gc, read_lag=read_lag)
     eng = Engine(target, drafter if method != "ar" else None, config, tokenizer=tokenizer)
     if launcher == "inline":
         eng._launcher = None  # each step launches on the engine thread, before reading back
@@ -216,7 +216,7 @@ def run_case(target, drafter, tokenizer, method, B, args, page_size=None, admit_
     same = sum(a == b for a, b in zip(e["tokens"], g_tokens, strict=True))
     row = dict(method=method, budget=budget if method == "ddtree" else 0, batch=B, page_size=page_size,
                admit_group=eng.admit_group, freeze_gc=freeze_gc, streams=streams, launcher=launcher,
-               sync_every=sync_every,
+               sync_every=sync_every, read_lag=eng.read_lag,
                switch_interval_ms=1e3 * sys.getswitchinterval(),
                timeline_ms=None if timeline is None else timeline.summary(),
                requests=n, new=args.new,
@@ -249,6 +249,7 @@ def _markdown(report: dict) -> str:
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         name += f", {r['sync_every']} rounds per dispatch" if r.get("sync_every", 1) != 1 else ""
         name += f" {r['dispatches']}" if r.get("sync_every") == "auto" else ""
+        name += f", read back {r['read_lag']} steps late" if r.get("read_lag", 1) != 1 else ""
         name += ", gc not frozen" if r.get("freeze_gc") is False else ""
         name += ", launched inline" if r.get("launcher") == "inline" else ""
         name += f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms", 5) != 5 else ""
@@ -303,6 +304,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--sync-every", type=lambda v: v if v == "auto" else int(v), nargs="+", default=["auto"],
                     metavar="K",
                     help="the engine's rounds per dispatch (DecodeConfig.sync_every), each value in turn")
+    ap.add_argument("--read-lag", type=int, nargs="+", choices=(1, 2), default=[None], metavar="L",
+                    help="EngineConfig.read_lag: engine steps from a dispatch to its read-back, each value in turn "
+                         "(default: the engine's)")
     ap.add_argument("--streams", type=int, nargs="+", default=[0], metavar="N",
                     help="the engine's load, each value in turn: 0 submits every request at once; N > 0 runs N "
                          "closed-loop clients (each submits its next request when its last one is done)")
@@ -326,20 +330,20 @@ def main(argv=None) -> dict:
     for method in args.methods:
         for B in args.batches:
             freezes = {"on": [True], "off": [False], "both": [False, True]}[args.freeze_gc]
-            cases = [(p, g, f, la, si, k, st) for p in sizes for g in args.admit_group for f in freezes
+            cases = [(p, g, f, la, si, k, st, lag) for p in sizes for g in args.admit_group for f in freezes
                      for la in args.launcher for si in args.switch_interval for k in args.sync_every
-                     for st in args.streams]
-            for page_size, group, freeze, launcher, interval, k, streams in cases:
+                     for st in args.streams for lag in args.read_lag]
+            for page_size, group, freeze, launcher, interval, k, streams, lag in cases:
                 pages = f" pages of {page_size}" if page_size else ""
                 log(f"{method} batch {B}{pages} admit_group {group or 'default'} freeze_gc {freeze} "
                     f"launcher {launcher} switch interval {interval or 'default'} sync_every {k} "
-                    f"streams {streams or 'all at once'} ...")
+                    f"streams {streams or 'all at once'} read_lag {lag or 'default'} ...")
                 before = sys.getswitchinterval()
                 if interval:
                     sys.setswitchinterval(interval / 1e3)
                 try:
                     report["rows"].append(run_case(target, drafter, tokenizer, method, B, args, page_size,
-                                                   group or None, freeze, launcher, k, streams))
+                                                   group or None, freeze, launcher, k, streams, lag))
                 finally:
                     sys.setswitchinterval(before)
                 if not args.smoke:  # after every case: a run cut short keeps what it measured

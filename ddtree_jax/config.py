@@ -317,6 +317,15 @@ class EngineConfig:
     request of ``max_model_len`` positions with its scratch. ``None``: ``slots`` full-length
     slots' worth, the memory of the contiguous caches."""
 
+    read_lag: int | None = None
+    """Engine steps between a dispatch's launch and its read-back, 1 or 2: with 2 the device has
+    the next dispatch queued behind the one it runs while the host reads back, streams and
+    launches, so that the step's host work and its launch need not fit together in one
+    dispatch's device time (each within it is enough); tokens reach their streams one step later.
+    ``None``: 2 where the engine chooses the rounds per dispatch (``decode.sync_every="auto"``,
+    the default on a GPU with one process: where a small model's rounds are shorter than the
+    host's work around them), else 1 (docs/serving.md, "Rounds per dispatch")."""
+
     def __post_init__(self):
         owner = "EngineConfig"
         _require(isinstance(self.decode, DecodeConfig), owner, "decode",
@@ -333,6 +342,8 @@ class EngineConfig:
         _check_count(owner, "admit_wait", self.admit_wait, lo=0)
         _check_count(owner, "max_logprobs", self.max_logprobs, lo=0)
         _check_count(owner, "kv_pages", self.kv_pages, optional=True)
+        _require(self.read_lag is None or (is_int(self.read_lag) and self.read_lag in (1, 2)), owner, "read_lag",
+                 f"must be None, 1 or 2, got {self.read_lag!r}")
         _require(self.page_size is None or is_page_size(self.page_size), owner, "page_size",
                  f"must be None or a power of two >= {MIN_PAGE_SIZE}, got {self.page_size!r}")
         _require(self.kv_pages is None or self.page_size is not None, owner, "kv_pages",

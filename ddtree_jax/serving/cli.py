@@ -103,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", type=pf.positive_int_or_auto, default=None,
                    help="rounds per engine dispatch, or auto: 1, 2 or 4 by their measured cost (default: auto on a "
                         "GPU with a fixed budget, else 1)")
+    p.add_argument("--read-lag", type=int, choices=(1, 2), default=None,
+                   help="engine steps from a dispatch to its read-back (default: 2 with --sync-every auto, else 1; "
+                        "EngineConfig.read_lag)")
     p.add_argument("--seed", type=pf.seed, default=0, help="base key of the random streams")
     p.add_argument("--default-max-tokens", type=pf.positive_int, default=16, help="/v1/completions max_tokens default")
     p.add_argument("--stop-token-id", type=pf.nonnegative_int, action="append", help="in addition to the EOS token")
@@ -160,7 +163,7 @@ def engine_config(args) -> EngineConfig:
             slots=args.slots, max_model_len=args.max_model_len, max_queue=args.max_queue,
             prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch,
             admit_group=args.admit_group, admit_wait=args.admit_wait, max_logprobs=args.max_logprobs,
-            deterministic=args.deterministic == "on", page_size=args.page_size)
+            deterministic=args.deterministic == "on", page_size=args.page_size, read_lag=args.read_lag)
         if args.kv_cache_memory is not None and args.page_size is None:
             raise PreflightError(f"--kv-cache-memory {args.kv_cache_memory}: needs --page-size (the pool's pages)")
         config.decode.check_for(None, has_drafter=bool(args.drafter))

@@ -15,7 +15,7 @@ step (``step()``)
 (c) dispatches compiled rounds without waiting for them (``sync_every`` of them, or with
     ``sync_every="auto"`` 1, 2 or 4, whichever the measured cost per round favours at the current
     load: ``serving/dispatch.py``), and meanwhile reads back
-    the previous step's rounds: one packed device-to-host transfer, per-slot work only for slots
+    the rounds of the step ``EngineConfig.read_lag`` steps before (1 or 2): one packed device-to-host transfer, per-slot work only for slots
     with news, and the token ids handed to the ``Emitter`` (stop strings, chunks; the text of a
     request without stop strings is decoded by its reader, off this thread):
     the host's work runs while the device computes the rounds just dispatched. The programs (a)
@@ -298,7 +298,7 @@ class Engine:
     ``"auto"``; the drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
     ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``admit_group``, ``admit_wait``, ``sync_every``
     (an integer or ``"auto"``), ``dispatch_rounds`` (the rounds a dispatch may run: ``(sync_every,)``,
-    or with ``"auto"`` ``dispatch.ROUNDS``),
+    or with ``"auto"`` ``dispatch.ROUNDS``), ``read_lag`` (steps from a dispatch to its read-back),
     ``stop_token_ids``, ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
     ``auto_plan`` (the budget set) and ``auto_costs`` (seconds per round at each budget:
     ``decode.auto_costs``, else the cost table's, timed at start-up on a scratch state of running
@@ -337,6 +337,7 @@ class Engine:
         self.sync_every = sync
         self.dispatch_rounds = ROUNDS if sync == AUTO else (sync,)
         self._sizer = DispatchSizer(self.dispatch_rounds) if sync == AUTO else None
+        self.read_lag = config.read_lag or (2 if sync == AUTO else 1)
         self.prefill_batch = min(config.prefill_batch or slots, slots)
         self.admit_group = min(config.admit_group or max(1, slots // 8), self.prefill_batch)
         self.admit_wait = config.admit_wait
@@ -421,10 +422,10 @@ class Engine:
                                   f"the {role} ({type(model).__name__}) has no paged cache (init_paged_cache)")
         self.pages_per_slot = -(-self.cache_len // P)
         self.kv_pages = config.kv_pages or self.slots * self.pages_per_slot
-        # A dispatch's rounds run while the previous dispatch is not read back yet: the table must
-        # cover both dispatches' tokens past the last length read back, and a round's scratch.
+        # A dispatch's rounds run while the ``read_lag`` dispatches before it are not read back yet:
+        # the table must cover all their tokens past the last length read back, and a round's scratch.
         self._block = self.cache_len - self.max_model_len
-        self._margin = 2 * self.dispatch_rounds[-1] * self.tokens_per_round
+        self._margin = (self.read_lag + 1) * self.dispatch_rounds[-1] * self.tokens_per_round
         longest = -(-(self.max_model_len - 1 + self._block) // P)
         if longest > self.kv_pages:
             raise ConfigError("EngineConfig", "kv_pages",
@@ -472,8 +473,8 @@ class Engine:
 
     def _cover(self, r: _Request, known: int) -> int:
         """Positions ``r``'s table must cover for its next dispatch when its caches hold ``known``
-        positions as far as the host has read back: the rounds of two dispatches and one scratch
-        block past them, never more than its whole run needs."""
+        positions as far as the host has read back: the rounds of ``read_lag + 1`` dispatches and
+        one scratch block past them, never more than its whole run needs."""
         return min(r.prompt.size + r.max_tokens - 1 + self._block, known + self._margin + self._block)
 
     def _known(self, r: _Request) -> int:
@@ -766,10 +767,11 @@ class Engine:
         In order: free the slots of requests that ended on the host (cancelled, or a stop string
         found by the emitter), admit queued requests into free slots, prefill one chunk, dispatch
         its rounds (asynchronously: launched from a second thread, ``_launch_rounds``),
-        and meanwhile read back the PREVIOUS dispatch's tokens and hand them to the emitter: the
-        host's work runs while the device computes the rounds just dispatched, and while the
-        host launches them. A request's tokens therefore reach its stream one engine step after
-        the rounds that made them ran; ``drain`` reads the last dispatch back. A new request's
+        and meanwhile read back the tokens of the dispatch ``read_lag`` steps before (1: the
+        previous one; every earlier one when this step dispatches no rounds) and hand them to
+        the emitter: the host's work runs while the device computes the rounds dispatched, and
+        while the host launches them. A request's tokens therefore reach its stream ``read_lag``
+        engine steps after the rounds that made them ran; ``drain`` reads the last dispatches back. A new request's
         first token is read back as soon as its prefill has run (``_early_tokens``): in the step
         that activates it when that step reads no round back, otherwise after the step's
         read-backs."""
@@ -819,11 +821,17 @@ class Engine:
         # The step's programs are launched before the dispatches before are read back, beside them
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
+        # A step with rounds of its own reads back the dispatches launched ``read_lag`` steps ago or
+        # earlier; one without reads back everything before it (nothing would come to wait for).
         previous = len(self._inflight)
-        streaming = self._streaming()  # (all of them are read back below)
-        self._submit_launch(self._prepare_rounds())
+        lagged = max(previous - (self.read_lag - 1), 0)
+        streaming = self._streaming(lagged), self._streaming(previous)  # (what is read back below)
+        rounds = self._prepare_rounds()
+        self._submit_launch(rounds)
+        n_read = lagged if rounds is not None else previous
+        streaming = streaming[n_read != lagged]
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
-        for _ in range(previous):
+        for _ in range(n_read):
             items += self._read_back(*self._inflight.popleft())
         if not streaming and self._early and self._inflight:
             # No running request's round was read back (the engine was idle, only prefilled, or
@@ -849,11 +857,11 @@ class Engine:
             self._update_load()
         return True
 
-    def _streaming(self) -> bool:
-        """Whether a dispatch in flight holds rounds of a request that is still running (rounds
-        of requests that have ended stream to no one)."""
-        return any(n and any(r is not None and not r.retired for r in snapshot)
-                   for _, snapshot, *_, n in self._inflight)
+    def _streaming(self, oldest: int | None = None) -> bool:
+        """Whether a dispatch in flight (of the ``oldest`` ones; default all) holds rounds of a
+        request that is still running (rounds of requests that have ended stream to no one)."""
+        flight = list(self._inflight)[:oldest]
+        return any(n and any(r is not None and not r.retired for r in snapshot) for _, snapshot, *_, n in flight)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until no prefill shape is compiling in the background (a chunk of a shape not
