@@ -54,6 +54,7 @@ BAD = [
     (EngineConfig, "kv_pages", 0),
     (EngineConfig, "deterministic", "yes"),
     (EngineConfig, "freeze_gc", 1),
+    (EngineConfig, "read_lag", 3),
     (ExecutionConfig, "impl", "cuda"),
     (ExecutionConfig, "batch_invariant", 1),
     (ExecutionConfig, "moe_blocks", (16, 64)),
@@ -84,6 +85,9 @@ def test_more_bad_values():
             DecodeConfig(budget=bad)
     with pytest.raises(ConfigError, match="stop_token_ids"):
         DecodeConfig(stop_token_ids="12")
+    for lag in (0, 1.0, True):
+        with pytest.raises(ConfigError, match=r"EngineConfig.read_lag: must be None, 1 or 2"):
+            EngineConfig(read_lag=lag)
     with pytest.raises(ConfigError, match=r"stop_token_ids: 1\.5 is not an integer token id"):
         DecodeConfig(stop_token_ids=[1.5])
 

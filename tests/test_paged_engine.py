@@ -71,11 +71,15 @@ def test_paged_engine_equals_the_contiguous_one_with_prefix_hits(models, referen
     assert_no_page_held(eng)
 
 
-def test_random_arrivals_cancellations_and_preemptions_leak_no_page(models, reference):
-    """6 pages: one request at full length (5 pages) always fits, four running do not, so requests
-    are preempted and resume, each while its next dispatch is in flight."""
-    rng = np.random.default_rng(0)
-    eng = paged(models, kv_pages=6)
+@pytest.mark.parametrize("read_lag,kv_pages,seed", [(1, 6, 0), (2, 8, 1)])
+def test_random_arrivals_cancellations_and_preemptions_leak_no_page(models, reference, read_lag, kv_pages, seed):
+    """6 or 8 pages: one request at full length (5 pages) always fits, four running do not, so
+    requests are preempted and resume, each while its next dispatch (with ``read_lag`` 2, its next
+    two) is in flight. (Read back two steps late, a table covers more rounds ahead, so a request
+    takes more of its pages at admission: the pool and arrivals are chosen so that some are
+    preempted.)"""
+    rng = np.random.default_rng(seed)
+    eng = paged(models, kv_pages=kv_pages, read_lag=read_lag)
     handles, cancelled = [], set()
     for _ in range(60):
         if rng.random() < 0.4 and len(handles) < 14:

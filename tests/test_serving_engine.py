@@ -435,6 +435,48 @@ def test_overlapped_loop_under_many_streams_loses_and_duplicates_nothing(models,
     assert (np.asarray(eng._state.finish) != RUNNING).all()
 
 
+def test_read_back_two_steps_late_gives_the_same_tokens(models, reference):
+    """``read_lag=2``: a step with rounds of its own leaves the two newest dispatches in flight and
+    reads back the one before; greedy requests arriving while others run get generate()'s
+    tokens, seeded ones the same tokens as with ``read_lag=1``, every token once (the metrics), and
+    a step without rounds of its own reads back everything. The default: 1 with a fixed
+    ``sync_every``, 2 with ``"auto"``."""
+    assert engine(models).read_lag == 1 and cycling_engine(models).read_lag == 2
+    eng = engine(models, slots=2, read_lag=2)
+    handles, depths = {}, []
+    for i in [2, 0, 4, 1, 3]:  # staggered arrivals
+        handles[i] = eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS)
+        eng.step()
+    while not all(h.done for h in handles.values()):
+        eng.step()
+        depths.append(sum(n > 0 for *_, n in eng._inflight))
+    assert [handles[i].result().tokens for i in range(5)] == reference.tokens
+    assert max(depths) == 2 and depths[-1] == 0
+    m = eng.metrics.snapshot()
+    assert m["generated_tokens"] == 5 * MAX_TOKENS and m["itl"].count == 5 * (MAX_TOKENS - 1)
+    p = [dt.SamplingParams(temperature=1.0, top_p=0.9, seed=7), dt.SamplingParams(temperature=0.7, seed=8),
+         dt.SamplingParams(temperature=1.0, top_k=5, seed=9)]
+    want = [r.tokens for r in engine(models, seed=3).generate(PROMPTS[:3], p, max_tokens=MAX_TOKENS)]
+    assert [r.tokens for r in engine(models, seed=3, read_lag=2).generate(PROMPTS[:3], p,
+                                                                           max_tokens=MAX_TOKENS)] == want
+
+
+def test_read_back_two_steps_late_under_many_streams_loses_and_duplicates_nothing(models, reference):
+    """The background loop with ``read_lag=2`` and dispatches of 1, 2 and 4 rounds in turn, stop
+    strings and cancellations mid-flight: every stream joins up to its result, a prefix of
+    generate()'s tokens (all of them when it ran to its length), and the slots end free."""
+    tok = char_tokenizer()
+    eng = cycling_engine(models, tokenizer=tok)
+    assert eng.read_lag == 2
+    eng.start()
+    try:
+        check_streams(eng, tok, reference, requests=24, stop_every=5, cancel_every=7)
+    finally:
+        eng.stop()
+    assert all(h is None for h in eng._slot)
+    assert (np.asarray(eng._state.finish) != RUNNING).all()
+
+
 def test_prefill_on_a_cover_gives_generates_tokens(models, reference):
     """A prefill shape not compiled yet runs padded on a compiled cover (more rows, repeating the
     first), then, once compiled in the background, on its own shape: generate()'s tokens both ways."""

@@ -14,11 +14,11 @@ step (``step()``)
     docs/first-token.md);
 (c) dispatches compiled rounds without waiting for them (``sync_every`` of them, or with
     ``sync_every="auto"`` 1, 2 or 4, whichever the measured cost per round favours at the current
-    load: ``serving/dispatch.py``), and meanwhile reads back
-    the rounds of the step ``EngineConfig.read_lag`` steps before (1 or 2): one packed device-to-host transfer, per-slot work only for slots
-    with news, and the token ids handed to the ``Emitter`` (stop strings, chunks; the text of a
-    request without stop strings is decoded by its reader, off this thread):
-    the host's work runs while the device computes the rounds just dispatched. The programs (a)
+    load: ``serving/dispatch.py``), and meanwhile reads back the rounds dispatched
+    ``EngineConfig.read_lag`` steps before (1 or 2): one packed device-to-host transfer, per-slot
+    work only for slots with news, and the token ids handed to the ``Emitter`` (stop strings,
+    chunks; the text of a request without stop strings is decoded by its reader, off this
+    thread): the host's work runs while the device computes the rounds dispatched. The programs (a)
     to (c) run on the state are queued in order on the engine thread (``_ops``) and launched,
     with the rounds, from a launcher thread beside the read-back (``_launch_rounds``): a launch is
     host work too, and the step does not wait for it (the next step's launch queues behind it).
