@@ -461,6 +461,37 @@ def test_read_back_two_steps_late_gives_the_same_tokens(models, reference):
                                                                            max_tokens=MAX_TOKENS)] == want
 
 
+class NotReady(np.ndarray):
+    """A first-token column that says it is not computed yet (``jax.Array.is_ready``)."""
+
+    def is_ready(self):
+        return False
+
+
+def test_a_first_token_behind_a_dispatch_not_read_back_waits_for_its_read_back(models, reference, monkeypatch):
+    """``read_lag=2``: a newcomer's activation launched behind a dispatch not read back yet runs
+    after it on the device; the step does not wait for that dispatch to read the first token (its
+    column says it is not ready): the next step, which reads that dispatch back, streams it, and the
+    tokens stay generate()'s."""
+    from ddtree_jax.serving import _device
+
+    first_column = _device.first_column
+    monkeypatch.setattr(_device, "first_column", lambda state: np.asarray(first_column(state)).view(NotReady))
+    eng = engine(models, slots=2, read_lag=2)
+    first = eng.submit(PROMPTS[0], max_tokens=MAX_TOKENS)
+    eng.step()  # idle before: nothing launched ahead of the activation, so its first token streams now
+    assert [c.token_ids for c in first._chunks] == [reference.tokens[0][:1]]
+    eng.step()
+    h = eng.submit(PROMPTS[1], max_tokens=MAX_TOKENS)
+    eng.step()  # activates h behind two dispatches; reads back the older one only
+    eng._settle()  # (the activation launched: what holds its first token back is the dispatch before it)
+    assert not eng._early_tokens() and not h._chunks and len(eng._early) == 1
+    assert eng._early[0][1].done() and eng._reads < eng._early[0][2]
+    eng.step()  # reads back the other one: h's first token follows
+    assert [c.token_ids for c in h._chunks][:1] == [reference.tokens[1][:1]] and not eng._early
+    assert [r.tokens for r in run(eng, [first, h])] == reference.tokens[:2]
+
+
 def test_read_back_two_steps_late_under_many_streams_loses_and_duplicates_nothing(models, reference):
     """The background loop with ``read_lag=2`` and dispatches of 1, 2 and 4 rounds in turn, stop
     strings and cancellations mid-flight: every stream joins up to its result, a prefix of

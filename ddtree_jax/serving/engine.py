@@ -396,8 +396,10 @@ class Engine:
         # launched rounds alone, its rounds: _read_back's arguments).
         self._inflight: collections.deque[tuple] = collections.deque()
         # New requests' first tokens, read back as soon as their activation has run (before the
-        # rounds after it): (requests, future of the device array of their first tokens)
+        # rounds after it): (requests, future of the device array of their first tokens, the
+        # dispatches launched before the activation). Dispatches launched and read back so far:
         self._early: collections.deque[tuple] = collections.deque()
+        self._launches, self._reads = 0, 0
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched before the step's rounds.
         self._ops: list[Callable[[DecodeState], DecodeState]] = []
@@ -982,7 +984,7 @@ class Engine:
         early = [r for r in reqs if self._new(r) and r.logprobs is None]
         found = concurrent.futures.Future() if early else None
         if early:
-            self._early.append((early, found))
+            self._early.append((early, found, self._launches))
 
         def activate(state, packed=packed):
             try:
@@ -1018,12 +1020,16 @@ class Engine:
         """The first tokens of the requests whose activation the launcher has launched, read back:
         that waits for the device to run their prefill and activation, not for the rounds after
         them, so a first token goes out a dispatch earlier than the rounds' harvest would bring
-        it. It never waits for the launcher (``step`` does, when it reads no round back): a
-        request whose activation is not launched yet gets its first token from a later step, or
-        with its harvest."""
+        it. It never waits for the launcher (``step`` does, when it reads no round back), nor for
+        dispatches launched before the activation that are not read back yet (``read_lag`` 2: the
+        device runs them first; their read-back comes first): such a first token, and one whose
+        activation is not launched yet, goes out from a later step, or with its harvest."""
         items = []
         while self._early and self._early[0][1].done():
-            reqs, found = self._early.popleft()
+            reqs, found, after = self._early[0]
+            if self._reads < after and not found.result().is_ready():
+                break
+            self._early.popleft()
             column = np.asarray(self._fetch(found.result()))
             for r in reqs:
                 if r.retired or r.out:  # (cancelled, or its harvest came first)
@@ -1096,6 +1102,7 @@ class Engine:
         # (a dispatch with programs before its rounds does not time its rounds; a flush before
         # them is part of what its budget costs)
         self._inflight.append((future, snapshot, auto_budget, all(op == self._flush for op in ops), n))
+        self._launches += 1
 
     def _launch_rounds(self, ops: list[Callable[[DecodeState], DecodeState]], plan: DecodePlan | None,
                        rounds: int = 1):
@@ -1129,6 +1136,7 @@ class Engine:
         the dispatch's ``rounds`` and load (``DispatchSizer.observe``). A dispatch of programs
         without rounds (``snapshot`` None) only waits for its launch."""
         t0 = time.perf_counter()
+        self._reads += 1
         packed = launch.result()
         if packed is None:
             self._waited += time.perf_counter() - t0
@@ -1222,6 +1230,7 @@ class Engine:
     def _fail_all(self, reason: str) -> None:
         self._settle()
         self._inflight.clear()
+        self._reads = self._launches  # (the dispatches dropped count as read back)
         self._ops = []
         self._early.clear()  # (a launch that failed before an activation never resolves its future)
         with self._lock:
