@@ -324,7 +324,7 @@ class EngineConfig:
     dispatch's device time (each within it is enough); tokens reach their streams one step later.
     ``None``: 2 where the engine chooses the rounds per dispatch (``decode.sync_every="auto"``,
     the default on a GPU with one process: where a small model's rounds are shorter than the
-    host's work around them), else 1 (docs/serving.md, "Rounds per dispatch")."""
+    host's work around them), else 1 (docs/serving.md, "Read back two steps late")."""
 
     def __post_init__(self):
         owner = "EngineConfig"

@@ -773,10 +773,10 @@ class Engine:
         previous one; every earlier one when this step dispatches no rounds) and hand them to
         the emitter: the host's work runs while the device computes the rounds dispatched, and
         while the host launches them. A request's tokens therefore reach its stream ``read_lag``
-        engine steps after the rounds that made them ran; ``drain`` reads the last dispatches back. A new request's
-        first token is read back as soon as its prefill has run (``_early_tokens``): in the step
-        that activates it when that step reads no round back, otherwise after the step's
-        read-backs."""
+        engine steps after the rounds that made them ran; ``drain`` reads the last dispatches
+        back. A new request's first token is read back as soon as its prefill has run
+        (``_early_tokens``): in the step that activates it when that step reads no round back,
+        otherwise after the step's read-backs."""
         t0 = time.perf_counter()
         self._waited = 0.0
         stopped = self._emitter.take_stopped()
@@ -827,11 +827,11 @@ class Engine:
         # earlier; one without reads back everything before it (nothing would come to wait for).
         previous = len(self._inflight)
         lagged = max(previous - (self.read_lag - 1), 0)
-        streaming = self._streaming(lagged), self._streaming(previous)  # (what is read back below)
+        streaming = {n: self._streaming(n) for n in (lagged, previous)}  # (of what is read back below)
         rounds = self._prepare_rounds()
         self._submit_launch(rounds)
         n_read = lagged if rounds is not None else previous
-        streaming = streaming[n_read != lagged]
+        streaming = streaming[n_read]
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for _ in range(n_read):
             items += self._read_back(*self._inflight.popleft())
