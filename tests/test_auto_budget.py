@@ -835,13 +835,15 @@ def test_generate_times_its_costs_on_running_rows_and_puts_them_back(law_models,
     assert again.tokens == greedy_ar.tokens and again.auto.costs == out.auto.costs
 
 
-def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar, tmp_path, monkeypatch):
+@pytest.mark.parametrize("read_lag", [1, 2])
+def test_engine_greedy_auto_equals_autoregressive(law_models, greedy_ar, tmp_path, monkeypatch, read_lag):
     """The engine times its costs at start-up on a scratch state (into the cost table), then
-    decodes: greedy equality with autoregressive decoding, and the per-budget metrics."""
+    decodes: greedy equality with autoregressive decoding, and the per-budget metrics; read back
+    one or two steps after each dispatch."""
     table = auto_costs.CostTable(str(tmp_path))
     monkeypatch.setattr(auto_costs, "_default", table)
     config = dt.EngineConfig(decode=DecodeConfig(budget="auto", auto_max_budget=4, auto_probe_every=2),
-                             slots=2, max_model_len=32, prefill_chunk=16)
+                             slots=2, max_model_len=32, prefill_chunk=16, read_lag=read_lag)
     engine = Engine(*law_models, config)
     assert engine.budget == "auto" and len(engine.auto_costs) == 2
     stored = _stored(table)
