@@ -249,7 +249,9 @@ def _markdown(report: dict) -> str:
         name += f", pages of {r['page_size']}" if r.get("page_size") else ""
         name += f", {r['sync_every']} rounds per dispatch" if r.get("sync_every", 1) != 1 else ""
         name += f" {r['dispatches']}" if r.get("sync_every") == "auto" else ""
-        name += f", read back {r['read_lag']} steps late" if r.get("read_lag", 1) != 1 else ""
+        lag = r.get("read_lag", 1)
+        name += (", read back 2 steps late after several rounds" if lag == "auto" else
+                 f", read back {lag} steps late" if lag != 1 else "")
         name += ", gc not frozen" if r.get("freeze_gc") is False else ""
         name += ", launched inline" if r.get("launcher") == "inline" else ""
         name += f", switch interval {r['switch_interval_ms']:g} ms" if r.get("switch_interval_ms", 5) != 5 else ""

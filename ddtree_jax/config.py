@@ -322,9 +322,12 @@ class EngineConfig:
     the next dispatch queued behind the one it runs while the host reads back, streams and
     launches, so that the step's host work and its launch need not fit together in one
     dispatch's device time (each within it is enough); tokens reach their streams one step later.
-    ``None``: 2 where the engine chooses the rounds per dispatch (``decode.sync_every="auto"``,
-    the default on a GPU with one process: where a small model's rounds are shorter than the
-    host's work around them), else 1 (docs/serving.md, "Read back two steps late")."""
+    ``None``: where the engine chooses the rounds per dispatch (``decode.sync_every="auto"``, the
+    default on a GPU with one process), 2 after a dispatch of several rounds (the sizer's choice
+    where a small model's rounds are shorter than the host's work around them) and 1 after a
+    dispatch of one (a large model's: its device time hides the host's work, and a newcomer's
+    prefill then waits behind one dispatch fewer); else 1 (docs/serving.md, "Read back two steps
+    late")."""
 
     def __post_init__(self):
         owner = "EngineConfig"

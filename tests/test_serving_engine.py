@@ -439,17 +439,29 @@ def test_read_back_two_steps_late_gives_the_same_tokens(models, reference):
     """``read_lag=2``: a step with rounds of its own leaves the two newest dispatches in flight and
     reads back the one before; greedy requests arriving while others run get generate()'s
     tokens, seeded ones the same tokens as with ``read_lag=1``, every token once (the metrics), and
-    a step without rounds of its own reads back everything. The default: 1 with a fixed
-    ``sync_every``, 2 with ``"auto"``."""
-    assert engine(models).read_lag == 1 and cycling_engine(models).read_lag == 2
+    a step without rounds of its own reads back everything; of two read-backs in one step only the
+    first is timed (the second's rounds ran during the first's wait). The default: 1 with a fixed
+    ``sync_every``; with ``"auto"``, 2 after a dispatch of several rounds and 1 after one."""
+    auto = cycling_engine(models)
+    assert engine(models).read_lag == 1 and auto.read_lag == "auto"
+    assert (auto._lag(1), auto._lag(2), auto._lag(4), engine(models, read_lag=2)._lag(1)) == (1, 2, 2, 2)
     eng = engine(models, slots=2, read_lag=2)
+    read_back, untimed = eng._read_back, []
+
+    def recorded(*args):
+        untimed.append(eng._last_read is None)
+        return read_back(*args)
+
+    eng._read_back = recorded
     handles, depths = {}, []
     for i in [2, 0, 4, 1, 3]:  # staggered arrivals
         handles[i] = eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS)
         eng.step()
     while not all(h.done for h in handles.values()):
+        before = len(untimed)
         eng.step()
         depths.append(sum(n > 0 for *_, n in eng._inflight))
+        assert all(untimed[before + 1 :]), untimed[before:]  # (beyond a step's first read-back)
     assert [handles[i].result().tokens for i in range(5)] == reference.tokens
     assert max(depths) == 2 and depths[-1] == 0
     m = eng.metrics.snapshot()
@@ -493,12 +505,12 @@ def test_a_first_token_behind_a_dispatch_not_read_back_waits_for_its_read_back(m
 
 
 def test_read_back_two_steps_late_under_many_streams_loses_and_duplicates_nothing(models, reference):
-    """The background loop with ``read_lag=2`` and dispatches of 1, 2 and 4 rounds in turn, stop
+    """The background loop read back one or two steps late as dispatches of 1, 2 and 4 rounds alternate, stop
     strings and cancellations mid-flight: every stream joins up to its result, a prefix of
     generate()'s tokens (all of them when it ran to its length), and the slots end free."""
     tok = char_tokenizer()
     eng = cycling_engine(models, tokenizer=tok)
-    assert eng.read_lag == 2
+    assert eng.read_lag == "auto"  # (read back one step late after a dispatch of one round, else two)
     eng.start()
     try:
         check_streams(eng, tok, reference, requests=24, stop_every=5, cancel_every=7)

@@ -15,7 +15,8 @@ step (``step()``)
 (c) dispatches compiled rounds without waiting for them (``sync_every`` of them, or with
     ``sync_every="auto"`` 1, 2 or 4, whichever the measured cost per round favours at the current
     load: ``serving/dispatch.py``), and meanwhile reads back the rounds dispatched
-    ``EngineConfig.read_lag`` steps before (1 or 2): one packed device-to-host transfer, per-slot
+    ``EngineConfig.read_lag`` steps before (1 or 2; by default with ``"auto"``, 2 after a
+    dispatch of several rounds): one packed device-to-host transfer, per-slot
     work only for slots with news, and the token ids handed to the ``Emitter`` (stop strings,
     chunks; the text of a request without stop strings is decoded by its reader, off this
     thread): the host's work runs while the device computes the rounds dispatched. The programs (a)
@@ -298,7 +299,8 @@ class Engine:
     ``"auto"``; the drafter's block for dflash, 0 for ar), ``slots``, ``max_model_len``, ``max_output_tokens``,
     ``max_queue``, ``prefill_chunk``, ``prefill_batch``, ``admit_group``, ``admit_wait``, ``sync_every``
     (an integer or ``"auto"``), ``dispatch_rounds`` (the rounds a dispatch may run: ``(sync_every,)``,
-    or with ``"auto"`` ``dispatch.ROUNDS``), ``read_lag`` (steps from a dispatch to its read-back),
+    or with ``"auto"`` ``dispatch.ROUNDS``), ``read_lag`` (steps from a dispatch to its read-back: 1,
+    2, or ``"auto"``: 2 after a dispatch of several rounds, 1 after one),
     ``stop_token_ids``, ``max_stop_ids``, ``max_logprobs``, ``cache_len`` (positions per slot). With ``budget="auto"``:
     ``auto_plan`` (the budget set) and ``auto_costs`` (seconds per round at each budget:
     ``decode.auto_costs``, else the cost table's, timed at start-up on a scratch state of running
@@ -337,7 +339,7 @@ class Engine:
         self.sync_every = sync
         self.dispatch_rounds = ROUNDS if sync == AUTO else (sync,)
         self._sizer = DispatchSizer(self.dispatch_rounds) if sync == AUTO else None
-        self.read_lag = config.read_lag or (2 if sync == AUTO else 1)
+        self.read_lag = config.read_lag or (AUTO if sync == AUTO else 1)
         self.prefill_batch = min(config.prefill_batch or slots, slots)
         self.admit_group = min(config.admit_group or max(1, slots // 8), self.prefill_batch)
         self.admit_wait = config.admit_wait
@@ -427,7 +429,7 @@ class Engine:
         # A dispatch's rounds run while the ``read_lag`` dispatches before it are not read back yet:
         # the table must cover all their tokens past the last length read back, and a round's scratch.
         self._block = self.cache_len - self.max_model_len
-        self._margin = (self.read_lag + 1) * self.dispatch_rounds[-1] * self.tokens_per_round
+        self._margin = (self._lag(self.dispatch_rounds[-1]) + 1) * self.dispatch_rounds[-1] * self.tokens_per_round
         longest = -(-(self.max_model_len - 1 + self._block) // P)
         if longest > self.kv_pages:
             raise ConfigError("EngineConfig", "kv_pages",
@@ -475,8 +477,8 @@ class Engine:
 
     def _cover(self, r: _Request, known: int) -> int:
         """Positions ``r``'s table must cover for its next dispatch when its caches hold ``known``
-        positions as far as the host has read back: the rounds of ``read_lag + 1`` dispatches and
-        one scratch block past them, never more than its whole run needs."""
+        positions as far as the host has read back: the rounds of as many dispatches as may be in
+        flight (the read lag + 1) and one scratch block past them, never more than its whole run needs."""
         return min(r.prompt.size + r.max_tokens - 1 + self._block, known + self._margin + self._block)
 
     def _known(self, r: _Request) -> int:
@@ -769,10 +771,10 @@ class Engine:
         In order: free the slots of requests that ended on the host (cancelled, or a stop string
         found by the emitter), admit queued requests into free slots, prefill one chunk, dispatch
         its rounds (asynchronously: launched from a second thread, ``_launch_rounds``),
-        and meanwhile read back the tokens of the dispatch ``read_lag`` steps before (1: the
+        and meanwhile read back the tokens of the dispatch ``_lag(rounds)`` steps before (1: the
         previous one; every earlier one when this step dispatches no rounds) and hand them to
         the emitter: the host's work runs while the device computes the rounds dispatched, and
-        while the host launches them. A request's tokens therefore reach its stream ``read_lag``
+        while the host launches them. A request's tokens therefore reach its stream one or two
         engine steps after the rounds that made them ran; ``drain`` reads the last dispatches
         back. A new request's first token is read back as soon as its prefill has run
         (``_early_tokens``): in the step that activates it when that step reads no round back,
@@ -823,17 +825,18 @@ class Engine:
         # The step's programs are launched before the dispatches before are read back, beside them
         # if they can; the step does not wait for them (the next step's launch queues behind them).
         # (Preparing may preempt, dropping a preempted request's rounds from those in flight.)
-        # A step with rounds of its own reads back the dispatches launched ``read_lag`` steps ago or
+        # A step with rounds of its own reads back the dispatches launched ``_lag`` steps ago or
         # earlier; one without reads back everything before it (nothing would come to wait for).
         previous = len(self._inflight)
-        lagged = max(previous - (self.read_lag - 1), 0)
-        streaming = {n: self._streaming(n) for n in (lagged, previous)}  # (of what is read back below)
+        streaming = {n: self._streaming(n) for n in (max(previous - 1, 0), previous)}  # (of what is read back)
         rounds = self._prepare_rounds()
         self._submit_launch(rounds)
-        n_read = lagged if rounds is not None else previous
+        n_read = previous if rounds is None else max(previous - (self._lag(rounds[2]) - 1), 0)
         streaming = streaming[n_read]
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
-        for _ in range(n_read):
+        for i in range(n_read):
+            if i:  # (a second read-back in a step times nothing: its rounds ran during the first's wait)
+                self._last_read = None
             items += self._read_back(*self._inflight.popleft())
         if not streaming and self._early and self._inflight:
             # No running request's round was read back (the engine was idle, only prefilled, or
@@ -858,6 +861,12 @@ class Engine:
         with self._lock:
             self._update_load()
         return True
+
+    def _lag(self, rounds: int) -> int:
+        """Steps from the launch of a dispatch of ``rounds`` rounds to the read-back of the
+        dispatches before it (``EngineConfig.read_lag``; automatic: 2 after several rounds, 1
+        after one)."""
+        return (2 if rounds > 1 else 1) if self.read_lag == AUTO else self.read_lag
 
     def _streaming(self, oldest: int | None = None) -> bool:
         """Whether a dispatch in flight (of the ``oldest`` ones; default all) holds rounds of a
@@ -1021,8 +1030,8 @@ class Engine:
         that waits for the device to run their prefill and activation, not for the rounds after
         them, so a first token goes out a dispatch earlier than the rounds' harvest would bring
         it. It never waits for the launcher (``step`` does, when it reads no round back), nor for
-        dispatches launched before the activation that are not read back yet (``read_lag`` 2: the
-        device runs them first; their read-back comes first): such a first token, and one whose
+        dispatches launched before the activation that are not read back yet (read two steps late:
+        the device runs them first; their read-back comes first): such a first token, and one whose
         activation is not launched yet, goes out from a later step, or with its harvest."""
         items = []
         while self._early and self._early[0][1].done():
