@@ -453,15 +453,19 @@ def test_read_back_two_steps_late_gives_the_same_tokens(models, reference):
         return read_back(*args)
 
     eng._read_back = recorded
-    handles, depths = {}, []
+    handles, depths, reads = {}, [], []
     for i in [2, 0, 4, 1, 3]:  # staggered arrivals
         handles[i] = eng.submit(PROMPTS[i], max_tokens=MAX_TOKENS)
         eng.step()
+    untimed.clear()
     while not all(h.done for h in handles.values()):
         before = len(untimed)
         eng.step()
         depths.append(sum(n > 0 for *_, n in eng._inflight))
         assert all(untimed[before + 1 :]), untimed[before:]  # (beyond a step's first read-back)
+        reads.append(len(untimed) - before)
+    # (a read-back after a step that read nothing back is not timed either)
+    assert all(untimed[sum(reads[:i])] for i in range(1, len(reads)) if reads[i - 1] == 0 and reads[i])
     assert [handles[i].result().tokens for i in range(5)] == reference.tokens
     assert max(depths) == 2 and depths[-1] == 0
     m = eng.metrics.snapshot()

@@ -833,6 +833,8 @@ class Engine:
         self._submit_launch(rounds)
         n_read = previous if rounds is None else max(previous - (self._lag(rounds[2]) - 1), 0)
         streaming = streaming[n_read]
+        if not n_read:  # (the next read-back spans two steps: it times nothing)
+            self._last_read = None
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
         for i in range(n_read):
             if i:  # (a second read-back in a step times nothing: its rounds ran during the first's wait)
