@@ -104,8 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds per engine dispatch, or auto: 1, 2 or 4 by their measured cost (default: auto on a "
                         "GPU with a fixed budget, else 1)")
     p.add_argument("--read-lag", type=int, choices=(1, 2), default=None,
-                   help="engine steps from a dispatch to its read-back (default: 2 with --sync-every auto, else 1; "
-                        "EngineConfig.read_lag)")
+                   help="engine steps from a dispatch to its read-back (default: with --sync-every auto 2 after a "
+                        "dispatch of several rounds and 1 after one, else 1; EngineConfig.read_lag)")
     p.add_argument("--seed", type=pf.seed, default=0, help="base key of the random streams")
     p.add_argument("--default-max-tokens", type=pf.positive_int, default=16, help="/v1/completions max_tokens default")
     p.add_argument("--stop-token-id", type=pf.nonnegative_int, action="append", help="in addition to the EOS token")

@@ -399,9 +399,9 @@ class Engine:
         self._inflight: collections.deque[tuple] = collections.deque()
         # New requests' first tokens, read back as soon as their activation has run (before the
         # rounds after it): (requests, future of the device array of their first tokens, the
-        # dispatches launched before the activation). Dispatches launched and read back so far:
+        # dispatches launched before the activation). Dispatches launched so far (``_reads``):
         self._early: collections.deque[tuple] = collections.deque()
-        self._launches, self._reads = 0, 0
+        self._launches = 0
         # The step's programs on the state (table uploads, releases, prefill chunks, activations),
         # in program order, queued by the engine thread and launched before the step's rounds.
         self._ops: list[Callable[[DecodeState], DecodeState]] = []
@@ -828,11 +828,11 @@ class Engine:
         # A step with rounds of its own reads back the dispatches launched ``_lag`` steps ago or
         # earlier; one without reads back everything before it (nothing would come to wait for).
         previous = len(self._inflight)
-        streaming = {n: self._streaming(n) for n in (max(previous - 1, 0), previous)}  # (of what is read back)
+        live = [self._live(d) for d in self._inflight]  # (of what is read back below)
         rounds = self._prepare_rounds()
         self._submit_launch(rounds)
         n_read = previous if rounds is None else max(previous - (self._lag(rounds[2]) - 1), 0)
-        streaming = streaming[n_read]
+        streaming = any(live[:n_read])
         if not n_read:  # (the next read-back spans two steps: it times nothing)
             self._last_read = None
         items = ended + self._early_tokens()  # (before the harvests that would bring them)
@@ -870,11 +870,22 @@ class Engine:
         after one)."""
         return (2 if rounds > 1 else 1) if self.read_lag == AUTO else self.read_lag
 
-    def _streaming(self, oldest: int | None = None) -> bool:
-        """Whether a dispatch in flight (of the ``oldest`` ones; default all) holds rounds of a
-        request that is still running (rounds of requests that have ended stream to no one)."""
-        flight = list(self._inflight)[:oldest]
-        return any(n and any(r is not None and not r.retired for r in snapshot) for _, snapshot, *_, n in flight)
+    @staticmethod
+    def _live(dispatch: tuple) -> bool:
+        """Whether a dispatch (an ``_inflight`` entry) holds rounds of a request that is still
+        running (rounds of requests that have ended stream to no one)."""
+        _, snapshot, *_, n = dispatch
+        return bool(n) and any(r is not None and not r.retired for r in snapshot)
+
+    def _streaming(self) -> bool:
+        """Whether a dispatch in flight holds rounds of a request that is still running."""
+        return any(map(self._live, self._inflight))
+
+    @property
+    def _reads(self) -> int:
+        """Dispatches read back (or dropped by ``_fail_all``) so far: those launched and no longer
+        in flight."""
+        return self._launches - len(self._inflight)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Block until no prefill shape is compiling in the background (a chunk of a shape not
@@ -1147,7 +1158,6 @@ class Engine:
         the dispatch's ``rounds`` and load (``DispatchSizer.observe``). A dispatch of programs
         without rounds (``snapshot`` None) only waits for its launch."""
         t0 = time.perf_counter()
-        self._reads += 1
         packed = launch.result()
         if packed is None:
             self._waited += time.perf_counter() - t0
@@ -1241,7 +1251,6 @@ class Engine:
     def _fail_all(self, reason: str) -> None:
         self._settle()
         self._inflight.clear()
-        self._reads = self._launches  # (the dispatches dropped count as read back)
         self._ops = []
         self._early.clear()  # (a launch that failed before an activation never resolves its future)
         with self._lock:
