@@ -518,8 +518,9 @@ def generate(
             dispatch.update(form=form, chosen=time.perf_counter())
             state = run_rounds(models, tparams, dparams, plan, state, base_key, sync_every, form == "fixed")
         need["pending"] += dispatch["n"]
-        # (its own array: the next dispatch takes `state`; with the tally, one read-back for both)
-        dispatch["progress"] = _progress(state, dispatch["tally"])
+        # (its own array: the next dispatch takes `state`; with the tally, one read-back for both;
+        # the tally's buffer is not held past its packing)
+        dispatch["progress"] = _progress(state, dispatch.pop("tally"))
         dispatch["launch"] = time.perf_counter() - t
         return state, dispatch
 
