@@ -213,7 +213,7 @@ def test_the_launch_runs_beside_the_read_back_and_the_next_step(models, referenc
     prepare, launch = eng._prepare_rounds, eng._launch_rounds
 
     def counted_prepare():
-        at_once = bool(eng._early) and not eng._streaming()  # (what the step reads back)
+        at_once = bool(eng._early) and not any(map(eng._live, eng._inflight))  # (what the step reads back)
         got = prepare()
         with progress:
             prepared[0] += 1

@@ -877,10 +877,6 @@ class Engine:
         _, snapshot, *_, n = dispatch
         return bool(n) and any(r is not None and not r.retired for r in snapshot)
 
-    def _streaming(self) -> bool:
-        """Whether a dispatch in flight holds rounds of a request that is still running."""
-        return any(map(self._live, self._inflight))
-
     @property
     def _reads(self) -> int:
         """Dispatches read back (or dropped by ``_fail_all``) so far: those launched and no longer
