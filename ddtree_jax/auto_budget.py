@@ -10,8 +10,14 @@ host before the dispatch from the statistics of the dispatches already read back
   (``DraftTree.prefix``). Its expected committed tokens per row are the bonus plus the sum of its
   nodes' path probabilities (``exp(score)``, the draft marginals the builder ranks by):
   ``expected_tokens`` reads them off one prefix sum, for every budget at once. A drafted round of
-  ``budget="auto"`` builds the largest tree, verifies the prefix of its budget and reports these
-  sums (``auto_round``), whatever budget it verifies;
+  ``budget="auto"`` at budget ``b`` drafts the ``b`` depths its tree can reach (the drafter's LM
+  head dominates its cost at a large vocabulary), builds the largest tree on them, verifies the
+  prefix of its budget and reports these sums (``auto_round``): exact up to ``b``, past it those
+  of a tree held to depth ``b``, lower bounds. A larger budget's average therefore moves only with
+  the rounds that verified it or a larger one (before any did, with the lower bounds), and
+  **refreshes** keep it current: where the choice is a budget below the largest and the next one
+  up was last verified ``REFRESH_ROUNDS`` drafted rounds ago (or never), that dispatch runs the
+  next budget instead, so the choice climbs one budget per dispatch where larger trees pay;
 * **calibration**: the draft's probabilities are not the acceptance probabilities under each
   row's own sampling law (a greedy row accepts the draft's argmax more often than its
   probability says; a hot row less often; deep nodes are further off). Per budget, the realized
@@ -89,7 +95,8 @@ from scipy.special import ndtr
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "SEQUENCE", "STALL", "WINDOW", "AutoChooser",
+__all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "REFRESH_ROUNDS", "SEQUENCE", "STALL", "WINDOW",
+           "AutoChooser",
            "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "MEASURED_RESTART", "PRIOR_ROUNDS", "PROBE_SHARE",
            "RESTART_SHARE", "RunCosts",
            "SPREAD_ROWS", "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max",
@@ -127,6 +134,11 @@ MEASURED_RESTART = 2.0
 launch of the dispatch after the probe, which the device waits for too (the shipped pair at batch
 64 on an H100: 0.70 ms measured, 2.9-3.9 ms from a probe's launch to the next dispatch's launch
 end beyond its round)."""
+
+REFRESH_ROUNDS = 64
+"""Drafted rounds after which a choice of a budget below the largest runs the next budget up
+instead, once, to renew that budget's statistics (a round at ``b`` tells nothing exact past
+``b``): every verified budget's estimate is then at most this many drafted rounds old."""
 
 MAX_BACKOFF = 32
 """The longest probe interval, in multiples of ``AutoPlan.probe_every``."""
@@ -204,9 +216,9 @@ def probe_alone(restart: float | None, plain: float, rounds: int) -> bool:
     """Whether a pipelined caller runs its first probe (no drafted round read back yet) as a
     dispatch of its one round, read back before the next choice, rather than as the first round
     of a full dispatch of ``rounds`` followed by one chosen before it is read (alone, the probe
-    verifies the largest budget: its round says what every smaller budget would have committed,
-    so the choice after it knows every budget's tokens, where a probe at a smaller budget leaves
-    the larger ones that budget's calibration): where the restart's price (``restart``:
+    verifies the largest budget at the drafter's whole depth: its round says what every smaller
+    budget would have committed, so the choice after it knows every budget's tokens, where a
+    probe at a smaller budget leaves the larger ones that budget's calibration): where the restart's price (``restart``:
     ``restart_price``; ``None``: unknown, never) is at most ``RESTART_SHARE`` of the dispatch's
     rounds at budget 0 (``plain`` each). Alone, the probe saves up to ``2 rounds - 1`` plain
     rounds where drafting pays and costs the restart where it does not."""
@@ -440,7 +452,10 @@ class AutoChooser:
 
     Attributes:
       expected_ema: f64 ``[K]`` moving average over drafted rounds of the running rows' mean
-        expected tokens at each budget (uncalibrated); ones before any drafted round.
+        expected tokens at each budget (uncalibrated), over the rounds that verified it or a
+        larger one (before any did, over all: their lower bounds); ones before any drafted round.
+      verified_at: f64 ``[K]`` the drafted rounds counted when a dispatch verifying each budget (or
+        a larger one) was last chosen or recorded (``-inf``: never), for refreshes.
       accepted_ema, predicted_ema: f64 ``[K]`` moving averages, per budget, of the running rows'
         mean realized and expected drafted tokens at that budget, over the drafted rounds that
         verified it or a larger one (a round's tokens at a smaller budget are known exactly,
@@ -478,6 +493,7 @@ class AutoChooser:
         self.accepted_ema, self.predicted_ema, self.calibrated_by = np.zeros(K), np.zeros(K), np.zeros(K)
         self.skipped = self.interval = plan.probe_every
         self.drafted = 0
+        self.verified_at = np.full(K, -np.inf)
         self.probing = False
         self.rounds = np.zeros(K, np.int64)
         self.expected = np.zeros(K)
@@ -693,7 +709,9 @@ class AutoChooser:
     def choose(self, active: int, costs, finish=None, probe_price: float | None = None) -> int:
         """The index of the budget of the next dispatch for ``active`` running rows and ``costs``
         (a round's cost at each budget): the prior's largest budget before any drafted round is
-        recorded where it pays (``FIRST_DRAFT_TOKENS``), else the rule on the averages; where the
+        recorded where it pays (``FIRST_DRAFT_TOKENS``), else the rule on the averages (where it
+        chooses a budget below the largest whose next budget up was last verified
+        ``REFRESH_ROUNDS`` drafted rounds ago or never, that next budget: a refresh); where the
         rule chooses budget 0, a drafted dispatch where its rounds would teach more than they cost
         (``explore_value``), else a probe at the best positive budget by the same rule once
         ``interval`` rounds in a row ran at budget 0 (the first dispatch where the prior does not
@@ -714,6 +732,8 @@ class AutoChooser:
         paces = None if finish is None else self._paces(finish)
         scores = self._scores(active, costs, finish, every=self._probe_due(costs, probe_price), paces=paces)
         k = int(np.argmin(scores))
+        if 0 < k < top and self.drafted - self.verified_at[k + 1] >= REFRESH_ROUNDS:
+            k += 1  # a refresh of the next budget up
         if k == 0 and self.drafted > 0:  # would drafted rounds teach enough to pay for themselves?
             value = self.explore_value(active, costs, finish, scores, paces)
             if value.max() > 0:
@@ -726,6 +746,8 @@ class AutoChooser:
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
             k = 1 + int(np.argmin(scores[1:]))
+        if k > 0:  # (counted from here, as the probe's)
+            self.verified_at[: k + 1] = self.drafted
         return k
 
     def _probe_due(self, costs, probe_price) -> bool:
@@ -760,14 +782,18 @@ class AutoChooser:
             return report
         weight = 1.0 if self.drafted == 0 else 1.0 - (1.0 - DECAY) ** rounds
         mix = lambda old, new, w=weight: (1.0 - w) * old + w * new  # noqa: E731
-        self.expected_ema = mix(self.expected_ema, curve / row_rounds)
-        # Every budget up to the verified one: what its rounds would have committed there
         upto = np.arange(K) <= k
+        # Expected tokens: exact up to the verified budget; past it lower bounds, kept only where
+        # no round verified the budget yet
+        exact = upto | (self.calibrated_by == 0)
+        self.expected_ema = np.where(exact, mix(self.expected_ema, curve / row_rounds), self.expected_ema)
+        # Every budget up to the verified one: what its rounds would have committed there
         fresh = np.where(self.calibrated_by > 0, 1.0 - (1.0 - DECAY) ** rounds, 1.0)[upto]
         self.accepted_ema[upto] = mix(self.accepted_ema[upto], (realized[upto] - row_rounds) / row_rounds, fresh)
         self.predicted_ema[upto] = mix(self.predicted_ema[upto], (curve[upto] - row_rounds) / row_rounds, fresh)
         self.calibrated_by[upto] += row_rounds
         self.drafted += rounds
+        self.verified_at[upto] = self.drafted
         self.skipped = 0
         if rows is not None:
             self._record_rows(np.asarray(rows), tally, upto)
@@ -788,6 +814,7 @@ class AutoChooser:
             self.row_sums = np.concatenate([self.row_sums, np.zeros((more, K, 3))])
         fresh = 1.0 - (1.0 - DECAY) ** n
         w = np.where(self.row_rounds[ids, None] > 0, fresh, 1.0)  # (1: its first)
+        w = w * (upto[None, :] | (self.row_calibrated_by[ids] == 0))  # (past the verified budget: lower bounds)
         self.row_expected[ids] = (1.0 - w) * self.row_expected[ids] + w * tally[slots, 2 : 2 + K] / n
         self.row_rounds[ids] += n[:, 0]
         # realized and expected drafted tokens at each budget verified

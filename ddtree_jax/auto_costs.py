@@ -44,8 +44,9 @@ FOLDER = "auto_budget_costs"
 BURST = 4
 """``measure``: calls launched back to back per timed repetition."""
 
-TIMING = f"bursts of {BURST} calls; budget 0 untallied"
-"""How ``measure`` times (part of ``cost_key``: tables timed another way are not reused)."""
+TIMING = f"bursts of {BURST} calls; budget 0 untallied; drafted rounds drafting their own depths"
+"""How ``measure`` times and what (part of ``cost_key``: tables timed another way, or of rounds
+compiled another way, are not reused)."""
 
 
 def models_digest(target, drafter, params=None) -> str:

@@ -3,9 +3,11 @@ also tallying what the host's choice needs.
 
 ``round_plans`` gives the ``DecodePlan`` of each budget: budget 0 is the autoregressive round
 (a root-only tree, no drafter; the verify's hidden states still extend the drafter's context,
-so a later round can draft); a positive budget ``b`` is DDTree's round that builds the tree of
-the largest budget, verifies its prefix of ``b + 1`` slots (the tree a build of ``b`` gives) and
-reports every budget's expected tokens (``DecodePlan.expected_budgets``). No program holds a
+so a later round can draft); a positive budget ``b`` is DDTree's round that drafts the ``b``
+depths its tree can reach (as the fixed budget's round does), builds the tree of the largest
+budget on them, verifies its prefix of ``b + 1`` slots (the tree a build of ``b`` gives) and
+reports every budget's expected tokens (``DecodePlan.expected_budgets``: exact up to ``b``, lower
+bounds past it). No program holds a
 conditional: the host picks the program (``auto_budget.AutoChooser``). The stages are
 ``decode_round``'s, so every committed token keeps the target's exact law.
 

@@ -62,10 +62,12 @@ class DecodePlan:
       backend: kernels or references for the tree, sampling and walk (resolved once).
       logprobs: top alternatives reported per committed token (``token_logprobs``); 0: no
         log-probabilities are computed at all.
-      expected_budgets: ``budget="auto"``'s budget set, or empty. Non-empty, a DDTree round builds
-        the tree of its largest budget, verifies that tree's prefix of ``budget + 1`` slots (the
-        tree a build of ``budget`` gives: ``DraftTree.prefix``) and reports each row's expected
-        tokens at every budget of the set (``round_with_expected``); an ar round reports ones.
+      expected_budgets: ``budget="auto"``'s budget set, or empty. Non-empty, a DDTree round drafts
+        the depths its own budget reaches, as a fixed budget's does, builds the tree of the set's
+        largest budget on them, verifies that tree's prefix of ``budget + 1`` slots (the tree a
+        build of ``budget`` gives on the whole block: ``DraftTree.prefix``) and reports each row's
+        expected tokens at every budget of the set (``round_with_expected``): exact up to its own
+        budget, past it those of a tree held to its depth (lower bounds); an ar round reports ones.
     """
 
     method: str
@@ -297,9 +299,9 @@ def _draft(target, drafter, plan: DecodePlan, state: DecodeState, base_key, work
         return dict(draft_logits=None)
     depths = None
     if plan.method == "ddtree":
-        # A best-first tree of b nodes is at most b deep: the depths past it are never read.
-        deepest = max(plan.expected_budgets) if plan.expected_budgets else plan.budget
-        depths = deepest if deepest < drafter.config.block_size - 1 else None
+        # A best-first tree of b nodes is at most b deep: the depths past it are never verified
+        # (with expected_budgets too: the drafter's LM head dominates a round at a large vocabulary).
+        depths = plan.budget if plan.budget < drafter.config.block_size - 1 else None
     return dict(draft_logits=drafter.propose(target, state.draft_cache, state.root, depths=depths))
 
 

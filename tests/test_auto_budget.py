@@ -5,6 +5,7 @@ report. Costs are injected (``DecodeConfig.auto_costs``): no test depends on a t
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from ddtree_jax.auto_budget import (
     OWN_SAMPLES,
     PRIOR_ROUNDS,
     PROBE_SHARE,
+    REFRESH_ROUNDS,
     STALL,
     WINDOW,
     AutoChooser,
@@ -266,6 +268,7 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     np.testing.assert_allclose(c.row_expected[3], [1.0, 1.2, 1.3])
     assert (c.row_rounds[:3] == 0).all() and c.row_rounds[[3, 7]].tolist() == [12, 12]  # (rows 0-2: none)
     c.accepted_ema = c.predicted_ema.copy()  # (calibration factor 1)
+    c.verified_at[:] = c.drafted  # (as if budget 8 were verified too: no refresh due)
     assert c.choose(2, costs) == 1  # the batch's mean (2.1 at budget 4, for 1.5): draft
     # row 3, at 0.75 its own average (12 rounds against PRIOR_ROUNDS = 4) and 0.25 the batch's
     # (1.425 at budget 4), would set the pace: 20 / 1.425 * 1.5 > 20 (the rule; `choose` probes:
@@ -283,6 +286,7 @@ def test_chooser_finish_rule_uses_each_rows_own_averages():
     c = AutoChooser(PLAN)
     c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2.4, 2, 2.4, 2.6], [0, 0, 0, 0, 0]]), rows=rows)
     c.accepted_ema = c.predicted_ema.copy()
+    c.verified_at[:] = c.drafted  # (as if budget 8 were verified too: no refresh due)
     assert c.choose(2, costs, finish=([7, 3], [20, 20])) == 1
 
 
@@ -303,6 +307,7 @@ def test_chooser_finish_rule_calibrates_each_row_by_its_own_acceptance():
     assert c._rule(2, costs, finish=([0, 1], [20, 20])) == 0
     c = AutoChooser(PLAN)
     c.record(1, _tally([[12, 36, 12, 36, 42], [12, 36, 12, 36, 42]]), rows=rows)
+    c.verified_at[:] = c.drafted  # (as if budget 8 were verified too: no refresh due)
     assert c.choose(2, costs, finish=([0, 1], [20, 20])) == 1
 
 
@@ -318,6 +323,7 @@ def _chooser(expected_ema, accepted=1.0, predicted=1.0, skipped=0, interval=3):
     c.accepted_ema, c.predicted_ema = np.full(3, float(accepted)), np.full(3, float(predicted))
     c.calibrated_by = np.full(3, 1e12)  # (the ratios as they are)
     c.skipped, c.interval, c.drafted = skipped, interval, 1
+    c.verified_at = np.ones(3)  # (every budget verified just now: no refresh due)
     return c
 
 
@@ -332,6 +338,37 @@ def test_choice_before_a_dispatch_from_the_recent_curve():
     assert _chooser([1.0, 1.2, 1.3], skipped=3).choose(8, costs) == 1
     assert _chooser([1.0, 1.2, 1.6], skipped=3).choose(8, costs) == 2  # 0.6 / 2 beats 0.2 / 1.5
     assert _chooser([1.0, 1.2, 1.3], skipped=3, interval=6).choose(8, costs) == 0
+
+
+def test_rounds_keep_larger_budgets_estimates_until_verified_and_refresh_them():
+    """Expected tokens past a round's budget are lower bounds (a tree held to its depth): they set
+    a larger budget's averages (the batch's and each row's) only until a round verifies that
+    budget. Where the rule chooses a budget below the largest, the next one up runs once its last
+    verification is ``REFRESH_ROUNDS`` drafted rounds old or never happened, counted from the
+    choice (a pipelined caller chooses again before recording)."""
+    costs, rows = (1.0, 1.5, 2.0), np.arange(4)
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[1, 2, 1, 2.5, 2.7]] * 4), rows)  # budget 8 never verified: its lower bound
+    np.testing.assert_allclose(c.expected_ema, [1.0, 2.5, 2.7])
+    np.testing.assert_allclose(c.row_expected[:, 2], 2.7)
+    assert c.choose(4, costs) == 2  # the rule's 4, refreshed: 8 was never verified
+    assert c.choose(4, costs) == 1  # (that refresh is on its way)
+    c.record(2, _tally([[1, 2, 1, 2.5, 3.0]] * 4), rows)
+    ema8, row8 = c.expected_ema[2], c.row_expected[:, 2].copy()
+    assert ema8 > 2.7 and (row8 > 2.7).all()
+    c.record(1, _tally([[1, 2, 1, 2.4, 2.5]] * 4), rows)  # a lower bound for 8 no longer counts
+    assert c.expected_ema[2] == ema8 and c.expected_ema[1] < 2.5
+    np.testing.assert_array_equal(c.row_expected[:, 2], row8)
+    for _ in range(REFRESH_ROUNDS - 2):
+        c.record(1, _tally([[1, 2, 1, 2.5, 2.5]] * 4), rows)
+    assert c.choose(4, costs) == 1  # 8 verified REFRESH_ROUNDS - 1 drafted rounds ago
+    c.record(1, _tally([[1, 2, 1, 2.5, 2.5]] * 4), rows)
+    assert c.choose(4, costs) == 2
+    assert c.expected_ema[2] == ema8
+    # the largest budget verifies every budget: nothing to refresh above it, nor after it
+    c = AutoChooser(PLAN)
+    c.record(2, _tally([[1, 2, 1, 2.5, 2.7]] * 4), rows)
+    assert c.choose(4, costs) == 1
 
 
 def test_probes_take_at_most_their_share_of_the_time():
@@ -876,6 +913,44 @@ def _auto_state(law_models, plan, held: int | None):
                     max_new_tokens=jnp.full((len(prompts),), 24), stop_ids=jnp.full((len(prompts), 1), -2),
                     sampling=sampling, request_ids=jnp.arange(len(prompts), dtype=jnp.uint32))
     return state if held is None else with_deferred(state, drafter, held)
+
+
+def test_auto_rounds_draft_their_own_depths_and_report_exactly_up_to_their_budget(law_models, monkeypatch):
+    """A drafted round of ``budget="auto"`` at budget ``b`` drafts ``b`` depths only (the block's
+    whole depth at the largest), commits what the fixed budget's round commits, and reports the
+    expected tokens of the largest round exactly up to ``b`` and never more past it (the same
+    rows and keys; seeded and greedy rows)."""
+    from ddtree_jax.models import DFlashDrafter
+
+    depths = []
+    propose = DFlashDrafter.propose
+
+    def spy(self, target, cache, last_token, **kw):
+        depths.append(kw.get("depths"))
+        return propose(self, target, cache, last_token, **kw)
+
+    monkeypatch.setattr(DFlashDrafter, "propose", spy)
+    target, drafter = law_models
+    models, tparams, dparams = Models.split(target, drafter)
+    base = DecodePlan(method="ddtree", budget=4, hidden_layer_ids=tuple(drafter.config.target_layer_ids),
+                      backend=resolve_backend(DecodeConfig().impl))
+    plans = round_plans(base, AutoPlan(budgets=(0, 2, 4), draft_len=4, probe_every=2))
+    key = jax.random.key(5)
+    out, tallies = {}, {}
+    for name, plan in [("auto 2", plans[1]), ("auto 4", plans[2]), ("fixed 2", dataclasses.replace(base, budget=2))]:
+        depths.clear()
+        state = _auto_state(law_models, base, None)
+        if name.startswith("auto"):
+            state, tallies[name] = run_tallied_rounds(models, tparams, dparams, plan, state, key, 1)
+        else:
+            state = run_rounds(models, tparams, dparams, plan, state, key, 1, False)
+        assert depths == [2 if name.endswith("2") else None], (name, depths)  # (block 5: depth 4 is the whole)
+        out[name] = np.asarray(state.out)
+    np.testing.assert_array_equal(out["auto 2"], out["fixed 2"])
+    K = 3
+    e2, e4 = (np.asarray(tallies[n])[:, 2 : 2 + K] for n in ("auto 2", "auto 4"))
+    np.testing.assert_allclose(e2[:, :2], e4[:, :2], rtol=1e-5)
+    assert (e2[:, 2] <= e4[:, 2] + 1e-5).all()
 
 
 def test_held_back_context_is_the_context_added_round_by_round(law_models):
