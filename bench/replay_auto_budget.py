@@ -107,7 +107,7 @@ def summarize(results: dict) -> str:
              + (f"; batch 1: {results['b1_prompts']} prompts, each on its own, rounds summed"
                 if results.get("b1_prompts") else ""), "",
              "Fixed budgets are priced at auto's table cost of their budget (auto's drafted round builds the "
-             "largest tree, so a fixed round is somewhat cheaper than that).", "",
+             "largest tree on the depths its budget reaches, so a fixed round is a little cheaper than that).", "",
              "| acceptance | batch | setting | rounds at each budget | tau | table time, auto / AR (ms) | "
              "auto over AR | " + " | ".join(f"@{b} over AR" for b in results["fixed"]) + " | auto over the best |",
              "|---|---|---|---|---|---|---|" + "---|" * len(results["fixed"]) + "---|"]
