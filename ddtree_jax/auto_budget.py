@@ -95,12 +95,11 @@ from scipy.special import ndtr
 
 from ddtree_jax.tree import DraftTree
 
-__all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "REFRESH_ROUNDS", "SEQUENCE", "STALL", "WINDOW",
-           "AutoChooser",
-           "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "MEASURED_RESTART", "PRIOR_ROUNDS", "PROBE_SHARE",
-           "RESTART_SHARE", "RunCosts",
-           "SPREAD_ROWS", "batch_rounds", "calibrated", "carried_up", "choose_budget", "expected_max",
-           "expected_tokens", "finish_budget", "finish_times", "probe_alone", "restart_price", "round_variance"]
+__all__ = ["DECAY", "FIRST_DRAFT_TOKENS", "MAX_BACKOFF", "OWN_SAMPLES", "REFRESH_ROUNDS", "SEQUENCE", "STALL",
+           "WINDOW", "AutoChooser", "AutoPlan", "AutoReport", "MAX_PRIOR_ROUNDS", "MEASURED_RESTART", "PRIOR_ROUNDS",
+           "PROBE_SHARE", "RESTART_SHARE", "RunCosts", "SPREAD_ROWS", "batch_rounds", "calibrated", "carried_up",
+           "choose_budget", "expected_max", "expected_tokens", "finish_budget", "finish_times", "probe_alone",
+           "restart_price", "round_variance"]
 
 DECAY = 0.25
 """The moving averages' weight of the newest drafted round."""
@@ -218,10 +217,11 @@ def probe_alone(restart: float | None, plain: float, rounds: int) -> bool:
     of a full dispatch of ``rounds`` followed by one chosen before it is read (alone, the probe
     verifies the largest budget at the drafter's whole depth: its round says what every smaller
     budget would have committed, so the choice after it knows every budget's tokens, where a
-    probe at a smaller budget leaves the larger ones that budget's calibration): where the restart's price (``restart``:
-    ``restart_price``; ``None``: unknown, never) is at most ``RESTART_SHARE`` of the dispatch's
-    rounds at budget 0 (``plain`` each). Alone, the probe saves up to ``2 rounds - 1`` plain
-    rounds where drafting pays and costs the restart where it does not."""
+    probe at a smaller budget leaves the larger ones that budget's calibration): where the
+    restart's price (``restart``: ``restart_price``; ``None``: unknown, never) is at most
+    ``RESTART_SHARE`` of the dispatch's rounds at budget 0 (``plain`` each). Alone, the probe saves
+    up to ``2 rounds - 1`` plain rounds where drafting pays and costs the restart where it does
+    not."""
     return restart is not None and restart <= RESTART_SHARE * rounds * plain
 
 

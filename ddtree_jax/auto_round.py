@@ -7,9 +7,9 @@ so a later round can draft); a positive budget ``b`` is DDTree's round that draf
 depths its tree can reach (as the fixed budget's round does), builds the tree of the largest
 budget on them, verifies its prefix of ``b + 1`` slots (the tree a build of ``b`` gives) and
 reports every budget's expected tokens (``DecodePlan.expected_budgets``: exact up to ``b``, lower
-bounds past it). No program holds a
-conditional: the host picks the program (``auto_budget.AutoChooser``). The stages are
-``decode_round``'s, so every committed token keeps the target's exact law.
+bounds past it). No program holds a conditional: the host picks the program
+(``auto_budget.AutoChooser``). The stages are ``decode_round``'s, so every committed token keeps
+the target's exact law.
 
 Budget 0 can also hold back the drafter's context (``with_deferred``): its rounds then keep the
 features of the tokens they commit in ``DecodeState.deferred`` and run no drafter code at all, so
