@@ -144,6 +144,10 @@ def _greedy_speculative_equals_autoregressive():
     ar = dt.generate(target, None, prompts, method="ar", **kw)
     for method in ("dflash", "ddtree"):
         assert dt.generate(target, drafter, prompts, method=method, budget=12, **kw).tokens == ar.tokens, method
+    # budget="auto": its rounds draft only their own budget's depths (a separate compiled program)
+    auto = dt.generate(target, drafter, prompts, max_new_tokens=16, config=dt.DecodeConfig(
+        method="ddtree", budget="auto", auto_max_budget=8, auto_costs=(1.0, 1.1, 1.2), impl="pallas"))
+    assert auto.tokens == ar.tokens and sum(auto.auto.rounds[1:]) > 0
     sampled = dt.generate(target, drafter, prompts, method="ddtree", budget=12, seed=3,
                           sampling=dt.SamplingParams(temperature=0.8, top_p=0.9, seed=4), **kw)
     assert all(len(t) == 16 for t in sampled.tokens)
