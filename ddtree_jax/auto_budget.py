@@ -185,10 +185,13 @@ class AutoPlan:
         if not (b and b[0] == 0 and all(x < y for x, y in zip(b, b[1:], strict=False))):
             raise ValueError(f"AutoPlan.budgets must be ascending and start at 0, got {b!r}")
 
-    @property
+    @functools.cached_property
     def caps(self) -> np.ndarray:
-        """f64 ``[K]``: the most drafted tokens a round at each budget can commit, ``min(b, L)``."""
-        return np.minimum(np.asarray(self.budgets, np.float64), self.draft_len)
+        """f64 ``[K]``: the most drafted tokens a round at each budget can commit, ``min(b, L)``
+        (read-only)."""
+        caps = np.minimum(np.asarray(self.budgets, np.float64), self.draft_len)
+        caps.setflags(write=False)
+        return caps
 
 
 def expected_tokens(tree: DraftTree, budgets: tuple[int, ...]) -> jax.Array:
@@ -508,7 +511,8 @@ class AutoChooser:
         self.sequence: collections.deque = collections.deque(maxlen=SEQUENCE)
         self._finish = None  # the last choice's `finish`
         self._backoff_due = False  # a drafted dispatch recorded since the last choice
-        self._rows_cache = None  # `_paces`' rows' part: ((drafted, row ids), expected, behind)
+        self._rows_cache = None  # `_paces`' rows' part: ((drafted, row ids), expected, variance, uncertainty)
+        self._stats_cache = None  # `_batch_stats`: (the averages' key, factor, pace, pace error, known by)
 
     def costs(self, shape: int, table) -> np.ndarray:
         """The seconds per round at each budget for the compiled batch shape ``shape`` (its rows):
@@ -542,10 +546,27 @@ class AutoChooser:
         0 or a few tokens, a round of 64 rows is known); a budget no drafted round verified (nor a
         larger one) takes the factor of the largest budget below it that one did, 1 before any
         (``carried_up``)."""
-        seen = (self.calibrated_by > 0) & (self.predicted_ema > 0)
-        ratio = np.divide(self.accepted_ema, self.predicted_ema, out=np.ones_like(self.accepted_ema), where=seen)
-        w = self.calibrated_by / (self.calibrated_by + PRIOR_ROUNDS)
-        return carried_up(w * ratio + (1.0 - w), seen)
+        return self._batch_stats()[0].copy()
+
+    def _batch_stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(factor, pace, pace error, known by)``, each f64 ``[K]`` (``factor``, the batch's
+        calibrated expected tokens ``calibrated(expected_ema, factor, caps)``, ``pace_error`` at
+        that pace, ``_known_by``), computed once per state of the batch's averages: between two
+        drafted dispatches' records every choice reads the same ones (a choice at 64 rows costs
+        about a millisecond of the host's time where it starts on cold caches)."""
+        key = (self.drafted, self.expected_ema.tobytes(), self.accepted_ema.tobytes(),
+               self.predicted_ema.tobytes(), self.calibrated_by.tobytes())
+        if self._stats_cache is None or self._stats_cache[0] != key:
+            seen = (self.calibrated_by > 0) & (self.predicted_ema > 0)
+            ratio = np.divide(self.accepted_ema, self.predicted_ema, out=np.ones_like(self.accepted_ema), where=seen)
+            w = self.calibrated_by / (self.calibrated_by + PRIOR_ROUNDS)
+            factor = carried_up(w * ratio + (1.0 - w), seen)
+            caps = self.plan.caps
+            pace = calibrated(self.expected_ema, factor, caps)
+            known = carried_up(self.calibrated_by, self.calibrated_by > 0) * (self.calibrated_by.max() > 0)
+            error = np.sqrt(round_variance(pace, caps) / (known + PRIOR_ROUNDS))
+            self._stats_cache = (key, factor, pace, error, known)
+        return self._stats_cache[1:]
 
     def _row_factors(self, ids, known, prior=PRIOR_ROUNDS) -> np.ndarray:
         """f64 ``[R, K]``: rows ``ids``' own calibration factors per budget (``known [R]``: rows
@@ -565,14 +586,13 @@ class AutoChooser:
         at the batch's calibrated pace (``round_variance``), ``n`` the row-rounds behind the
         budget's factor (``calibrated_by``, carried up to budgets no round verified) and
         ``PRIOR_ROUNDS``; 0 at budget 0. ``pace``: that pace, computed if None."""
-        caps = self.plan.caps
         if pace is None:
-            pace = calibrated(self.expected_ema, self.factor(), caps)
-        return np.sqrt(round_variance(pace, caps) / (self._known_by() + PRIOR_ROUNDS))
+            return self._batch_stats()[2].copy()
+        return np.sqrt(round_variance(pace, self.plan.caps) / (self._known_by() + PRIOR_ROUNDS))
 
     def _known_by(self) -> np.ndarray:
         """f64 ``[K]``: the row-rounds behind each budget's factor, carried up (0 before any)."""
-        return carried_up(self.calibrated_by, self.calibrated_by > 0) * (self.calibrated_by.max() > 0)
+        return self._batch_stats()[3]
 
     def explore_value(self, active: int, costs, finish=None, scores=None, paces=None) -> np.ndarray:
         """f64 ``[K]``: per budget, what a dispatch of drafted rounds there is worth now, in plain
@@ -596,8 +616,7 @@ class AutoChooser:
         estimated only where that is positive. ``-inf`` at budget 0."""
         costs = np.asarray(costs, np.float64)
         caps = self.plan.caps
-        pace = calibrated(self.expected_ema, self.factor(), caps)
-        error = self.pace_error(pace)
+        _, pace, error, known_by = self._batch_stats()
         if finish is None:
             times, lifted = costs / pace, costs / np.minimum(pace + error, 1.0 + caps)  # (per token)
             horizon = 2.0 * self.interval
@@ -605,7 +624,7 @@ class AutoChooser:
             paces = self._paces(finish) if paces is None else paces
             if scores is None:
                 scores = self._scores(active, costs, finish, every=True, paces=paces)
-            remaining, expected, _ = paces
+            remaining, expected = paces[:2]
             r = np.asarray(remaining, np.float64)[:, None]
             slowest = (r / expected).max(axis=0)  # (the rounds-by-means bound, over the costs)
             times = np.where(np.isfinite(scores), scores, costs * slowest)
@@ -614,7 +633,7 @@ class AutoChooser:
         ratio, s = times / times[0], np.maximum((times - lifted) / times[0], 1e-12)
         rounds = min(float(self.plan.probe_every), horizon)
         m = active * rounds
-        sm = s * np.sqrt(m / (self._known_by() + PRIOR_ROUNDS + m))
+        sm = s * np.sqrt(m / (known_by + PRIOR_ROUNDS + m))
         d = (ratio - 1.0) / sm
         saved = sm * np.exp(-0.5 * d * d) / np.sqrt(2.0 * np.pi) - (ratio - 1.0) * ndtr(-d)
         loss = costs / costs[0] * (1.0 - 1.0 / ratio)  # (a round's share of the batch's work: ratio / costs[b])
@@ -625,18 +644,21 @@ class AutoChooser:
             return self.explore_value(active, costs, finish, every, paces)
         return value
 
-    def _paces(self, finish) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _paces(self, finish) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For a static batch's running rows ``finish`` (``choose``): ``(remaining [R], expected
-        [R, K], behind [R, 1])``, the tokens each may still commit, its calibrated expected tokens
-        per round at each budget and the rounds its estimate is known as well as (module
-        docstring)."""
+        [R, K], variance [R, K], uncertainty [R, K])``, the tokens each may still commit, its
+        calibrated expected tokens per round at each budget, the variance of a round's tokens
+        there (``round_variance``) and that of the estimate ``expected`` (the variance over the
+        rounds it is known as well as; module docstring)."""
         ids, remaining = (np.asarray(x) for x in finish)
         # (the rows' part changes only with a drafted dispatch's record: a choice between plain
         # dispatches reuses it)
         key = (self.drafted, ids.tobytes())
         if self._rows_cache is None or self._rows_cache[0] != key:
-            self._rows_cache = (key, *self._row_paces(ids))
-        return remaining, self._rows_cache[1], self._rows_cache[2]
+            expected, behind = self._row_paces(ids)
+            variance = round_variance(expected, self.plan.caps)
+            self._rows_cache = (key, expected, variance, variance / behind)
+        return (remaining, *self._rows_cache[1:])
 
     def _row_paces(self, ids) -> tuple[np.ndarray, np.ndarray]:
         """``_paces``' ``(expected [R, K], behind [R, 1])`` for the rows ``ids``."""
@@ -662,12 +684,10 @@ class AutoChooser:
         choice among the positive ones; else those that cannot beat budget 0 are ``inf``;
         ``paces``: ``_paces(finish)``, computed if None; ``known``: the scores without ``every``,
         whose finite entries are kept)."""
-        caps = self.plan.caps
         if finish is None:
-            return -(active * calibrated(self.expected_ema, self.factor(), caps)) / costs
-        remaining, expected, behind = self._paces(finish) if paces is None else paces
-        variance = round_variance(expected, caps)
-        return finish_times(remaining, expected, costs, variance, variance / behind, every, known)
+            return -(active * self._batch_stats()[1]) / costs
+        remaining, expected, variance, uncertainty = self._paces(finish) if paces is None else paces
+        return finish_times(remaining, expected, costs, variance, uncertainty, every, known)
 
     def prior_rounds(self, ids) -> np.ndarray:
         """f64 ``[K]``: per budget, the rounds of the batch's average a row's own average is mixed

@@ -195,8 +195,8 @@ def test_chooser_keeps_the_rows_paces_until_a_drafted_record():
 
     def fresh():
         f = AutoChooser(PLAN)
-        f.__dict__.update({k: v for k, v in c.__dict__.items() if k != "_rows_cache"})
-        f._rows_cache = None
+        f.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_rows_cache", "_stats_cache")})
+        f._rows_cache = f._stats_cache = None
         return f._paces(finish)
 
     first = c._paces(finish)
@@ -210,6 +210,34 @@ def test_chooser_keeps_the_rows_paces_until_a_drafted_record():
         np.testing.assert_array_equal(got, want)
     other = (rows[:3], np.array([30, 20, 25]))
     np.testing.assert_array_equal(c._paces(other)[1], again[1][:3])
+
+
+def test_chooser_keeps_the_batch_statistics_until_they_change():
+    """The batch's factor, pace and pace error are computed once per state of its averages: kept
+    across plain records, recomputed after a drafted one or any change of the averages (a test
+    that sets them by hand included), equal to a chooser that never kept any."""
+    c = AutoChooser(PLAN)
+    c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2, 2, 5, 6]]))
+
+    def fresh():
+        f = AutoChooser(PLAN)
+        f.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_rows_cache", "_stats_cache")})
+        f._rows_cache = f._stats_cache = None
+        return f._batch_stats()
+
+    first = c._batch_stats()
+    c.record(0, plain_tally(np.full(2, 8), 3))
+    assert c._batch_stats()[0] is first[0]  # (plain rounds change none)
+    c.record(2, _tally([[1, 1, 1, 3, 4], [1, 5, 1, 3, 5]]))
+    for got, want in zip(c._batch_stats(), fresh(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(c._batch_stats()[0], first[0])
+    c.accepted_ema = c.accepted_ema * 0.5  # (by hand, no record)
+    for got, want in zip(c._batch_stats(), fresh(), strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(c.factor(), fresh()[0])
+    c.factor()[:] = 0.0  # (a copy: the kept one is untouched)
+    np.testing.assert_array_equal(c.factor(), fresh()[0])
 
 
 def test_chooser_finish_rule_weighs_the_rows_by_their_measured_spread():
