@@ -78,7 +78,8 @@ def one_by_one(outs: list[GenerateOutput]) -> GenerateOutput:
                                rounds=sum(o.rounds for o in outs), seconds=sum(o.seconds for o in outs),
                                prefill_seconds=sum(o.prefill_seconds for o in outs),
                                round_seconds=sum(o.round_seconds for o in outs),
-                               dispatches=tuple(d for o in outs for d in o.dispatches))
+                               dispatches=tuple(d for o in outs for d in o.dispatches),
+                               compaction_seconds=tuple(c for o in outs for c in o.compaction_seconds))
 
 
 def decode(models, prompts, alone: bool, **kw) -> GenerateOutput:
@@ -152,7 +153,7 @@ def _records(outs: dict) -> list[dict]:
         rec = dict(label=label, tokens=out.new_tokens, seconds=out.seconds, tokens_per_s=out.new_tokens / out.seconds,
                    tokens_per_s_runs=[o.new_tokens / o.seconds for o in calls], rounds=out.rounds,
                    tau=out.mean_tau, round_seconds=out.round_seconds, batch_sizes=out.batch_sizes,
-                   calls=call_forms(out.dispatches))
+                   compaction_ms=[c * 1e3 for c in out.compaction_seconds], calls=call_forms(out.dispatches))
         if out.auto is not None:
             a = out.auto
             rec.update(histogram={str(b): n for b, n in a.histogram.items()}, drafted_rounds=a.drafted_rounds,
@@ -202,14 +203,18 @@ def summarize(results: dict) -> str:
         lines.append(f"| {level or '-'} | {batch} | {setting} | {ar:.1f} | {fixed_ratios} | {ratio('auto'):.2f} | "
                      f"{ratio('auto') / best:.2f} | {hist} | {er} |")
     lines += ["", "Where each run's time went, ms per round: in the compiled calls (auto's choice, the dispatch, the "
-              "rounds, the read back) and on the host between calls (cost lookups, harvest, compaction):", "",
-              "| acceptance | batch | setting | run | rounds | ms / round in calls | host ms / round | batch sizes |",
-              "|---|---|---|---|---|---|---|---|"]
+              "rounds, the read back) and on the host between calls (cost lookups, harvest, compaction; each "
+              "compaction's ms from the last read-back on the larger batch to the next launch: "
+              "`GenerateOutput.compaction_seconds`):", "",
+              "| acceptance | batch | setting | run | rounds | ms / round in calls | host ms / round | batch sizes "
+              "| compactions (ms each) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "round_seconds" in r and r["rounds"]:
             calls, host = r["round_seconds"] / r["rounds"], (r["seconds"] - r["round_seconds"]) / r["rounds"]
             lines.append(f"| {r.get('acceptance') or '-'} | {r['batch']} | {r['setting']} | {r['label']} | "
-                         f"{r['rounds']} | {1e3 * calls:.3f} | {1e3 * host:.3f} | {r.get('batch_sizes', '')} |")
+                         f"{r['rounds']} | {1e3 * calls:.3f} | {1e3 * host:.3f} | {r.get('batch_sizes', '')} | "
+                         f"{', '.join(f'{c:.2f}' for c in r.get('compaction_ms', [])) or '-'} |")
     lines += ["", "The compiled calls by form (`generation.Dispatch`): calls, rounds given, and per call the ms "
               "choosing (auto's choice, the form), in the call until it returned, and waiting for its read-back:", "",
               "| acceptance | batch | setting | run | form | calls | rounds | choose ms | call ms | wait ms |",

@@ -133,6 +133,11 @@ class GenerateOutput:
       time_split: seconds per stage (draft, tree, verify, sample, commit) with ``profile=True``,
         else ``None``.
       batch_sizes: the batch sizes the rounds ran at, in order (compaction shrinks it).
+      compaction_seconds: per compaction (``batch_sizes[1:]``), the host's seconds from the
+        read-back of the last dispatch on the larger batch to the launch of the first on the
+        smaller (its choice excluded): harvesting the rows, gathering the running ones and, with
+        ``budget="auto"``, adding the held-back drafter context and looking up (or timing) the new
+        batch size's costs; the pipeline of dispatches starts again after it.
       auto: with ``budget="auto"``, the budgets the rounds chose and the expected vs realized
         tokens (``auto_budget.AutoReport``); else ``None``.
       dispatches: the compiled calls of rounds in the order they ran, one ``Dispatch`` each: where
@@ -151,6 +156,7 @@ class GenerateOutput:
     auto: AutoReport | None = None
     round_seconds: float = 0.0
     dispatches: tuple[Dispatch, ...] = ()
+    compaction_seconds: tuple[float, ...] = ()
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -418,6 +424,7 @@ def generate(
     t0 = time.perf_counter()
     in_rounds = 0.0
     timeline: list[Dispatch] = []
+    compactions: list[float] = []
     watches = contextlib.ExitStack()
     # One dispatch ahead: the next dispatch is launched before the current one's results are read
     # back, so that its launch (host work about as long as the rounds of a small model) runs while
@@ -591,9 +598,11 @@ def generate(
             if done.all():
                 break
             running = np.flatnonzero(~done)
+            compacted = None  # (the read-back the compaction started from)
             if compact and len(running) <= len(slot_request) // 2:
+                compacted = now
                 if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
-                    done, _ = retire(nxt, None)
+                    done, compacted = retire(nxt, None)
                     nxt, active = None, int((~done).sum())
                     if done.all():
                         harvest(state)
@@ -614,6 +623,8 @@ def generate(
                 last_read = None
             if nxt is None:
                 state, nxt = launch(state)
+                if compacted is not None and nxt is not None:
+                    compactions.append(nxt["t"] - compacted)
                 watch = cur.get("watch")
                 if watch is not None and not watch.seconds and nxt is not None and nxt["rows"] == cur["rows"] \
                         and observers[cur["rows"]] is not None:
@@ -639,7 +650,7 @@ def generate(
         requests=requests, method=method, budget=checked.budget, rounds=int(host["rounds"].max()), seconds=seconds,
         prefill_seconds=prefill_seconds, time_split=split, batch_sizes=batch_sizes,
         auto=AutoReport.of(chooser, costs, restarts) if decode.is_auto else None, round_seconds=in_rounds,
-        dispatches=tuple(timeline),
+        dispatches=tuple(timeline), compaction_seconds=tuple(compactions),
     )
 
 

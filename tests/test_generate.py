@@ -198,6 +198,8 @@ def test_compaction_changes_nothing_but_the_work(models, sampling):
     assert [r.acceptance_lengths for r in runs[0].requests] == [r.acceptance_lengths for r in runs[1].requests]
     assert [r.finish_reason for r in runs[1].requests] == ["length"] * 3
     assert runs[0].batch_sizes == [3] and runs[1].batch_sizes == [3, 1]
+    assert runs[0].compaction_seconds == () and len(runs[1].compaction_seconds) == 1
+    assert 0 <= runs[1].compaction_seconds[0] <= runs[1].seconds
 
 
 def test_per_request_limits_equal_separate_runs(models, greedy_ar):

@@ -33,11 +33,14 @@ def test_dispatching_one_ahead_changes_no_token(models, monkeypatch):
     ahead = dt.generate(*models, PROMPTS, **kw)
     assert events[:3] == ["launch", "launch", "read"], events[:6]
     assert len(ahead.batch_sizes) >= 3, ahead.batch_sizes
+    # (each compaction's host time, from its read-back to the next launch)
+    assert len(ahead.compaction_seconds) == len(ahead.batch_sizes) - 1 and min(ahead.compaction_seconds) >= 0
     events.clear()
     progress = []
     one_by_one = dt.generate(*models, PROMPTS, on_progress=lambda out, n: progress.append(n.sum()), **kw)
     assert events[:3] == ["launch", "read", "read"], events[:6]  # (each call's flags, then its rows)
     assert one_by_one.tokens == ahead.tokens
+    assert len(one_by_one.compaction_seconds) == len(one_by_one.batch_sizes) - 1
     assert [r.acceptance_lengths for r in one_by_one.requests] == [r.acceptance_lengths for r in ahead.requests]
     assert progress[-1] == sum(len(t) for t in ahead.tokens)
 
