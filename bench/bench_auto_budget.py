@@ -91,13 +91,14 @@ def decode(models, prompts, alone: bool, **kw) -> GenerateOutput:
 
 
 def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, repeats, deadline, publish,
-             sync_every=None, alone=False):
+             sync_every=None, alone=False, compact=True):
     """One cell: per label a warm-up call (compiles; auto: the cost table) and a first timed call,
     then ``repeats - 1`` more timed calls per label, interleaved across labels (a slow stretch of
     the device hits every label alike), while ``time.perf_counter() < deadline``. After every
     timed pass ``publish(records)`` gets one record per label timed so far, from its median call
     by tokens/s, so that a run cut short keeps what it measured. ``alone``: each call decodes the
-    prompts one after the other at batch 1 (``decode``).
+    prompts one after the other at batch 1 (``decode``). ``compact``: ``generate``'s (False: the
+    batch keeps its rows to the end).
 
     auto's choices follow timings, so its runs can compact to batch sizes an earlier run never
     reached, and the first run at a size times every budget there (the cost table): a call that
@@ -119,7 +120,7 @@ def run_cell(target, drafter, prompts, labels, setting, new, auto_max, seed, rep
         if time.perf_counter() > deadline:
             break
         config = _config(label, auto_max, seed, sync_every)
-        kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config)
+        kw = dict(sampling=SETTINGS[setting], max_new_tokens=new, config=config, compact=compact)
         models = (target, drafter if config.uses_drafter else None)
         calls[label] = lambda models=models, kw=kw: decode(models, prompts, alone, **kw)
         first = calls[label]()
@@ -282,6 +283,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed calls per label and cell (the median is reported)")
     p.add_argument("--sync-every", type=int, default=None, help="generate's rounds per call (default: its own)")
+    p.add_argument("--compact", choices=("on", "off"), default="on",
+                   help="generate's compaction of finished rows (off: every label keeps the whole batch)")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help="JAX's on-disk cache of compiled programs (and the cost tables beside it)")
     args = p.parse_args(argv)
@@ -364,7 +367,8 @@ def main(argv=None):
                     save()
 
                 run_cell(target, drafter, prompts, labels, setting, args.new, args.auto_max, args.seed, args.repeats,
-                         deadline, publish, sync_every=args.sync_every, alone=batch == 1)
+                         deadline, publish, sync_every=args.sync_every, alone=batch == 1,
+                         compact=args.compact == "on")
                 for rec in results["runs"][len(kept):]:
                     extra = f", histogram {rec['histogram']}" if "histogram" in rec else ""
                     _log(f"{level + ' ' if level else ''}batch {batch} {setting} {rec['label']}: "
