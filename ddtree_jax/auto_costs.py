@@ -13,10 +13,12 @@ the rows back before every call. ``measure_restart`` prices a pipeline restart: 
 budget 0 costs launched and waited for alone beyond its rounds in a burst (its launch and
 read-back, which a call ahead hides); a run that then pays a restart (``generate``'s first probe
 alone) stores what it observed (``CostTable.observe_restart``), which later runs decide with
-(``auto_budget.restart_price``). ``CostTable`` keeps measured costs and both restarts in memory
-and, with a folder, one JSON file per key (``{"key": ..., "costs": [...], "restart": s,
-"observed_restart": s}``), so a later process with the same key loads them instead of timing
-again.
+(``auto_budget.restart_price``); a run that compacts its batch from the key's rows stores what
+the compaction cost the host (``CostTable.observe_compaction``), which later runs weigh against
+what a smaller batch saves (``generate``). ``CostTable`` keeps measured costs, both restarts and
+the compaction in memory and, with a folder, one JSON file per key (``{"key": ..., "costs": [...],
+"restart": s, "observed_restart": s, "observed_compaction": s}``), so a later process with the
+same key loads them instead of timing again.
 ``default_table()`` keeps its files under the compilation cache folder
 (``compilation_cache.resolve()``, ``auto_budget_costs/``; memory only when that cache is off).
 Nothing here is specific to a device: every number comes from a measurement. Design note: docs/auto-budget.md.
@@ -129,6 +131,7 @@ class CostTable:
         self._memory: dict[str, tuple[float, ...]] = {}
         self._restart: dict[str, float] = {}
         self._observed: dict[str, float] = {}
+        self._compaction: dict[str, float] = {}
 
     @staticmethod
     def digest(key: dict) -> str:
@@ -157,7 +160,8 @@ class CostTable:
                 not all(c > 0 for c in costs):
             return None
         self._memory[digest] = costs
-        for name, kept in (("restart", self._restart), ("observed_restart", self._observed)):
+        for name, kept in (("restart", self._restart), ("observed_restart", self._observed),
+                           ("observed_compaction", self._compaction)):
             value = got.get(name)
             if isinstance(value, (int, float)) and 0 <= value < float("inf"):
                 kept[digest] = float(value)
@@ -180,9 +184,24 @@ class CostTable:
             self._observed[self.digest(key)] = max(0.0, float(seconds))
             self.put(key, costs, self._restart.get(self.digest(key)))
 
+    def observed_compaction(self, key: dict) -> float | None:
+        """The host's seconds a run's compaction from ``key``'s rows cost (``observe_compaction``),
+        or ``None``."""
+        return self._compaction.get(self.digest(key)) if self.get(key) is not None else None
+
+    def observe_compaction(self, key: dict, seconds: float) -> None:
+        """Stores what compacting a batch of ``key``'s rows cost the host (seconds, >= 0; the
+        latest observation replaces the one before), in memory and, with a folder, on disk.
+        Nothing is stored for a key without costs."""
+        costs = self.get(key)
+        if costs is not None:
+            self._compaction[self.digest(key)] = max(0.0, float(seconds))
+            self.put(key, costs, self._restart.get(self.digest(key)))
+
     def put(self, key: dict, costs, restart: float | None = None) -> None:
         """Stores ``costs`` (one per budget of the key) and the ``restart`` price (if given) in
-        memory and, with a folder, on disk (with the restart observed for the key, if any)."""
+        memory and, with a folder, on disk (with the restart and the compaction observed for the
+        key, if any)."""
         costs, digest = tuple(float(c) for c in costs), self.digest(key)
         self._memory[digest] = costs
         entry = dict(key=key, costs=list(costs))
@@ -190,6 +209,8 @@ class CostTable:
             self._restart[digest] = entry["restart"] = float(restart)
         if digest in self._observed:
             entry["observed_restart"] = self._observed[digest]
+        if digest in self._compaction:
+            entry["observed_compaction"] = self._compaction[digest]
         path = self.path(key)
         if path is None:
             return

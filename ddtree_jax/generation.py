@@ -329,7 +329,10 @@ def generate(
       sync_every: rounds run on the device between host checks for completion (default, or
         ``"auto"``: 8; with ``budget="auto"`` the budget is chosen on the host once per such chunk).
       profile: time each stage separately (see ``GenerateOutput.time_split``).
-      compact: re-pack the running requests into a smaller batch once at most half are running.
+      compact: re-pack the running requests into a smaller batch once at most half are running
+        (with ``budget="auto"`` timing its costs, only where the cost table says the smaller
+        batch's rounds save more than a compaction costs: docs/auto-budget.md, "Compaction,
+        priced").
       impl: tree builder, sampler and walk: ``"auto"`` (default: Pallas kernels on GPU and TPU,
         plain-JAX references elsewhere), ``"pallas"``, ``"pallas:triton"``,
         ``"pallas:mosaic_tpu"`` (that backend's kernels, interpreted off its platform),
@@ -402,6 +405,7 @@ def generate(
                 generated=np.zeros((B,), np.int32), finish=np.zeros((B,), np.int32), rounds=np.zeros((B,), np.int32))
     slot_request = np.arange(B)
     batch_sizes = [B]
+    digest = None  # (budget="auto" timing its costs: the models' digest, the cost table's key)
     if decode.is_auto:
         auto_plan = AutoPlan(budgets=auto_budget_set(decode.auto_max_budget), probe_every=decode.auto_probe_every,
                              draft_len=drafter.config.block_size - 1)
@@ -439,6 +443,19 @@ def generate(
     # first read shows)
     need = dict(rows=checked.max_new_tokens - 1, rate=np.ones(B), pending=0)
     limits = checked.max_new_tokens
+
+    def priced_compaction(size: int, cur, nxt) -> bool:
+        """Whether compacting to ``size`` rows pays (``_compaction_pays``, with the cost table's
+        costs: ``budget="auto"`` without given costs; True otherwise), at the budget of the latest
+        choice (``nxt``'s where one is in flight; a probing dispatch's rounds are plain ones)."""
+        if digest is None:
+            return True
+        last = nxt if nxt is not None else cur
+        k = 0 if last["form"] == "probe" else last.get("k", 0)
+        left = float((need["rows"] / need["rate"]).max()) - need["pending"]
+        rows = len(slot_request)
+        return _compaction_pays(auto_costs.default_table(), _cost_key(digest, plans, rows, checked.max_len, sync_every),
+                                _cost_key(digest, plans, size, checked.max_len, sync_every), k, left)
 
     def flush(state):
         """``state`` with the drafter context its rows hold back added (nothing to do where none is)."""
@@ -599,8 +616,12 @@ def generate(
                 break
             running = np.flatnonzero(~done)
             compacted = None  # (the read-back the compaction started from)
-            if compact and len(running) <= len(slot_request) // 2:
+            size = 1 << int(len(running) - 1).bit_length()
+            if compact and len(running) <= len(slot_request) // 2 and priced_compaction(size, cur, nxt):
                 compacted = now
+                if digest is not None:  # (its cost is observed through the next launch; not where a program compiles)
+                    compaction_watch = watches.enter_context(CompileWatch())
+                    compacted_from = len(slot_request)
                 if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
                     done, compacted = retire(nxt, None)
                     nxt, active = None, int((~done).sum())
@@ -610,7 +631,6 @@ def generate(
                     running = np.flatnonzero(~done)
                 if on_progress is None:
                     harvest(state)
-                size = 1 << int(len(running) - 1).bit_length()
                 take = np.concatenate([running, np.full(size - len(running), running[0])])
                 pad = np.arange(size) >= len(running)
                 state = _on_rows(_compacted(state, jnp.asarray(take), jnp.asarray(pad), page_size is not None), target)
@@ -625,6 +645,9 @@ def generate(
                 state, nxt = launch(state)
                 if compacted is not None and nxt is not None:
                     compactions.append(nxt["t"] - compacted)
+                    if digest is not None and not compaction_watch.seconds:
+                        auto_costs.default_table().observe_compaction(
+                            _cost_key(digest, plans, compacted_from, checked.max_len, sync_every), compactions[-1])
                 watch = cur.get("watch")
                 if watch is not None and not watch.seconds and nxt is not None and nxt["rows"] == cur["rows"] \
                         and observers[cur["rows"]] is not None:
@@ -726,8 +749,7 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     small fields and cache lengths restores the state)."""
     if decode.auto_costs is not None:
         return state, decode.auto_costs, restart_price(decode.auto_restart, None), None
-    key = auto_costs.cost_key(digest, backend=plans[-1].backend, rows=state.batch_size, cache_len=max_len,
-                              per_call=sync_every, budgets=plans[-1].expected_budgets)
+    key = _cost_key(digest, plans, state.batch_size, max_len, sync_every)
     table = auto_costs.default_table()
     known, restart = table.get(key), table.restart(key)
     observe = functools.partial(table.observe_restart, key)
@@ -756,6 +778,27 @@ def _round_costs(decode: DecodeConfig, digest: str | None, models, tparams, dpar
     costs = table.get_or_measure(key, run, per_call=sync_every, before=before, restart=True)
     price = restart_price(table.restart(key), table.observed_restart(key))
     return _put_row_fields(work[0], saved), costs, price, observe
+
+
+def _cost_key(digest: str, plans, rows: int, max_len: int, sync_every: int) -> dict:
+    """The cost table's key (``auto_costs.cost_key``) of ``generate``'s rounds at ``rows`` rows."""
+    return auto_costs.cost_key(digest, backend=plans[-1].backend, rows=rows, cache_len=max_len,
+                               per_call=sync_every, budgets=plans[-1].expected_budgets)
+
+
+def _compaction_pays(table: auto_costs.CostTable, key: dict, smaller: dict, k: int, rounds_left: float) -> bool:
+    """Whether compacting a batch of ``key``'s rows to ``smaller``'s pays by what ``table`` knows:
+    the rounds left (of the slowest running row, ``rounds_left``) times what a round at budget
+    index ``k`` saves at the smaller batch (the two batches' table costs) against what compacting
+    from ``key``'s rows cost the host when a run last did it (``observed_compaction``: the
+    harvest and the gather, to the next launch) plus the smaller batch's pipeline restart (the
+    next launch is not hidden; ``measure_restart``'s, 0 where unknown). True where the table
+    does not know the compaction's cost or the smaller batch's costs: the compaction then runs,
+    and measures them."""
+    price, now, then = table.observed_compaction(key), table.get(key), table.get(smaller)
+    if price is None or now is None or then is None:
+        return True
+    return rounds_left * (now[k] - then[k]) > price + (table.restart(smaller) or 0.0)
 
 
 _ROW_FIELDS = ("root", "out", "generated", "finish", "accept_lengths", "rounds", "max_new_tokens", "stop_ids")

@@ -874,6 +874,38 @@ def test_greedy_auto_equals_autoregressive_and_reports_its_rounds(mixed_run, gre
     assert sum(report.realized) == sum(sum(r.acceptance_lengths) for r in mixed_run.requests)
 
 
+def test_generate_compacts_only_where_the_cost_table_says_it_pays(law_models, greedy_ar, tmp_path, monkeypatch):
+    """With costs from the table, a compaction is observed (its host time, stored for the larger
+    batch's key once no program compiles during it), and later runs compact only where the rounds
+    left times the smaller batch's saving per round beat that price: never at a huge price, again
+    where the smaller batch is cheap and the price nil; the tokens the same every time."""
+    table = auto_costs.CostTable(str(tmp_path))
+    monkeypatch.setattr(auto_costs, "_default", table)
+    config = DecodeConfig(budget="auto", auto_max_budget=4, sync_every=1)
+    run = lambda: generate(*law_models, GREEDY_PROMPTS, max_new_tokens=[GREEDY_TOKENS, 2, 2], config=config)  # noqa: E731
+    want = [greedy_ar.tokens[0], greedy_ar.tokens[1][:2], greedy_ar.tokens[2][:2]]
+
+    def entries():
+        out = {}
+        for name in os.listdir(table.folder):
+            with open(os.path.join(table.folder, name)) as f:
+                entry = json.load(f)
+            out[entry["key"]["rows"]] = entry
+        return out
+
+    outs = [run(), run()]  # (the first compiles the smaller batch's programs: its compaction is not priced)
+    assert all(o.tokens == want and o.batch_sizes == [3, 1] and len(o.compaction_seconds) == 1 for o in outs)
+    big, small = entries()[3], entries()[1]
+    assert "observed_compaction" not in small and 0 <= big["observed_compaction"] <= outs[1].seconds
+    table.observe_compaction(big["key"], 1e9)
+    kept = run()
+    assert kept.tokens == want and kept.batch_sizes == [3] and kept.compaction_seconds == ()
+    table.observe_compaction(big["key"], 0.0)
+    table.put(small["key"], [c / 1e6 for c in big["costs"]], 0.0)  # (no restart either)
+    again = run()
+    assert again.tokens == want and again.batch_sizes == [3, 1]
+
+
 def _stored(table: auto_costs.CostTable) -> dict:
     """The one file of ``table``'s folder."""
     (name,) = os.listdir(table.folder)
@@ -1185,6 +1217,46 @@ def test_restart_price_takes_an_observed_restart_over_the_measured_one():
     share = auto_budget.RESTART_SHARE * 8 * 0.5  # 8 plain rounds of 0.5
     assert auto_budget.probe_alone(share, 0.5, 8) and not auto_budget.probe_alone(share * 1.01, 0.5, 8)
     assert not auto_budget.probe_alone(None, 0.5, 8)
+
+
+def test_cost_table_keeps_an_observed_compaction(tmp_path):
+    """``observe_compaction`` stores what a run's compaction from a key's rows cost (in memory and
+    on disk, beside the restarts; the latest replaces the one before; negative counts as 0); a key
+    without costs stores none; storing the costs again keeps it."""
+    key = dict(device="d", models="m", rows=4, budgets=[0, 4], jax="x")
+    table = auto_costs.CostTable(str(tmp_path))
+    table.observe_compaction(key, 1.0)
+    assert table.observed_compaction(key) is None and not os.listdir(tmp_path)  # (no costs: nothing stored)
+    table.put(key, [1.0, 2.0], restart=0.002)
+    table.observe_restart(key, 0.004)
+    table.observe_compaction(key, 0.007)
+    fresh = auto_costs.CostTable(str(tmp_path))  # another process: from the file
+    assert (fresh.observed_compaction(key), fresh.observed_restart(key), fresh.restart(key)) == (0.007, 0.004, 0.002)
+    fresh.observe_compaction(key, 0.005)
+    fresh.put(key, [1.5, 2.5], restart=0.001)
+    again = auto_costs.CostTable(str(tmp_path))
+    assert (again.get(key), again.observed_compaction(key)) == ((1.5, 2.5), 0.005)
+    again.observe_compaction(key, -1.0)
+    assert auto_costs.CostTable(str(tmp_path)).observed_compaction(key) == 0.0
+    assert again.observed_compaction({**key, "rows": 8}) is None
+
+
+def test_compaction_pays_where_the_rounds_left_save_more_than_it_costs():
+    """``_compaction_pays`` on a hand-made table: the rounds left times the smaller batch's saving
+    at the chosen budget against the observed compaction plus the smaller batch's restart; True
+    where the table lacks the price or the smaller batch's costs."""
+    table = auto_costs.CostTable()
+    big, small = (dict(device="d", models="m", rows=r, budgets=[0, 4], jax="x") for r in (16, 8))
+    table.put(big, [1.0, 2.0])
+    assert generation._compaction_pays(table, big, small, 0, 10.0)  # (nothing known of the smaller batch)
+    table.put(small, [0.9, 1.5], restart=0.5)
+    assert generation._compaction_pays(table, big, small, 0, 10.0)  # (no compaction observed yet)
+    table.observe_compaction(big, 0.4)
+    # budget 0: 10 rounds x 0.1 saved = 1.0 > 0.4 + 0.5; 8 rounds: 0.8 < 0.9
+    assert generation._compaction_pays(table, big, small, 0, 10.0)
+    assert not generation._compaction_pays(table, big, small, 0, 8.0)
+    assert generation._compaction_pays(table, big, small, 1, 2.0)  # budget 4: 2 x 0.5 = 1.0 > 0.9
+    assert not generation._compaction_pays(table, big, small, 1, 0.0)
 
 
 def test_cost_table_keeps_an_observed_restart(tmp_path):
