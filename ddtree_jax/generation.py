@@ -444,18 +444,22 @@ def generate(
     need = dict(rows=checked.max_new_tokens - 1, rate=np.ones(B), pending=0)
     limits = checked.max_new_tokens
 
-    def priced_compaction(size: int, cur, nxt) -> bool:
-        """Whether compacting to ``size`` rows pays (``_compaction_pays``, with the cost table's
-        costs: ``budget="auto"`` without given costs; True otherwise), at the budget of the latest
-        choice (``nxt``'s where one is in flight; a probing dispatch's rounds are plain ones)."""
+    def priced_compaction(running: int, cur, nxt) -> bool:
+        """Whether compacting to the ``running`` rows (the next power of two) pays
+        (``_compaction_pays``, with the cost table's costs: ``budget="auto"`` without given costs;
+        True otherwise), at the budget of the latest choice (``nxt``'s where one is in flight; a
+        probing dispatch's rounds are plain ones)."""
         if digest is None:
             return True
         last = nxt if nxt is not None else cur
         k = 0 if last["form"] == "probe" else last.get("k", 0)
         left = float((need["rows"] / need["rate"]).max()) - need["pending"]
-        rows = len(slot_request)
-        return _compaction_pays(auto_costs.default_table(), _cost_key(digest, plans, rows, checked.max_len, sync_every),
-                                _cost_key(digest, plans, size, checked.max_len, sync_every), k, left)
+        size = 1 << int(running - 1).bit_length()
+        return _compaction_pays(auto_costs.default_table(), cost_key(len(slot_request)), cost_key(size), k, left)
+
+    def cost_key(rows: int) -> dict:
+        """The cost table's key of this call's rounds at ``rows`` rows (``_cost_key``)."""
+        return _cost_key(digest, plans, rows, checked.max_len, sync_every)
 
     def flush(state):
         """``state`` with the drafter context its rows hold back added (nothing to do where none is)."""
@@ -616,12 +620,10 @@ def generate(
                 break
             running = np.flatnonzero(~done)
             compacted = None  # (the read-back the compaction started from)
-            size = 1 << int(len(running) - 1).bit_length()
-            if compact and len(running) <= len(slot_request) // 2 and priced_compaction(size, cur, nxt):
+            if compact and len(running) <= len(slot_request) // 2 and priced_compaction(len(running), cur, nxt):
                 compacted = now
                 if digest is not None:  # (its cost is observed through the next launch; not where a program compiles)
                     compaction_watch = watches.enter_context(CompileWatch())
-                    compacted_from = len(slot_request)
                 if nxt is not None:  # the dispatch ahead ran on these rows: its results first (untimed)
                     done, compacted = retire(nxt, None)
                     nxt, active = None, int((~done).sum())
@@ -631,6 +633,7 @@ def generate(
                     running = np.flatnonzero(~done)
                 if on_progress is None:
                     harvest(state)
+                size = 1 << int(len(running) - 1).bit_length()
                 take = np.concatenate([running, np.full(size - len(running), running[0])])
                 pad = np.arange(size) >= len(running)
                 state = _on_rows(_compacted(state, jnp.asarray(take), jnp.asarray(pad), page_size is not None), target)
@@ -645,9 +648,8 @@ def generate(
                 state, nxt = launch(state)
                 if compacted is not None and nxt is not None:
                     compactions.append(nxt["t"] - compacted)
-                    if digest is not None and not compaction_watch.seconds:
-                        auto_costs.default_table().observe_compaction(
-                            _cost_key(digest, plans, compacted_from, checked.max_len, sync_every), compactions[-1])
+                    if digest is not None and not compaction_watch.seconds:  # (from batch_sizes[-2] rows)
+                        auto_costs.default_table().observe_compaction(cost_key(batch_sizes[-2]), compactions[-1])
                 watch = cur.get("watch")
                 if watch is not None and not watch.seconds and nxt is not None and nxt["rows"] == cur["rows"] \
                         and observers[cur["rows"]] is not None:
