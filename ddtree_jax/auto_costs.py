@@ -173,29 +173,33 @@ class CostTable:
 
     def observed_restart(self, key: dict) -> float | None:
         """The restart a run observed for ``key`` (``observe_restart``), or ``None``."""
-        return self._observed.get(self.digest(key)) if self.get(key) is not None else None
+        return self._stored(self._observed, key)
 
     def observe_restart(self, key: dict, seconds: float) -> None:
-        """Stores what a pipeline restart cost a run with ``key``'s stored costs (seconds, >= 0;
-        the latest observation replaces the one before), in memory and, with a folder, on disk.
-        Nothing is stored for a key without costs."""
-        costs = self.get(key)
-        if costs is not None:
-            self._observed[self.digest(key)] = max(0.0, float(seconds))
-            self.put(key, costs, self._restart.get(self.digest(key)))
+        """Stores what a pipeline restart cost a run with ``key``'s stored costs (``_observe``)."""
+        self._observe(self._observed, key, seconds)
 
     def observed_compaction(self, key: dict) -> float | None:
         """The host's seconds a run's compaction from ``key``'s rows cost (``observe_compaction``),
         or ``None``."""
-        return self._compaction.get(self.digest(key)) if self.get(key) is not None else None
+        return self._stored(self._compaction, key)
 
     def observe_compaction(self, key: dict, seconds: float) -> None:
-        """Stores what compacting a batch of ``key``'s rows cost the host (seconds, >= 0; the
-        latest observation replaces the one before), in memory and, with a folder, on disk.
-        Nothing is stored for a key without costs."""
+        """Stores what compacting a batch of ``key``'s rows cost the host (``_observe``)."""
+        self._observe(self._compaction, key, seconds)
+
+    def _stored(self, kept: dict[str, float], key: dict) -> float | None:
+        """``key``'s entry of one of the observations ``kept``, or ``None`` (none for a key without
+        costs)."""
+        return kept.get(self.digest(key)) if self.get(key) is not None else None
+
+    def _observe(self, kept: dict[str, float], key: dict, seconds: float) -> None:
+        """Stores an observation of ``key``'s (seconds, >= 0: negative counts as 0; the latest
+        replaces the one before) in ``kept``, in memory and, with a folder, on disk with the key's
+        costs. Nothing is stored for a key without costs."""
         costs = self.get(key)
         if costs is not None:
-            self._compaction[self.digest(key)] = max(0.0, float(seconds))
+            kept[self.digest(key)] = max(0.0, float(seconds))
             self.put(key, costs, self._restart.get(self.digest(key)))
 
     def put(self, key: dict, costs, restart: float | None = None) -> None:

@@ -1219,28 +1219,6 @@ def test_restart_price_takes_an_observed_restart_over_the_measured_one():
     assert not auto_budget.probe_alone(None, 0.5, 8)
 
 
-def test_cost_table_keeps_an_observed_compaction(tmp_path):
-    """``observe_compaction`` stores what a run's compaction from a key's rows cost (in memory and
-    on disk, beside the restarts; the latest replaces the one before; negative counts as 0); a key
-    without costs stores none; storing the costs again keeps it."""
-    key = dict(device="d", models="m", rows=4, budgets=[0, 4], jax="x")
-    table = auto_costs.CostTable(str(tmp_path))
-    table.observe_compaction(key, 1.0)
-    assert table.observed_compaction(key) is None and not os.listdir(tmp_path)  # (no costs: nothing stored)
-    table.put(key, [1.0, 2.0], restart=0.002)
-    table.observe_restart(key, 0.004)
-    table.observe_compaction(key, 0.007)
-    fresh = auto_costs.CostTable(str(tmp_path))  # another process: from the file
-    assert (fresh.observed_compaction(key), fresh.observed_restart(key), fresh.restart(key)) == (0.007, 0.004, 0.002)
-    fresh.observe_compaction(key, 0.005)
-    fresh.put(key, [1.5, 2.5], restart=0.001)
-    again = auto_costs.CostTable(str(tmp_path))
-    assert (again.get(key), again.observed_compaction(key)) == ((1.5, 2.5), 0.005)
-    again.observe_compaction(key, -1.0)
-    assert auto_costs.CostTable(str(tmp_path)).observed_compaction(key) == 0.0
-    assert again.observed_compaction({**key, "rows": 8}) is None
-
-
 def test_compaction_pays_where_the_rounds_left_save_more_than_it_costs():
     """``_compaction_pays`` on a hand-made table: the rounds left times the smaller batch's saving
     at the chosen budget against the observed compaction plus the smaller batch's restart; True
@@ -1259,26 +1237,32 @@ def test_compaction_pays_where_the_rounds_left_save_more_than_it_costs():
     assert not generation._compaction_pays(table, big, small, 1, 0.0)
 
 
-def test_cost_table_keeps_an_observed_restart(tmp_path):
-    """``observe_restart`` stores a run's observed restart beside the measured one (in memory and
-    on disk; the latest replaces the one before; negative observations count as 0); a key
-    without costs stores none; storing the costs again keeps it."""
+@pytest.mark.parametrize("name,other", [("restart", "compaction"), ("compaction", "restart")])
+def test_cost_table_keeps_an_observed_restart_and_compaction(tmp_path, name, other):
+    """``observe_restart`` (a run's observed restart, beside the measured one) and
+    ``observe_compaction`` (what a run's compaction from the key's rows cost) store in memory and
+    on disk, each beside the other; the latest replaces the one before; negative observations
+    count as 0; a key without costs stores none; storing the costs again keeps it."""
+    observe = lambda t, *a: getattr(t, f"observe_{name}")(*a)  # noqa: E731
+    observed = lambda t, k: getattr(t, f"observed_{name}")(k)  # noqa: E731
     key = dict(device="d", models="m", rows=4, budgets=[0, 4], jax="x")
     table = auto_costs.CostTable(str(tmp_path))
-    table.observe_restart(key, 1.0)
-    assert table.observed_restart(key) is None and not os.listdir(tmp_path)  # (no costs: nothing stored)
+    observe(table, key, 1.0)
+    assert observed(table, key) is None and not os.listdir(tmp_path)  # (no costs: nothing stored)
     table.put(key, [1.0, 2.0], restart=0.002)
-    assert table.observed_restart(key) is None
-    table.observe_restart(key, 0.004)
+    assert observed(table, key) is None
+    observe(table, key, 0.004)
+    getattr(table, f"observe_{other}")(key, 0.007)
     fresh = auto_costs.CostTable(str(tmp_path))  # another process: from the file
-    assert fresh.observed_restart(key) == 0.004 and fresh.restart(key) == 0.002 and fresh.get(key) == (1.0, 2.0)
-    fresh.observe_restart(key, 0.003)
+    assert observed(fresh, key) == 0.004 and fresh.restart(key) == 0.002 and fresh.get(key) == (1.0, 2.0)
+    assert getattr(fresh, f"observed_{other}")(key) == 0.007
+    observe(fresh, key, 0.003)
     fresh.put(key, [1.5, 2.5], restart=0.001)
     again = auto_costs.CostTable(str(tmp_path))
-    assert (again.get(key), again.restart(key), again.observed_restart(key)) == ((1.5, 2.5), 0.001, 0.003)
-    again.observe_restart(key, -0.5)
-    assert auto_costs.CostTable(str(tmp_path)).observed_restart(key) == 0.0
-    assert again.observed_restart({**key, "rows": 8}) is None
+    assert (again.get(key), again.restart(key), observed(again, key)) == ((1.5, 2.5), 0.001, 0.003)
+    observe(again, key, -0.5)
+    assert observed(auto_costs.CostTable(str(tmp_path)), key) == 0.0
+    assert observed(again, {**key, "rows": 8}) is None
 
 
 def test_generate_observes_what_its_first_probe_alone_cost(law_models, greedy_ar, monkeypatch):
