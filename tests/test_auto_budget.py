@@ -185,6 +185,14 @@ def test_finish_times_keeps_the_known_estimates_and_estimates_only_the_rest():
         assert np.isfinite(full).all()
 
 
+def _uncached(c: AutoChooser) -> AutoChooser:
+    """A chooser with ``c``'s statistics and none of its kept computations."""
+    f = AutoChooser(c.plan)
+    f.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_rows_cache", "_stats_cache")})
+    f._rows_cache = f._stats_cache = None
+    return f
+
+
 def test_chooser_keeps_the_rows_paces_until_a_drafted_record():
     """Between drafted dispatches the rows' paces are reused; a drafted dispatch's record (or
     other rows) recomputes them: the same values as a chooser that never kept any."""
@@ -194,10 +202,7 @@ def test_chooser_keeps_the_rows_paces_until_a_drafted_record():
     finish = (rows, np.array([30, 20, 25, 10]))
 
     def fresh():
-        f = AutoChooser(PLAN)
-        f.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_rows_cache", "_stats_cache")})
-        f._rows_cache = f._stats_cache = None
-        return f._paces(finish)
+        return _uncached(c)._paces(finish)
 
     first = c._paces(finish)
     assert c._paces(finish)[1] is first[1]  # (kept)
@@ -220,10 +225,7 @@ def test_chooser_keeps_the_batch_statistics_until_they_change():
     c.record(1, _tally([[2, 6, 2, 6, 7], [2, 2, 2, 5, 6]]))
 
     def fresh():
-        f = AutoChooser(PLAN)
-        f.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_rows_cache", "_stats_cache")})
-        f._rows_cache = f._stats_cache = None
-        return f._batch_stats()
+        return _uncached(c)._batch_stats()
 
     first = c._batch_stats()
     c.record(0, plain_tally(np.full(2, 8), 3))
