@@ -13,6 +13,11 @@
   loaded instead (on 2 CPU cores a second run of tests/test_exactness.py and
   tests/test_near_zero_temperature.py took 72 s against 110 s). The folder is removed at the
   end of the run.
+* On a GPU the tests that are not marked ``gpu`` run with full-precision float32 matmuls
+  (``jax_default_matmul_precision="highest"``): they are written for the CPU, and their greedy
+  equality checks compare a verify block with one-token steps, whose TF32 matmuls (a GPU's
+  default) round differently (docs/performance.md, "Greedy agreement"). The ``gpu`` tests set
+  the precision they need themselves.
 * pytest-xdist (``--dist loadfile``) hands out whole files, the files with the most tests first
   (its ``--loadscope-reorder``, on by default).
 * ``models``: the tiny random target and drafter (float32, ``tests/_model_fixtures.tiny_pair``),
@@ -21,6 +26,7 @@
   (tests/test_cli.py, tests/test_tpu_kernels.py), whichever pytest-xdist worker asks first.
 """
 
+import contextlib
 import fcntl
 import gc
 import os
@@ -58,6 +64,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _matmul_precision(item):
+    """The precision a test's phases (its fixtures' set-up included) run under: ``highest`` off
+    the CPU for the tests not marked ``gpu`` (module docstring), else the default."""
+    if jax.default_backend() == "cpu" or "gpu" in item.keywords:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("highest")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _matmul_precision(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _matmul_precision(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _matmul_precision(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True, scope="module")
