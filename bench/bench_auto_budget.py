@@ -14,7 +14,10 @@ timed calls per run, interleaved across the runs of the cell, and their median) 
 ``--budgets`` and ``auto`` (``DecodeConfig(budget="auto", auto_max_budget=--auto-max)``), the
 ratio of each to ``ar``, and for ``auto``: its ratio to the best fixed budget of the cell, the
 per-round budget histogram, expected vs realized tokens, and the cost table it used (seconds per
-round at each budget of the set, as measured by the library at that batch).
+round at each budget of the set, as measured by the library at that batch). ``--auto-plain`` adds
+``auto-plain``: auto with every drafted budget priced out (``DecodeConfig.auto_costs``), so it
+runs plain rounds with auto's held-back context, choices and probes: what auto's machinery costs
+against autoregressive decoding where it drafts nothing.
 
 ``--k2-slice LAYERS``: a random Kimi K2-shaped target of that many layers and a one-layer drafter
 (``bench._common.k2_models``; with ``--smoke`` the tiny CPU shapes) whose acceptance is set by
@@ -43,10 +46,12 @@ from bench._common import k2_models
 from bench._controlled import LEVELS
 from bench._timing import uncompiled_call
 from bench.bench_e2e import SETTINGS, heldout_prompts, load_pair_folder, smoke_pair
-from ddtree_jax.config import DecodeConfig
+from ddtree_jax.config import DecodeConfig, auto_budget_set
 from ddtree_jax.generation import GenerateOutput, generate
 
 ORDER = ("T=0", "T=0.6 top-p 0.95", "T=1")
+PRICED_OUT = 1e3
+"""``auto-plain``'s cost of a drafted round, in plain rounds: no expected acceptance pays it."""
 RETRIES = 4
 
 
@@ -59,6 +64,10 @@ def _config(label: str, auto_max: int, seed: int, sync_every: int | None = None)
         return DecodeConfig(method="ar", seed=seed, sync_every=sync_every)
     if label == "auto":
         return DecodeConfig(budget="auto", auto_max_budget=auto_max, seed=seed, sync_every=sync_every)
+    if label == "auto-plain":  # (every drafted budget priced out: plain rounds and the probes)
+        drafted = len(auto_budget_set(auto_max)) - 1
+        return DecodeConfig(budget="auto", auto_max_budget=auto_max, seed=seed, sync_every=sync_every,
+                            auto_costs=(1.0,) + (PRICED_OUT,) * drafted)
     return DecodeConfig(budget=int(label.split("@")[1]), seed=seed, sync_every=sync_every)
 
 
@@ -177,6 +186,7 @@ def _records(outs: dict) -> list[dict]:
 def summarize(results: dict) -> str:
     runs = results["runs"]
     fixed = [f"ddtree@{b}" for b in results["budgets"]]
+    plain = int(any(r["label"] == "auto-plain" for r in runs))
     lines = [f"# budget=\"auto\" vs fixed budgets, {results['device']}, {results['date']}", "",
              f"Pair: `{results['pair']}`; prompts of {results['prompt_len']} tokens, {results['new']} new tokens "
              f"each; auto's set: up to {results['auto_max']}."
@@ -186,8 +196,9 @@ def summarize(results: dict) -> str:
              "Tokens/s over autoregressive decoding at the same batch and setting (auto/best: auto over the best "
              "fixed budget of the cell).", "",
              "| acceptance | batch | setting | ar tok/s | " + " | ".join(f"@{b}" for b in results["budgets"]) +
-             " | auto | auto/best | auto histogram (budget: rounds) | expected / realized tokens |",
-             "|---|---|---|---|" + "---|" * (len(fixed) + 4)]
+             " | auto | auto/best | auto histogram (budget: rounds) | expected / realized tokens |"
+             + (" auto, plain only |" if plain else ""),
+             "|---|---|---|---|" + "---|" * (len(fixed) + 4 + plain)]
     levels = list(dict.fromkeys(r.get("acceptance") for r in runs))
     for level, batch, setting in ((lv, b, s) for lv in levels for b in results["batches"] for s in ORDER):
         cell = {r["label"]: r for r in runs
@@ -202,7 +213,8 @@ def summarize(results: dict) -> str:
         er = f"{auto['expected']:.0f} / {auto['realized']:.0f}" if auto else ""
         fixed_ratios = " | ".join(f"{ratio(lab):.2f}" for lab in fixed)
         lines.append(f"| {level or '-'} | {batch} | {setting} | {ar:.1f} | {fixed_ratios} | {ratio('auto'):.2f} | "
-                     f"{ratio('auto') / best:.2f} | {hist} | {er} |")
+                     f"{ratio('auto') / best:.2f} | {hist} | {er} |"
+                     + (f" {ratio('auto-plain'):.2f} |" if plain else ""))
     lines += ["", "Where each run's time went, ms per round: in the compiled calls (auto's choice, the dispatch, the "
               "rounds, the read back) and on the host between calls (cost lookups, harvest, compaction; each "
               "compaction's ms from the last read-back on the larger batch to the next launch: "
@@ -285,6 +297,9 @@ def main(argv=None):
     p.add_argument("--sync-every", type=int, default=None, help="generate's rounds per call (default: its own)")
     p.add_argument("--compact", choices=("on", "off"), default="on",
                    help="generate's compaction of finished rows (off: every label keeps the whole batch)")
+    p.add_argument("--auto-plain", action="store_true",
+                   help="also run auto with every drafted budget priced out (label auto-plain: its plain rounds, "
+                        "held-back context and probes against autoregressive decoding)")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help="JAX's on-disk cache of compiled programs (and the cost tables beside it)")
     args = p.parse_args(argv)
@@ -340,7 +355,7 @@ def main(argv=None):
         with open(stem + ".md", "w") as f:
             f.write(summarize(results))
 
-    labels = ["ar", *(f"ddtree@{b}" for b in args.budgets), "auto"]
+    labels = ["ar", *(f"ddtree@{b}" for b in args.budgets), "auto", *(["auto-plain"] if args.auto_plain else [])]
     _log(f"{pair} on {device}: batches {args.batches}, settings {args.settings}, {labels}")
     stopped, longest = False, 0.0  # (the longest cell so far: a cell is started only if that long fits)
     for level in levels:

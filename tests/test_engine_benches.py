@@ -268,3 +268,37 @@ def test_bench_auto_budget_runs_again_a_timed_call_that_compiled(monkeypatch):
     monkeypatch.setattr(bench_auto_budget, "_records", lambda outs: {k: [o.call for o in v] for k, v in outs.items()})
     bench_auto_budget.run_cell(None, None, [], ["ar"], "T=0", 4, 4, 0, 2, float("inf"), kept.append)
     assert kept[-1] == {"ar": [2, 3]}, kept  # call 0: the warm-up; call 1 compiled: timed again
+
+
+def test_bench_auto_budget_auto_plain_prices_every_drafted_budget_out(tmp_path, monkeypatch):
+    """--auto-plain adds the label ``auto-plain``: auto with given costs under which no drafted
+    budget can pay (its plain rounds, held-back context and probes), reported beside auto in the
+    main table."""
+    import json
+
+    from bench import bench_auto_budget
+    from ddtree_jax.config import auto_budget_set
+
+    config = bench_auto_budget._config("auto-plain", 8, 0)
+    assert config.is_auto and config.auto_costs[0] == 1.0
+    assert len(config.auto_costs) == len(auto_budget_set(8))
+    assert min(config.auto_costs[1:]) >= bench_auto_budget.PRICED_OUT > 64  # (more than a tree's tokens)
+    assert bench_auto_budget._config("auto", 8, 0).auto_costs is None
+    seen = []
+
+    def run_cell(target, drafter, prompts, todo, setting, new, auto_max, seed, repeats, deadline, publish, **kw):
+        seen.append(list(todo))
+        tps = dict(ar=100.0, auto=110.0, **{"auto-plain": 97.0})
+        publish([dict(label=label, batch=len(prompts), setting=setting, acceptance=None, rounds=0,
+                      tokens_per_s=tps.get(label, 90.0), tokens_per_s_runs=[tps.get(label, 90.0)], tau=1.0)
+                 | (dict(histogram={"0": 1}, expected=1.0, realized=1.0) if label.startswith("auto") else {})
+                 for label in todo])
+
+    monkeypatch.setattr(bench_auto_budget, "run_cell", run_cell)
+    out = bench_auto_budget.main(["--smoke", "--auto-plain", "--settings", "T=0", "--repeats", "1",
+                                  "--tag", "x", "--out", str(tmp_path)])
+    assert seen and all(todo[-2:] == ["auto", "auto-plain"] for todo in seen)
+    assert json.loads((tmp_path / "x.json").read_text())["runs"] == out["runs"]
+    md = (tmp_path / "x.md").read_text()
+    assert "| expected / realized tokens | auto, plain only |" in md
+    assert "| 1.10 | 1.22 | 0: 1 | 1 / 1 | 0.97 |" in md, md
