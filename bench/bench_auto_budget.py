@@ -174,11 +174,12 @@ def _records(outs: dict) -> list[dict]:
                        run_costs_ms={str(rows): [c * 1e3 for c in cs] for rows, cs in a.run_costs.items()},
                        paid_ms={str(rows): [[n, lo * 1e3, mid * 1e3, hi * 1e3] for n, lo, mid, hi in per]
                                 for rows, per in a.paid.items()},
-                       sequence=" ".join(f"{b}x{n}" for b, n in a.sequence),
-                       # each dispatch: budget, rounds, form, ms choosing, in the call, waiting for its
-                       # read-back, its launch's start (ms from the first's: the gaps are host work)
-                       dispatches=[[d.budget, d.rounds, d.form, round(d.choose * 1e3, 3), round(d.launch * 1e3, 3),
-                                    round(d.wait * 1e3, 3), round(d.start * 1e3, 3)] for d in out.dispatches])
+                       sequence=" ".join(f"{b}x{n}" for b, n in a.sequence))
+        # each dispatch (every label: the fixed budgets' timelines are auto's baseline): budget,
+        # rounds, form, ms choosing, in the call, waiting for its read-back, its launch's start (ms
+        # from the first's: the gaps are host work)
+        rec["dispatches"] = [[d.budget, d.rounds, d.form, round(d.choose * 1e3, 3), round(d.launch * 1e3, 3),
+                              round(d.wait * 1e3, 3), round(d.start * 1e3, 3)] for d in out.dispatches]
         recs.append(rec)
     return recs
 

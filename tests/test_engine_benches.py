@@ -144,6 +144,13 @@ def test_batch_one_benches_pool_prompts_decoded_one_after_the_other(tmp_path):
     assert pooled.rounds == sum(o.rounds for o in alone) and pooled.batch_sizes == [1]
     assert pooled.auto.rounds == tuple(np.sum([o.auto.rounds for o in alone], axis=0))
     assert pooled.auto.sequence == alone[0].auto.sequence + alone[1].auto.sequence
+    # every label's record keeps its dispatches (the fixed budgets' timelines are auto's baseline)
+    plain = bench_auto_budget.decode((target, drafter), prompts, True, max_new_tokens=5,
+                                     config=DecodeConfig(method="ar"))
+    recs = {r["label"]: r for r in bench_auto_budget._records({"auto": [pooled], "ar": [plain]})}
+    for label, out in (("auto", pooled), ("ar", plain)):
+        assert [row[:3] for row in recs[label]["dispatches"]] == [[d.budget, d.rounds, d.form] for d in out.dispatches]
+    assert "histogram" in recs["auto"] and "histogram" not in recs["ar"]
     out = replay_auto_budget.main(["--smoke", "--costs", "1:1,2,2,3", "--batches", "1", "--b1-prompts", "2",
                                    "--settings", "T=0", "--budgets", "--new", "6", "--out", str(tmp_path)])
     (run,) = out["runs"]
