@@ -184,6 +184,12 @@ def _records(outs: dict) -> list[dict]:
     return recs
 
 
+def _cell(run: dict) -> str:
+    """An auto run's cell in the per-run lists, its label after it where it is not ``auto``."""
+    label = "" if run["label"] == "auto" else f" ({run['label']})"
+    return f"{run.get('acceptance') or '-'}, batch {run['batch']}, {run['setting']}{label}"
+
+
 def summarize(results: dict) -> str:
     runs = results["runs"]
     fixed = [f"ddtree@{b}" for b in results["budgets"]]
@@ -256,12 +262,12 @@ def summarize(results: dict) -> str:
               "dispatches, host work included), ms per round:", ""]
     for r in runs:
         for rows, costs in r.get("run_costs_ms", {}).items():
-            lines.append(f"- {r.get('acceptance') or '-'}, batch {r['batch']}, {r['setting']}, at {rows} rows: "
+            lines.append(f"- {_cell(r)}, at {rows} rows: "
                          + ", ".join(f"{b}: {c:.3f}" for b, c in zip(r["histogram"], costs, strict=True)))
     lines += ["", "What the timed dispatches paid, ms per round (count: min / median / max), per budget:", ""]
     for r in runs:
         for rows, per in r.get("paid_ms", {}).items():
-            lines.append(f"- {r.get('acceptance') or '-'}, batch {r['batch']}, {r['setting']}, at {rows} rows: "
+            lines.append(f"- {_cell(r)}, at {rows} rows: "
                          + ", ".join(f"{b}: {n}: {lo:.3f} / {mid:.3f} / {hi:.3f}" if n else f"{b}: -"
                                      for b, (n, lo, mid, hi) in zip(r["histogram"], per, strict=True)))
     return "\n".join(lines) + "\n"
