@@ -26,7 +26,6 @@
   (tests/test_cli.py, tests/test_tpu_kernels.py), whichever pytest-xdist worker asks first.
 """
 
-import contextlib
 import fcntl
 import gc
 import os
@@ -66,29 +65,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _matmul_precision(item):
-    """The precision a test's phases (its fixtures' set-up included) run under: ``highest`` off
-    the CPU for the tests not marked ``gpu`` (module docstring), else the default."""
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test's set-up (its fixtures' included), call and teardown under full-precision matmuls off
+    the CPU for the tests not marked ``gpu`` (module docstring); else the default precision."""
     if jax.default_backend() == "cpu" or "gpu" in item.keywords:
-        return contextlib.nullcontext()
-    return jax.default_matmul_precision("highest")
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
-    with _matmul_precision(item):
         return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    with _matmul_precision(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    with _matmul_precision(item):
+    with jax.default_matmul_precision("highest"):
         return (yield)
 
 
