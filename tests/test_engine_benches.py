@@ -111,17 +111,18 @@ def test_replay_auto_budget_on_the_k2_slice_runs_each_acceptance_level(tmp_path)
 
     from bench import replay_auto_budget
 
-    out = replay_auto_budget.main(["--k2-slice", "1", "--acceptance", "high", "low", "--costs", "1:1,2,2,3",
-                                   "--restart-ms", "0.5", "--batches", "1", "--b1-prompts", "1", "--settings", "T=0",
-                                   "--budgets", "16", "--prompt-len", "8", "--new", "12", "--out", str(tmp_path)])
+    out = replay_auto_budget.main(["--k2-slice", "1", "--acceptance", "high", "low", "--auto-max", "4",
+                                   "--costs", "1:1,3", "--restart-ms", "0.5", "--batches", "1", "--b1-prompts", "1",
+                                   "--settings", "T=0", "--budgets", "4", "--prompt-len", "8", "--new", "12",
+                                   "--out", str(tmp_path)])
     high, low = out["runs"]
     assert (high["acceptance"], low["acceptance"]) == ("high", "low")
     # the prior does not pay (3 > 2 x 1) and a restart (0.5 ms) is cheap: the first probe ran alone, priced
     for run in (high, low):
         rounds = [run["histogram"][str(b)] for b in out["budgets"]]
         assert run["restarts"] == 1 and run["auto_ms"] == pytest.approx(
-            sum(n * c for n, c in zip(rounds, (1.0, 2.0, 2.0, 3.0), strict=True)) + 0.5)
-    assert high["fixed_over_ar"]["16"] > 2.0 * low["fixed_over_ar"]["16"]
+            sum(n * c for n, c in zip(rounds, (1.0, 3.0), strict=True)) + 0.5)
+    assert high["fixed_over_ar"]["4"] > 2.0 * low["fixed_over_ar"]["4"]
     assert "| high | 1 | T=0 |" in (tmp_path / "auto_replay_cpu_{}.md".format(out["date"].replace("-", ""))).read_text()
 
 
@@ -151,8 +152,9 @@ def test_batch_one_benches_pool_prompts_decoded_one_after_the_other(tmp_path):
     for label, out in (("auto", pooled), ("ar", plain)):
         assert [row[:3] for row in recs[label]["dispatches"]] == [[d.budget, d.rounds, d.form] for d in out.dispatches]
     assert "histogram" in recs["auto"] and "histogram" not in recs["ar"]
-    out = replay_auto_budget.main(["--smoke", "--costs", "1:1,2,2,3", "--batches", "1", "--b1-prompts", "2",
-                                   "--settings", "T=0", "--budgets", "--new", "6", "--out", str(tmp_path)])
+    out = replay_auto_budget.main(["--smoke", "--auto-max", "4", "--costs", "1:1,1.5", "--batches", "1",
+                                   "--b1-prompts", "2", "--settings", "T=0", "--budgets", "--new", "6",
+                                   "--out", str(tmp_path)])
     (run,) = out["runs"]
     assert run["batch"] == 1 and run["ar_ms"] == 2 * (out["new"] - 1)
 
