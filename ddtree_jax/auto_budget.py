@@ -48,7 +48,8 @@ host before the dispatch from the statistics of the dispatches already read back
   prior is that a drafted round at the largest budget commits ``FIRST_DRAFT_TOKENS`` tokens.
   Where that pays at the costs (the largest budget's cost at most that many times budget 0's),
   every choice is the largest budget until the first drafted round is read back (a pipelined
-  caller's first two dispatches); elsewhere the first dispatch probes. A pipelined caller
+  caller's first two dispatches); elsewhere the first dispatch probes, at the largest budget (its
+  round tells every budget's expected tokens exactly). A pipelined caller
   chooses its second dispatch before that probe is read back, knowing nothing, so the rounds
   of both may be plain where drafting pays; ``probe_alone`` says when the probe should rather
   run as a dispatch of its one round at the largest budget, read back before the next choice (a
@@ -117,11 +118,14 @@ ratio, so that one stall (a compile, another process) cannot dominate the median
 PAID_WINDOW = 256
 """``RunCosts.summary``: the latest timed dispatches per budget its median is taken over."""
 
-FIRST_DRAFT_TOKENS = 2.0
+FIRST_DRAFT_TOKENS = 1.5
 """The prior: the tokens a drafted round at the largest budget is taken to commit before any
 drafted round is read back. Where that pays against a plain round at the costs given (the
 largest budget's cost at most this many times budget 0's), the choice is the largest budget
-until the first drafted round is read back; elsewhere the first dispatch probes."""
+until the first drafted round is read back; elsewhere the first dispatch probes (at the largest
+budget). Set where blind drafting loses little where drafting pays and where it does not: a
+static batch's slowest row at T=1 commits about 1.4 tokens a round at budget 16 on the shipped
+pair (docs/auto-budget.md, "Probes")."""
 
 RESTART_SHARE = 0.5
 """``probe_alone``: the share of a dispatch's plain rounds a pipeline restart's price
@@ -765,7 +769,9 @@ class AutoChooser:
         self.probing = k == 0 and self._probe_due(costs, probe_price)
         if self.probing:  # (counted from here: a pipelined caller chooses again before recording it)
             self.skipped = 0
-            k = 1 + int(np.argmin(scores[1:]))
+            # the first probe verifies the largest budget: its round tells every budget's expected
+            # tokens exactly (a smaller tree's only bounds the larger ones from below)
+            k = top if self.drafted == 0 else 1 + int(np.argmin(scores[1:]))
         if k > 0:  # (counted from here, as the probe's)
             self.verified_at[: k + 1] = self.drafted
         return k

@@ -443,18 +443,18 @@ def test_run_costs_price_probes_from_their_timed_dispatches():
 def test_first_choices_follow_the_prior_until_a_drafted_round_is_recorded():
     """Before any drafted round is recorded, a drafted round at the largest budget is taken to
     commit FIRST_DRAFT_TOKENS tokens: where that pays at the costs every choice is the largest
-    budget (not a probe); where it does not, the first choice probes (at the cheapest tree: the
-    rule knows nothing yet) and the next (a pipelined caller's, before the probe is read back) runs
-    budget 0."""
+    budget (not a probe); where it does not, the first choice probes at the largest budget (its
+    round tells every budget's expected tokens exactly) and the next (a pipelined caller's, before
+    the probe is read back) runs budget 0."""
     top = len(PLAN.budgets) - 1
-    pays = (1.0, 1.5, FIRST_DRAFT_TOKENS)  # (the largest budget's cost just at the prior's break-even)
+    pays = (1.0, 0.75 * FIRST_DRAFT_TOKENS, FIRST_DRAFT_TOKENS)  # (the largest budget's cost at the prior's break-even)
     c = AutoChooser(PLAN)
     assert [c.choose(8, pays, finish=([0], [30])) for _ in range(3)] == [top] * 3 and not c.probing
     c.record(top, _tally([[2, 4, 2, 4.0, 4.8]] * 8))  # (2 tokens a round expected at budget 4, 2.4 at 8; 2 accepted)
     assert c.choose(8, pays) == 1 and not c.probing
-    loses = (1.0, 1.5, FIRST_DRAFT_TOKENS * 1.01)
+    loses = (1.0, 0.75 * FIRST_DRAFT_TOKENS, FIRST_DRAFT_TOKENS * 1.01)
     c = AutoChooser(PLAN)
-    assert c.choose(8, loses) == 1 and c.probing
+    assert c.choose(8, loses) == top and c.probing
     assert c.choose(8, loses) == 0 and not c.probing
 
 
@@ -834,15 +834,43 @@ def _two_token_law(target, params):
 
 
 def test_sampling_law_with_auto_budget(law_models, mixed_run):
-    """The first two tokens of each sampled setting follow the target's law (chi-square, p > 1e-4;
-    fixed seed) while the rounds verify the budget-4 prefix of the budget-8 tree; the control (the same counts
-    against the other setting's law) is rejected (p < 1e-6, or a token outside its support)."""
+    """Through ``generate``: the first two tokens of each sampled setting follow the target's law
+    (``_check_two_token_law``) where the first dispatch probes (its first round drafted at the
+    largest budget, then plain rounds holding the drafter's context back)."""
     out = mixed_run
-    assert out.auto.rounds[1] >= 1, "a tree smaller than the largest must have been verified"
+    assert out.dispatches[0].form == "probe" and out.auto.drafted_rounds >= 1
     law_rows = out.requests[: len(LAW_SETTINGS) * LAW_N]
     assert np.mean([r.acceptance_lengths[0] for r in law_rows]) > 1.1, "drafts must be accepted to mean something"
-    tokens = np.array([r.tokens for r in law_rows])
-    laws = [_two_token_law(law_models[0], s) for s in LAW_SETTINGS]
+    _check_two_token_law(law_models[0], np.array([r.tokens for r in law_rows]))
+
+
+def test_sampling_law_verifying_a_prefix_of_the_largest_tree(law_models):
+    """Rounds at ``round_plans(...)[1]`` (budget 4 of the set (0, 4, 8): the drafter drafts the 4
+    depths the budget-4 prefix of the budget-8 tree can reach, the round verifies that prefix)
+    keep each sampled setting's law of the first two tokens (``_check_two_token_law``)."""
+    target, drafter = law_models
+    models, tparams, dparams = Models.split(target, drafter)
+    base = DecodePlan(method="ddtree", budget=8, hidden_layer_ids=tuple(drafter.config.target_layer_ids),
+                      backend=resolve_backend(DecodeConfig().impl))
+    plans = round_plans(base, AutoPlan(budgets=(0, 4, 8), draft_len=4, probe_every=2))
+    B = len(LAW_SETTINGS) * LAW_N
+    sampling = batch_sampling([dt.SamplingParams(**s) for s in LAW_SETTINGS for _ in range(LAW_N)], B)
+    state = prefill(models, tparams, dparams, plans[1], jnp.tile(jnp.asarray([LAW_PROMPT[:-1]]), (B, 1)),
+                    jnp.full((B,), len(LAW_PROMPT) - 1), jnp.full((B,), LAW_PROMPT[-1]), max_len=16, capacity=8,
+                    max_new_tokens=jnp.full((B,), 2), stop_ids=jnp.full((B, 1), -2), sampling=sampling,
+                    request_ids=jnp.arange(B, dtype=jnp.uint32))
+    state, tally = run_tallied_rounds(models, tparams, dparams, plans[1], state, jax.random.key(11), 2)
+    assert (np.asarray(state.generated) == 2).all()
+    rounds = np.asarray(tally)[:, 0]
+    assert rounds.min() >= 1 and (rounds == 1).mean() > 0.1, "drafts must be accepted to mean something"
+    _check_two_token_law(target, np.asarray(state.out)[:, :2])
+
+
+def _check_two_token_law(target, tokens):
+    """``tokens [len(LAW_SETTINGS) * LAW_N, 2]``, rows by setting: each setting's pairs follow the
+    target's law (chi-square, p > 1e-4; fixed seed); the control (the same counts against the
+    other setting's law) is rejected (p < 1e-6, or a token outside its support)."""
+    laws = [_two_token_law(target, s) for s in LAW_SETTINGS]
     for i, s in enumerate(LAW_SETTINGS):
         codes = tokens[i * LAW_N : (i + 1) * LAW_N, 0] * V + tokens[i * LAW_N : (i + 1) * LAW_N, 1]
         counts = np.bincount(codes, minlength=V * V)
@@ -1190,9 +1218,8 @@ def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models
     dispatch's plain rounds (here 2 x restart against 0.5 x 4 rounds x 1.0 = 2.0),
     the probe is a call of its one round, read back before the next call is launched (so the
     next is chosen on its statistics); else (an unknown restart too) it is the first round of a
-    full dispatch. Alone it verifies the largest budget (its round calibrates every budget for the
-    choice right after it); inside a dispatch the rule's cheapest tree, as before. Greedy tokens
-    stay autoregressive decoding's."""
+    full dispatch. Either way it verifies the largest budget (its round calibrates every budget
+    for the choice after it). Greedy tokens stay autoregressive decoding's."""
     S = 4
     config = DecodeConfig(budget="auto", auto_max_budget=8, auto_costs=(1.0, 50.0, 50.0), auto_restart=restart,
                           sync_every=S)
@@ -1202,7 +1229,7 @@ def test_generate_runs_its_first_probe_alone_where_a_restart_is_cheap(law_models
     assert out.auto.restarts == {len(GREEDY_PROMPTS): price}  # (reported: the price the choice took)
     assert out.auto.probe_prices == {len(GREEDY_PROMPTS): None}  # (costs given: nothing timed)
     first, second = out.dispatches[:2]
-    assert (first.form, first.budget, first.rounds) == (("alone", 8, 1) if alone else ("probe", 4, S))
+    assert (first.form, first.budget, first.rounds) == (("alone", 8, 1) if alone else ("probe", 8, S))
     assert second.form != "probe" and second.rounds == S
     if alone:  # (launched once the probe was read back; else launched ahead of that read)
         assert second.start >= first.start + first.choose + first.launch + first.wait
@@ -1414,8 +1441,8 @@ def test_generate_probes_inside_full_dispatches(law_models, greedy_ar, monkeypat
     assert all(0 < min(f[1]) and max(f[1]) < GREEDY_TOKENS and len(f[0]) == len(f[1]) for f in finishes)
     assert sum(finishes[-1][1]) < sum(left)
     assert out.tokens == greedy_ar.tokens
-    # The first dispatch: the largest budget where the prior pays, else a probe at the cheapest tree
-    assert calls[0] == (("tallied", 8) if pays else ("probe", 4)) + (S, S), calls
+    # The first dispatch: the largest budget where the prior pays, else a probe at the largest budget
+    assert calls[0] == (("tallied", 8) if pays else ("probe", 8)) + (S, S), calls
     if pays:
         assert calls[1][:2] == ("tallied", 8), calls
     else:
