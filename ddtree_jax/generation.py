@@ -513,11 +513,11 @@ def generate(
                                probe_price=chooser.probe_price(rows))
             n, tally = sync_every, None
             fixed = call_form(n) == "fixed"
-            # The first probe alone: its statistics choose the next call (not launched ahead), so it
-            # verifies the largest budget (its round tells every budget's tokens): one tallied round
+            # The first probe alone: its statistics choose the next call (not launched ahead): one
+            # tallied round at the budget the chooser gives a first probe (the largest)
             alone = chooser.probing and chooser.drafted == 0 and probe_alone(restarts[rows], paid[0], n)
             if alone:
-                k, n, fixed = len(auto_plan.budgets) - 1, 1, False
+                n, fixed = 1, False
                 # (what it costs is observed through the next launch: not where a program compiles)
                 dispatch["watch"] = watches.enter_context(CompileWatch())
             dispatch.update(form="alone" if alone else "fixed" if fixed else "loop", chosen=time.perf_counter(),

@@ -117,7 +117,8 @@ def test_replay_auto_budget_on_the_k2_slice_runs_each_acceptance_level(tmp_path)
                                    "--out", str(tmp_path)])
     high, low = out["runs"]
     assert (high["acceptance"], low["acceptance"]) == ("high", "low")
-    # the prior does not pay (3 > 2 x 1) and a restart (0.5 ms) is cheap: the first probe ran alone, priced
+    # the prior does not pay (3 > FIRST_DRAFT_TOKENS x 1) and a restart (0.5 ms) is cheap: the first probe ran
+    # alone, priced
     for run in (high, low):
         rounds = [run["histogram"][str(b)] for b in out["budgets"]]
         assert run["restarts"] == 1 and run["auto_ms"] == pytest.approx(
